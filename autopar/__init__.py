@@ -1,0 +1,25 @@
+"""autopar: an auto-parallelizing compiler front end for stock JAX.
+
+Decorate a single-device ``train_step`` with :func:`parallelize`, compute its
+gradients with :func:`grad` / :func:`value_and_grad`, and autopar splits it
+into per-micro-batch gradient accumulation and a once-per-step update,
+chooses a sharding for every array on the mesh, and runs it.
+"""
+
+from autopar.api import ParallelizedFunction, parallelize
+from autopar.errors import (AutoparError, InputError, MarkerError, MeshError,
+                            PlanError)
+from autopar.executor import Executable
+from autopar.marker import grad, value_and_grad
+from autopar.method import (AutoShardingOption, DataParallel, ShardParallel,
+                            Zero2Parallel, Zero3Parallel)
+from autopar.plan import Plan
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "parallelize", "ParallelizedFunction", "Executable", "grad", "value_and_grad",
+    "ShardParallel", "DataParallel", "Zero2Parallel", "Zero3Parallel",
+    "AutoShardingOption", "Plan", "AutoparError", "InputError", "MarkerError",
+    "MeshError", "PlanError",
+]

@@ -1,0 +1,285 @@
+"""``@autopar.parallelize``: the only module that sees every stage.
+
+trace -> split -> plan -> lower -> execute, cached per input signature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import threading
+from typing import Any, Callable, Sequence
+
+import jax
+from jax.sharding import AbstractMesh
+
+from autopar.errors import InputError, MarkerError, PlanError
+from autopar.executor import Executable
+from autopar.lower import lower_step
+from autopar.method import (ParallelMethod, ShardParallel, axis_sizes_of,
+                            resolve_mesh)
+from autopar.plan import Plan
+from autopar.planner import batch_axes_for, plan_preset
+from autopar.split import OutputKind, SplitStep, split_step
+from autopar.trace import (ArgFlags, LeafInfo, abstract_leaves, arg_names,
+                           check_batch_leaves, classify_args, trace_step)
+
+__all__ = ["parallelize", "ParallelizedFunction"]
+
+
+def parallelize(fun: Callable | None = None, *, method: ParallelMethod | None = None,
+                donate_argnums: int | Sequence[int] | str = "auto",
+                batch_argnums: int | Sequence[int] = (1,),
+                static_argnums: int | Sequence[int] | str = "auto"):
+  """Parallelizes a single-device training step over a device mesh.
+
+  Use as ``@parallelize`` or ``@parallelize(method=..., ...)``.
+
+  Args:
+    fun: the step, e.g. ``train_step(state, batch) -> (new_state, loss)``. It
+      computes its gradients with :func:`autopar.grad` or
+      :func:`autopar.value_and_grad`, which marks where the step is split into
+      the per-micro-batch gradient computation and the once-per-step update.
+    method: how to parallelize (default ``ShardParallel()`` over all devices).
+    donate_argnums: arguments whose buffers the step may reuse (the train
+      state). ``"auto"`` donates a first argument that looks like a flax
+      ``TrainState``.
+    batch_argnums: arguments holding the batch; every leaf has a leading
+      batch axis that is split into micro-batches and over devices.
+    static_argnums: arguments compiled in as constants. ``"auto"`` treats
+      Python scalars, strings and non-array pytrees as static.
+
+  Returns:
+    A :class:`ParallelizedFunction`: call it like ``fun``; results come back
+    sharded per the plan.
+
+  Example::
+
+      @autopar.parallelize(method=autopar.DataParallel(num_micro_batches=4))
+      def train_step(state, batch):
+        def loss_fn(params):
+          return jnp.mean((state.apply_fn(params, batch["x"]) - batch["y"]) ** 2)
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+  """
+  def wrap(f):
+    return ParallelizedFunction(f, method=method or ShardParallel(),
+                                donate_argnums=donate_argnums,
+                                batch_argnums=batch_argnums,
+                                static_argnums=static_argnums)
+  if fun is None:
+    return wrap
+  return wrap(fun)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+  flags: ArgFlags
+  leaves: tuple[LeafInfo, ...]
+  in_tree: Any
+  values: list
+  key: Any
+
+
+class ParallelizedFunction:
+  """A step wrapped by :func:`parallelize`.
+
+  Calling it runs the step; :meth:`get_executable` returns the compiled
+  stages and plan; :meth:`plan` plans without compiling.
+  """
+
+  def __init__(self, fun: Callable, *, method: ParallelMethod, donate_argnums,
+               batch_argnums, static_argnums):
+    if not isinstance(method, ParallelMethod):
+      raise InputError(f"parallelize: method must be one of ShardParallel, "
+                       f"DataParallel, Zero2Parallel, Zero3Parallel; got "
+                       f"{type(method).__name__}.")
+    for name, val in (("donate_argnums", donate_argnums),
+                      ("static_argnums", static_argnums)):
+      if isinstance(val, str) and val != "auto":
+        raise InputError(f"parallelize: {name}={val!r}; expected 'auto', an int "
+                         f"or a tuple of ints.")
+    self.fun = fun
+    self.method = method
+    self.donate_argnums = donate_argnums
+    self.batch_argnums = batch_argnums
+    self.static_argnums = static_argnums
+    self._executables: dict[Any, Executable] = {}
+    self._plans: dict[Any, tuple[Plan, SplitStep]] = {}
+    self._lock = threading.Lock()
+    functools.update_wrapper(self, fun)
+
+  @property
+  def _name(self) -> str:
+    return getattr(self.fun, "__name__", "step")
+
+  # -- public ------------------------------------------------------------------
+
+  def __call__(self, *args):
+    prep = self._prepare(args)
+    exe = self._executable(prep)
+    outs = exe.run(exe.place(prep.values))
+    return jax.tree_util.tree_unflatten(exe.split.traced.out_tree, outs)
+
+  def get_executable(self, *args) -> Executable:
+    """The compiled step for these arguments (compiled once per signature).
+
+    Example::
+
+        exe = train_step.get_executable(state, batch)
+        print(exe.plan.summary()); print(exe.schedule)
+    """
+    return self._executable(self._prepare(args))
+
+  def plan(self, *args) -> Plan:
+    """Plans the step without compiling or touching devices.
+
+    The arguments may be ``jax.ShapeDtypeStruct`` pytrees (e.g. from
+    ``jax.eval_shape``) and the method's mesh an ``AbstractMesh``.
+    """
+    plan, _ = self._plan(self._prepare(args))
+    return plan
+
+  # -- pipeline ----------------------------------------------------------------
+
+  def _prepare(self, args: Sequence[Any]) -> _Prepared:
+    flags = classify_args(args, static_argnums=self.static_argnums,
+                          batch_argnums=self.batch_argnums,
+                          donate_argnums=self.donate_argnums, fn_name=self._name)
+    names = arg_names(self.fun, len(args))
+    leaves, in_tree, values = abstract_leaves(args, flags, names)
+    statics = []
+    for i in flags.static:
+      try:
+        hash(args[i])
+      except TypeError as e:
+        raise InputError(
+            f"{self._name}: static argument {names[i]} (argument {i}) of type "
+            f"{type(args[i]).__name__} is not hashable, so it cannot key the "
+            f"compilation cache. Fix: make it hashable (e.g. a tuple or a frozen "
+            f"dataclass), or pass it as arrays and set static_argnums.") from e
+      statics.append((i, args[i]))
+    key = (flags, tuple(statics), in_tree,
+           tuple((l.shape, l.dtype, l.weak_type) for l in leaves))
+    return _Prepared(flags=flags, leaves=tuple(leaves), in_tree=in_tree,
+                     values=values, key=key)
+
+  def _plan(self, prep: _Prepared) -> tuple[Plan, SplitStep]:
+    if prep.key in self._plans:
+      return self._plans[prep.key]
+    method = self.method
+    mesh = resolve_mesh(method)
+    n = method.micro_batches
+    sizes = axis_sizes_of(mesh)
+    batch_axes = batch_axes_for(method, mesh)
+    data_size = math.prod(sizes[a] for a in batch_axes)
+    batch_size = check_batch_leaves(prep.leaves, num_micro_batches=n,
+                                    data_axes=batch_axes, data_size=data_size,
+                                    fn_name=self._name)
+    split = self._split(prep, batch_size // n if batch_size else 0)
+    if not split.has_marker and n > 1:
+      raise MarkerError(
+          f"{self._name}: num_micro_batches={n} but the step has no grad marker, "
+          f"so autopar cannot tell which part to run per micro-batch. Fix: "
+          f"compute the gradients with autopar.grad or autopar.value_and_grad "
+          f"instead of jax.grad / jax.value_and_grad.")
+    if split.has_marker and n * data_size > 1:
+      for path, kind in zip(split.traced.out_paths, split.out_kinds, strict=True):
+        if kind is OutputKind.OTHER:
+          shape = _out_shape(split, path)
+          raise InputError(
+              f"{self._name}: output {path} (shape {shape}) is computed from the "
+              f"batch before the gradient marker, but it is neither a scalar nor "
+              f"per-example (leading axis = micro-batch size "
+              f"{split.traced.micro_batch_size}), so it cannot be combined over "
+              f"{n} micro-batch(es) x {data_size} device(s). Fix: return a "
+              f"scalar mean, an integer count, or per-example values.")
+    saved = method.plan if isinstance(method, ShardParallel) else None
+    if saved is not None:
+      plan = _bind_saved_plan(saved, split, mesh, self._name)
+    else:
+      plan = plan_preset(split, method, mesh, batch_size=batch_size)
+    self._plans[prep.key] = (plan, split)
+    return plan, split
+
+  def _split(self, prep: _Prepared, micro_batch_size: int) -> SplitStep:
+    # A throwaway arg list carrying the static values in their positions.
+    args = self._args_for_trace(prep)
+    traced = trace_step(self.fun, args, prep.flags, prep.leaves, prep.in_tree,
+                        micro_batch_size=micro_batch_size)
+    return split_step(traced, fn_name=self._name)
+
+  def _args_for_trace(self, prep: _Prepared) -> list:
+    statics = dict(prep.key[1])
+    nargs = len(prep.flags.static) + len(prep.in_tree.children())
+    return [statics.get(i) for i in range(nargs)]
+
+  def _executable(self, prep: _Prepared) -> Executable:
+    with self._lock:
+      exe = self._executables.get(prep.key)
+      if exe is not None:
+        return exe
+      plan, split = self._plan(prep)
+      mesh = resolve_mesh(self.method)
+      if isinstance(mesh, AbstractMesh):
+        raise PlanError(
+            f"{self._name}: the method's mesh is an AbstractMesh, which can be "
+            f"planned for but not run on. Fix: use .plan(*args) to plan, and run "
+            f"with a concrete mesh (jax.make_mesh or autopar.global_mesh).")
+      split_local = split
+      data_size = math.prod(plan.axis_sizes[a] for a in plan.batch_axes)
+      if split.has_marker and data_size > 1:
+        local = split.traced.micro_batch_size // data_size
+        split_local = self._split(prep, local)
+        split_local = _check_local_split(split, split_local, self._name)
+      lowered = lower_step(split, split_local, plan, mesh)
+      exe = Executable(plan=plan, lowered=lowered, split=split,
+                       static_argnums=prep.flags.static)
+      self._executables[prep.key] = exe
+      return exe
+
+
+def _out_shape(split: SplitStep, path: str):
+  i = split.traced.out_paths.index(path)
+  return tuple(split.traced.jaxpr.jaxpr.outvars[i].aval.shape)
+
+
+def _check_local_split(split: SplitStep, local: SplitStep, name: str) -> SplitStep:
+  """The per-device trace must be the same program at a smaller batch."""
+  if (local.num_grads != split.num_grads or
+      [k is OutputKind.APPLY for k in local.out_kinds] !=
+      [k is OutputKind.APPLY for k in split.out_kinds]):
+    raise MarkerError(
+        f"{name}: tracing the step at the per-device micro-batch size "
+        f"({local.traced.micro_batch_size} rows) gave a different program than at "
+        f"the full micro-batch size ({split.traced.micro_batch_size} rows). autopar "
+        f"needs a step whose structure does not depend on the batch size. Fix: "
+        f"avoid Python branches on batch shapes.")
+  # Which outputs are per-example is decided at the full micro-batch size.
+  return dataclasses.replace(local, out_kinds=split.out_kinds,
+                             out_index=split.out_index)
+
+
+def _bind_saved_plan(saved: Plan, split: SplitStep, mesh, name: str) -> Plan:
+  """Checks a saved plan against this step and mesh, and attaches both."""
+  leaves = split.traced.leaves
+  if tuple(saved.mesh_shape) != tuple(mesh.axis_sizes) or \
+      tuple(saved.mesh_axis_names) != tuple(mesh.axis_names):
+    raise PlanError(
+        f"{name}: the saved plan is for mesh {dict(zip(saved.mesh_axis_names, saved.mesh_shape))}"
+        f" but the method's mesh is {dict(zip(mesh.axis_names, mesh.axis_sizes))}. "
+        f"Fix: plan again for this mesh, or use a mesh of the plan's shape.")
+  if len(saved.inputs) != len(leaves) or any(
+      v.name != l.path or tuple(v.shape) != tuple(l.shape)
+      for v, l in zip(saved.inputs, leaves)):
+    for v, l in zip(saved.inputs, leaves):
+      if v.name != l.path or tuple(v.shape) != tuple(l.shape):
+        raise PlanError(
+            f"{name}: the saved plan does not match the arguments: it has input "
+            f"{v.name} with shape {tuple(v.shape)} where the step has {l.path} "
+            f"with shape {tuple(l.shape)}. Fix: plan again for these arguments.")
+    raise PlanError(
+        f"{name}: the saved plan has {len(saved.inputs)} inputs but the step has "
+        f"{len(leaves)}. Fix: plan again for these arguments.")
+  return dataclasses.replace(saved, in_tree=split.traced.in_tree, mesh=mesh)

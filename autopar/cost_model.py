@@ -1,0 +1,130 @@
+"""α-β cost of collectives on a device mesh, and bytes per device.
+
+A collective over mesh axes ``A`` (``p = prod(mesh[a] for a in A)`` devices)
+moving an operand of ``b`` bytes per device costs, with ring algorithms,
+
+=================  ==========================================
+all-reduce         ``α·2(p-1) + β·2b(p-1)/p``
+all-gather         ``α·(p-1) + β·b(p-1)``   (b = input bytes per device)
+reduce-scatter     ``α·(p-1) + β·b(p-1)/p`` (b = input bytes per device)
+all-to-all         ``α·(p-1) + β·b(p-1)/p²``
+=================  ==========================================
+
+``α`` (latency, seconds) and ``β`` (seconds per byte) are per mesh axis. A
+collective over several axes uses the slowest axis's α and β, since a ring
+over them crosses that axis. On a real cluster, set the axis that spans hosts
+to the network's numbers and the axis inside a host to NVLink's (see
+``docs/cost_model.md``); the defaults treat all axes alike.
+
+The same formulas give "bytes each device sends per step" when α = 0 and
+β = 1, which is how tests and benchmarks read communication from HLO.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping, Sequence
+
+import numpy as np
+
+__all__ = ["MeshCost", "bytes_per_device", "num_bytes", "COLLECTIVE_KINDS"]
+
+COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
+
+DEFAULT_ALPHA = 1e-5      # 10 us per hop
+DEFAULT_BETA = 1e-10      # 10 GB/s
+
+
+def num_bytes(shape: Sequence[int], dtype) -> int:
+  return int(math.prod(shape)) * np.dtype(dtype).itemsize
+
+
+def bytes_per_device(shape: Sequence[int], dtype, spec: Sequence,
+                     axis_sizes: Mapping[str, int]) -> int:
+  """Bytes one device holds of an array of ``shape`` sharded as ``spec``."""
+  local = list(shape)
+  for d, entry in enumerate(spec):
+    for a in _axes(entry):
+      local[d] = -(-local[d] // axis_sizes[a])
+  return num_bytes(local, dtype)
+
+
+def _axes(entry) -> tuple[str, ...]:
+  if entry is None:
+    return ()
+  if isinstance(entry, str):
+    return (entry,)
+  return tuple(entry)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshCost:
+  """α-β collective costs on one mesh.
+
+  Args:
+    axis_sizes: mesh axis name -> number of devices along it.
+    alpha, beta: mesh axis name -> latency (s) and inverse bandwidth (s/byte);
+      axes not given get the defaults.
+  """
+  axis_sizes: Mapping[str, int]
+  alpha: Mapping[str, float] = dataclasses.field(default_factory=dict)
+  beta: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+  def group_size(self, axes: Sequence[str]) -> int:
+    return int(math.prod(self.axis_sizes[a] for a in axes))
+
+  def _ab(self, axes: Sequence[str]) -> tuple[float, float]:
+    a = max((self.alpha.get(x, DEFAULT_ALPHA) for x in axes), default=0.0)
+    b = max((self.beta.get(x, DEFAULT_BETA) for x in axes), default=0.0)
+    return a, b
+
+  def collective(self, kind: str, nbytes: float, axes: Sequence[str]) -> float:
+    """Seconds for collective ``kind`` on ``nbytes`` per device over ``axes``."""
+    p = self.group_size(axes)
+    if p <= 1 or nbytes == 0:
+      return 0.0
+    a, b = self._ab(axes)
+    if kind == "all-reduce":
+      return 2 * (p - 1) * a + b * 2 * nbytes * (p - 1) / p
+    if kind == "all-gather":
+      return (p - 1) * a + b * nbytes * (p - 1)
+    if kind == "reduce-scatter":
+      return (p - 1) * a + b * nbytes * (p - 1) / p
+    if kind == "all-to-all":
+      return (p - 1) * a + b * nbytes * (p - 1) / (p * p)
+    raise ValueError(f"unknown collective kind {kind!r}; one of {COLLECTIVE_KINDS}")
+
+  def all_reduce(self, nbytes: float, axes: Sequence[str]) -> float:
+    return self.collective("all-reduce", nbytes, axes)
+
+  def all_gather(self, nbytes: float, axes: Sequence[str]) -> float:
+    return self.collective("all-gather", nbytes, axes)
+
+  def reduce_scatter(self, nbytes: float, axes: Sequence[str]) -> float:
+    return self.collective("reduce-scatter", nbytes, axes)
+
+  def all_to_all(self, nbytes: float, axes: Sequence[str]) -> float:
+    return self.collective("all-to-all", nbytes, axes)
+
+
+def ring_bytes_sent(kind: str, operand_bytes: float, group: int) -> float:
+  """Bytes one device sends for a collective, by the ring formulas.
+
+  ``operand_bytes`` is the per-device operand size as it appears in HLO (the
+  input of all-reduce, reduce-scatter and all-to-all; the *input* of
+  all-gather, i.e. one shard).
+  """
+  if group <= 1:
+    return 0.0
+  if kind == "all-reduce":
+    return 2 * operand_bytes * (group - 1) / group
+  if kind == "all-gather":
+    return operand_bytes * (group - 1)
+  if kind == "reduce-scatter":
+    return operand_bytes * (group - 1) / group
+  if kind == "all-to-all":
+    return operand_bytes * (group - 1) / group
+  if kind == "collective-permute":
+    return operand_bytes
+  raise ValueError(f"unknown collective kind {kind!r}")

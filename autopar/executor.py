@@ -1,0 +1,116 @@
+"""Run a compiled step: the micro-batch loop.
+
+Stage 8 of the pipeline. For ``n`` micro-batches one call runs::
+
+    acc = compute_grad(leaves)                    # micro-batch 0
+    acc = accumulate_grad(leaves, i, acc)         # micro-batches 1 .. n-2, in place
+    grads, outs = accumulate_grad_sync(leaves, n-1, acc)   # reduce once
+    new_state, ... = apply_grad(state, other, grads)       # state donated
+
+(``compute_grad_sync`` when ``n == 1``). Every check that can fail runs
+before the first stage, and the state is donated only to the last stage, so
+a call that raises leaves the caller's arrays usable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+
+from autopar.lower import LoweredStep
+from autopar.plan import Plan
+from autopar.split import OutputKind, SplitStep
+
+__all__ = ["Executable"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Executable:
+  """A step compiled for one input signature.
+
+  Attributes:
+    plan: the :class:`autopar.Plan` it was compiled from.
+    stages: stage name -> ``jax.stages.Compiled``.
+    schedule: the stage names one call runs, in order.
+  """
+  plan: Plan
+  lowered: LoweredStep
+  split: SplitStep
+  static_argnums: tuple[int, ...]
+
+  @property
+  def stages(self) -> dict[str, jax.stages.Compiled]:
+    return dict(self.lowered.stages)
+
+  @property
+  def schedule(self) -> list[str]:
+    return list(self.lowered.schedule)
+
+  @property
+  def in_shardings(self) -> Any:
+    return self.plan.input_shardings
+
+  def memory_analysis(self) -> dict[str, Any]:
+    """``Compiled.memory_analysis()`` of every stage."""
+    return {name: c.memory_analysis() for name, c in self.lowered.stages.items()}
+
+  def as_text(self) -> dict[str, str]:
+    """Optimized HLO of every stage."""
+    return {name: c.as_text() for name, c in self.lowered.stages.items()}
+
+  # -- running -----------------------------------------------------------------
+
+  def place(self, leaves: Sequence[Any]) -> list[Any]:
+    """Puts each leaf on the devices with its planned sharding."""
+    out = []
+    for x, s in zip(leaves, self.lowered.in_shardings, strict=True):
+      if isinstance(x, jax.Array) and _same_placement(x, s):
+        out.append(x)
+      else:
+        out.append(jax.device_put(x, s))
+    return out
+
+  def run(self, leaves: Sequence[Any]) -> list[Any]:
+    """Runs one step on placed leaves; returns the flat outputs."""
+    lw = self.lowered
+    stages = lw.stages
+    if not self.split.has_marker:
+      return list(stages["step"]([leaves[k] for k in lw.donated],
+                                 [leaves[k] for k in lw.kept],
+                                 [leaves[k] for k in lw.batch]))
+    schedule = lw.schedule
+    n = len(schedule) - 1
+    acc = None
+    for i, name in enumerate(schedule[:-1]):
+      if i == 0:
+        acc = stages[name](leaves)
+      else:
+        acc = stages[name](leaves, lw.micro_batch_index[i], acc)
+    grads, micro_outs = acc
+    del acc
+    apply_outs = stages["apply_grad"]([leaves[k] for k in lw.donated],
+                                      [leaves[k] for k in lw.kept], grads)
+    outs = []
+    for kind, idx in zip(self.split.out_kinds, self.split.out_index, strict=True):
+      outs.append(apply_outs[idx] if kind is OutputKind.APPLY else micro_outs[idx])
+    assert n == self.plan.num_micro_batches
+    return outs
+
+  def __call__(self, *args):
+    """Runs one step on the full positional arguments (static ones included)."""
+    dynamic = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
+    leaves = jax.tree_util.tree_leaves(dynamic)
+    outs = self.run(self.place(leaves))
+    return jax.tree_util.tree_unflatten(self.split.traced.out_tree, outs)
+
+
+def _same_placement(x: jax.Array, s) -> bool:
+  xs = x.sharding
+  if xs == s:
+    return True
+  try:
+    return xs.is_equivalent_to(s, x.ndim)
+  except Exception:  # different device sets, memory kinds, ...
+    return False

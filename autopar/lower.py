@@ -1,0 +1,361 @@
+"""Lower a plan and a split step to compiled XLA executables.
+
+Stage 7 of the pipeline: (:class:`~autopar.split.SplitStep`,
+:class:`~autopar.plan.Plan`, mesh) -> :class:`LoweredStep`, a dict of
+``jax.stages.Compiled`` plus what the executor needs to call them.
+
+Gradient stages (one per micro-batch position, see
+``planner.grad_stage_names``) run the ``compute_grad`` jaxpr inside
+``jax.shard_map`` over the plan's batch axes, which are *manual* there; all
+other mesh axes stay under XLA's automatic partitioner. Each device thus
+computes the gradient of its own slice of the micro-batch and adds it to its
+own partial sum, and no gradient bytes cross devices. The partial sums are
+stored with a leading stacked axis, one slot per device along the batch axes
+(global shape ``[D, *grad.shape]``, spec ``P(batch_axes, ...)``), which keeps
+them ordinary, honestly typed arrays that can be donated from one micro-batch
+to the next and updated in place. Only the last micro-batch's stage
+(``*_sync``) reduces them: ``psum`` (all-reduce) for replicated gradients,
+``psum_scatter`` (reduce-scatter) for sharded ones. ``docs/design.md`` says
+why this was chosen over JAX's ``unreduced`` shardings.
+
+Inside a gradient stage, device ``d`` along the batch axes holds rows
+``[d*n*m, (d+1)*n*m)`` of the batch (``m`` = rows per device per micro-batch)
+and micro-batch ``i`` is its local rows ``[i*m, (i+1)*m)``: selecting a
+micro-batch moves no data. Per-example outputs are written back to the same
+rows, so they come out in the original batch order.
+
+``apply_grad`` runs the ``apply_grad`` jaxpr under plain ``jax.jit`` with the
+plan's in/out shardings; the donated state is aliased to the new state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import core as jax_core
+from jax.sharding import NamedSharding, PartitionSpec
+
+from autopar.method import auto_mesh
+from autopar.plan import Plan
+from autopar.planner import grad_stage_names, leaves_read_by_compute
+from autopar.split import OutputKind, SplitStep
+
+__all__ = ["LoweredStep", "lower_step"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoweredStep:
+  """Compiled stages of one step and how to call them.
+
+  Stage calling conventions (``leaves`` = all non-static argument leaves,
+  ``donated``/``kept`` = the non-batch ones that are / are not donated):
+
+  * ``compute_grad(leaves) -> acc``
+  * ``accumulate_grad(leaves, i, acc) -> acc`` (acc donated)
+  * ``compute_grad_sync(leaves) -> (grads, micro_outs)``
+  * ``accumulate_grad_sync(leaves, i, acc) -> (grads, micro_outs)``
+  * ``apply_grad(donated, kept, grads) -> apply_outs`` (donated donated)
+  * ``step(donated, kept, batch) -> outs`` (a step without a grad marker)
+  """
+  stages: dict[str, Any]
+  schedule: tuple[str, ...]
+  in_shardings: tuple[NamedSharding, ...]
+  micro_batch_index: tuple[Any, ...]
+  donated: tuple[int, ...]
+  kept: tuple[int, ...]
+  batch: tuple[int, ...]
+
+
+# -- specs --------------------------------------------------------------------
+
+def _entry_axes(entry) -> tuple[str, ...]:
+  if entry is None:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _make_entry(axes: Sequence[str]):
+  axes = tuple(axes)
+  return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _restrict(spec: PartitionSpec, keep) -> PartitionSpec:
+  """``spec`` with only the mesh axes for which ``keep(axis)`` holds."""
+  return PartitionSpec(*(_make_entry([a for a in _entry_axes(e) if keep(a)])
+                         for e in spec))
+
+
+def _manual(spec, manual):
+  return _restrict(spec, lambda a: a in manual)
+
+
+def _auto(spec, manual):
+  return _restrict(spec, lambda a: a not in manual)
+
+
+def _stacked(spec: PartitionSpec, manual: Sequence[str]) -> PartitionSpec:
+  """Spec of a ``[D, *shape]`` stack of per-device partial sums."""
+  return PartitionSpec(_make_entry(manual), *_auto(spec, manual))
+
+
+# -- collectives inside the manual region --------------------------------------
+
+def _gather_manual(x, spec: PartitionSpec, manual: Sequence[str]):
+  """All-gathers the manual-axis sharding of a leaf (ZeRO-3 parameters)."""
+  for d, entry in enumerate(spec):
+    axes = [a for a in _entry_axes(entry) if a in manual]
+    if axes:
+      x = lax.all_gather(x, tuple(axes), axis=d, tiled=True)
+  return x
+
+
+def _reduce_manual(x, spec: PartitionSpec, manual: Sequence[str]):
+  """Sums ``x`` over the manual axes, scattering where ``spec`` shards it."""
+  scattered = set()
+  for d, entry in enumerate(spec):
+    axes = tuple(a for a in _entry_axes(entry) if a in manual)
+    if axes:
+      x = lax.psum_scatter(x, axes, scatter_dimension=d, tiled=True)
+      scattered.update(axes)
+  rest = tuple(a for a in manual if a not in scattered)
+  return lax.psum(x, rest) if rest else x
+
+
+# -- stages -------------------------------------------------------------------
+
+def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
+                sync: bool, micro_rows: int):
+  """A jitted gradient stage (see LoweredStep for its signature)."""
+  manual = tuple(plan.batch_axes)
+  sizes = plan.axis_sizes
+  groups = plan.num_micro_batches * math.prod(sizes[a] for a in manual)
+  leaves = split.traced.leaves
+  num_grads = split.num_grads
+  compute = split.compute.jaxpr
+  consts = split.consts
+  read = leaves_read_by_compute(split)
+  kinds = [k for k in split.out_kinds if k is not OutputKind.APPLY]
+  in_specs = [v.spec for v in plan.inputs]
+  grad_specs = [g.spec for g in plan.grads]
+  batch_entry = _make_entry(manual)
+  micro_out_specs = [plan.outputs[j].spec for j, k in enumerate(split.out_kinds)
+                     if k is not OutputKind.APPLY]
+
+  def body(leaf_vals, i, acc):
+    args = []
+    for k, (leaf, x) in enumerate(zip(leaves, leaf_vals, strict=True)):
+      if leaf.is_batch:
+        x = lax.dynamic_slice_in_dim(x, i * micro_rows, micro_rows, axis=0)
+      elif k in read:
+        x = _gather_manual(x, in_specs[k], manual)
+      args.append(x)
+    outs = jax_core.eval_jaxpr(compute, (), *consts, *args)
+    grads, micro = outs[:num_grads], outs[num_grads:]
+    if first:
+      acc_g = [g[None] for g in grads]
+    else:
+      acc_g = [a + g[None] for a, g in zip(acc[0], grads, strict=True)]
+    acc_m = []
+    for j, (kind, val) in enumerate(zip(kinds, micro, strict=True)):
+      if kind is OutputKind.CONCAT:
+        if plan.num_micro_batches == 1:
+          acc_m.append(val)
+          continue
+        buf = (jnp.zeros((plan.num_micro_batches * micro_rows, *val.shape[1:]),
+                         val.dtype) if first else acc[1][j])
+        acc_m.append(lax.dynamic_update_slice_in_dim(buf, val, i * micro_rows, 0))
+      elif kind in (OutputKind.MEAN, OutputKind.SUM):
+        acc_m.append(val[None] if first else acc[1][j] + val[None])
+      else:  # OTHER: only possible with one micro-batch on one device
+        acc_m.append(val)
+    if not sync:
+      return acc_g, acc_m
+    red_g = [_reduce_manual(a[0], s, manual) / groups
+             for a, s in zip(acc_g, grad_specs, strict=True)]
+    red_m = []
+    for kind, a in zip(kinds, acc_m, strict=True):
+      if kind is OutputKind.MEAN:
+        red_m.append(lax.psum(a[0], manual) / groups if manual else a[0] / groups)
+      elif kind is OutputKind.SUM:
+        red_m.append(lax.psum(a[0], manual) if manual else a[0])
+      else:
+        red_m.append(a)
+    return red_g, red_m
+
+  def local_spec(kind):
+    return (PartitionSpec(batch_entry) if kind in (OutputKind.CONCAT, OutputKind.MEAN,
+                                                   OutputKind.SUM)
+            else PartitionSpec())
+
+  leaf_specs_manual = [PartitionSpec(batch_entry) if l.is_batch else
+                       _manual(s, manual) for l, s in zip(leaves, in_specs)]
+  acc_specs = ([PartitionSpec(batch_entry)] * num_grads, [local_spec(k) for k in kinds])
+  if sync:
+    out_specs = ([_manual(s, manual) for s in grad_specs],
+                 [PartitionSpec(batch_entry) if k is OutputKind.CONCAT else
+                  PartitionSpec() for k in kinds])
+  else:
+    out_specs = acc_specs
+
+  if first:
+    def fn(leaf_vals):
+      smap = jax.shard_map(lambda lv: body(lv, 0, None), mesh=amesh,
+                           in_specs=(leaf_specs_manual,), out_specs=out_specs,
+                           axis_names=set(manual), check_vma=False)
+      return smap(leaf_vals)
+  else:
+    def fn(leaf_vals, i, acc):
+      smap = jax.shard_map(body, mesh=amesh,
+                           in_specs=(leaf_specs_manual, PartitionSpec(), acc_specs),
+                           out_specs=out_specs, axis_names=set(manual),
+                           check_vma=False)
+      return smap(leaf_vals, i, acc)
+
+  ns = lambda s, m=amesh: NamedSharding(m, s)
+  leaf_shardings = [ns(s) for s in in_specs]
+  acc_shardings = ([ns(_stacked(s, manual)) for s in grad_specs],
+                   [ns(PartitionSpec(batch_entry)) if k is not OutputKind.OTHER
+                    else ns(PartitionSpec()) for k in kinds])
+  if sync:
+    out_shardings = ([ns(s) for s in grad_specs],
+                     [ns(s, user_mesh) for s in micro_out_specs])
+  else:
+    out_shardings = acc_shardings
+  if first:
+    return jax.jit(fn, in_shardings=(leaf_shardings,), out_shardings=out_shardings)
+  return jax.jit(fn, in_shardings=(leaf_shardings, ns(PartitionSpec()), acc_shardings),
+                 out_shardings=out_shardings, donate_argnums=(2,))
+
+
+def _apply_stage(split: SplitStep, plan: Plan, amesh, user_mesh,
+                 donated: Sequence[int], kept: Sequence[int]):
+  leaves = split.traced.leaves
+  jaxpr = split.apply.jaxpr
+  consts = split.consts
+  apply_specs = [plan.outputs[j].spec for j, k in enumerate(split.out_kinds)
+                 if k is OutputKind.APPLY]
+
+  def fn(donated_vals, kept_vals, grads):
+    vals: list[Any] = [None] * len(leaves)   # batch leaves are never read here
+    for k, x in zip(donated, donated_vals, strict=True):
+      vals[k] = x
+    for k, x in zip(kept, kept_vals, strict=True):
+      vals[k] = x
+    return jax_core.eval_jaxpr(jaxpr, (), *consts, *vals, *grads)
+
+  ns = lambda s, m=amesh: NamedSharding(m, s)
+  in_shardings = ([ns(plan.inputs[k].spec) for k in donated],
+                  [ns(plan.inputs[k].spec) for k in kept],
+                  [ns(g.spec) for g in plan.grads])
+  out_shardings = [ns(s, user_mesh) for s in apply_specs]
+  return jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
+                 donate_argnums=(0,) if donated else ())
+
+
+def _whole_step(split: SplitStep, plan: Plan, amesh, user_mesh,
+                donated: Sequence[int], kept: Sequence[int], batch: Sequence[int]):
+  leaves = split.traced.leaves
+  jaxpr = split.apply.jaxpr
+  consts = split.consts
+
+  def fn(donated_vals, kept_vals, batch_vals):
+    vals: list[Any] = [None] * len(leaves)
+    for idx, group in ((donated, donated_vals), (kept, kept_vals), (batch, batch_vals)):
+      for k, x in zip(idx, group, strict=True):
+        vals[k] = x
+    return jax_core.eval_jaxpr(jaxpr, (), *consts, *vals)
+
+  ns = lambda s, m=amesh: NamedSharding(m, s)
+  in_shardings = tuple([ns(plan.inputs[k].spec) for k in idx]
+                       for idx in (donated, kept, batch))
+  out_shardings = [ns(v.spec, user_mesh) for v in plan.outputs]
+  return jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
+                 donate_argnums=(0,) if donated else ())
+
+
+# -- compile ------------------------------------------------------------------
+
+def _abstract(shape, dtype, weak=False):
+  return jax.ShapeDtypeStruct(tuple(shape), dtype, weak_type=weak)
+
+
+def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh
+               ) -> LoweredStep:
+  """Compiles every stage of ``split`` under ``plan`` on the concrete ``mesh``.
+
+  ``split`` is the step traced at the global micro-batch size; ``split_local``
+  the same step traced at the rows one device holds of a micro-batch (they
+  are the same object when the batch axes hold one device).
+  """
+  amesh = auto_mesh(mesh)
+  leaves = split.traced.leaves
+  donated = tuple(k for k, l in enumerate(leaves) if l.is_donated)
+  kept = tuple(k for k, l in enumerate(leaves) if not l.is_donated and not l.is_batch)
+  batch = tuple(k for k, l in enumerate(leaves) if l.is_batch)
+  in_shardings = tuple(NamedSharding(amesh, v.spec) for v in plan.inputs)
+  leaf_avals = [l.abstract() for l in leaves]
+  n = plan.num_micro_batches
+  stages: dict[str, Any] = {}
+  index = ()
+
+  with warnings.catch_warnings():
+    # The last gradient stage donates its partial sums although the reduced
+    # gradients have another shape: the buffers are freed, not reused.
+    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+    if not split.has_marker:
+      fn = _whole_step(split, plan, amesh, mesh, donated, kept, batch)
+      stages["step"] = fn.lower([leaf_avals[k] for k in donated],
+                                [leaf_avals[k] for k in kept],
+                                [leaf_avals[k] for k in batch]).compile()
+      schedule = ("step",)
+    else:
+      rows = split_local.traced.micro_batch_size
+      names = grad_stage_names(n)
+      acc_avals = _acc_avals(split, plan)
+      for pos, name in enumerate(names):
+        if name in stages:
+          continue
+        first, sync = pos == 0, pos == n - 1
+        fn = _grad_stage(split_local, plan, amesh, mesh, first=first, sync=sync,
+                         micro_rows=rows)
+        if first:
+          lowered = fn.lower(leaf_avals)
+        else:
+          lowered = fn.lower(leaf_avals, _abstract((), np.int32), acc_avals)
+        stages[name] = lowered.compile()
+      fn = _apply_stage(split, plan, amesh, mesh, donated, kept)
+      grad_avals = [_abstract(a.shape, a.dtype) for a in split.grad_avals]
+      stages["apply_grad"] = fn.lower([leaf_avals[k] for k in donated],
+                                      [leaf_avals[k] for k in kept],
+                                      grad_avals).compile()
+      schedule = (*names, "apply_grad")
+      replicated = NamedSharding(amesh, PartitionSpec())
+      index = tuple(jax.device_put(np.int32(i), replicated) for i in range(n))
+  return LoweredStep(stages=stages, schedule=schedule, in_shardings=in_shardings,
+                     micro_batch_index=index, donated=donated, kept=kept, batch=batch)
+
+
+def _acc_avals(split: SplitStep, plan: Plan):
+  sizes = plan.axis_sizes
+  d = math.prod(sizes[a] for a in plan.batch_axes)
+  grads = [_abstract((d, *a.shape), a.dtype) for a in split.grad_avals]
+  micro = []
+  outvars = split.traced.jaxpr.jaxpr.outvars
+  batch_size = split.traced.micro_batch_size * plan.num_micro_batches
+  for kind, v in zip(split.out_kinds, outvars, strict=True):
+    if kind is OutputKind.APPLY:
+      continue
+    if kind is OutputKind.CONCAT:
+      micro.append(_abstract((batch_size, *v.aval.shape[1:]), v.aval.dtype))
+    elif kind in (OutputKind.MEAN, OutputKind.SUM):
+      micro.append(_abstract((d,), v.aval.dtype))
+    else:
+      micro.append(_abstract(v.aval.shape, v.aval.dtype))
+  return grads, micro

@@ -1,0 +1,228 @@
+"""Parallelization methods and the solver's options, as frozen dataclasses.
+
+A method says how a step is parallelized; it is passed explicitly to
+``@autopar.parallelize(method=...)`` and never read from global state.
+
+* :class:`ShardParallel`: the planner decides every sharding.
+* :class:`DataParallel`: the batch is split over ``batch_axes`` (all mesh axes
+  by default), parameters and optimizer state are replicated, gradients are
+  all-reduced once per step.
+* :class:`Zero2Parallel`: as data parallel, but gradients are reduce-scattered
+  and the optimizer state is sharded; parameters are all-gathered after the
+  update.
+* :class:`Zero3Parallel`: as Zero2, and the parameters stay sharded too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh, AxisType, Mesh
+
+from autopar.errors import InputError, MeshError
+
+__all__ = ["AutoShardingOption", "ParallelMethod", "ShardParallel",
+           "DataParallel", "Zero2Parallel", "Zero3Parallel", "resolve_mesh",
+           "axis_names_of", "axis_sizes_of"]
+
+
+def _as_items(mapping: Mapping[str, float] | None, what: str
+              ) -> tuple[tuple[str, float], ...] | None:
+  if mapping is None:
+    return None
+  if not isinstance(mapping, Mapping):
+    raise InputError(f"AutoShardingOption: {what} must be a mapping from mesh "
+                     f"axis name to a float, got {type(mapping).__name__}.")
+  out = []
+  for k, v in mapping.items():
+    if not isinstance(k, str) or not isinstance(v, (int, float)) or v < 0:
+      raise InputError(f"AutoShardingOption: {what}[{k!r}] = {v!r}; expected a "
+                       f"mesh axis name mapped to a non-negative float.")
+    out.append((k, float(v)))
+  return tuple(sorted(out))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AutoShardingOption:
+  """Knobs of the auto-sharding solver. All keyword-only, all optional.
+
+  Args:
+    force_data_parallel: plan pure data parallelism (batch split over every
+      mesh axis, everything else replicated) without solving.
+    force_batch_dim_to_mesh_dim: mesh axis name (or tuple of names) the batch
+      dimension must be split over.
+    prefer_reduce_scatter: reduce-scatter gradients and shard optimizer state
+      where it does not cost more (ZeRO-2 style).
+    allow_all_gather: let the solver use all-gather to reshard values.
+    allow_all_to_all: let the solver use all-to-all to reshard values.
+    memory_budget_per_device: bytes one device may use; None for no limit.
+    mesh_alpha: mesh axis name -> latency of a collective step along it (s).
+    mesh_beta: mesh axis name -> inverse bandwidth along it (s/byte).
+
+  Example::
+
+      AutoShardingOption(mesh_beta={"data": 1e-9, "model": 1e-11})
+  """
+  force_data_parallel: bool = False
+  force_batch_dim_to_mesh_dim: str | tuple[str, ...] | None = None
+  prefer_reduce_scatter: bool = False
+  allow_all_gather: bool = True
+  allow_all_to_all: bool = True
+  memory_budget_per_device: int | float | None = None
+  mesh_alpha: Any = None
+  mesh_beta: Any = None
+
+  def __post_init__(self):
+    object.__setattr__(self, "mesh_alpha", _as_items(self.mesh_alpha, "mesh_alpha"))
+    object.__setattr__(self, "mesh_beta", _as_items(self.mesh_beta, "mesh_beta"))
+    f = self.force_batch_dim_to_mesh_dim
+    if isinstance(f, list):
+      object.__setattr__(self, "force_batch_dim_to_mesh_dim", tuple(f))
+    b = self.memory_budget_per_device
+    if b is not None and (not isinstance(b, (int, float)) or b <= 0):
+      raise InputError(f"AutoShardingOption: memory_budget_per_device={b!r}; "
+                       f"expected a positive number of bytes or None.")
+
+  @property
+  def alpha(self) -> dict[str, float]:
+    return dict(self.mesh_alpha or ())
+
+  @property
+  def beta(self) -> dict[str, float]:
+    return dict(self.mesh_beta or ())
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelMethod:
+  """Base of all methods: the mesh and the number of micro-batches.
+
+  Args:
+    mesh: a ``jax.sharding.Mesh`` (from ``jax.make_mesh`` or built by hand),
+      or an ``AbstractMesh`` for planning only. None: a 1-D mesh named
+      ``"data"`` over all devices.
+    num_micro_batches: split each batch into this many micro-batches and
+      accumulate gradients over them (None or 1: no split).
+  """
+  mesh: Mesh | AbstractMesh | None = None
+  num_micro_batches: int | None = None
+
+  def __post_init__(self):
+    n = self.num_micro_batches
+    if n is not None and (not isinstance(n, (int, np.integer)) or isinstance(n, bool)
+                          or n < 1):
+      raise InputError(f"{type(self).__name__}: num_micro_batches={n!r}; expected "
+                       f"a positive int (or None for 1).")
+    m = self.mesh
+    if m is not None and not isinstance(m, (Mesh, AbstractMesh)):
+      raise MeshError(f"{type(self).__name__}: mesh must be a jax.sharding.Mesh "
+                      f"(e.g. jax.make_mesh((2, 4), ('data', 'model'))) or an "
+                      f"AbstractMesh, got {type(m).__name__}.")
+
+  @property
+  def micro_batches(self) -> int:
+    return int(self.num_micro_batches or 1)
+
+  @property
+  def name(self) -> str:
+    return type(self).__name__
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallel(ParallelMethod):
+  """Data parallelism with gradient accumulation.
+
+  Args:
+    mesh, num_micro_batches: see :class:`ParallelMethod`.
+    batch_axes: mesh axes to split the batch over (default: all of them).
+
+  Example::
+
+      @autopar.parallelize(method=autopar.DataParallel(num_micro_batches=4))
+      def train_step(state, batch): ...
+  """
+  batch_axes: tuple[str, ...] | str | None = dataclasses.field(
+      default=None, kw_only=True)
+
+  def __post_init__(self):
+    super().__post_init__()
+    if isinstance(self.batch_axes, str):
+      object.__setattr__(self, "batch_axes", (self.batch_axes,))
+    elif self.batch_axes is not None:
+      object.__setattr__(self, "batch_axes", tuple(self.batch_axes))
+    if self.mesh is not None and self.batch_axes is not None:
+      check_axes(self.batch_axes, self.mesh, f"{self.name}(batch_axes=...)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Zero2Parallel(DataParallel):
+  """ZeRO-2: data parallel with reduce-scattered gradients and sharded optimizer state."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Zero3Parallel(DataParallel):
+  """ZeRO-3 / FSDP: as :class:`Zero2Parallel`, with the parameters sharded too."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardParallel(ParallelMethod):
+  """Let autopar's planner choose every sharding.
+
+  Args:
+    mesh, num_micro_batches: see :class:`ParallelMethod`.
+    option: the solver's knobs.
+    plan: a saved :class:`autopar.Plan` to use instead of solving.
+
+  Example::
+
+      method = autopar.ShardParallel(mesh=jax.make_mesh((2, 4), ("data", "model")),
+                                     num_micro_batches=4)
+  """
+  option: AutoShardingOption = dataclasses.field(
+      default_factory=AutoShardingOption, kw_only=True)
+  plan: Any = dataclasses.field(default=None, kw_only=True)
+
+
+# -- meshes -------------------------------------------------------------------
+
+def axis_names_of(mesh) -> tuple[str, ...]:
+  return tuple(mesh.axis_names)
+
+
+def axis_sizes_of(mesh) -> dict[str, int]:
+  return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+
+
+def check_axes(axes, mesh, where: str) -> None:
+  names = axis_names_of(mesh)
+  for a in axes:
+    if a not in names:
+      raise MeshError(f"{where}: mesh axis {a!r} does not exist; the mesh has "
+                      f"axes {names} with sizes {tuple(mesh.axis_sizes)}. Fix: "
+                      f"use one of {names}.")
+
+
+def resolve_mesh(method: ParallelMethod):
+  """The method's mesh, or a 1-D ``"data"`` mesh over all devices."""
+  if method.mesh is not None:
+    return method.mesh
+  devices = np.array(jax.devices())
+  return Mesh(devices, ("data",), axis_types=(AxisType.Auto,))
+
+
+def auto_mesh(mesh):
+  """The same mesh with every axis of type Auto (what stages compute on).
+
+  Stages are traced from pre-made jaxprs, so they run under XLA's automatic
+  partitioner whatever axis types the user's mesh has; results are handed
+  back on the user's own mesh.
+  """
+  if isinstance(mesh, AbstractMesh):
+    return AbstractMesh(tuple(mesh.axis_sizes), tuple(mesh.axis_names),
+                        axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+  if all(t == AxisType.Auto for t in mesh.axis_types):
+    return mesh
+  return Mesh(mesh.devices, mesh.axis_names,
+              axis_types=(AxisType.Auto,) * len(mesh.axis_names))

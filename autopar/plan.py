@@ -1,0 +1,298 @@
+"""The sharding plan: what autopar decided, as plain data.
+
+A :class:`Plan` is frozen and printable. It records, for one step on one
+mesh, the sharding of every input, output and gradient (and, for solver-made
+plans, of intermediate values), the collectives the plan implies, an
+estimate of per-device memory, the objective, and solver statistics. It
+round-trips through JSON, so a plan made on a laptop for an abstract mesh can
+be saved, read, and later given back to ``ShardParallel(plan=...)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+
+from autopar.cost_model import bytes_per_device
+from autopar.errors import PlanError
+
+__all__ = ["Plan", "ValuePlan", "CollectivePlan", "SolverStats",
+           "spec_to_json", "spec_from_json", "format_bytes"]
+
+PLAN_FORMAT = 1
+
+
+def spec_to_json(spec: PartitionSpec | Sequence) -> list:
+  out = []
+  for entry in spec:
+    if entry is None or isinstance(entry, str):
+      out.append(entry)
+    else:
+      out.append(list(entry))
+  return out
+
+
+def spec_from_json(entries: Sequence) -> PartitionSpec:
+  return PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in entries))
+
+
+def format_bytes(n: float) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    if abs(n) < 1024 or unit == "TiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+    n /= 1024
+  return f"{n:.2f} TiB"
+
+
+def _spec_str(spec: PartitionSpec) -> str:
+  entries = []
+  for e in spec:
+    if e is None:
+      entries.append("None")
+    elif isinstance(e, str):
+      entries.append(repr(e))
+    else:
+      entries.append("(" + ", ".join(map(repr, e)) + ")")
+  return "P(" + ", ".join(entries) + ")"
+
+
+@dataclasses.dataclass(frozen=True)
+class ValuePlan:
+  """The sharding of one value: a pytree leaf, a gradient or an intermediate."""
+  name: str
+  shape: tuple[int, ...]
+  dtype: str
+  spec: PartitionSpec
+
+  def bytes_per_device(self, axis_sizes: Mapping[str, int]) -> int:
+    return bytes_per_device(self.shape, self.dtype, self.spec, axis_sizes)
+
+  def to_json(self) -> dict:
+    return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
+            "spec": spec_to_json(self.spec)}
+
+  @classmethod
+  def from_json(cls, d: Mapping) -> "ValuePlan":
+    return cls(name=d["name"], shape=tuple(d["shape"]), dtype=d["dtype"],
+               spec=spec_from_json(d["spec"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectivePlan:
+  """A collective the plan implies.
+
+  ``bytes`` is the per-device operand size; ``per_step`` how many times it
+  runs in one training step (micro-batches included).
+  """
+  stage: str
+  kind: str
+  axes: tuple[str, ...]
+  bytes: int
+  per_step: int
+  what: str
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self) | {"axes": list(self.axes)}
+
+  @classmethod
+  def from_json(cls, d: Mapping) -> "CollectivePlan":
+    return cls(stage=d["stage"], kind=d["kind"], axes=tuple(d["axes"]),
+               bytes=int(d["bytes"]), per_step=int(d["per_step"]), what=d["what"])
+
+
+@dataclasses.dataclass(frozen=True)
+class SolverStats:
+  """How the plan was found."""
+  solver: str
+  status: str
+  seconds: float
+  num_variables: int = 0
+  num_constraints: int = 0
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_json(cls, d: Mapping) -> "SolverStats":
+    return cls(**d)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """How one training step is sharded over one mesh.
+
+  Attributes:
+    method: the method that made it ("DataParallel", "ShardParallel", ...).
+    mesh_axis_names, mesh_shape: the mesh it is for.
+    num_micro_batches: micro-batches per step.
+    batch_axes: mesh axes the batch is split over (gradients are partial sums
+      over these axes until the last micro-batch).
+    inputs: one entry per array leaf of the non-static arguments, in
+      flattening order, named by pytree path.
+    grads: one entry per gradient leaf, as the apply step receives it.
+    outputs: one entry per output leaf, named ``out...`` by pytree path.
+    intermediates: solver-decided shardings of values inside the step.
+    collectives: the collectives the plan implies.
+    memory_per_device: estimated bytes per device (state, gradients, batch).
+    objective: the planner's estimated cost of one step (seconds, α-β model).
+    solver: how the plan was found, or None for preset methods.
+  """
+  method: str
+  mesh_axis_names: tuple[str, ...]
+  mesh_shape: tuple[int, ...]
+  num_micro_batches: int
+  batch_axes: tuple[str, ...]
+  inputs: tuple[ValuePlan, ...]
+  grads: tuple[ValuePlan, ...]
+  outputs: tuple[ValuePlan, ...]
+  intermediates: tuple[ValuePlan, ...] = ()
+  collectives: tuple[CollectivePlan, ...] = ()
+  memory_per_device: int = 0
+  objective: float = 0.0
+  solver: SolverStats | None = None
+  # Not serialized: the pytree structure of the inputs and the mesh object
+  # the plan was made for. A loaded plan has neither until it is applied.
+  in_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
+  mesh: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+  # -- shardings ---------------------------------------------------------------
+
+  @property
+  def axis_sizes(self) -> dict[str, int]:
+    return dict(zip(self.mesh_axis_names, self.mesh_shape, strict=True))
+
+  def _mesh_for_shardings(self):
+    if self.mesh is not None:
+      return self.mesh
+    return AbstractMesh(self.mesh_shape, self.mesh_axis_names)
+
+  @property
+  def input_shardings(self) -> Any:
+    """The inputs' ``NamedSharding``s, shaped like the non-static arguments.
+
+    For a plan loaded from JSON (which has no pytree structure), a dict from
+    pytree path to ``NamedSharding``.
+    """
+    mesh = self._mesh_for_shardings()
+    leaves = [NamedSharding(mesh, v.spec) for v in self.inputs]
+    if self.in_tree is None:
+      return {v.name: s for v, s in zip(self.inputs, leaves, strict=True)}
+    return jax.tree_util.tree_unflatten(self.in_tree, leaves)
+
+  # -- JSON --------------------------------------------------------------------
+
+  def to_json(self, indent: int | None = 1) -> str:
+    d = {
+        "format": PLAN_FORMAT,
+        "method": self.method,
+        "mesh_axis_names": list(self.mesh_axis_names),
+        "mesh_shape": list(self.mesh_shape),
+        "num_micro_batches": self.num_micro_batches,
+        "batch_axes": list(self.batch_axes),
+        "inputs": [v.to_json() for v in self.inputs],
+        "grads": [v.to_json() for v in self.grads],
+        "outputs": [v.to_json() for v in self.outputs],
+        "intermediates": [v.to_json() for v in self.intermediates],
+        "collectives": [c.to_json() for c in self.collectives],
+        "memory_per_device": self.memory_per_device,
+        "objective": self.objective,
+        "solver": None if self.solver is None else self.solver.to_json(),
+    }
+    return json.dumps(d, indent=indent)
+
+  @classmethod
+  def from_json(cls, text: str) -> "Plan":
+    """Loads a plan written by :meth:`to_json`."""
+    try:
+      d = json.loads(text)
+    except json.JSONDecodeError as e:
+      raise PlanError(f"Plan.from_json: not valid JSON ({e}). Fix: pass the "
+                      f"string returned by Plan.to_json().") from e
+    if d.get("format") != PLAN_FORMAT:
+      raise PlanError(f"Plan.from_json: plan format {d.get('format')!r} is not "
+                      f"supported (this autopar reads format {PLAN_FORMAT}). "
+                      f"Fix: make the plan again with this version.")
+    return cls(
+        method=d["method"], mesh_axis_names=tuple(d["mesh_axis_names"]),
+        mesh_shape=tuple(d["mesh_shape"]),
+        num_micro_batches=int(d["num_micro_batches"]),
+        batch_axes=tuple(d["batch_axes"]),
+        inputs=tuple(map(ValuePlan.from_json, d["inputs"])),
+        grads=tuple(map(ValuePlan.from_json, d["grads"])),
+        outputs=tuple(map(ValuePlan.from_json, d["outputs"])),
+        intermediates=tuple(map(ValuePlan.from_json, d["intermediates"])),
+        collectives=tuple(map(CollectivePlan.from_json, d["collectives"])),
+        memory_per_device=int(d["memory_per_device"]),
+        objective=float(d["objective"]),
+        solver=None if d["solver"] is None else SolverStats.from_json(d["solver"]))
+
+  # -- reading -----------------------------------------------------------------
+
+  def summary(self) -> str:
+    """A table a person reads: shardings, bytes per device, collectives, memory."""
+    sizes = self.axis_sizes
+    mesh = " x ".join(f"{n}={s}" for n, s in sizes.items())
+    lines = [
+        f"autopar plan: {self.method} on mesh ({mesh}), "
+        f"{self.num_micro_batches} micro-batch(es), batch split over "
+        f"{_axes_str(self.batch_axes)}",
+        f"objective: {self.objective:.6g} s (estimated)",
+    ]
+    if self.solver is not None:
+      s = self.solver
+      lines.append(f"solver: {s.solver} ({s.status}) in {s.seconds:.3f} s, "
+                   f"{s.num_variables} variables, {s.num_constraints} constraints")
+    for title, values in (("inputs", self.inputs), ("gradients", self.grads),
+                          ("outputs", self.outputs)):
+      if values:
+        lines.append("")
+        lines.extend(_table(title, values, sizes))
+    if self.collectives:
+      lines.append("")
+      lines.append("collectives per step:")
+      rows = [("stage", "kind", "axes", "bytes/device", "x/step", "what")]
+      for c in self.collectives:
+        rows.append((c.stage, c.kind, _axes_str(c.axes), format_bytes(c.bytes),
+                     str(c.per_step), c.what))
+      lines.extend(_format_rows(rows))
+      total = sum(c.bytes * c.per_step for c in self.collectives)
+      lines.append(f"total collective operand bytes per step: {format_bytes(total)}")
+    else:
+      lines.append("")
+      lines.append("collectives per step: none")
+    lines.append("")
+    lines.append(f"estimated memory per device: {format_bytes(self.memory_per_device)}")
+    return "\n".join(lines)
+
+  def __str__(self) -> str:
+    return self.summary()
+
+
+def _axes_str(axes: Sequence[str]) -> str:
+  return "(" + ", ".join(axes) + ")" if axes else "no axes"
+
+
+def _table(title: str, values: Sequence[ValuePlan], sizes) -> list[str]:
+  rows = [(title, "shape", "dtype", "spec", "bytes/device")]
+  total = 0
+  for v in values:
+    b = v.bytes_per_device(sizes)
+    total += b
+    rows.append((v.name, str(tuple(v.shape)), v.dtype, _spec_str(v.spec),
+                 format_bytes(b)))
+  out = _format_rows(rows)
+  out.append(f"total {title}: {format_bytes(total)} per device")
+  return out
+
+
+def _format_rows(rows: Sequence[Sequence[str]]) -> list[str]:
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  out = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+  out.insert(1, "  ".join("-" * w for w in widths))
+  return out

@@ -1,0 +1,256 @@
+"""Choose a :class:`~autopar.plan.Plan` for a split step under a method.
+
+The preset methods are decided here directly:
+
+=============  ============  =============  ===================  ==============
+method         batch         parameters     optimizer state      gradients
+=============  ============  =============  ===================  ==============
+DataParallel   batch axes    replicated     replicated           all-reduce
+Zero2Parallel  batch axes    replicated     sharded              reduce-scatter
+Zero3Parallel  batch axes    sharded        sharded              reduce-scatter
+=============  ============  =============  ===================  ==============
+
+"Parameters" are the state leaves the gradient computation reads;
+"optimizer state" is every other non-batch leaf. A leaf is sharded on its
+first dimension that the batch axes divide (or kept replicated if none
+does). ``ShardParallel`` plans with the same presets until the solver
+decides (``ilp.py``).
+
+Donated inputs are paired with the outputs that replace them (the new train
+state), and each pair gets one sharding, so that XLA can update in place.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+from jax.extend.core import Var
+from jax.sharding import PartitionSpec
+
+from autopar.cost_model import MeshCost, bytes_per_device, num_bytes
+from autopar.errors import InputError
+from autopar.method import (DataParallel, ParallelMethod, ShardParallel,
+                            Zero2Parallel, Zero3Parallel, axis_names_of,
+                            axis_sizes_of, check_axes)
+from autopar.plan import CollectivePlan, Plan, ValuePlan
+from autopar.split import OutputKind, SplitStep
+from autopar.trace import TracedStep
+
+__all__ = ["plan_preset", "donation_pairs", "leaves_read_by_compute",
+           "batch_axes_for", "shard_first_divisible", "grad_stage_names"]
+
+
+def grad_stage_names(n: int) -> list[str]:
+  """Stage run for each of ``n`` micro-batches.
+
+  ``compute_grad`` starts fresh partial sums, ``accumulate_grad`` adds to
+  them, and the ``_sync`` variant (last micro-batch only) reduces them across
+  the batch axes.
+  """
+  names = []
+  for i in range(n):
+    name = "compute_grad" if i == 0 else "accumulate_grad"
+    names.append(name + ("_sync" if i == n - 1 else ""))
+  return names
+
+
+def batch_axes_for(method: ParallelMethod, mesh) -> tuple[str, ...]:
+  axes = getattr(method, "batch_axes", None)
+  if isinstance(method, ShardParallel):
+    axes = method.option.force_batch_dim_to_mesh_dim
+    if isinstance(axes, str):
+      axes = (axes,)
+  if axes is None:
+    return axis_names_of(mesh)
+  check_axes(axes, mesh, f"{method.name}: batch axes")
+  return tuple(axes)
+
+
+def shard_first_divisible(shape: Sequence[int], axes: Sequence[str],
+                          sizes: dict[str, int]) -> PartitionSpec:
+  """Spec splitting the first dimension of ``shape`` that ``axes`` divide."""
+  p = math.prod(sizes[a] for a in axes)
+  if not axes or p == 1:
+    return PartitionSpec()
+  for d, n in enumerate(shape):
+    if n % p == 0 and n >= p:
+      entry = axes[0] if len(axes) == 1 else tuple(axes)
+      return PartitionSpec(*([None] * d), entry)
+  return PartitionSpec()
+
+
+def leaves_read_by_compute(split: SplitStep) -> set[int]:
+  """Indices of the leaves that ``compute_grad`` reads."""
+  if split.compute is None:
+    return set()
+  jaxpr = split.compute.jaxpr
+  nconst = len(split.consts)
+  read = {v for e in jaxpr.eqns for v in e.invars if isinstance(v, Var)}
+  read |= {v for v in jaxpr.outvars if isinstance(v, Var)}
+  return {k for k, v in enumerate(jaxpr.invars[nconst:]) if v in read}
+
+
+def donation_pairs(traced: TracedStep) -> dict[int, int]:
+  """Output leaf index -> donated input leaf index it replaces.
+
+  A donated argument is paired with the whole output, or with one top-level
+  element of it, that has the same pytree structure, shapes and dtypes (the
+  new state returned in place of the old).
+  """
+  leaves = traced.leaves
+  arg_children = traced.in_tree.children()
+  argnums = sorted({l.argnum for l in leaves})
+  out_avals = _out_avals(traced)
+  candidates = [(0, traced.out_tree)]
+  if traced.out_tree.num_nodes > 1 and traced.out_tree.children():
+    off = 0
+    for child in traced.out_tree.children():
+      candidates.append((off, child))
+      off += child.num_leaves
+  pairs: dict[int, int] = {}
+  start = 0
+  for j, td in enumerate(arg_children):
+    argnum = argnums[j] if j < len(argnums) else None
+    count = td.num_leaves
+    arg_leaves = leaves[start:start + count]
+    if count and arg_leaves[0].is_donated:
+      for off, out_td in candidates:
+        if out_td != td:
+          continue
+        outs = out_avals[off:off + count]
+        if all(o == (l.shape, np.dtype(l.dtype)) for o, l in zip(outs, arg_leaves)):
+          for i in range(count):
+            pairs.setdefault(off + i, start + i)
+          break
+    del argnum
+    start += count
+  return pairs
+
+
+def _out_avals(traced: TracedStep) -> list[tuple]:
+  out = []
+  for v in traced.jaxpr.jaxpr.outvars:
+    out.append((tuple(v.aval.shape), np.dtype(v.aval.dtype)))
+  return out
+
+
+def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
+                batch_size: int) -> Plan:
+  """The plan of a preset method (see the module docstring)."""
+  traced = split.traced
+  sizes = axis_sizes_of(mesh)
+  batch_axes = batch_axes_for(method, mesh)
+  if isinstance(method, ShardParallel) and method.option.force_data_parallel:
+    batch_axes = axis_names_of(mesh)
+  zero = 3 if isinstance(method, Zero3Parallel) else \
+      2 if isinstance(method, Zero2Parallel) else 0
+  n = method.micro_batches
+  batch_entry = (None if not batch_axes else
+                 batch_axes[0] if len(batch_axes) == 1 else tuple(batch_axes))
+  params = leaves_read_by_compute(split)
+
+  in_specs = []
+  for k, l in enumerate(traced.leaves):
+    if l.is_batch:
+      spec = PartitionSpec(batch_entry)
+    elif zero == 3 or (zero == 2 and k not in params):
+      spec = shard_first_divisible(l.shape, batch_axes, sizes)
+    else:
+      spec = PartitionSpec()
+    in_specs.append(spec)
+
+  grad_specs = []
+  if split.has_marker:
+    for aval in split.grad_avals:
+      grad_specs.append(shard_first_divisible(aval.shape, batch_axes, sizes)
+                        if zero else PartitionSpec())
+
+  pairs = donation_pairs(traced)
+  out_specs = []
+  for j, (kind, v) in enumerate(zip(split.out_kinds, traced.jaxpr.jaxpr.outvars)):
+    if j in pairs:
+      out_specs.append(in_specs[pairs[j]])
+    elif kind is OutputKind.CONCAT or (
+        not split.has_marker and batch_size and v.aval.ndim
+        and v.aval.shape[0] == batch_size and _depends_on_batch(split, j)):
+      out_specs.append(PartitionSpec(batch_entry))
+    else:
+      out_specs.append(PartitionSpec())
+
+  inputs = tuple(ValuePlan(l.path, l.shape, np.dtype(l.dtype).name, s)
+                 for l, s in zip(traced.leaves, in_specs, strict=True))
+  grads = tuple(ValuePlan(name, tuple(a.shape), np.dtype(a.dtype).name, s)
+                for name, a, s in zip(split.grad_names, split.grad_avals
+                                      if split.has_marker else [], grad_specs))
+  outputs = tuple(ValuePlan(p, tuple(v.aval.shape), np.dtype(v.aval.dtype).name, s)
+                  for p, v, s in zip(traced.out_paths, traced.jaxpr.jaxpr.outvars,
+                                     out_specs, strict=True))
+
+  collectives = _preset_collectives(split, inputs, grads, params, batch_axes,
+                                    sizes, n, zero)
+  option = method.option if isinstance(method, ShardParallel) else None
+  cost = MeshCost(sizes, option.alpha if option else {}, option.beta if option else {})
+  objective = sum(cost.collective(c.kind, c.bytes, c.axes) * c.per_step
+                  for c in collectives)
+  memory = _memory_estimate(inputs, grads, sizes, batch_axes, n)
+  return Plan(method=method.name, mesh_axis_names=axis_names_of(mesh),
+              mesh_shape=tuple(sizes.values()), num_micro_batches=n,
+              batch_axes=batch_axes, inputs=inputs, grads=grads, outputs=outputs,
+              collectives=tuple(collectives), memory_per_device=memory,
+              objective=float(objective), in_tree=traced.in_tree, mesh=mesh)
+
+
+def _depends_on_batch(split: SplitStep, out_index: int) -> bool:
+  jaxpr = split.traced.jaxpr.jaxpr
+  batch = {v for v, l in zip(jaxpr.invars, split.traced.leaves) if l.is_batch}
+  dep = set(batch)
+  for e in jaxpr.eqns:
+    if any(isinstance(v, Var) and v in dep for v in e.invars):
+      dep.update(e.outvars)
+  v = jaxpr.outvars[out_index]
+  return isinstance(v, Var) and v in dep
+
+
+def _preset_collectives(split, inputs, grads, params, batch_axes, sizes, n, zero):
+  if not split.has_marker or not batch_axes or \
+      math.prod(sizes[a] for a in batch_axes) == 1:
+    return []
+  sync = grad_stage_names(n)[-1]
+  grad_bytes = sum(num_bytes(g.shape, g.dtype) for g in grads)
+  out = [CollectivePlan(stage=sync,
+                        kind="reduce-scatter" if zero else "all-reduce",
+                        axes=batch_axes, bytes=grad_bytes, per_step=1,
+                        what="gradients")]
+  scalars = [k for k in split.out_kinds if k in (OutputKind.MEAN, OutputKind.SUM)]
+  if scalars:
+    out.append(CollectivePlan(stage=sync, kind="all-reduce", axes=batch_axes,
+                              bytes=4 * len(scalars), per_step=1,
+                              what="per-micro-batch scalars (loss, metrics)"))
+  sharded_params = [inputs[k] for k in sorted(params)
+                    if not inputs[k].name.startswith("<") and any(inputs[k].spec)
+                    and not split.traced.leaves[k].is_batch]
+  if zero == 3 and sharded_params:
+    b = sum(v.bytes_per_device(sizes) for v in sharded_params)
+    out.append(CollectivePlan(stage="compute_grad", kind="all-gather",
+                              axes=batch_axes, bytes=b, per_step=n,
+                              what="parameters for the forward/backward pass"))
+  if zero == 2:
+    replicated = [inputs[k] for k in sorted(params)
+                  if not split.traced.leaves[k].is_batch and not any(inputs[k].spec)]
+    sharded = [g for g in grads if any(g.spec)]
+    if replicated and sharded:
+      b = sum(g.bytes_per_device(sizes) for g in sharded)
+      out.append(CollectivePlan(stage="apply_grad", kind="all-gather",
+                                axes=batch_axes, bytes=b, per_step=1,
+                                what="updated parameters"))
+  return out
+
+
+def _memory_estimate(inputs, grads, sizes, batch_axes, n) -> int:
+  state = sum(v.bytes_per_device(sizes) for v in inputs)
+  reduced = sum(g.bytes_per_device(sizes) for g in grads)
+  # Un-reduced partial sums: one full gradient per device while accumulating.
+  partial = sum(num_bytes(g.shape, g.dtype) for g in grads) if batch_axes else 0
+  return int(state + reduced + partial)

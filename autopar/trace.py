@@ -1,0 +1,327 @@
+"""Trace a training step to a jaxpr at micro-batch shapes.
+
+Stage 1 of the pipeline: user function + example args -> :class:`TracedStep`,
+a closed jaxpr plus everything later stages need to know about its inputs
+and outputs (pytree paths, which leaves are batch data or donated state).
+
+Arguments are classified once per call, by :func:`classify_args`:
+
+* static: listed in ``static_argnums``, or with ``"auto"`` any argument that
+  is a Python scalar or string, or holds a leaf that is not an array
+  (compiled in as a constant; a new value recompiles);
+* batch: listed in ``batch_argnums``; every leaf has a leading batch axis
+  that is split into micro-batches and over the data mesh axes;
+* donated: listed in ``donate_argnums``, or with ``"auto"`` a first argument
+  that looks like a flax ``TrainState`` (has ``params`` and ``opt_state`` or
+  ``apply_gradients``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Literal
+
+from autopar.errors import InputError, MarkerError
+from autopar.marker import grad_marker_p
+
+__all__ = ["ArgFlags", "LeafInfo", "TracedStep", "classify_args",
+           "abstract_leaves", "trace_step", "check_batch_leaves"]
+
+
+# -- argument classification --------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ArgFlags:
+  """Which positional arguments are static, batch data, donated."""
+  static: tuple[int, ...]
+  batch: tuple[int, ...]
+  donate: tuple[int, ...]
+
+
+_SCALAR_TYPES = (bool, int, float, complex, str, type(None))
+
+
+def _is_array_leaf(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct,
+                        int, float, bool, complex))
+
+
+def _is_auto_static(arg: Any) -> bool:
+  if isinstance(arg, _SCALAR_TYPES):
+    return True
+  leaves = jax.tree_util.tree_leaves(arg)
+  return any(not _is_array_leaf(x) for x in leaves)
+
+
+def _looks_like_train_state(arg: Any) -> bool:
+  return hasattr(arg, "params") and (hasattr(arg, "opt_state")
+                                     or hasattr(arg, "apply_gradients"))
+
+
+def _normalize_argnums(argnums: int | Sequence[int], nargs: int, what: str,
+                       fn_name: str) -> tuple[int, ...]:
+  if isinstance(argnums, int):
+    argnums = (argnums,)
+  out = []
+  for a in argnums:
+    if not isinstance(a, int) or not -nargs <= a < nargs:
+      raise InputError(
+          f"{fn_name}: {what}={tuple(argnums)!r} names argument {a!r}, but the "
+          f"step was called with {nargs} positional argument(s). Fix: give "
+          f"indices in range(0, {nargs}).")
+    out.append(a % nargs)
+  return tuple(sorted(set(out)))
+
+
+def classify_args(args: Sequence[Any], *, static_argnums, batch_argnums,
+                  donate_argnums, fn_name: str) -> ArgFlags:
+  """Resolves ``"auto"`` argnums against concrete (or abstract) arguments."""
+  nargs = len(args)
+  batch = _normalize_argnums(batch_argnums, nargs, "batch_argnums", fn_name)
+  if static_argnums == "auto":
+    static = tuple(i for i, a in enumerate(args)
+                   if i not in batch and _is_auto_static(a))
+  else:
+    static = _normalize_argnums(static_argnums, nargs, "static_argnums", fn_name)
+  if donate_argnums == "auto":
+    donate = (0,) if nargs and 0 not in batch and 0 not in static and \
+        _looks_like_train_state(args[0]) else ()
+  else:
+    donate = _normalize_argnums(donate_argnums, nargs, "donate_argnums", fn_name)
+  for name, nums in (("static_argnums", static), ("donate_argnums", donate)):
+    both = sorted(set(nums) & set(batch))
+    if both:
+      raise InputError(
+          f"{fn_name}: argument {both[0]} is in both batch_argnums and {name}. "
+          f"Fix: a batch argument is split into micro-batches, so it can be "
+          f"neither static nor donated; remove it from one of the two.")
+  both = sorted(set(static) & set(donate))
+  if both:
+    raise InputError(
+        f"{fn_name}: argument {both[0]} is both static and donated. Fix: only "
+        f"array arguments can be donated; remove it from donate_argnums.")
+  return ArgFlags(static=static, batch=batch, donate=donate)
+
+
+# -- leaves -------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class LeafInfo:
+  """One array leaf of the step's non-static arguments."""
+  path: str                  # e.g. "state.params['Dense_0']['kernel']"
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  weak_type: bool
+  argnum: int
+  is_batch: bool
+  is_donated: bool
+
+  def abstract(self, shape: tuple[int, ...] | None = None) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(self.shape if shape is None else shape,
+                                self.dtype, weak_type=self.weak_type)
+
+
+def arg_names(fn: Callable, nargs: int) -> list[str]:
+  """Parameter names of ``fn`` for its first ``nargs`` positional args."""
+  try:
+    params = [p for p in inspect.signature(fn).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  except (TypeError, ValueError):
+    params = []
+  names = [p.name for p in params[:nargs]]
+  return names + [f"args[{i}]" for i in range(len(names), nargs)]
+
+
+def _leaf_aval(x: Any) -> tuple[tuple[int, ...], np.dtype, bool]:
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return tuple(x.shape), np.dtype(x.dtype), bool(getattr(x, "weak_type", False))
+  aval = jax.typeof(x)
+  return tuple(aval.shape), np.dtype(aval.dtype), bool(aval.weak_type)
+
+
+def abstract_leaves(args: Sequence[Any], flags: ArgFlags, names: Sequence[str]
+                    ) -> tuple[list[LeafInfo], Any, list[Any]]:
+  """Flattens the non-static args. Returns (leaf infos, treedef, leaves)."""
+  dynamic = [i for i in range(len(args)) if i not in flags.static]
+  infos, leaves = [], []
+  for i in dynamic:
+    for kp, x in jax.tree_util.tree_flatten_with_path(args[i])[0]:
+      shape, dtype, weak = _leaf_aval(x)
+      infos.append(LeafInfo(
+          path=names[i] + jax.tree_util.keystr(kp), shape=shape, dtype=dtype,
+          weak_type=weak, argnum=i, is_batch=i in flags.batch,
+          is_donated=i in flags.donate))
+      leaves.append(x)
+  treedef = jax.tree_util.tree_structure(tuple(args[i] for i in dynamic))
+  return infos, treedef, leaves
+
+
+def check_batch_leaves(leaves: Sequence[LeafInfo], *, num_micro_batches: int,
+                       data_axes: Sequence[str], data_size: int,
+                       fn_name: str) -> int:
+  """Checks that the batch leaves can be split; returns the batch size.
+
+  The batch is split into ``num_micro_batches`` micro-batches, and each
+  micro-batch over the ``data_axes`` of the mesh (``data_size`` devices), so
+  the leading axis of every batch leaf must be divisible by their product.
+  """
+  batch_leaves = [l for l in leaves if l.is_batch]
+  if not batch_leaves:
+    if num_micro_batches > 1:
+      raise InputError(
+          f"{fn_name}: num_micro_batches={num_micro_batches} but the step has "
+          f"no batch argument with arrays to split. Fix: pass batch_argnums= "
+          f"naming the argument that holds the batch.")
+    return 0
+  for l in batch_leaves:
+    if len(l.shape) == 0:
+      raise InputError(
+          f"{fn_name}: batch argument leaf {l.path} is a scalar (shape ()), "
+          f"but every leaf of a batch argument needs a leading batch axis to "
+          f"split into micro-batches. Fix: give it a batch axis, or move it "
+          f"out of the batch argument (e.g. into its own argument, which is "
+          f"replicated).")
+  first = batch_leaves[0]
+  size = first.shape[0]
+  for l in batch_leaves[1:]:
+    if l.shape[0] != size:
+      raise InputError(
+          f"{fn_name}: batch leaves disagree on the batch size: {first.path} "
+          f"has shape {first.shape} but {l.path} has shape {l.shape}. Fix: "
+          f"every leaf of a batch argument must have the same leading "
+          f"(batch) dimension.")
+  divisor = num_micro_batches * data_size
+  if size % divisor:
+    axes = ", ".join(f"'{a}'" for a in data_axes) or "none"
+    good = [d for d in range(max(1, size - 3 * divisor), size + 3 * divisor + 1)
+            if d % divisor == 0 and d > 0]
+    raise InputError(
+        f"{fn_name}: batch leaf {first.path} has shape {first.shape}; its batch "
+        f"size {size} must be divisible by num_micro_batches "
+        f"({num_micro_batches}) x the data-parallel mesh size ({data_size}, "
+        f"mesh axes {axes}) = {divisor}. Fix: use a batch size that is a "
+        f"multiple of {divisor} (e.g. {', '.join(map(str, good[:3]))}), or "
+        f"change num_micro_batches.")
+  return size
+
+
+# -- tracing ------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TracedStep:
+  """The step as a closed jaxpr over its flattened non-static arguments.
+
+  ``jaxpr.jaxpr.invars[k]`` is ``leaves[k]`` (at micro-batch shape for batch
+  leaves); ``jaxpr.jaxpr.outvars[k]`` has pytree path ``out_paths[k]``.
+  """
+  jaxpr: ClosedJaxpr
+  leaves: tuple[LeafInfo, ...]
+  in_tree: Any
+  out_tree: Any
+  out_paths: tuple[str, ...]
+  micro_batch_size: int          # 0 when the step has no batch argument
+
+  def __str__(self) -> str:
+    return str(self.jaxpr)
+
+
+def trace_step(fn: Callable, args: Sequence[Any], flags: ArgFlags,
+               leaves: Sequence[LeafInfo], in_tree: Any, *,
+               micro_batch_size: int) -> TracedStep:
+  """Traces ``fn`` with batch leaves cut to ``micro_batch_size`` rows."""
+  static_vals = {i: args[i] for i in flags.static}
+  nargs = len(args)
+
+  def flat_fn(*flat):
+    dyn = jax.tree_util.tree_unflatten(in_tree, flat)
+    it = iter(dyn)
+    full = [static_vals[i] if i in static_vals else next(it) for i in range(nargs)]
+    return fn(*full)
+
+  abstract = [l.abstract((micro_batch_size, *l.shape[1:]) if l.is_batch else None)
+              for l in leaves]
+  closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*abstract)
+  out_kp, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
+  out_paths = tuple("out" + jax.tree_util.keystr(kp) for kp, _ in out_kp)
+  closed = _inline_marked_calls(closed, fn_name=getattr(fn, "__name__", "step"))
+  return TracedStep(jaxpr=closed, leaves=tuple(leaves), in_tree=in_tree,
+                    out_tree=out_tree, out_paths=out_paths,
+                    micro_batch_size=micro_batch_size)
+
+
+# -- markers inside nested calls ---------------------------------------------
+
+_INLINABLE = ("pjit", "closed_call", "core_call")
+
+
+def _sub_jaxprs(eqn) -> list:
+  from jax.extend.core import jaxprs_in_params
+  return list(jaxprs_in_params(eqn.params))
+
+
+def count_markers(jaxpr) -> int:
+  """Number of grad-marker equations in ``jaxpr``, nested ones included."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive is grad_marker_p:
+      n += 1
+    for sub in _sub_jaxprs(eqn):
+      n += count_markers(sub)
+  return n
+
+
+def _inline_marked_calls(closed: ClosedJaxpr, *, fn_name: str) -> ClosedJaxpr:
+  """Inlines nested jit/call equations that contain a grad marker.
+
+  The splitter cuts the top-level jaxpr, so a marker inside ``jax.jit`` (a
+  ``pjit`` equation) is brought to the top level by re-tracing the jaxpr with
+  those calls inlined. A marker inside ``scan``/``while``/``cond`` cannot be
+  brought out and is an error.
+  """
+  if not any(count_markers(s) for e in closed.jaxpr.eqns for s in _sub_jaxprs(e)):
+    return closed
+  for eqn in closed.jaxpr.eqns:
+    if eqn.primitive.name not in _INLINABLE and any(
+        count_markers(s) for s in _sub_jaxprs(eqn)):
+      raise MarkerError(
+          f"{fn_name}: the grad marker (autopar.grad / autopar.value_and_grad) "
+          f"is inside a '{eqn.primitive.name}' equation. autopar splits the "
+          f"step at the marker, which must not sit inside control flow. Fix: "
+          f"call autopar.grad outside scan/while_loop/cond/checkpoint and use "
+          f"jax.grad inside them.")
+
+  def inline_eval(jaxpr, consts, *args):
+    env = {}
+    def read(a):
+      return a.val if isinstance(a, Literal) else env[a]
+    for v, x in zip(jaxpr.constvars, consts, strict=True):
+      env[v] = x
+    for v, x in zip(jaxpr.invars, args, strict=True):
+      env[v] = x
+    for eqn in jaxpr.eqns:
+      invals = [read(a) for a in eqn.invars]
+      subs = _sub_jaxprs(eqn)
+      if eqn.primitive.name in _INLINABLE and any(count_markers(s) for s in subs):
+        sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        sub_consts = getattr(sub, "consts", ())
+        sub_jaxpr = getattr(sub, "jaxpr", sub)
+        outs = inline_eval(sub_jaxpr, sub_consts, *invals)
+      else:
+        subfuns, bind_params = eqn.primitive.get_bind_params(eqn.params)
+        outs = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+        if not eqn.primitive.multiple_results:
+          outs = [outs]
+      for v, x in zip(eqn.outvars, outs, strict=True):
+        env[v] = x
+    return [read(a) for a in jaxpr.outvars]
+
+  in_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
+                                   weak_type=v.aval.weak_type)
+              for v in closed.jaxpr.invars]
+  return jax.make_jaxpr(lambda *a: inline_eval(closed.jaxpr, closed.consts, *a))(
+      *in_avals)
