@@ -1,0 +1,23 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="autopar",
+    version="0.1.0",
+    description="An auto-parallelizing compiler front end for stock JAX.",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["autopar", "autopar.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "jax>=0.10.2",
+        "jaxlib>=0.10.2",
+        "numpy",
+        "ray>=2.40",
+        "pulp>=2.8",
+        "highspy",
+    ],
+    extras_require={
+        "test": ["pytest", "hypothesis", "flax", "optax", "orbax-checkpoint"],
+        "dev": ["pytest", "hypothesis", "flax", "optax", "orbax-checkpoint"],
+    },
+)

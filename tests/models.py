@@ -1,0 +1,123 @@
+"""Small models and helpers shared by the tests."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax.training import train_state
+
+import autopar
+
+
+class MLP(nn.Module):
+  hidden: int = 64
+  out: int = 4
+  layers: int = 2
+
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(self.layers - 1):
+      x = nn.relu(nn.Dense(self.hidden)(x))
+    return nn.Dense(self.out)(x)
+
+
+class Block(nn.Module):
+  d: int
+  heads: int
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.LayerNorm()(x)
+    h = nn.MultiHeadDotProductAttention(num_heads=self.heads, qkv_features=self.d)(
+        h, h, mask=nn.make_causal_mask(jnp.ones(x.shape[:2])))
+    x = x + h
+    h = nn.LayerNorm()(x)
+    h = nn.Dense(4 * self.d)(h)
+    h = nn.gelu(h)
+    return x + nn.Dense(self.d)(h)
+
+
+class Transformer(nn.Module):
+  vocab: int = 32
+  d: int = 32
+  heads: int = 4
+  layers: int = 2
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(self.vocab, self.d)(tokens)
+    x = x + self.param("pos", nn.initializers.normal(0.02), (tokens.shape[1], self.d))
+    for _ in range(self.layers):
+      x = Block(self.d, self.heads)(x)
+    return nn.Dense(self.vocab)(nn.LayerNorm()(x))
+
+
+def mlp_setup(batch=32, din=16, hidden=64, dout=4, tx=None, seed=0):
+  model = MLP(hidden=hidden, out=dout)
+  rng = np.random.RandomState(seed)
+  x = rng.randn(batch, din).astype(np.float32)
+  y = rng.randn(batch, dout).astype(np.float32)
+  params = model.init(jax.random.PRNGKey(seed), x[:1])
+  tx = tx or optax.adam(1e-2)
+
+  def make_state():
+    return train_state.TrainState.create(
+        apply_fn=model.apply, params=jax.tree.map(jnp.array, params), tx=tx)
+
+  def step(state, batch):
+    def loss_fn(p):
+      pred = state.apply_fn(p, batch["x"])
+      return jnp.mean((pred - batch["y"]) ** 2)
+    loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  return make_state, step, {"x": x, "y": y}
+
+
+def transformer_setup(batch=16, seq=8, vocab=32, d=32, heads=4, layers=2, seed=0,
+                      tx=None):
+  model = Transformer(vocab=vocab, d=d, heads=heads, layers=layers)
+  rng = np.random.RandomState(seed)
+  tokens = rng.randint(0, vocab, size=(batch, seq + 1)).astype(np.int32)
+  params = model.init(jax.random.PRNGKey(seed), tokens[:1, :-1])
+  tx = tx or optax.sgd(0.1, momentum=0.9)
+
+  def make_state():
+    return train_state.TrainState.create(
+        apply_fn=model.apply, params=jax.tree.map(jnp.array, params), tx=tx)
+
+  def step(state, batch):
+    def loss_fn(p):
+      logits = state.apply_fn(p, batch["tokens"][:, :-1])
+      return optax.softmax_cross_entropy_with_integer_labels(
+          logits, batch["tokens"][:, 1:]).mean()
+    loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  return make_state, step, {"tokens": tokens}
+
+
+def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
+  """Leafwise allclose.
+
+  ``atol`` covers values near zero: a sum computed in another order differs
+  by rounding relative to the summands' magnitude, not the result's.
+  """
+  a_leaves, a_tree = jax.tree.flatten(actual)
+  e_leaves, e_tree = jax.tree.flatten(expected)
+  assert a_tree == e_tree, (a_tree, e_tree)
+  for a, e in zip(a_leaves, e_leaves, strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
+
+
+def single_device(fn):
+  """``jax.jit`` of ``fn`` on device 0 alone, the reference for every test."""
+  dev = jax.devices()[0]
+
+  def run(*args):
+    args = jax.device_put(args, dev)
+    return jax.jit(fn)(*args)
+  return run

@@ -1,0 +1,221 @@
+"""Data parallelism with gradient accumulation: numerics, donation, HLO, caching."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+import autopar
+from autopar import hlo
+from models import (assert_trees_close, mlp_setup, single_device,
+                    transformer_setup)
+
+
+def mesh_of(n, kind="make_mesh"):
+  shape, names = {1: ((1,), ("data",)), 2: ((2,), ("data",)),
+                  4: ((2, 2), ("data", "model")), 8: ((2, 4), ("data", "model"))}[n]
+  if kind == "make_mesh":      # Explicit axes, the jax 0.10 default
+    return jax.make_mesh(shape, names)
+  devices = np.array(jax.devices()[:n]).reshape(shape)
+  return Mesh(devices, names)  # Auto axes
+
+
+@pytest.mark.parametrize("devices,n,kind", [
+    (1, 1, "make_mesh"), (2, 2, "make_mesh"), (4, 4, "Mesh"), (8, 1, "make_mesh"),
+    (8, 2, "Mesh"), (8, 4, "make_mesh")])
+def test_mlp_adam_matches_single_device(devices, n, kind):
+  make_state, step, batch = mlp_setup()
+  ref_state, ref_loss = single_device(step)(make_state(), batch)
+  p = autopar.parallelize(step, method=autopar.DataParallel(
+      mesh=mesh_of(devices, kind), num_micro_batches=n))
+  state, loss = p(make_state(), batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(state.params, ref_state.params)
+  assert_trees_close(state.opt_state, ref_state.opt_state)
+  assert int(state.step) == 1
+
+
+@pytest.mark.parametrize("devices,n", [(1, 4), (2, 1), (4, 2), (8, 2)])
+def test_transformer_sgd_momentum_three_steps(devices, n):
+  make_state, step, batch = transformer_setup()
+  ref = single_device(step)
+  ref_state, p_state = make_state(), make_state()
+  p = autopar.parallelize(step, method=autopar.ShardParallel(
+      mesh=mesh_of(devices), num_micro_batches=n))
+  for _ in range(3):
+    ref_state, ref_loss = ref(ref_state, batch)
+    p_state, loss = p(p_state, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(p_state.params, ref_state.params)
+
+
+def test_per_example_outputs_and_counts_are_combined_in_batch_order():
+  make_state, _, batch = mlp_setup()
+
+  def step(state, batch):
+    def loss_fn(p):
+      pred = state.apply_fn(p, batch["x"])
+      per_example = jnp.mean((pred - batch["y"]) ** 2, axis=1)
+      return per_example.mean(), (per_example, jnp.sum(per_example > 1.0))
+    (loss, (per_ex, count)), grads = autopar.value_and_grad(
+        loss_fn, has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads), loss, per_ex, count
+
+  ref = single_device(step)(make_state(), batch)
+  p = autopar.parallelize(step, method=autopar.DataParallel(
+      mesh=mesh_of(8), num_micro_batches=2))
+  out = p(make_state(), batch)
+  np.testing.assert_allclose(out[1], ref[1], rtol=1e-5)
+  np.testing.assert_allclose(out[2], ref[2], rtol=1e-5, atol=1e-6)
+  assert out[3].dtype == ref[3].dtype and int(out[3]) == int(ref[3])
+  exe = p.get_executable(make_state(), batch)
+  # Per-example outputs come back split over the batch axes.
+  assert out[2].sharding.spec == exe.plan.outputs[-2].spec == P(("data", "model"))
+
+
+def test_state_is_donated_and_outputs_carry_planned_shardings():
+  make_state, step, batch = mlp_setup()
+  mesh = mesh_of(8)
+  p = autopar.parallelize(step, method=autopar.DataParallel(mesh=mesh,
+                                                           num_micro_batches=2))
+  exe = p.get_executable(make_state(), batch)
+  state = jax.device_put(make_state(), exe.plan.input_shardings[0])
+  old = jax.tree.leaves(state)
+  new_state, loss = p(state, batch)
+  assert all(x.is_deleted() for x in old)
+  assert not any(x.is_deleted() for x in jax.tree.leaves(new_state))
+  for x, s in zip(jax.tree.leaves(new_state), jax.tree.leaves(exe.plan.input_shardings[0])):
+    assert x.sharding.is_equivalent_to(s, x.ndim)
+    assert x.sharding.mesh.axis_types == mesh.axis_types   # the user's own mesh
+  # The updated state feeds the next step without copies; the batch is not donated.
+  p(new_state, batch)
+  assert not any(np.asarray(v).size == 0 for v in batch.values())
+
+
+def test_accumulated_gradients_are_updated_in_place():
+  make_state, step, batch = mlp_setup()
+  p = autopar.parallelize(step, method=autopar.DataParallel(mesh=mesh_of(8),
+                                                           num_micro_batches=4))
+  exe = p.get_executable(make_state(), batch)
+  text = exe.stages["accumulate_grad"].as_text()
+  # Every partial-sum buffer (one per gradient) is aliased to its output.
+  num_grads = len(exe.plan.grads)
+  aliases = re.findall(r"\(\d+, \{[^}]*\}, (?:may|must)-alias\)", text)
+  assert len(aliases) >= num_grads
+
+
+def _grad_collective_bytes(compiled, min_bytes):
+  return sum(c.operand_bytes for c in hlo.collectives(compiled)
+             if c.operand_bytes >= min_bytes)
+
+
+@pytest.mark.parametrize("model", ["mlp", "transformer"])
+def test_gradients_cross_devices_once_per_step(model):
+  make_state, step, batch = (mlp_setup(batch=64) if model == "mlp"
+                             else transformer_setup(batch=64))
+  smallest_grad = None
+  per_step = {}
+  for n in (1, 2, 4, 8):
+    p = autopar.parallelize(step, method=autopar.DataParallel(
+        mesh=mesh_of(8), num_micro_batches=n))
+    exe = p.get_executable(make_state(), batch)
+    grad_bytes = [g.bytes_per_device(exe.plan.axis_sizes) for g in exe.plan.grads]
+    smallest_grad = min(grad_bytes)
+    assert len(exe.schedule) == n + 1 and exe.schedule[-1] == "apply_grad"
+    for name in exe.schedule[:n - 1]:
+      assert hlo.collectives(exe.stages[name]) == [], name
+    per_step[n] = sum(_grad_collective_bytes(exe.stages[name], smallest_grad)
+                      for name in exe.schedule)
+  assert per_step[1] >= sum(grad_bytes)
+  assert per_step[1] == per_step[2] == per_step[4] == per_step[8]
+
+
+def test_same_shapes_do_not_retrace_and_new_shapes_do():
+  make_state, _, batch = mlp_setup()
+  traces = []
+
+  def step(state, batch):
+    traces.append(1)
+    loss, grads = autopar.value_and_grad(
+        lambda p: jnp.mean((state.apply_fn(p, batch["x"]) - batch["y"]) ** 2))(
+            state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  p = autopar.parallelize(step, method=autopar.DataParallel(mesh=mesh_of(2),
+                                                           num_micro_batches=2))
+  state, _ = p(make_state(), batch)
+  count = len(traces)
+  state, _ = p(state, batch)
+  state, _ = p(state, {k: v + 1 for k, v in batch.items()})
+  assert len(traces) == count
+  assert p.get_executable(state, batch) is p.get_executable(state, batch)
+  half = {k: v[:16] for k, v in batch.items()}
+  state, _ = p(state, half)
+  assert len(traces) > count
+
+
+def test_step_without_marker_runs_with_one_micro_batch():
+  make_state, _, batch = mlp_setup()
+
+  def step(state, batch):
+    loss, grads = jax.value_and_grad(
+        lambda p: jnp.mean((state.apply_fn(p, batch["x"]) - batch["y"]) ** 2))(
+            state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  ref_state, ref_loss = single_device(step)(make_state(), batch)
+  p = autopar.parallelize(step, method=autopar.DataParallel(mesh=mesh_of(8)))
+  state, loss = p(make_state(), batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(state.params, ref_state.params)
+  assert p.get_executable(make_state(), batch).schedule == ["step"]
+
+
+def test_plan_json_round_trip_and_summary():
+  make_state, step, batch = mlp_setup()
+  p = autopar.parallelize(step, method=autopar.DataParallel(mesh=mesh_of(8),
+                                                           num_micro_batches=2))
+  exe = p.get_executable(make_state(), batch)
+  plan = exe.plan
+  again = autopar.Plan.from_json(plan.to_json())
+  assert again == plan
+  assert again.to_json() == plan.to_json()
+  text = plan.summary()
+  for leaf in plan.inputs:
+    assert leaf.name in text
+  assert "all-reduce" in text and "gradients" in text
+  shardings = plan.input_shardings
+  assert isinstance(shardings[1]["x"], NamedSharding)
+  assert shardings[1]["x"].spec == P(("data", "model"))
+  assert jax.tree.structure(shardings[0]) == jax.tree.structure(make_state())
+  assert set(exe.stages) == set(exe.schedule)
+  assert isinstance(plan.objective, float) and plan.objective > 0
+
+
+def test_batch_axes_subset_keeps_other_axes_replicated():
+  make_state, step, batch = mlp_setup()
+  ref_state, _ = single_device(step)(make_state(), batch)
+  p = autopar.parallelize(step, method=autopar.DataParallel(
+      mesh=mesh_of(8), num_micro_batches=2, batch_axes=("data",)))
+  state, _ = p(make_state(), batch)
+  assert_trees_close(state.params, ref_state.params)
+  exe = p.get_executable(make_state(), batch)
+  assert exe.plan.batch_axes == ("data",)
+  (reduce,) = [c for c in hlo.collectives(exe.stages["accumulate_grad_sync"])
+               if c.operand_bytes > 64]
+  assert reduce.group_size == 2
+
+
+def test_default_method_and_decorator_forms():
+  make_state, step, batch = mlp_setup()
+  ref_state, _ = single_device(step)(make_state(), batch)
+  bare = autopar.parallelize(step)
+  called = autopar.parallelize()(step)
+  for p in (bare, called):
+    state, _ = p(make_state(), batch)
+    assert_trees_close(state.params, ref_state.params)
+    assert p.get_executable(make_state(), batch).plan.mesh_shape == (8,)
