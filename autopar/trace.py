@@ -256,7 +256,7 @@ def trace_step(fn: Callable, args: Sequence[Any], flags: ArgFlags,
 
 # -- markers inside nested calls ---------------------------------------------
 
-_INLINABLE = ("pjit", "closed_call", "core_call")
+_INLINABLE = ("jit", "pjit", "closed_call", "core_call")
 
 
 def _sub_jaxprs(eqn) -> list:
@@ -285,15 +285,6 @@ def _inline_marked_calls(closed: ClosedJaxpr, *, fn_name: str) -> ClosedJaxpr:
   """
   if not any(count_markers(s) for e in closed.jaxpr.eqns for s in _sub_jaxprs(e)):
     return closed
-  for eqn in closed.jaxpr.eqns:
-    if eqn.primitive.name not in _INLINABLE and any(
-        count_markers(s) for s in _sub_jaxprs(eqn)):
-      raise MarkerError(
-          f"{fn_name}: the grad marker (autopar.grad / autopar.value_and_grad) "
-          f"is inside a '{eqn.primitive.name}' equation. autopar splits the "
-          f"step at the marker, which must not sit inside control flow. Fix: "
-          f"call autopar.grad outside scan/while_loop/cond/checkpoint and use "
-          f"jax.grad inside them.")
 
   def inline_eval(jaxpr, consts, *args):
     env = {}
@@ -306,14 +297,23 @@ def _inline_marked_calls(closed: ClosedJaxpr, *, fn_name: str) -> ClosedJaxpr:
     for eqn in jaxpr.eqns:
       invals = [read(a) for a in eqn.invars]
       subs = _sub_jaxprs(eqn)
-      if eqn.primitive.name in _INLINABLE and any(count_markers(s) for s in subs):
+      marked = any(count_markers(s) for s in subs)
+      if marked and eqn.primitive.name not in _INLINABLE:
+        raise MarkerError(
+            f"{fn_name}: the grad marker (autopar.grad / autopar.value_and_grad) "
+            f"is inside a '{eqn.primitive.name}' equation. autopar splits the "
+            f"step at the marker, which must not sit inside control flow. Fix: "
+            f"call autopar.grad outside scan/while_loop/cond/checkpoint and use "
+            f"jax.grad inside them.")
+      if marked:
         sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
         sub_consts = getattr(sub, "consts", ())
         sub_jaxpr = getattr(sub, "jaxpr", sub)
         outs = inline_eval(sub_jaxpr, sub_consts, *invals)
       else:
-        subfuns, bind_params = eqn.primitive.get_bind_params(eqn.params)
-        outs = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+        bind_params = eqn.primitive.get_bind_params(eqn.params)
+        with eqn.ctx.manager:
+          outs = eqn.primitive.bind(*invals, **bind_params)
         if not eqn.primitive.multiple_results:
           outs = [outs]
       for v, x in zip(eqn.outvars, outs, strict=True):

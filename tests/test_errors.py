@@ -1,0 +1,164 @@
+"""Bad input gets an autopar error that names the path, the shape and the fix,
+and a step that fails leaves the caller's state usable."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autopar
+from models import mlp_setup
+
+
+def mesh8():
+  return jax.make_mesh((2, 4), ("data", "model"))
+
+
+def run(step, n=2, mesh=None, **kw):
+  return autopar.parallelize(step, method=autopar.DataParallel(
+      mesh=mesh or mesh8(), num_micro_batches=n), **kw)
+
+
+def assert_state_usable(state):
+  assert not any(x.is_deleted() for x in jax.tree.leaves(state)
+                 if isinstance(x, jax.Array))
+  jax.tree.map(lambda x: np.asarray(x).sum(), state)
+
+
+def test_batch_not_divisible_by_micro_batches_and_devices():
+  make_state, step, batch = mlp_setup(batch=36)
+  state = make_state()
+  with pytest.raises(autopar.InputError) as e:
+    run(step, n=2)(state, batch)
+  msg = str(e.value)
+  assert "batch['x']" in msg and "(36, 16)" in msg and "16" in msg
+  assert "'data', 'model'" in msg and "multiple of 16" in msg
+  assert isinstance(e.value, autopar.AutoparError)
+  assert_state_usable(state)
+
+
+def test_batch_not_divisible_by_micro_batches_on_one_device():
+  make_state, step, batch = mlp_setup(batch=30)
+  with pytest.raises(autopar.InputError, match=r"num_micro_batches \(4\)"):
+    run(step, n=4, mesh=jax.make_mesh((1,), ("data",)))(make_state(), batch)
+
+
+def test_micro_batches_without_marker():
+  make_state, _, batch = mlp_setup()
+
+  def step(state, batch):
+    grads = jax.grad(lambda p: jnp.mean(state.apply_fn(p, batch["x"]) ** 2))(
+        state.params)
+    return state.apply_gradients(grads=grads)
+
+  state = make_state()
+  with pytest.raises(autopar.MarkerError, match="autopar.grad"):
+    run(step, n=4)(state, batch)
+  assert_state_usable(state)
+
+
+def test_more_than_one_marker():
+  make_state, _, batch = mlp_setup()
+
+  def step(state, batch):
+    f = lambda p: jnp.mean(state.apply_fn(p, batch["x"]) ** 2)
+    g1 = autopar.grad(f)(state.params)
+    g2 = autopar.grad(f)(state.params)
+    return state.apply_gradients(grads=jax.tree.map(jnp.add, g1, g2))
+
+  with pytest.raises(autopar.MarkerError, match="2 times"):
+    run(step)(make_state(), batch)
+
+
+def test_batch_leaf_without_batch_axis():
+  make_state, step, batch = mlp_setup()
+  bad = dict(batch, lr=np.float32(0.1))
+  with pytest.raises(autopar.InputError) as e:
+    run(step)(make_state(), bad)
+  assert "batch['lr']" in str(e.value) and "shape ()" in str(e.value)
+
+
+def test_batch_leaves_with_different_batch_sizes():
+  make_state, step, batch = mlp_setup()
+  bad = dict(batch, y=batch["y"][:16])
+  with pytest.raises(autopar.InputError, match=r"batch\['y'\] has shape \(16, 4\)"):
+    run(step)(make_state(), bad)
+
+
+def test_unknown_mesh_axis():
+  with pytest.raises(autopar.MeshError) as e:
+    autopar.DataParallel(mesh=mesh8(), batch_axes=("batch",))
+  assert "'batch'" in str(e.value) and "('data', 'model')" in str(e.value)
+  with pytest.raises(autopar.MeshError, match="'dp'"):
+    opt = autopar.AutoShardingOption(force_batch_dim_to_mesh_dim="dp")
+    make_state, step, batch = mlp_setup()
+    autopar.parallelize(step, method=autopar.ShardParallel(mesh=mesh8(), option=opt))(
+        make_state(), batch)
+
+
+def test_batch_value_used_after_marker():
+  make_state, _, batch = mlp_setup()
+
+  def step(state, batch):
+    loss, grads = autopar.value_and_grad(
+        lambda p: jnp.mean(state.apply_fn(p, batch["x"]) ** 2))(state.params)
+    grads = jax.tree.map(lambda g: g * loss, grads)   # loss crosses the marker
+    return state.apply_gradients(grads=grads)
+
+  with pytest.raises(autopar.MarkerError, match="only the gradients"):
+    run(step)(make_state(), batch)
+
+
+def test_output_that_cannot_be_combined():
+  make_state, _, batch = mlp_setup()
+
+  def step(state, batch):
+    def loss_fn(p):
+      pred = state.apply_fn(p, batch["x"])
+      return jnp.mean(pred ** 2), pred.mean(axis=0)   # shape (4,): not per-example
+    (loss, col_means), grads = autopar.value_and_grad(loss_fn, has_aux=True)(
+        state.params)
+    return state.apply_gradients(grads=grads), col_means
+
+  with pytest.raises(autopar.InputError, match=r"out\[1\] \(shape \(4,\)\)"):
+    run(step)(make_state(), batch)
+
+
+def test_bad_arguments_to_parallelize_and_methods():
+  make_state, step, batch = mlp_setup()
+  with pytest.raises(autopar.InputError, match="num_micro_batches=0"):
+    autopar.DataParallel(num_micro_batches=0)
+  with pytest.raises(autopar.MeshError, match="jax.sharding.Mesh"):
+    autopar.DataParallel(mesh=(2, 4))
+  with pytest.raises(autopar.InputError, match="batch_argnums"):
+    autopar.parallelize(step, batch_argnums=(5,))(make_state(), batch)
+  with pytest.raises(autopar.InputError, match="both batch_argnums and donate_argnums"):
+    autopar.parallelize(step, donate_argnums=(1,))(make_state(), batch)
+  with pytest.raises(autopar.InputError, match="'auto'"):
+    autopar.parallelize(step, donate_argnums="yes")
+
+
+def test_marker_inside_control_flow():
+  make_state, _, batch = mlp_setup()
+
+  def step(state, batch):
+    def body(c, x):
+      g = autopar.grad(lambda p: jnp.mean(state.apply_fn(p, x) ** 2))(state.params)
+      return c, g
+    _, gs = jax.lax.scan(body, 0, batch["x"].reshape(2, -1, 16))
+    return state.apply_gradients(grads=jax.tree.map(lambda g: g.mean(0), gs))
+
+  with pytest.raises(autopar.MarkerError, match="scan"):
+    run(step)(make_state(), batch)
+
+
+def test_abstract_mesh_cannot_run():
+  make_state, step, batch = mlp_setup()
+  mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
+  p = autopar.parallelize(step, method=autopar.DataParallel(mesh=mesh))
+  plan = p.plan(make_state(), batch)     # planning works
+  assert plan.mesh_shape == (2, 4)
+  state = make_state()
+  with pytest.raises(autopar.PlanError, match="AbstractMesh"):
+    p(state, batch)
+  assert_state_usable(state)

@@ -1,0 +1,88 @@
+"""The grad marker primitive and the split of a step at it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import autopar
+from autopar.marker import grad_marker_p
+from autopar.split import OutputKind, split_step
+from autopar.trace import abstract_leaves, arg_names, classify_args, trace_step
+
+
+def f(w, x):
+  return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+
+W = jnp.arange(6.0).reshape(3, 2) / 10
+X = jnp.arange(12.0).reshape(4, 3) / 10
+
+
+def test_marker_is_invisible_to_jax_transformations():
+  g = jax.grad(f)(W, X)
+  np.testing.assert_allclose(autopar.grad(f)(W, X), g, rtol=1e-6)
+  np.testing.assert_allclose(jax.jit(autopar.grad(f))(W, X), g, rtol=1e-6)
+  v, g2 = autopar.value_and_grad(f)(W, X)
+  np.testing.assert_allclose(v, f(W, X), rtol=1e-6)
+  np.testing.assert_allclose(g2, g, rtol=1e-6)
+  per_row = jax.vmap(autopar.grad(f), in_axes=(None, 0))(W, X[:, None])
+  np.testing.assert_allclose(per_row, jax.vmap(jax.grad(f), in_axes=(None, 0))(
+      W, X[:, None]), rtol=1e-6)
+  np.testing.assert_allclose(jax.jacfwd(autopar.grad(f))(W, X),
+                             jax.hessian(f)(W, X), rtol=1e-5)
+  np.testing.assert_allclose(jax.jacrev(autopar.grad(f))(W, X),
+                             jax.hessian(f)(W, X), rtol=1e-5)
+  t = jax.linear_transpose(autopar.marker.mark_gradients, W)(W)
+  np.testing.assert_allclose(t[0], W)
+
+
+def test_marker_names_gradients_by_pytree_path():
+  params = {"a": W, "b": {"c": jnp.ones(2)}}
+  loss = lambda p: f(p["a"], X) + jnp.sum(p["b"]["c"] ** 2)
+  jaxpr = jax.make_jaxpr(autopar.grad(loss))(params)
+  (eqn,) = [e for e in jaxpr.eqns if e.primitive is grad_marker_p]
+  assert eqn.params["names"] == ("grad['a']", "grad['b']['c']")
+
+
+def _split(step, *args, batch_argnums=(1,)):
+  flags = classify_args(args, static_argnums="auto", batch_argnums=batch_argnums,
+                        donate_argnums=(), fn_name="step")
+  leaves, tree, _ = abstract_leaves(args, flags, arg_names(step, len(args)))
+  traced = trace_step(step, args, flags, leaves, tree, micro_batch_size=2)
+  return split_step(traced)
+
+
+def test_split_puts_forward_backward_in_compute_and_update_in_apply():
+  def step(w, x):
+    loss, g = autopar.value_and_grad(f)(w, x)
+    return w - 0.1 * g, loss, x.sum(axis=1), w.sum()
+
+  s = _split(step, W, X)
+  assert s.has_marker and s.num_grads == 1
+  assert s.out_kinds == (OutputKind.APPLY, OutputKind.MEAN, OutputKind.CONCAT,
+                         OutputKind.APPLY)
+  compute_prims = {e.primitive.name for e in s.compute.jaxpr.eqns}
+  apply_prims = {e.primitive.name for e in s.apply.jaxpr.eqns}
+  assert "dot_general" in compute_prims and "tanh" in compute_prims
+  assert "dot_general" not in apply_prims and "tanh" not in apply_prims
+  assert grad_marker_p.name not in compute_prims | apply_prims
+  # compute_grad returns the gradient first, then the per-micro-batch outputs.
+  assert len(s.compute.jaxpr.outvars) == 1 + 2
+
+
+def test_marker_inside_jit_is_inlined():
+  @jax.jit
+  def inner(w, x):
+    return autopar.value_and_grad(f)(w, x)
+
+  def step(w, x):
+    loss, g = inner(w, x)
+    return w - g, loss
+
+  s = _split(step, W, X)
+  assert s.has_marker and s.out_kinds == (OutputKind.APPLY, OutputKind.MEAN)
+
+
+def test_step_without_marker_is_one_apply_part():
+  s = _split(lambda w, x: (w - jax.grad(f)(w, x),), W, X)
+  assert not s.has_marker and s.out_kinds == (OutputKind.APPLY,)
