@@ -26,9 +26,11 @@ import dataclasses
 import math
 from typing import Mapping, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["MeshCost", "bytes_per_device", "num_bytes", "COLLECTIVE_KINDS"]
+__all__ = ["MeshCost", "bytes_per_device", "num_bytes", "itemsize", "dtype_name",
+           "COLLECTIVE_KINDS"]
 
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
 
@@ -36,8 +38,33 @@ DEFAULT_ALPHA = 1e-5      # 10 us per hop
 DEFAULT_BETA = 1e-10      # 10 GB/s
 
 
+def itemsize(dtype) -> int:
+  """Bytes per element of ``dtype``: a numpy/JAX dtype or its name.
+
+  Handles ml_dtypes names ("bfloat16") and JAX's extended dtypes such as
+  PRNG keys ("key<fry>": two uint32 words).
+  """
+  if not isinstance(dtype, str):
+    return int(dtype.itemsize)
+  try:
+    return int(np.dtype(dtype).itemsize)
+  except TypeError:
+    pass
+  try:
+    return int(jnp.dtype(dtype).itemsize)
+  except TypeError:
+    if dtype.startswith("key<"):
+      return 8
+    raise
+
+
+def dtype_name(dtype) -> str:
+  """A dtype's name as plans store it ("float32", "bfloat16", "key<fry>")."""
+  return str(dtype)
+
+
 def num_bytes(shape: Sequence[int], dtype) -> int:
-  return int(math.prod(shape)) * np.dtype(dtype).itemsize
+  return int(math.prod(shape)) * itemsize(dtype)
 
 
 def bytes_per_device(shape: Sequence[int], dtype, spec: Sequence,

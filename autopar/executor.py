@@ -81,7 +81,6 @@ class Executable:
                                  [leaves[k] for k in lw.kept],
                                  [leaves[k] for k in lw.batch]))
     schedule = lw.schedule
-    n = len(schedule) - 1
     acc = None
     for i, name in enumerate(schedule[:-1]):
       if i == 0:
@@ -95,7 +94,6 @@ class Executable:
     outs = []
     for kind, idx in zip(self.split.out_kinds, self.split.out_index, strict=True):
       outs.append(apply_outs[idx] if kind is OutputKind.APPLY else micro_outs[idx])
-    assert n == self.plan.num_micro_batches
     return outs
 
   def __call__(self, *args):

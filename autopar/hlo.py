@@ -17,7 +17,6 @@ import math
 import re
 from typing import Any
 
-import numpy as np
 
 from autopar.cost_model import ring_bytes_sent
 

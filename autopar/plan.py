@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from typing import Any, Mapping, Sequence
 
 import jax
-import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from autopar.cost_model import bytes_per_device

@@ -25,13 +25,11 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-import numpy as np
 from jax.extend.core import Var
 from jax.sharding import PartitionSpec
 
-from autopar.cost_model import MeshCost, bytes_per_device, num_bytes
-from autopar.errors import InputError
-from autopar.method import (DataParallel, ParallelMethod, ShardParallel,
+from autopar.cost_model import MeshCost, dtype_name, num_bytes
+from autopar.method import (ParallelMethod, ShardParallel,
                             Zero2Parallel, Zero3Parallel, axis_names_of,
                             axis_sizes_of, check_axes)
 from autopar.plan import CollectivePlan, Plan, ValuePlan
@@ -101,7 +99,6 @@ def donation_pairs(traced: TracedStep) -> dict[int, int]:
   """
   leaves = traced.leaves
   arg_children = traced.in_tree.children()
-  argnums = sorted({l.argnum for l in leaves})
   out_avals = _out_avals(traced)
   candidates = [(0, traced.out_tree)]
   if traced.out_tree.num_nodes > 1 and traced.out_tree.children():
@@ -111,8 +108,7 @@ def donation_pairs(traced: TracedStep) -> dict[int, int]:
       off += child.num_leaves
   pairs: dict[int, int] = {}
   start = 0
-  for j, td in enumerate(arg_children):
-    argnum = argnums[j] if j < len(argnums) else None
+  for td in arg_children:
     count = td.num_leaves
     arg_leaves = leaves[start:start + count]
     if count and arg_leaves[0].is_donated:
@@ -120,11 +116,10 @@ def donation_pairs(traced: TracedStep) -> dict[int, int]:
         if out_td != td:
           continue
         outs = out_avals[off:off + count]
-        if all(o == (l.shape, np.dtype(l.dtype)) for o, l in zip(outs, arg_leaves)):
+        if all(o == (l.shape, l.dtype) for o, l in zip(outs, arg_leaves)):
           for i in range(count):
             pairs.setdefault(off + i, start + i)
           break
-    del argnum
     start += count
   return pairs
 
@@ -132,7 +127,7 @@ def donation_pairs(traced: TracedStep) -> dict[int, int]:
 def _out_avals(traced: TracedStep) -> list[tuple]:
   out = []
   for v in traced.jaxpr.jaxpr.outvars:
-    out.append((tuple(v.aval.shape), np.dtype(v.aval.dtype)))
+    out.append((tuple(v.aval.shape), v.aval.dtype))
   return out
 
 
@@ -179,12 +174,12 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
     else:
       out_specs.append(PartitionSpec())
 
-  inputs = tuple(ValuePlan(l.path, l.shape, np.dtype(l.dtype).name, s)
+  inputs = tuple(ValuePlan(l.path, l.shape, dtype_name(l.dtype), s)
                  for l, s in zip(traced.leaves, in_specs, strict=True))
-  grads = tuple(ValuePlan(name, tuple(a.shape), np.dtype(a.dtype).name, s)
+  grads = tuple(ValuePlan(name, tuple(a.shape), dtype_name(a.dtype), s)
                 for name, a, s in zip(split.grad_names, split.grad_avals
                                       if split.has_marker else [], grad_specs))
-  outputs = tuple(ValuePlan(p, tuple(v.aval.shape), np.dtype(v.aval.dtype).name, s)
+  outputs = tuple(ValuePlan(p, tuple(v.aval.shape), dtype_name(v.aval.dtype), s)
                   for p, v, s in zip(traced.out_paths, traced.jaxpr.jaxpr.outvars,
                                      out_specs, strict=True))
 
@@ -229,8 +224,7 @@ def _preset_collectives(split, inputs, grads, params, batch_axes, sizes, n, zero
                               bytes=4 * len(scalars), per_step=1,
                               what="per-micro-batch scalars (loss, metrics)"))
   sharded_params = [inputs[k] for k in sorted(params)
-                    if not inputs[k].name.startswith("<") and any(inputs[k].spec)
-                    and not split.traced.leaves[k].is_batch]
+                    if any(inputs[k].spec) and not split.traced.leaves[k].is_batch]
   if zero == 3 and sharded_params:
     b = sum(v.bytes_per_device(sizes) for v in sharded_params)
     out.append(CollectivePlan(stage="compute_grad", kind="all-gather",

@@ -40,11 +40,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Sequence
 
 import numpy as np
 from jax._src.interpreters import partial_eval as pe
-from jax.extend.core import ClosedJaxpr, Literal, Var
+from jax.extend.core import ClosedJaxpr, Var
 
 from autopar.errors import MarkerError
 from autopar.marker import grad_marker_p

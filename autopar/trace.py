@@ -115,7 +115,7 @@ class LeafInfo:
   """One array leaf of the step's non-static arguments."""
   path: str                  # e.g. "state.params['Dense_0']['kernel']"
   shape: tuple[int, ...]
-  dtype: np.dtype
+  dtype: Any                 # numpy dtype, or a JAX extended dtype (PRNG keys)
   weak_type: bool
   argnum: int
   is_batch: bool
@@ -137,11 +137,11 @@ def arg_names(fn: Callable, nargs: int) -> list[str]:
   return names + [f"args[{i}]" for i in range(len(names), nargs)]
 
 
-def _leaf_aval(x: Any) -> tuple[tuple[int, ...], np.dtype, bool]:
+def _leaf_aval(x: Any) -> tuple[tuple[int, ...], Any, bool]:
   if isinstance(x, jax.ShapeDtypeStruct):
-    return tuple(x.shape), np.dtype(x.dtype), bool(getattr(x, "weak_type", False))
+    return tuple(x.shape), x.dtype, bool(getattr(x, "weak_type", False))
   aval = jax.typeof(x)
-  return tuple(aval.shape), np.dtype(aval.dtype), bool(aval.weak_type)
+  return tuple(aval.shape), aval.dtype, bool(aval.weak_type)
 
 
 def abstract_leaves(args: Sequence[Any], flags: ArgFlags, names: Sequence[str]

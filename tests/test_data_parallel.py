@@ -5,9 +5,8 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import autopar
 from autopar import hlo
@@ -219,3 +218,37 @@ def test_default_method_and_decorator_forms():
     state, _ = p(make_state(), batch)
     assert_trees_close(state.params, ref_state.params)
     assert p.get_executable(make_state(), batch).plan.mesh_shape == (8,)
+
+
+def test_mlp_adam_several_steps():
+  make_state, step, batch = mlp_setup()
+  ref = single_device(step)
+  p = autopar.parallelize(step, method=autopar.DataParallel(
+      mesh=mesh_of(8), num_micro_batches=4))
+  ref_state, state = make_state(), make_state()
+  for _ in range(3):
+    ref_state, ref_loss = ref(ref_state, batch)
+    state, loss = p(state, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(state.params, ref_state.params)
+
+
+def test_state_with_prng_key_and_plain_tuple_arguments():
+  def step(state, batch):
+    w, key = state
+    key, sub = jax.random.split(key)
+    noise = 0.01 * jax.random.normal(sub, w.shape)
+    loss, g = autopar.value_and_grad(lambda w: jnp.mean((batch @ w) ** 2))(w)
+    return (w - 0.1 * g + noise, key), loss
+
+  x = np.random.RandomState(0).randn(16, 3).astype(np.float32)
+  make = lambda: (jnp.ones((3, 2)), jax.random.key(7))
+  (ref_w, ref_key), ref_loss = single_device(step)(make(), x)
+  p = autopar.parallelize(step, method=autopar.DataParallel(
+      mesh=mesh_of(4), num_micro_batches=2), donate_argnums=(0,))
+  (w, key), loss = p(make(), x)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  np.testing.assert_allclose(w, ref_w, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(jax.random.key_data(key)),
+                                np.asarray(jax.random.key_data(ref_key)))
+  assert "key<fry>" in p.get_executable(make(), x).plan.summary()
