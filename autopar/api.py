@@ -197,7 +197,7 @@ class ParallelizedFunction:
               f"scalar mean, an integer count, or per-example values.")
     saved = method.plan if isinstance(method, ShardParallel) else None
     if saved is not None:
-      plan = _bind_saved_plan(saved, split, mesh, self._name)
+      plan = _bind_saved_plan(saved, split, mesh, n, self._name)
     else:
       plan = plan_preset(split, method, mesh, batch_size=batch_size)
     self._plans[prep.key] = (plan, split)
@@ -261,9 +261,14 @@ def _check_local_split(split: SplitStep, local: SplitStep, name: str) -> SplitSt
                              out_index=split.out_index)
 
 
-def _bind_saved_plan(saved: Plan, split: SplitStep, mesh, name: str) -> Plan:
+def _bind_saved_plan(saved: Plan, split: SplitStep, mesh, n: int, name: str) -> Plan:
   """Checks a saved plan against this step and mesh, and attaches both."""
   leaves = split.traced.leaves
+  if saved.num_micro_batches != n:
+    raise PlanError(
+        f"{name}: the saved plan is for num_micro_batches={saved.num_micro_batches} "
+        f"but the method has num_micro_batches={n}. Fix: use the plan's number of "
+        f"micro-batches, or plan again.")
   if tuple(saved.mesh_shape) != tuple(mesh.axis_sizes) or \
       tuple(saved.mesh_axis_names) != tuple(mesh.axis_names):
     raise PlanError(

@@ -252,3 +252,24 @@ def test_state_with_prng_key_and_plain_tuple_arguments():
   np.testing.assert_array_equal(np.asarray(jax.random.key_data(key)),
                                 np.asarray(jax.random.key_data(ref_key)))
   assert "key<fry>" in p.get_executable(make(), x).plan.summary()
+
+
+def test_saved_plan_runs_without_planning_and_is_checked():
+  make_state, step, batch = mlp_setup()
+  mesh = mesh_of(8)
+  planned = autopar.parallelize(step, method=autopar.ShardParallel(
+      mesh=mesh, num_micro_batches=2)).plan(make_state(), batch)
+  loaded = autopar.Plan.from_json(planned.to_json())
+  p = autopar.parallelize(step, method=autopar.ShardParallel(
+      mesh=mesh, num_micro_batches=2, plan=loaded))
+  ref_state, _ = single_device(step)(make_state(), batch)
+  state, _ = p(make_state(), batch)
+  assert_trees_close(state.params, ref_state.params)
+  assert p.get_executable(make_state(), batch).plan == planned
+  with pytest.raises(autopar.PlanError, match="num_micro_batches=2"):
+    autopar.parallelize(step, method=autopar.ShardParallel(
+        mesh=mesh, num_micro_batches=4, plan=loaded))(make_state(), batch)
+  with pytest.raises(autopar.PlanError, match="does not match the arguments"):
+    autopar.parallelize(step, method=autopar.ShardParallel(
+        mesh=mesh, num_micro_batches=2, plan=loaded))(
+            make_state(), {k: np.concatenate([v, v]) for k, v in batch.items()})
