@@ -20,7 +20,7 @@ from autopar.lower import lower_step
 from autopar.method import (ParallelMethod, ShardParallel, axis_sizes_of,
                             resolve_mesh)
 from autopar.plan import Plan
-from autopar.planner import batch_axes_for, plan_preset
+from autopar.planner import batch_axes_for, plan_auto, plan_preset
 from autopar.split import OutputKind, SplitStep, split_step
 from autopar.trace import (ArgFlags, LeafInfo, abstract_leaves, arg_names,
                            check_batch_leaves, classify_args, trace_step)
@@ -107,6 +107,7 @@ class ParallelizedFunction:
     self.static_argnums = static_argnums
     self._executables: dict[Any, Executable] = {}
     self._plans: dict[Any, tuple[Plan, SplitStep]] = {}
+    self._splits: dict[Any, SplitStep] = {}
     self._lock = threading.Lock()
     functools.update_wrapper(self, fun)
 
@@ -198,17 +199,23 @@ class ParallelizedFunction:
     saved = method.plan if isinstance(method, ShardParallel) else None
     if saved is not None:
       plan = _bind_saved_plan(saved, split, mesh, n, self._name)
+    elif isinstance(method, ShardParallel) and split.has_marker:
+      plan = plan_auto(split, method, mesh, batch_size=batch_size,
+                       trace_local=lambda rows: self._split(prep, rows))
     else:
       plan = plan_preset(split, method, mesh, batch_size=batch_size)
     self._plans[prep.key] = (plan, split)
     return plan, split
 
   def _split(self, prep: _Prepared, micro_batch_size: int) -> SplitStep:
-    # A throwaway arg list carrying the static values in their positions.
-    args = self._args_for_trace(prep)
-    traced = trace_step(self.fun, args, prep.flags, prep.leaves, prep.in_tree,
-                        micro_batch_size=micro_batch_size)
-    return split_step(traced, fn_name=self._name)
+    """The step traced and split at ``micro_batch_size`` rows (cached)."""
+    key = (prep.key, micro_batch_size)
+    if key not in self._splits:
+      args = self._args_for_trace(prep)
+      traced = trace_step(self.fun, args, prep.flags, prep.leaves, prep.in_tree,
+                          micro_batch_size=micro_batch_size)
+      self._splits[key] = split_step(traced, fn_name=self._name)
+    return self._splits[key]
 
   def _args_for_trace(self, prep: _Prepared) -> list:
     statics = dict(prep.key[1])

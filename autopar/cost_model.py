@@ -34,7 +34,7 @@ __all__ = ["MeshCost", "bytes_per_device", "num_bytes", "itemsize", "dtype_name"
 
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
 
-DEFAULT_ALPHA = 1e-5      # 10 us per hop
+DEFAULT_ALPHA = 1e-6      # 1 us per ring step
 DEFAULT_BETA = 1e-10      # 10 GB/s
 
 

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src import core as jax_core
+from jax.extend.core import Literal
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar.method import auto_mesh
@@ -128,6 +129,43 @@ def _reduce_manual(x, spec: PartitionSpec, manual: Sequence[str]):
   return lax.psum(x, rest) if rest else x
 
 
+# -- evaluating a jaxpr under the plan's constraints ----------------------------
+
+def _constraints(plan: Plan, part: str) -> dict[int, dict[int, PartitionSpec]]:
+  """Equation index -> output index -> spec, for one part ("compute"/"apply")."""
+  out: dict[int, dict[int, PartitionSpec]] = {}
+  for v in plan.intermediates:
+    prefix, i, j = v.name.split("/")
+    if prefix == part:
+      out.setdefault(int(i), {})[int(j)] = v.spec
+  return out
+
+
+def _eval_jaxpr(jaxpr, consts, args, constraints, constrain):
+  """``eval_jaxpr`` that pins the outputs the plan decided to their specs."""
+  if not constraints:
+    return jax_core.eval_jaxpr(jaxpr, (), *consts, *args)
+  env = {}
+
+  def read(a):
+    return a.val if isinstance(a, Literal) else env[a]
+
+  for v, x in zip(jaxpr.invars, [*consts, *args], strict=True):
+    env[v] = x
+  for i, eqn in enumerate(jaxpr.eqns):
+    params = eqn.primitive.get_bind_params(eqn.params)
+    with eqn.ctx.manager:
+      ans = eqn.primitive.bind(*map(read, eqn.invars), **params)
+    outs = ans if eqn.primitive.multiple_results else [ans]
+    pinned = constraints.get(i)
+    if pinned:
+      outs = [constrain(x, pinned[j]) if j in pinned else x
+              for j, x in enumerate(outs)]
+    for v, x in zip(eqn.outvars, outs, strict=True):
+      env[v] = x
+  return [read(a) for a in jaxpr.outvars]
+
+
 # -- stages -------------------------------------------------------------------
 
 def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
@@ -147,6 +185,14 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
   batch_entry = _make_entry(manual)
   micro_out_specs = [plan.outputs[j].spec for j, k in enumerate(split.out_kinds)
                      if k is not OutputKind.APPLY]
+  # The plan's constraints name only the automatic axes. Inside shard_map a
+  # bare spec refers to its (partially manual) mesh.
+  auto_axes = [a for a in plan.mesh_axis_names if a not in manual]
+  constraints = _constraints(plan, "compute") if auto_axes else {}
+  if manual:
+    pin = lambda x, spec: lax.with_sharding_constraint(x, spec)
+  else:
+    pin = lambda x, spec: lax.with_sharding_constraint(x, NamedSharding(amesh, spec))
 
   def body(leaf_vals, i, acc):
     args = []
@@ -156,7 +202,7 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
       elif k in read:
         x = _gather_manual(x, in_specs[k], manual)
       args.append(x)
-    outs = jax_core.eval_jaxpr(compute, (), *consts, *args)
+    outs = _eval_jaxpr(compute, consts, args, constraints, pin)
     grads, micro = outs[:num_grads], outs[num_grads:]
     if first:
       acc_g = [g[None] for g in grads]
@@ -204,19 +250,21 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
   else:
     out_specs = acc_specs
 
+  def manual_over_batch_axes(f, in_specs):
+    # No batch axes: nothing is manual (an empty `axis_names` would mean all).
+    if not manual:
+      return f
+    return jax.shard_map(f, mesh=amesh, in_specs=in_specs, out_specs=out_specs,
+                         axis_names=set(manual), check_vma=False)
+
   if first:
     def fn(leaf_vals):
-      smap = jax.shard_map(lambda lv: body(lv, 0, None), mesh=amesh,
-                           in_specs=(leaf_specs_manual,), out_specs=out_specs,
-                           axis_names=set(manual), check_vma=False)
-      return smap(leaf_vals)
+      return manual_over_batch_axes(lambda lv: body(lv, 0, None),
+                                    (leaf_specs_manual,))(leaf_vals)
   else:
     def fn(leaf_vals, i, acc):
-      smap = jax.shard_map(body, mesh=amesh,
-                           in_specs=(leaf_specs_manual, PartitionSpec(), acc_specs),
-                           out_specs=out_specs, axis_names=set(manual),
-                           check_vma=False)
-      return smap(leaf_vals, i, acc)
+      return manual_over_batch_axes(
+          body, (leaf_specs_manual, PartitionSpec(), acc_specs))(leaf_vals, i, acc)
 
   ns = lambda s, m=amesh: NamedSharding(m, s)
   leaf_shardings = [ns(s) for s in in_specs]
@@ -241,6 +289,10 @@ def _apply_stage(split: SplitStep, plan: Plan, amesh, user_mesh,
   consts = split.consts
   apply_specs = [plan.outputs[j].spec for j, k in enumerate(split.out_kinds)
                  if k is OutputKind.APPLY]
+  constraints = _constraints(plan, "apply")
+  if constraints and max(constraints) >= len(jaxpr.eqns):
+    constraints = {}     # a plan made for another program: let XLA propagate
+  pin = lambda x, spec: lax.with_sharding_constraint(x, NamedSharding(amesh, spec))
 
   def fn(donated_vals, kept_vals, grads):
     vals: list[Any] = [None] * len(leaves)   # batch leaves are never read here
@@ -248,7 +300,7 @@ def _apply_stage(split: SplitStep, plan: Plan, amesh, user_mesh,
       vals[k] = x
     for k, x in zip(kept, kept_vals, strict=True):
       vals[k] = x
-    return jax_core.eval_jaxpr(jaxpr, (), *consts, *vals, *grads)
+    return _eval_jaxpr(jaxpr, consts, [*vals, *grads], constraints, pin)
 
   ns = lambda s, m=amesh: NamedSharding(m, s)
   in_shardings = ([ns(plan.inputs[k].spec) for k in donated],

@@ -61,6 +61,8 @@ class AutoShardingOption:
     memory_budget_per_device: bytes one device may use; None for no limit.
     mesh_alpha: mesh axis name -> latency of a collective step along it (s).
     mesh_beta: mesh axis name -> inverse bandwidth along it (s/byte).
+    seconds_per_flop: compute cost of one floating-point operation on one
+      device (1e-12: a 1 TFLOP/s device); weighs compute against collectives.
 
   Example::
 
@@ -74,6 +76,7 @@ class AutoShardingOption:
   memory_budget_per_device: int | float | None = None
   mesh_alpha: Any = None
   mesh_beta: Any = None
+  seconds_per_flop: float = 1e-12
 
   def __post_init__(self):
     object.__setattr__(self, "mesh_alpha", _as_items(self.mesh_alpha, "mesh_alpha"))

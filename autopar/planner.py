@@ -248,3 +248,159 @@ def _memory_estimate(inputs, grads, sizes, batch_axes, n) -> int:
   # Un-reduced partial sums: one full gradient per device while accumulating.
   partial = sum(num_bytes(g.shape, g.dtype) for g in grads) if batch_axes else 0
   return int(state + reduced + partial)
+
+
+# -- ShardParallel: the ILP ---------------------------------------------------------
+
+def candidate_batch_axes(method: ShardParallel, mesh, micro_batch_size: int
+                         ) -> list[tuple[str, ...]]:
+  """Choices of batch axes to try: every subset of the mesh axes that divides
+  the micro-batch (or the forced one)."""
+  names = axis_names_of(mesh)
+  sizes = axis_sizes_of(mesh)
+  option = method.option
+  if option.force_data_parallel:
+    return [names]
+  forced = option.force_batch_dim_to_mesh_dim
+  if forced is not None:
+    forced = (forced,) if isinstance(forced, str) else tuple(forced)
+    check_axes(forced, mesh, "AutoShardingOption(force_batch_dim_to_mesh_dim=...)")
+    return [forced]
+  out = []
+  for mask in range(1 << len(names)):
+    axes = tuple(a for i, a in enumerate(names) if mask >> i & 1)
+    p = math.prod(sizes[a] for a in axes)
+    if micro_batch_size and micro_batch_size % p == 0:
+      out.append(axes)
+    elif not micro_batch_size and not axes:
+      out.append(axes)
+  return out
+
+
+def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
+              trace_local) -> Plan:
+  """Plans ``split`` with the ILP, trying every choice of batch axes.
+
+  ``trace_local(rows)`` returns the step split at ``rows`` per micro-batch.
+  """
+  from autopar.ilp import ShardingProblem   # the solver is only needed here
+  from autopar.errors import PlanError
+
+  sizes = axis_sizes_of(mesh)
+  names = axis_names_of(mesh)
+  n = method.micro_batches
+  option = method.option
+  cost = MeshCost(sizes, option.alpha, option.beta)
+  micro = batch_size // n if batch_size else 0
+  best, errors = None, []
+  for S in candidate_batch_axes(method, mesh, micro):
+    d = math.prod(sizes[a] for a in S)
+    local = split if d == 1 else trace_local(micro // d)
+    A = tuple(a for a in names if a not in S)
+    traced = local.traced
+    problem = ShardingProblem(
+        compute=local.compute, apply=local.apply, num_consts=len(local.consts),
+        leaf_avals=[l.abstract((micro // d, *l.shape[1:]) if l.is_batch else None)
+                    for l in traced.leaves],
+        batch_leaves=[l.is_batch for l in traced.leaves],
+        donation=_apply_donation(local), num_micro_batches=n, batch_axes=S,
+        planned_axes=A, sizes=sizes, cost=cost,
+        seconds_per_flop=option.seconds_per_flop,
+        allow_all_gather=option.allow_all_gather,
+        allow_all_to_all=option.allow_all_to_all,
+        memory_budget=option.memory_budget_per_device).build()
+    try:
+      sol = problem.solve()
+    except PlanError as e:
+      errors.append((problem, e))
+      continue
+    if best is None or sol.objective < best[1].objective * (1 - 1e-9) - 1e-15:
+      best = (S, sol, local)
+  if best is None:
+    need = min(p.min_memory() for p, _ in errors) if errors else 0
+    raise PlanError(
+        f"autopar: no sharding of the step fits memory_budget_per_device="
+        f"{option.memory_budget_per_device} bytes on mesh {sizes} with any choice "
+        f"of batch axes; the smallest budget that fits is about {need:.0f} bytes. "
+        f"Fix: raise memory_budget_per_device to at least {need:.0f}, or use more "
+        f"micro-batches or a larger mesh.")
+  S, sol, local = best
+  return _plan_from_solution(split, local, method, mesh, S, sol, batch_size)
+
+
+def _apply_donation(split: SplitStep) -> dict[int, int]:
+  """apply_grad output index -> donated leaf it replaces."""
+  pairs = donation_pairs(split.traced)
+  return {split.out_index[j]: k for j, k in pairs.items()
+          if split.out_kinds[j] is OutputKind.APPLY}
+
+
+def _plan_from_solution(split, local, method, mesh, S, sol, batch_size) -> Plan:
+  from autopar.strategies import to_partition_spec
+
+  traced = split.traced
+  sizes = axis_sizes_of(mesh)
+  n = method.micro_batches
+
+  def with_batch(spec):
+    first = tuple(S) + tuple(spec[0]) if spec else tuple(S)
+    return to_partition_spec((first, *spec[1:]))
+
+  in_specs = [with_batch(s) if l.is_batch else to_partition_spec(s)
+              for l, s in zip(traced.leaves, sol.leaf_specs, strict=True)]
+  inputs = tuple(ValuePlan(l.path, l.shape, dtype_name(l.dtype), s)
+                 for l, s in zip(traced.leaves, in_specs, strict=True))
+  grads = tuple(ValuePlan(name, tuple(a.shape), dtype_name(a.dtype),
+                          to_partition_spec(s))
+                for name, a, s in zip(split.grad_names, split.grad_avals,
+                                      sol.grad_specs, strict=True))
+  pairs = donation_pairs(traced)
+  batch_entry = PartitionSpec(None if not S else S[0] if len(S) == 1 else tuple(S))
+  outputs = []
+  for j, (path, v, kind, idx) in enumerate(zip(
+      traced.out_paths, traced.jaxpr.jaxpr.outvars, split.out_kinds,
+      split.out_index, strict=True)):
+    if j in pairs:
+      spec = in_specs[pairs[j]]
+    elif kind is OutputKind.APPLY:
+      s = sol.apply_out_specs[idx]
+      spec = to_partition_spec(s) if s is not None else PartitionSpec()
+    elif kind is OutputKind.CONCAT:
+      spec = batch_entry
+    else:
+      spec = PartitionSpec()
+    outputs.append(ValuePlan(path, tuple(v.aval.shape), dtype_name(v.aval.dtype), spec))
+
+  inter = []
+  for part, jaxpr, specs in (("compute", local.compute.jaxpr, sol.compute_specs),
+                             ("apply", local.apply.jaxpr, sol.apply_specs)):
+    for i, outs in sorted(specs.items()):
+      for j, (v, s) in enumerate(zip(jaxpr.eqns[i].outvars, outs)):
+        inter.append(ValuePlan(f"{part}/{i}/{j}", tuple(v.aval.shape),
+                               dtype_name(v.aval.dtype), to_partition_spec(s)))
+
+  colls = {}
+  for part, kind, axes, b, mult in sol.collectives:
+    stage = "accumulate_grad (each micro-batch)" if part == "compute_grad" else part
+    key = (stage, kind, axes, mult)
+    colls[key] = colls.get(key, 0.0) + b
+  collectives = [CollectivePlan(stage=k[0], kind=k[1], axes=k[2], bytes=int(b),
+                                per_step=k[3], what="activations / partial sums")
+                 for k, b in colls.items()]
+  d = math.prod(sizes[a] for a in S)
+  if d > 1 and split.has_marker:
+    gb = sum(g.bytes_per_device(sizes) for g in grads)
+    collectives.append(CollectivePlan(stage=grad_stage_names(n)[-1], kind="all-reduce",
+                                      axes=tuple(S), bytes=int(gb), per_step=1,
+                                      what="gradients"))
+  from autopar.plan import SolverStats
+  solver = SolverStats(solver=sol.solver, status=sol.status, seconds=sol.seconds,
+                       num_variables=sol.num_variables,
+                       num_constraints=sol.num_constraints)
+  memory = _memory_estimate(inputs, grads, sizes, tuple(S), n)
+  return Plan(method=method.name, mesh_axis_names=axis_names_of(mesh),
+              mesh_shape=tuple(sizes.values()), num_micro_batches=n,
+              batch_axes=tuple(S), inputs=inputs, grads=grads, outputs=tuple(outputs),
+              intermediates=tuple(inter), collectives=tuple(collectives),
+              memory_per_device=memory, objective=sol.objective, solver=solver,
+              in_tree=traced.in_tree, mesh=mesh)

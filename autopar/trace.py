@@ -256,7 +256,11 @@ def trace_step(fn: Callable, args: Sequence[Any], flags: ArgFlags,
 
 # -- markers inside nested calls ---------------------------------------------
 
-_INLINABLE = ("jit", "pjit", "closed_call", "core_call")
+# Calls that are planned through: their bodies are inlined into the step. The
+# step is traced after differentiation, so a custom JVP/VJP rule is no longer
+# needed and its primal body is what runs.
+_INLINABLE = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call",
+              "custom_vjp_call", "custom_vjp_call_jaxpr")
 
 
 def _sub_jaxprs(eqn) -> list:
@@ -276,14 +280,17 @@ def count_markers(jaxpr) -> int:
 
 
 def _inline_marked_calls(closed: ClosedJaxpr, *, fn_name: str) -> ClosedJaxpr:
-  """Inlines nested jit/call equations that contain a grad marker.
+  """Inlines nested ``jit`` and custom-derivative calls into the step.
 
-  The splitter cuts the top-level jaxpr, so a marker inside ``jax.jit`` (a
-  ``pjit`` equation) is brought to the top level by re-tracing the jaxpr with
-  those calls inlined. A marker inside ``scan``/``while``/``cond`` cannot be
-  brought out and is an error.
+  The splitter cuts the top-level jaxpr and the planner gives every top-level
+  equation a sharding, so calls (a ``jit`` equation, ``custom_jvp_call`` of
+  ``jax.nn.relu``, ...) are inlined by re-tracing the jaxpr with their bodies
+  in place. A marker inside ``scan``/``while``/``cond`` cannot be brought out
+  and is an error.
   """
-  if not any(count_markers(s) for e in closed.jaxpr.eqns for s in _sub_jaxprs(e)):
+  if not any(e.primitive.name in _INLINABLE or
+             any(count_markers(s) for s in _sub_jaxprs(e))
+             for e in closed.jaxpr.eqns):
     return closed
 
   def inline_eval(jaxpr, consts, *args):
@@ -305,7 +312,7 @@ def _inline_marked_calls(closed: ClosedJaxpr, *, fn_name: str) -> ClosedJaxpr:
             f"step at the marker, which must not sit inside control flow. Fix: "
             f"call autopar.grad outside scan/while_loop/cond/checkpoint and use "
             f"jax.grad inside them.")
-      if marked:
+      if eqn.primitive.name in _INLINABLE:
         sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
         sub_consts = getattr(sub, "consts", ())
         sub_jaxpr = getattr(sub, "jaxpr", sub)

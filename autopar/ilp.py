@@ -1,0 +1,445 @@
+"""One ILP over accumulate_grad and apply_grad: choose every sharding.
+
+Stage 6 of the pipeline (for ``ShardParallel``). The batch axes ``S`` are
+fixed by the caller (``planner.py`` tries each choice); this module plans the
+remaining mesh axes ``A`` for the ``compute_grad`` jaxpr (traced at the rows
+one device holds along ``S``; it runs ``n`` times per step) and the
+``apply_grad`` jaxpr (once per step) together.
+
+Nodes and variables
+  * a *leaf node* per argument leaf, a *gradient node* per gradient, and an
+    *equation node* per equation that has a choice; each has one-hot binary
+    variables ``x[v, c]`` over its choices (specs for leaf and gradient nodes,
+    :class:`~autopar.strategies.Strategy` for equations). Elementwise equations
+    whose only array operand has the output's shape *follow* that operand:
+    they get no variables ("merged").
+  * ``y[e, p, r]`` for each edge ``e`` (a value produced in spec ``p`` and
+    consumed in spec ``r``) whose resharding cost is positive.
+
+Objective (seconds per step, α-β model)::
+
+    min  Σ_v Σ_c  m_v · (compute[v,c] + comm[v,c]) · x[v,c]          (node costs)
+       + Σ_e Σ_{p,r} m_e · reshard(e, p, r) · y[e,p,r]                 (edge costs)
+       + Σ_g Σ_c  allreduce_S(bytes(g, c)) · x[g,c]                    (gradient sync)
+
+with ``m = n`` for compute_grad and ``1`` for apply_grad.
+
+Constraints (one method each)
+  * one choice per node: ``Σ_c x[v,c] = 1``                      (``_one_hot``)
+  * edge linearisation: ``y[e,p,r] ≥ Σ_{c: p} x[u,c] + Σ_{c: r} x[w,c] - 1``
+                                                                  (``_edges``)
+  * a donated leaf and the output that replaces it share a spec:
+    ``Σ_{c: s} x[out,c] = x[leaf,s]`` for every spec ``s``        (``_donation``)
+  * memory per device at the liveness peaks, when a budget is set:
+    ``Σ_{values live at t} Σ_c bytes(value, c) · x[v,c] + state ≤ budget``
+                                                                  (``_memory``)
+
+Solved with PuLP and HiGHS (CBC if HiGHS is missing). An infeasible memory
+budget raises an error with the smallest budget that would fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Mapping, Sequence
+
+import pulp
+from jax.extend.core import Var
+
+from autopar.cost_model import MeshCost, itemsize
+from autopar.errors import PlanError
+from autopar.strategies import (RuleContext, Spec, Strategy, enumerate_specs,
+                                local_bytes, strategies_for)
+from autopar.strategies.elementwise import is_elementwise
+
+__all__ = ["ShardingProblem", "Solution", "reshard_cost"]
+
+BIG = 1e3   # seconds: a cost that rules a choice out (disallowed collectives)
+
+
+def reshard_cost(aval, src: Spec, dst: Spec, cost: MeshCost, sizes, *,
+                 allow_all_gather=True, allow_all_to_all=True) -> float:
+  """Seconds to turn a value sharded ``src`` into ``dst`` (0 if equal).
+
+  An axis that leaves a dimension is all-gathered; one that moves to another
+  dimension is an all-to-all; one that is added only slices locally (free).
+  """
+  if src == dst:
+    return 0.0
+  pos_src = {a: d for d, e in enumerate(src) for a in e}
+  pos_dst = {a: d for d, e in enumerate(dst) for a in e}
+  b = local_bytes(aval, src, sizes)
+  total = 0.0
+  moved = tuple(a for a in pos_src if a in pos_dst and pos_dst[a] != pos_src[a])
+  gone = tuple(a for a in pos_src if a not in pos_dst)
+  if moved:
+    total += cost.all_to_all(b, moved) if allow_all_to_all else BIG
+  if gone:
+    total += cost.all_gather(b, gone) if allow_all_gather else BIG
+  # Reordering axes inside one dimension is a permutation of shards.
+  if not moved and not gone and any(
+      tuple(x for x in src[d] if x in dst[d]) != tuple(x for x in dst[d] if x in src[d])
+      for d in range(len(src))):
+    total += cost.all_to_all(b, tuple(pos_src))
+  return total
+
+
+@dataclasses.dataclass
+class _Node:
+  name: str
+  choices: list                      # specs, or strategies
+  mult: float
+  specs: list[tuple[Spec, ...]]      # per choice: spec of each output value
+  costs: list[float]
+  vars: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class Solution:
+  """What the solver chose."""
+  leaf_specs: tuple[Spec, ...]
+  grad_specs: tuple[Spec, ...]
+  compute_specs: dict[int, tuple[Spec, ...]]      # eqn index -> output specs
+  apply_specs: dict[int, tuple[Spec, ...]]
+  compute_strategies: dict[int, Strategy]
+  apply_strategies: dict[int, Strategy]
+  apply_out_specs: tuple[Spec | None, ...]
+  micro_out_specs: tuple[Spec | None, ...]
+  objective: float
+  status: str
+  solver: str
+  seconds: float
+  num_variables: int
+  num_constraints: int
+  collectives: tuple[tuple[str, str, tuple[str, ...], float, int], ...]
+
+
+class ShardingProblem:
+  """The ILP for one choice of batch axes (see the module docstring).
+
+  Args:
+    compute, apply: the split step's jaxprs (consts lifted to leading inputs).
+    num_consts: how many leading inputs are consts.
+    leaf_avals: avals of the argument leaves, in order (batch leaves at the
+      per-device micro-batch size).
+    batch_leaves: which leaves are batch data.
+    donation: apply output index -> leaf index it replaces.
+    num_micro_batches: n.
+    batch_axes: S. planned_axes: A.
+  """
+
+  def __init__(self, *, compute, apply, num_consts: int, leaf_avals: Sequence,
+               batch_leaves: Sequence[bool], donation: Mapping[int, int],
+               num_micro_batches: int, batch_axes: Sequence[str],
+               planned_axes: Sequence[str], sizes: Mapping[str, int],
+               cost: MeshCost, seconds_per_flop: float,
+               allow_all_gather: bool = True, allow_all_to_all: bool = True,
+               memory_budget: float | None = None):
+    self.compute = compute
+    self.apply = apply
+    self.num_consts = num_consts
+    self.leaf_avals = list(leaf_avals)
+    self.batch_leaves = list(batch_leaves)
+    self.donation = dict(donation)
+    self.n = num_micro_batches
+    self.S = tuple(batch_axes)
+    self.A = tuple(planned_axes)
+    self.sizes = dict(sizes)
+    self.cost = cost
+    self.ctx = RuleContext(self.A, self.sizes, cost, seconds_per_flop)
+    self.allow_all_gather = allow_all_gather
+    self.allow_all_to_all = allow_all_to_all
+    self.memory_budget = memory_budget
+    self.nodes: list[_Node] = []
+    self.prob = pulp.LpProblem("autopar_sharding", pulp.LpMinimize)
+    self.objective_terms: list = []
+    self.num_constraints = 0
+    self._edge_count = 0
+    self._pending_edges: list = []
+
+  # -- graph ---------------------------------------------------------------------
+
+  def _add_node(self, name, choices, specs, costs, mult) -> int:
+    node = _Node(name, choices, mult, specs, costs)
+    self.nodes.append(node)
+    return len(self.nodes) - 1
+
+  def _build_graph(self):
+    nconst = self.num_consts
+    A, sizes = self.A, self.sizes
+    # Leaf nodes, shared by both jaxprs.
+    self.leaf_nodes = []
+    for k, aval in enumerate(self.leaf_avals):
+      fixed = (0,) if self.batch_leaves[k] and self.n > 1 and aval.shape else ()
+      specs = enumerate_specs(aval.shape, A, sizes, fixed=fixed)
+      self.leaf_nodes.append(self._add_node(
+          f"leaf{k}", specs, [(s,) for s in specs], [0.0] * len(specs), 1))
+
+    # value -> (node, output position)
+    self.compute_val: dict[Var, tuple[int, int]] = {}
+    cj = self.compute.jaxpr
+    for k, v in enumerate(cj.invars[nconst:]):
+      self.compute_val[v] = (self.leaf_nodes[k], 0)
+    self.compute_eqn_nodes = self._add_eqns(cj, self.compute_val, self.n, "compute")
+
+    num_grads = len(self.apply.jaxpr.invars) - nconst - len(self.leaf_avals)
+    self.grad_nodes = []
+    for g in range(num_grads):
+      v = cj.outvars[g]
+      specs = enumerate_specs(v.aval.shape, A, sizes)
+      costs = [self.cost.all_reduce(local_bytes(v.aval, s, sizes), self.S)
+               for s in specs]
+      self.grad_nodes.append(self._add_node(f"grad{g}", specs, [(s,) for s in specs],
+                                            costs, 1))
+
+    self.apply_val: dict[Var, tuple[int, int]] = {}
+    aj = self.apply.jaxpr
+    for k, v in enumerate(aj.invars[nconst:nconst + len(self.leaf_avals)]):
+      self.apply_val[v] = (self.leaf_nodes[k], 0)
+    for g, v in enumerate(aj.invars[nconst + len(self.leaf_avals):]):
+      self.apply_val[v] = (self.grad_nodes[g], 0)
+    self.apply_eqn_nodes = self._add_eqns(aj, self.apply_val, 1, "apply")
+
+  def _add_eqns(self, jaxpr, val, mult, part) -> dict[int, int]:
+    """Adds a node per equation (or merges it into its operand's)."""
+    eqn_nodes = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+      operands = [v for v in eqn.invars if isinstance(v, Var) and v.aval.shape]
+      out = eqn.outvars[0]
+      if (is_elementwise(eqn) and len(eqn.outvars) == 1 and len(operands) == 1
+          and tuple(operands[0].aval.shape) == tuple(out.aval.shape)
+          and operands[0] in val):
+        val[out] = val[operands[0]]           # merged: follows its operand
+        continue
+      strategies = strategies_for(eqn, self.ctx)
+      node = self._add_node(f"{part}/{i}:{eqn.primitive.name}", strategies,
+                            [s.out_specs for s in strategies],
+                            [s.compute + s.comm for s in strategies], mult)
+      eqn_nodes[i] = node
+      for pos, v in enumerate(eqn.invars):
+        if isinstance(v, Var) and v in val:
+          self._pending_edges.append((val[v], node, pos, v.aval, mult))
+      for j, v in enumerate(eqn.outvars):
+        val[v] = (node, j)
+    return eqn_nodes
+
+  # -- variables and constraints ---------------------------------------------------
+
+  def _variables(self):
+    for idx, node in enumerate(self.nodes):
+      node.vars = [pulp.LpVariable(f"x_{idx}_{c}", cat="Binary")
+                   for c in range(len(node.choices))]
+      for var, c in zip(node.vars, node.costs):
+        if c:
+          self.objective_terms.append(node.mult * c * var)
+
+  def _one_hot(self):
+    for idx, node in enumerate(self.nodes):
+      self.prob += pulp.lpSum(node.vars) == 1, f"one_hot_{idx}"
+      self.num_constraints += 1
+
+  def _spec_groups(self, node_id: int, pos: int) -> dict[Spec, list]:
+    groups: dict[Spec, list] = {}
+    node = self.nodes[node_id]
+    for c, specs in enumerate(node.specs):
+      groups.setdefault(specs[pos], []).append(node.vars[c])
+    return groups
+
+  def _required_groups(self, node_id: int, pos: int) -> dict[Spec, list]:
+    groups: dict[Spec, list] = {}
+    node = self.nodes[node_id]
+    for c, st in enumerate(node.choices):
+      req = st.in_specs[pos]
+      if req is not None:
+        groups.setdefault(req, []).append(node.vars[c])
+    return groups
+
+  def _edge(self, produced: dict, required: dict, aval, mult):
+    for p, pvars in produced.items():
+      for r, rvars in required.items():
+        c = reshard_cost(aval, p, r, self.cost, self.sizes,
+                         allow_all_gather=self.allow_all_gather,
+                         allow_all_to_all=self.allow_all_to_all)
+        if c <= 0:
+          continue
+        if len(produced) == 1:
+          self.objective_terms.append(mult * c * pulp.lpSum(rvars))
+        elif len(required) == 1:
+          self.objective_terms.append(mult * c * pulp.lpSum(pvars))
+        else:
+          y = pulp.LpVariable(f"y_{self._edge_count}", lowBound=0)
+          self._edge_count += 1
+          self.prob += y >= pulp.lpSum(pvars) + pulp.lpSum(rvars) - 1
+          self.num_constraints += 1
+          self.objective_terms.append(mult * c * y)
+
+  def _edges(self):
+    for (src, src_pos), dst, pos, aval, mult in self._pending_edges:
+      self._edge(self._spec_groups(src, src_pos), self._required_groups(dst, pos),
+                 aval, mult)
+    # compute_grad's gradients are accumulated in their gradient node's spec.
+    cj = self.compute.jaxpr
+    for g, node in enumerate(self.grad_nodes):
+      v = cj.outvars[g]
+      if isinstance(v, Var) and v in self.compute_val:
+        src, pos = self.compute_val[v]
+        required = {s[0]: [x] for s, x in zip(self.nodes[node].specs,
+                                              self.nodes[node].vars)}
+        self._edge(self._spec_groups(src, pos), required, v.aval, self.n)
+
+  def _donation(self):
+    aj = self.apply.jaxpr
+    for out_idx, leaf in self.donation.items():
+      v = aj.outvars[out_idx]
+      if not isinstance(v, Var) or v not in self.apply_val:
+        continue
+      src, pos = self.apply_val[v]
+      produced = self._spec_groups(src, pos)
+      leaf_node = self.nodes[self.leaf_nodes[leaf]]
+      for spec_tuple, x in zip(leaf_node.specs, leaf_node.vars):
+        self.prob += pulp.lpSum(produced.get(spec_tuple[0], [])) == x, \
+            f"donate_{out_idx}_{self.num_constraints}"
+        self.num_constraints += 1
+
+  def _value_bytes(self, node_id, pos, aval):
+    node = self.nodes[node_id]
+    return pulp.lpSum(local_bytes(aval, specs[pos], self.sizes) * x
+                      for specs, x in zip(node.specs, node.vars))
+
+  def memory_terms(self):
+    """(state bytes, [activation bytes at each liveness peak]) as expressions."""
+    state = [self._value_bytes(self.leaf_nodes[k], 0, aval)
+             for k, aval in enumerate(self.leaf_avals)]
+    # The un-reduced partial sums and the reduced gradients.
+    for g, node in enumerate(self.grad_nodes):
+      state.append(2 * self._value_bytes(node, 0, self.compute.jaxpr.outvars[g].aval))
+    peaks = _liveness_peaks(self.compute.jaxpr, self.num_consts, k=3)
+    acts = []
+    for live in peaks:
+      terms = [self._value_bytes(*self.compute_val[v], v.aval) for v in live
+               if v in self.compute_val]
+      acts.append(pulp.lpSum(terms))
+    return pulp.lpSum(state), acts
+
+  def _memory(self):
+    if self.memory_budget is None:
+      return
+    state, acts = self.memory_terms()
+    for t, act in enumerate(acts or [0]):
+      self.prob += state + act <= self.memory_budget, f"memory_{t}"
+      self.num_constraints += 1
+
+  # -- solve ---------------------------------------------------------------------
+
+  def build(self) -> "ShardingProblem":
+    self._build_graph()
+    self._variables()
+    self._one_hot()
+    self._edges()
+    self._donation()
+    self._memory()
+    self.prob += pulp.lpSum(self.objective_terms)
+    return self
+
+  def solve(self, time_limit: float = 60.0) -> Solution:
+    t0 = time.perf_counter()
+    solver_name = "HiGHS"
+    try:
+      solver = pulp.HiGHS(msg=False, timeLimit=time_limit)
+      if not solver.available():
+        raise pulp.PulpSolverError("HiGHS not available")
+    except pulp.PulpSolverError:
+      solver, solver_name = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit), "CBC"
+    self.prob.solve(solver)
+    seconds = time.perf_counter() - t0
+    status = pulp.LpStatus[self.prob.status]
+    if status != "Optimal":
+      if self.memory_budget is not None:
+        raise PlanError(self._infeasible_message(status))
+      raise PlanError(f"autopar: the sharding ILP ended with status {status!r}. "
+                      f"Fix: report this with the step's jaxpr.")
+    return self._read_solution(status, solver_name, seconds)
+
+  def _infeasible_message(self, status) -> str:
+    need = self.min_memory()
+    return (f"autopar: no sharding fits memory_budget_per_device="
+            f"{self.memory_budget:.0f} bytes on batch axes {self.S} and planned axes "
+            f"{self.A} (solver status {status}); the smallest budget that fits is "
+            f"about {need:.0f} bytes. Fix: set memory_budget_per_device >= {need:.0f}, "
+            f"use more micro-batches or a larger mesh.")
+
+  def min_memory(self) -> float:
+    """The smallest peak memory any sharding reaches (a separate small ILP)."""
+    prob = pulp.LpProblem("autopar_min_memory", pulp.LpMinimize)
+    peak = pulp.LpVariable("peak", lowBound=0)
+    state, acts = self.memory_terms()
+    for t, act in enumerate(acts or [0]):
+      prob += peak >= state + act
+    for idx, node in enumerate(self.nodes):
+      prob += pulp.lpSum(node.vars) == 1
+    prob += peak
+    prob.solve(pulp.HiGHS(msg=False) if pulp.HiGHS(msg=False).available()
+               else pulp.PULP_CBC_CMD(msg=False))
+    return float(pulp.value(peak) or 0.0)
+
+  def _chosen(self, node_id) -> int:
+    vals = [v.varValue or 0.0 for v in self.nodes[node_id].vars]
+    return max(range(len(vals)), key=vals.__getitem__)
+
+  def _spec_of(self, val_map, v) -> Spec | None:
+    if not isinstance(v, Var) or v not in val_map:
+      return None
+    node, pos = val_map[v]
+    return self.nodes[node].specs[self._chosen(node)][pos]
+
+  def _read_solution(self, status, solver_name, seconds) -> Solution:
+    leaf_specs = tuple(self.nodes[n].specs[self._chosen(n)][0] for n in self.leaf_nodes)
+    grad_specs = tuple(self.nodes[n].specs[self._chosen(n)][0] for n in self.grad_nodes)
+    cstrat = {i: self.nodes[n].choices[self._chosen(n)]
+              for i, n in self.compute_eqn_nodes.items()}
+    astrat = {i: self.nodes[n].choices[self._chosen(n)]
+              for i, n in self.apply_eqn_nodes.items()}
+    colls = []
+    for part, strat, mult in (("compute_grad", cstrat, self.n), ("apply_grad", astrat, 1)):
+      for i, st in strat.items():
+        for kind, axes, b in st.collectives:
+          colls.append((part, kind, tuple(axes), float(b), mult))
+    num_grads = len(grad_specs)
+    cj = self.compute.jaxpr
+    return Solution(
+        leaf_specs=leaf_specs, grad_specs=grad_specs,
+        compute_specs={i: st.out_specs for i, st in cstrat.items()},
+        apply_specs={i: st.out_specs for i, st in astrat.items()},
+        compute_strategies=cstrat, apply_strategies=astrat,
+        apply_out_specs=tuple(self._spec_of(self.apply_val, v)
+                              for v in self.apply.jaxpr.outvars),
+        micro_out_specs=tuple(self._spec_of(self.compute_val, v)
+                              for v in cj.outvars[num_grads:]),
+        objective=float(pulp.value(self.prob.objective) or 0.0), status=status,
+        solver=solver_name, seconds=seconds,
+        num_variables=len(self.prob.variables()),
+        num_constraints=self.num_constraints, collectives=tuple(colls))
+
+
+def _liveness_peaks(jaxpr, num_consts: int, k: int) -> list[list[Var]]:
+  """The ``k`` program points where the most (replicated) bytes are live."""
+  last_use: dict[Var, int] = {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if isinstance(v, Var):
+        last_use[v] = i
+  end = len(jaxpr.eqns)
+  for v in jaxpr.outvars:
+    if isinstance(v, Var):
+      last_use[v] = end
+  live: set[Var] = set()
+  points = []
+  for i, eqn in enumerate(jaxpr.eqns):
+    live = {v for v in live if last_use.get(v, -1) >= i}
+    live.update(v for v in eqn.outvars if v in last_use)
+    size = sum(math.prod(v.aval.shape) * itemsize(v.aval.dtype) for v in live)
+    points.append((size, i, list(live)))
+  points.sort(key=lambda p: -p[0])
+  return [p[2] for p in points[:k]]

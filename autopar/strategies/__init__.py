@@ -1,0 +1,158 @@
+"""Per-primitive sharding strategies, filled by registration.
+
+For one jaxpr equation, a rule lists its candidate :class:`Strategy`\\ s: the
+sharding of each output, the sharding each input must have, and the compute
+and communication cost of running the equation that way. Rules are plain
+functions registered per primitive name::
+
+    @register("transpose")
+    def _transpose(eqn, ctx): ...
+
+A primitive without a rule gets :func:`replicated_fallback` (everything
+replicated, one warning naming the primitive): the step still compiles and
+runs, just without parallelism for that equation.
+
+Specs here cover the *planned* mesh axes only (the axes not used for the
+batch split; see ``ilp.py``). A spec is a tuple with one entry per dimension,
+each entry the tuple of mesh axes that split that dimension (major first)::
+
+    ((), ("model",))      # a matrix split by columns over "model"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import warnings
+from typing import Callable, Mapping, Sequence
+
+from jax.extend.core import Literal
+
+from autopar.cost_model import MeshCost, itemsize
+
+__all__ = ["Spec", "Strategy", "RuleContext", "register", "strategies_for",
+           "enumerate_specs", "replicated", "shard_count", "local_bytes",
+           "to_partition_spec", "RULES"]
+
+Spec = tuple[tuple[str, ...], ...]
+
+
+def replicated(rank: int) -> Spec:
+  return ((),) * rank
+
+
+def shard_count(spec: Spec, sizes: Mapping[str, int]) -> int:
+  return math.prod(sizes[a] for entry in spec for a in entry)
+
+
+def local_shape(shape: Sequence[int], spec: Spec, sizes) -> tuple[int, ...]:
+  return tuple(n // math.prod(sizes[a] for a in entry)
+               for n, entry in zip(shape, spec, strict=True))
+
+
+def local_bytes(aval, spec: Spec, sizes) -> float:
+  return math.prod(local_shape(aval.shape, spec, sizes)) * itemsize(aval.dtype)
+
+
+def to_partition_spec(spec: Spec):
+  from jax.sharding import PartitionSpec
+  return PartitionSpec(*(None if not e else e[0] if len(e) == 1 else tuple(e)
+                         for e in spec))
+
+
+def enumerate_specs(shape: Sequence[int], axes: Sequence[str],
+                    sizes: Mapping[str, int], *, fixed: Sequence[int] = ()
+                    ) -> list[Spec]:
+  """Every way to split ``shape`` over ``axes`` (each axis on one dim or none).
+
+  Dims in ``fixed`` are never split; a dim split over several axes must be
+  divisible by their product.
+  """
+  rank = len(shape)
+  choices = [d for d in range(rank) if d not in fixed]
+  out, seen = [], set()
+  for assign in itertools.product([None, *choices], repeat=len(axes)):
+    entries = [[] for _ in range(rank)]
+    for a, d in zip(axes, assign):
+      if d is not None:
+        entries[d].append(a)
+    if any(shape[d] % math.prod(sizes[a] for a in e) for d, e in enumerate(entries)):
+      continue
+    spec = tuple(tuple(e) for e in entries)
+    if spec not in seen:
+      seen.add(spec)
+      out.append(spec)
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+  """One way to run an equation.
+
+  Attributes:
+    name: a short description ("S0 x R", "col(model)", ...).
+    out_specs: spec of each output.
+    in_specs: spec each input must have (None: no requirement, e.g. a literal).
+    compute: seconds of compute per device.
+    comm: seconds of communication the strategy itself causes.
+    collectives: (kind, axes, bytes per device) of that communication.
+  """
+  name: str
+  out_specs: tuple[Spec, ...]
+  in_specs: tuple[Spec | None, ...]
+  compute: float = 0.0
+  comm: float = 0.0
+  collectives: tuple[tuple[str, tuple[str, ...], float], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleContext:
+  """What a rule needs to know: the planned axes and the cost model."""
+  axes: tuple[str, ...]
+  sizes: Mapping[str, int]
+  cost: MeshCost
+  seconds_per_flop: float = 1e-12
+
+  def compute(self, flops: float, spec_or_shards) -> float:
+    shards = spec_or_shards if isinstance(spec_or_shards, int) else \
+        shard_count(spec_or_shards, self.sizes)
+    return self.seconds_per_flop * flops / shards
+
+
+Rule = Callable[..., list[Strategy]]
+RULES: dict[str, Rule] = {}
+_warned: set[str] = set()
+
+
+def register(*names: str):
+  """Registers a rule for the primitives ``names``."""
+  def deco(fn: Rule) -> Rule:
+    for n in names:
+      RULES[n] = fn
+    return fn
+  return deco
+
+
+def replicated_fallback(eqn, ctx: RuleContext) -> list[Strategy]:
+  outs = tuple(replicated(len(v.aval.shape)) for v in eqn.outvars)
+  ins = tuple(None if isinstance(v, Literal) else replicated(len(v.aval.shape))
+              for v in eqn.invars)
+  return [Strategy("replicated", outs, ins)]
+
+
+def strategies_for(eqn, ctx: RuleContext) -> list[Strategy]:
+  """The candidate strategies of ``eqn`` (never empty)."""
+  rule = RULES.get(eqn.primitive.name)
+  if rule is None:
+    if eqn.primitive.name not in _warned:
+      _warned.add(eqn.primitive.name)
+      warnings.warn(f"autopar: no sharding rule for primitive "
+                    f"'{eqn.primitive.name}'; it is kept replicated.", stacklevel=2)
+    return replicated_fallback(eqn, ctx)
+  out = rule(eqn, ctx)
+  return out or replicated_fallback(eqn, ctx)
+
+
+# Register the rule modules (they only call `register`).
+from autopar.strategies import dot, elementwise, shape_ops, reductions  # noqa: E402,F401

@@ -1,0 +1,64 @@
+"""dot_general: batch, free and contracting dimensions split on any mesh axis.
+
+Each planned mesh axis is put on one "slot": a batch dimension pair, a free
+dimension of either operand, a contracting dimension pair (each device then
+holds a partial sum and the output is all-reduced over that axis), or none.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+from autopar.strategies import RuleContext, Strategy, local_bytes, register
+
+
+@register("dot_general")
+def dot_general(eqn, ctx: RuleContext) -> list[Strategy]:
+  lhs, rhs = (v.aval for v in eqn.invars)
+  out = eqn.outvars[0].aval
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  lf = [d for d in range(len(lhs.shape)) if d not in lc and d not in lb]
+  rf = [d for d in range(len(rhs.shape)) if d not in rc and d not in rb]
+  slots = ([("b", i) for i in range(len(lb))] + [("l", d) for d in lf] +
+           [("r", d) for d in rf] + [("c", i) for i in range(len(lc))])
+
+  def slot_size(slot):
+    kind, i = slot
+    if kind == "b":
+      return lhs.shape[lb[i]]
+    if kind == "c":
+      return lhs.shape[lc[i]]
+    return (lhs if kind == "l" else rhs).shape[i]
+
+  flops = 2 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in lc)
+  strategies = []
+  for assign in itertools.product([None, *slots], repeat=len(ctx.axes)):
+    axes_of = {s: tuple(a for a, t in zip(ctx.axes, assign) if t == s) for s in slots}
+    if any(slot_size(s) % math.prod(ctx.sizes[a] for a in axes_of[s])
+           for s in slots if axes_of[s]):
+      continue
+    lspec = [()] * len(lhs.shape)
+    rspec = [()] * len(rhs.shape)
+    for i, (l, r) in enumerate(zip(lb, rb)):
+      lspec[l] = rspec[r] = axes_of[("b", i)]
+    for i, (l, r) in enumerate(zip(lc, rc)):
+      lspec[l] = rspec[r] = axes_of[("c", i)]
+    for d in lf:
+      lspec[d] = axes_of[("l", d)]
+    for d in rf:
+      rspec[d] = axes_of[("r", d)]
+    ospec = tuple([axes_of[("b", i)] for i in range(len(lb))] +
+                  [axes_of[("l", d)] for d in lf] + [axes_of[("r", d)] for d in rf])
+    reduce_axes = tuple(a for i in range(len(lc)) for a in axes_of[("c", i)])
+    shards = math.prod(ctx.sizes[a] for a, t in zip(ctx.axes, assign) if t is not None)
+    comm, colls = 0.0, ()
+    if reduce_axes:
+      b = local_bytes(out, ospec, ctx.sizes)
+      comm = ctx.cost.all_reduce(b, reduce_axes)
+      colls = (("all-reduce", reduce_axes, b),)
+    strategies.append(Strategy(
+        name=f"lhs{tuple(lspec)} x rhs{tuple(rspec)}",
+        out_specs=(ospec,), in_specs=(tuple(lspec), tuple(rspec)),
+        compute=ctx.compute(flops, shards), comm=comm, collectives=colls))
+  return strategies

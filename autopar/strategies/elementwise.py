@@ -1,0 +1,46 @@
+"""Elementwise primitives: every input of the output's shape shares its spec."""
+
+from __future__ import annotations
+
+import math
+
+from jax.extend.core import Literal
+
+from autopar.strategies import RuleContext, Strategy, enumerate_specs, register
+
+ELEMENTWISE = (
+    "add", "add_any", "sub", "mul", "div", "rem", "pow", "max", "min", "atan2",
+    "nextafter", "and", "or", "xor", "not", "eq", "ne", "lt", "le", "gt", "ge",
+    "neg", "sign", "floor", "ceil", "round", "is_finite", "abs", "exp", "exp2",
+    "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "asin",
+    "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "sqrt", "rsqrt",
+    "cbrt", "square", "integer_pow", "erf", "erfc", "erf_inv", "lgamma",
+    "digamma", "select_n", "clamp", "convert_element_type", "stop_gradient",
+    "copy", "copy_p", "reduce_precision", "shift_left", "shift_right_logical",
+    "shift_right_arithmetic", "population_count", "imag", "real", "conj",
+    "optimization_barrier",
+)
+
+
+def is_elementwise(eqn) -> bool:
+  return eqn.primitive.name in ELEMENTWISE
+
+
+@register(*ELEMENTWISE)
+def elementwise(eqn, ctx: RuleContext) -> list[Strategy]:
+  out = eqn.outvars[0].aval
+  size = math.prod(out.shape)
+  strategies = []
+  for spec in enumerate_specs(out.shape, ctx.axes, ctx.sizes):
+    ins = []
+    for v in eqn.invars:
+      if isinstance(v, Literal):
+        ins.append(None)
+      elif tuple(v.aval.shape) == tuple(out.shape):
+        ins.append(spec)
+      else:                       # a scalar operand (select_n predicate, clamp bounds)
+        ins.append(((),) * len(v.aval.shape))
+    outs = tuple(spec for _ in eqn.outvars)
+    strategies.append(Strategy(str(spec), outs, tuple(ins),
+                               compute=ctx.compute(size * len(eqn.invars), spec)))
+  return strategies
