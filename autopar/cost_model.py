@@ -7,7 +7,7 @@ moving an operand of ``b`` bytes per device costs, with ring algorithms,
 all-reduce         ``α·2(p-1) + β·2b(p-1)/p``
 all-gather         ``α·(p-1) + β·b(p-1)``   (b = input bytes per device)
 reduce-scatter     ``α·(p-1) + β·b(p-1)/p`` (b = input bytes per device)
-all-to-all         ``α·(p-1) + β·b(p-1)/p²``
+all-to-all         ``α·(p-1) + β·b(p-1)/p``
 =================  ==========================================
 
 ``α`` (latency, seconds) and ``β`` (seconds per byte) are per mesh axis. A
@@ -119,7 +119,7 @@ class MeshCost:
     if kind == "reduce-scatter":
       return (p - 1) * a + b * nbytes * (p - 1) / p
     if kind == "all-to-all":
-      return (p - 1) * a + b * nbytes * (p - 1) / (p * p)
+      return (p - 1) * a + b * nbytes * (p - 1) / p
     raise ValueError(f"unknown collective kind {kind!r}; one of {COLLECTIVE_KINDS}")
 
   def all_reduce(self, nbytes: float, axes: Sequence[str]) -> float:

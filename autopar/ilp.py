@@ -11,22 +11,24 @@ Nodes and variables
     *equation node* per equation that has a choice; each has one-hot binary
     variables ``x[v, c]`` over its choices (specs for leaf and gradient nodes,
     :class:`~autopar.strategies.Strategy` for equations). Elementwise equations
-    whose only array operand has the output's shape *follow* that operand:
-    they get no variables ("merged").
-  * ``y[e, p, r]`` for each edge ``e`` (a value produced in spec ``p`` and
-    consumed in spec ``r``) whose resharding cost is positive.
+    whose array operands all have the output's shape *follow* their first
+    operand: they get no variables ("merged"), and each other operand gets an
+    edge to the first one's node.
+  * ``e[p, r] >= 0`` for each edge (a value produced in spec ``p`` and
+    consumed in spec ``r``): how much of the edge goes from ``p`` to ``r``.
 
 Objective (seconds per step, α-β model)::
 
     min  Σ_v Σ_c  m_v · (compute[v,c] + comm[v,c]) · x[v,c]          (node costs)
-       + Σ_e Σ_{p,r} m_e · reshard(e, p, r) · y[e,p,r]                 (edge costs)
+       + Σ_edges Σ_{p,r} m · reshard(p, r) · e[p,r]                     (edge costs)
        + Σ_g Σ_c  allreduce_S(bytes(g, c)) · x[g,c]                    (gradient sync)
 
 with ``m = n`` for compute_grad and ``1`` for apply_grad.
 
 Constraints (one method each)
   * one choice per node: ``Σ_c x[v,c] = 1``                      (``_one_hot``)
-  * edge linearisation: ``y[e,p,r] ≥ Σ_{c: p} x[u,c] + Σ_{c: r} x[w,c] - 1``
+  * edge flows (a tight linearisation of x_u(p)·x_w(r)):
+    ``Σ_r e[p,r] = Σ_{c: p} x[u,c]`` and ``Σ_p e[p,r] = Σ_{c: r} x[w,c]``
                                                                   (``_edges``)
   * a donated leaf and the output that replaces it share a spec:
     ``Σ_{c: s} x[out,c] = x[leaf,s]`` for every spec ``s``        (``_donation``)
@@ -158,6 +160,10 @@ class ShardingProblem:
     self.num_constraints = 0
     self._edge_count = 0
     self._pending_edges: list = []
+    self._follow_edges: list = []
+    self._followers: dict[str, dict[int, tuple[int, int]]] = {"compute": {},
+                                                               "apply": {}}
+    self._reshard_cache: dict = {}
 
   # -- graph ---------------------------------------------------------------------
 
@@ -208,10 +214,17 @@ class ShardingProblem:
     for i, eqn in enumerate(jaxpr.eqns):
       operands = [v for v in eqn.invars if isinstance(v, Var) and v.aval.shape]
       out = eqn.outvars[0]
-      if (is_elementwise(eqn) and len(eqn.outvars) == 1 and len(operands) == 1
-          and tuple(operands[0].aval.shape) == tuple(out.aval.shape)
-          and operands[0] in val):
-        val[out] = val[operands[0]]           # merged: follows its operand
+      if (is_elementwise(eqn) and len(eqn.outvars) == 1 and operands
+          and all(tuple(v.aval.shape) == tuple(out.aval.shape) for v in operands)
+          and all(v in val for v in operands)):
+        # Merged: the output follows its first operand's spec; every other
+        # operand is resharded to that spec (an edge between the two nodes).
+        lead = val[operands[0]]
+        for v in operands[1:]:
+          if val[v] != lead:
+            self._follow_edges.append((val[v], lead, v.aval, mult, part))
+        val[out] = lead
+        self._followers[part][i] = lead
         continue
       strategies = strategies_for(eqn, self.ctx)
       node = self._add_node(f"{part}/{i}:{eqn.primitive.name}", strategies,
@@ -220,7 +233,7 @@ class ShardingProblem:
       eqn_nodes[i] = node
       for pos, v in enumerate(eqn.invars):
         if isinstance(v, Var) and v in val:
-          self._pending_edges.append((val[v], node, pos, v.aval, mult))
+          self._pending_edges.append((val[v], node, pos, v.aval, mult, part))
       for j, v in enumerate(eqn.outvars):
         val[v] = (node, j)
     return eqn_nodes
@@ -257,27 +270,50 @@ class ShardingProblem:
     return groups
 
   def _edge(self, produced: dict, required: dict, aval, mult):
+    """Resharding cost of one edge, linearised as a transportation problem.
+
+    ``e[p, r] >= 0`` with ``Σ_r e[p,r] = x_u(p)`` and ``Σ_p e[p,r] = x_w(r)``:
+    for one-hot ``x`` it is the product ``x_u(p)·x_w(r)``, and unlike
+    ``y >= x_u + x_w - 1`` its LP relaxation is tight, so HiGHS solves the
+    ILP with little branching. An edge with one side fixed is linear.
+    """
+    costs = {(p, r): self._reshard(aval, p, r) for p in produced for r in required}
+    if not any(costs.values()):
+      return
+    if len(produced) == 1 or len(required) == 1:
+      for (p, r), c in costs.items():
+        if c > 0:
+          side = required[r] if len(produced) == 1 else produced[p]
+          self.objective_terms.append(mult * c * pulp.lpSum(side))
+      return
+    flows = {}
+    for (p, r), c in costs.items():
+      e = pulp.LpVariable(f"e_{self._edge_count}", lowBound=0)
+      self._edge_count += 1
+      flows[p, r] = e
+      if c > 0:
+        self.objective_terms.append(mult * c * e)
     for p, pvars in produced.items():
-      for r, rvars in required.items():
-        c = reshard_cost(aval, p, r, self.cost, self.sizes,
-                         allow_all_gather=self.allow_all_gather,
-                         allow_all_to_all=self.allow_all_to_all)
-        if c <= 0:
-          continue
-        if len(produced) == 1:
-          self.objective_terms.append(mult * c * pulp.lpSum(rvars))
-        elif len(required) == 1:
-          self.objective_terms.append(mult * c * pulp.lpSum(pvars))
-        else:
-          y = pulp.LpVariable(f"y_{self._edge_count}", lowBound=0)
-          self._edge_count += 1
-          self.prob += y >= pulp.lpSum(pvars) + pulp.lpSum(rvars) - 1
-          self.num_constraints += 1
-          self.objective_terms.append(mult * c * y)
+      self.prob += (pulp.lpSum(flows[p, r] for r in required) == pulp.lpSum(pvars))
+    for r, rvars in required.items():
+      self.prob += (pulp.lpSum(flows[p, r] for p in produced) == pulp.lpSum(rvars))
+    self.num_constraints += len(produced) + len(required)
+
+  def _reshard(self, aval, p: Spec, r: Spec) -> float:
+    key = (tuple(aval.shape), str(aval.dtype), p, r)
+    c = self._reshard_cache.get(key)
+    if c is None:
+      c = self._reshard_cache[key] = reshard_cost(
+          aval, p, r, self.cost, self.sizes, allow_all_gather=self.allow_all_gather,
+          allow_all_to_all=self.allow_all_to_all)
+    return c
 
   def _edges(self):
-    for (src, src_pos), dst, pos, aval, mult in self._pending_edges:
+    for (src, src_pos), dst, pos, aval, mult, _ in self._pending_edges:
       self._edge(self._spec_groups(src, src_pos), self._required_groups(dst, pos),
+                 aval, mult)
+    for (src, src_pos), (dst, dst_pos), aval, mult, _ in self._follow_edges:
+      self._edge(self._spec_groups(src, src_pos), self._spec_groups(dst, dst_pos),
                  aval, mult)
     # compute_grad's gradients are accumulated in their gradient node's spec.
     cj = self.compute.jaxpr
@@ -394,6 +430,34 @@ class ShardingProblem:
     node, pos = val_map[v]
     return self.nodes[node].specs[self._chosen(node)][pos]
 
+  def _chosen_reshards(self):
+    """(part, kind, axes, bytes, per step) of every resharding the plan does."""
+    out = []
+    edges = [(src, self.nodes[dst].choices[self._chosen(dst)].in_specs[pos], aval,
+              mult, part) for src, dst, pos, aval, mult, part in self._pending_edges]
+    edges += [(src, self.nodes[dst[0]].specs[self._chosen(dst[0])][dst[1]], aval,
+               mult, part) for src, dst, aval, mult, part in self._follow_edges]
+    for g, node in enumerate(self.grad_nodes):
+      v = self.compute.jaxpr.outvars[g]
+      if isinstance(v, Var) and v in self.compute_val:
+        edges.append((self.compute_val[v], self.nodes[node].specs[self._chosen(node)][0],
+                      v.aval, self.n, "compute"))
+    for (src, pos), r, aval, mult, part in edges:
+      p = self.nodes[src].specs[self._chosen(src)][pos]
+      if r is None or p == r or self._reshard(aval, p, r) <= 0:
+        continue
+      pos_p = {a: d for d, e in enumerate(p) for a in e}
+      pos_r = {a: d for d, e in enumerate(r) for a in e}
+      b = local_bytes(aval, p, self.sizes)
+      stage = "compute_grad" if part == "compute" else "apply_grad"
+      gone = tuple(a for a in pos_p if a not in pos_r)
+      moved = tuple(a for a in pos_p if a in pos_r and pos_r[a] != pos_p[a])
+      if gone:
+        out.append((stage, "all-gather", gone, float(b), mult))
+      if moved:
+        out.append((stage, "all-to-all", moved, float(b), mult))
+    return out
+
   def _read_solution(self, status, solver_name, seconds) -> Solution:
     leaf_specs = tuple(self.nodes[n].specs[self._chosen(n)][0] for n in self.leaf_nodes)
     grad_specs = tuple(self.nodes[n].specs[self._chosen(n)][0] for n in self.grad_nodes)
@@ -406,12 +470,19 @@ class ShardingProblem:
       for i, st in strat.items():
         for kind, axes, b in st.collectives:
           colls.append((part, kind, tuple(axes), float(b), mult))
+    colls.extend(self._chosen_reshards())
     num_grads = len(grad_specs)
     cj = self.compute.jaxpr
+    def with_followers(strat, part):
+      specs = {i: st.out_specs for i, st in strat.items()}
+      for i, (node, pos) in self._followers[part].items():
+        specs[i] = (self.nodes[node].specs[self._chosen(node)][pos],)
+      return specs
+
     return Solution(
         leaf_specs=leaf_specs, grad_specs=grad_specs,
-        compute_specs={i: st.out_specs for i, st in cstrat.items()},
-        apply_specs={i: st.out_specs for i, st in astrat.items()},
+        compute_specs=with_followers(cstrat, "compute"),
+        apply_specs=with_followers(astrat, "apply"),
         compute_strategies=cstrat, apply_strategies=astrat,
         apply_out_specs=tuple(self._spec_of(self.apply_val, v)
                               for v in self.apply.jaxpr.outvars),
