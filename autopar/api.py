@@ -173,7 +173,10 @@ class ParallelizedFunction:
     mesh = resolve_mesh(method)
     n = method.micro_batches
     sizes = axis_sizes_of(mesh)
-    batch_axes = batch_axes_for(method, mesh)
+    # The planner chooses ShardParallel's batch axes among those that divide
+    # the micro-batch; the presets split over theirs, which must divide it.
+    solving = isinstance(method, ShardParallel) and method.plan is None
+    batch_axes = () if solving else batch_axes_for(method, mesh)
     data_size = math.prod(sizes[a] for a in batch_axes)
     batch_size = check_batch_leaves(prep.leaves, num_micro_batches=n,
                                     data_axes=batch_axes, data_size=data_size,
@@ -185,6 +188,15 @@ class ParallelizedFunction:
           f"so autopar cannot tell which part to run per micro-batch. Fix: "
           f"compute the gradients with autopar.grad or autopar.value_and_grad "
           f"instead of jax.grad / jax.value_and_grad.")
+    saved = method.plan if isinstance(method, ShardParallel) else None
+    if saved is not None:
+      plan = _bind_saved_plan(saved, split, mesh, n, self._name)
+    elif isinstance(method, ShardParallel) and split.has_marker:
+      plan = plan_auto(split, method, mesh, batch_size=batch_size,
+                       trace_local=lambda rows: self._split(prep, rows))
+    else:
+      plan = plan_preset(split, method, mesh, batch_size=batch_size)
+    data_size = math.prod(sizes[a] for a in plan.batch_axes)
     if split.has_marker and n * data_size > 1:
       for path, kind in zip(split.traced.out_paths, split.out_kinds, strict=True):
         if kind is OutputKind.OTHER:
@@ -196,14 +208,6 @@ class ParallelizedFunction:
               f"{split.traced.micro_batch_size}), so it cannot be combined over "
               f"{n} micro-batch(es) x {data_size} device(s). Fix: return a "
               f"scalar mean, an integer count, or per-example values.")
-    saved = method.plan if isinstance(method, ShardParallel) else None
-    if saved is not None:
-      plan = _bind_saved_plan(saved, split, mesh, n, self._name)
-    elif isinstance(method, ShardParallel) and split.has_marker:
-      plan = plan_auto(split, method, mesh, batch_size=batch_size,
-                       trace_local=lambda rows: self._split(prep, rows))
-    else:
-      plan = plan_preset(split, method, mesh, batch_size=batch_size)
     self._plans[prep.key] = (plan, split)
     return plan, split
 

@@ -137,8 +137,11 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
   traced = split.traced
   sizes = axis_sizes_of(mesh)
   batch_axes = batch_axes_for(method, mesh)
-  if isinstance(method, ShardParallel) and method.option.force_data_parallel:
-    batch_axes = axis_names_of(mesh)
+  if isinstance(method, ShardParallel) and not method.option.force_batch_dim_to_mesh_dim:
+    # The largest set of axes that divides the batch (all of them if it can).
+    micro = batch_size // method.micro_batches if batch_size else 0
+    batch_axes = max(candidate_batch_axes(method, mesh, micro),
+                     key=lambda axes: math.prod(sizes[a] for a in axes))
   zero = 3 if isinstance(method, Zero3Parallel) else \
       2 if isinstance(method, Zero2Parallel) else 0
   n = method.micro_batches

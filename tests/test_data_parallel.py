@@ -43,7 +43,7 @@ def test_transformer_sgd_momentum_three_steps(devices, n):
   make_state, step, batch = transformer_setup()
   ref = single_device(step)
   ref_state, p_state = make_state(), make_state()
-  p = autopar.parallelize(step, method=autopar.ShardParallel(
+  p = autopar.parallelize(step, method=autopar.DataParallel(
       mesh=mesh_of(devices), num_micro_batches=n))
   for _ in range(3):
     ref_state, ref_loss = ref(ref_state, batch)

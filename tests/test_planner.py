@@ -1,0 +1,111 @@
+"""The ILP planner: known-answer plans, the compiled collectives match the
+plan, and numerics equal single-device jax.jit.
+
+Cost settings are stated in each test. Numerics use SGD with momentum: with
+Adam, a gradient that is zero up to rounding turns the different summation
+order of a model-parallel plan into a full-size update (see DESIGN.md).
+"""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import autopar
+from autopar import hlo
+from models import assert_trees_close, mlp_setup, single_device
+
+SGD = optax.sgd(0.1, momentum=0.9)
+
+
+def kernels(plan):
+  return [v.spec for v in plan.inputs
+          if v.name.endswith("['kernel']") and "opt_state" not in v.name]
+
+
+def big_collectives(compiled, min_bytes=4096):
+  return sorted((c.kind, c.operand_bytes, c.group_size)
+                for c in hlo.collectives(compiled) if c.operand_bytes >= min_bytes)
+
+
+def check_numerics(p, make_state, step, batch):
+  ref_state, ref_loss = single_device(step)(make_state(), batch)
+  state, loss = p(make_state(), batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(state.params, ref_state.params)
+  return state
+
+
+def test_large_batch_small_hidden_is_data_parallel():
+  # Default costs (alpha 1 us per ring step, beta 1e-10 s/B, 1e-12 s/flop).
+  make_state, step, batch = mlp_setup(batch=8192, din=64, hidden=64, dout=64, tx=SGD)
+  p = autopar.parallelize(step, method=autopar.ShardParallel(
+      mesh=jax.make_mesh((8,), ("model",))))
+  exe = p.get_executable(make_state(), batch)
+  assert exe.plan.batch_axes == ("model",)
+  assert kernels(exe.plan) == [P(None, None), P(None, None)]
+  grad_bytes = sum(g.bytes_per_device(exe.plan.axis_sizes) for g in exe.plan.grads)
+  (reduce,) = [c for c in hlo.collectives(exe.stages["compute_grad_sync"])
+               if c.operand_bytes > 64]
+  assert reduce.kind == "all-reduce" and reduce.operand_bytes >= grad_bytes
+  state = check_numerics(p, make_state, step, batch)
+  assert state.params["params"]["Dense_0"]["kernel"].sharding.spec == P(None, None)
+
+
+def test_small_batch_large_hidden_is_megatron_on_1d_mesh():
+  # Default costs.
+  make_state, step, batch = mlp_setup(batch=8, din=512, hidden=2048, dout=512, tx=SGD)
+  p = autopar.parallelize(step, method=autopar.ShardParallel(
+      mesh=jax.make_mesh((8,), ("model",))))
+  exe = p.get_executable(make_state(), batch)
+  assert exe.plan.batch_axes == ()
+  assert kernels(exe.plan) == [P(None, "model"), P("model", None)]   # column, row
+  # Exactly one all-reduce of the [8, 512] f32 activations, none of weights.
+  assert big_collectives(exe.stages["compute_grad_sync"]) == [("all-reduce", 8 * 512 * 4, 8)]
+  state = check_numerics(p, make_state, step, batch)
+  assert state.params["params"]["Dense_1"]["kernel"].sharding.spec == P("model", None)
+
+
+def test_2d_mesh_with_cheap_second_axis_splits_batch_then_kernels():
+  # "data" is 10x slower than "model" in latency and 100x in bandwidth.
+  make_state, step, batch = mlp_setup(batch=4096, din=256, hidden=1024, dout=256, tx=SGD)
+  option = autopar.AutoShardingOption(mesh_alpha={"data": 1e-6, "model": 1e-7},
+                                      mesh_beta={"data": 1e-9, "model": 1e-11})
+  p = autopar.parallelize(step, method=autopar.ShardParallel(
+      mesh=jax.make_mesh((2, 4), ("data", "model")), option=option))
+  exe = p.get_executable(make_state(), batch)
+  plan = exe.plan
+  assert plan.batch_axes == ("data",)
+  assert kernels(plan) == [P(None, "model"), P("model", None)]
+  # The compiled collectives are the ones the plan predicts.
+  compiled = big_collectives(exe.stages["compute_grad_sync"])
+  predicted = sorted((c.kind, c.bytes, plan.axis_sizes[c.axes[0]] if len(c.axes) == 1
+                      else 8) for c in plan.collectives
+                     if c.bytes >= 4096 and c.stage != "apply_grad")
+  assert [k for k, _, _ in compiled] == [k for k, _, _ in predicted]
+  for (_, cb, cg), (_, pb, pg) in zip(compiled, predicted):
+    assert cg == pg and abs(cb - pb) <= 64      # the loss rides along the gradients
+  check_numerics(p, make_state, step, batch)
+
+
+def test_plan_summary_json_and_solver_stats():
+  make_state, step, batch = mlp_setup(batch=8, din=512, hidden=2048, dout=512, tx=SGD)
+  p = autopar.parallelize(step, method=autopar.ShardParallel(
+      mesh=jax.make_mesh((4,), ("model",))))
+  plan = p.plan(make_state(), batch)
+  assert plan.solver.solver in ("HiGHS", "CBC") and plan.solver.status == "Optimal"
+  assert plan.solver.num_variables > 0 and plan.solver.num_constraints > 0
+  assert plan.intermediates and plan.objective > 0
+  text = plan.summary()
+  assert "HiGHS" in text and "all-reduce" in text and "P(None, 'model')" in text
+  assert autopar.Plan.from_json(plan.to_json()) == plan
+
+
+@pytest.mark.parametrize("shape,names,n", [((2,), ("x",), 2), ((2, 2), ("a", "b"), 1),
+                                           ((2, 4), ("data", "model"), 2)])
+def test_numerics_across_meshes_and_micro_batches(shape, names, n):
+  make_state, step, batch = mlp_setup(batch=32, din=16, hidden=64, dout=8, tx=SGD)
+  p = autopar.parallelize(step, method=autopar.ShardParallel(
+      mesh=jax.make_mesh(shape, names), num_micro_batches=n))
+  check_numerics(p, make_state, step, batch)
