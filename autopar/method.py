@@ -63,6 +63,10 @@ class AutoShardingOption:
     mesh_beta: mesh axis name -> inverse bandwidth along it (s/byte).
     seconds_per_flop: compute cost of one floating-point operation on one
       device (1e-12: a 1 TFLOP/s device); weighs compute against collectives.
+    max_model_axes: how many mesh axes the solver may use to split values
+      inside a micro-batch (tensor parallelism); the other axes split the
+      batch. 2 allows 2-D tensor parallelism, at the price of an ILP that is
+      ten times larger.
 
   Example::
 
@@ -77,6 +81,7 @@ class AutoShardingOption:
   mesh_alpha: Any = None
   mesh_beta: Any = None
   seconds_per_flop: float = 1e-12
+  max_model_axes: int = 1
 
   def __post_init__(self):
     object.__setattr__(self, "mesh_alpha", _as_items(self.mesh_alpha, "mesh_alpha"))
@@ -84,6 +89,9 @@ class AutoShardingOption:
     f = self.force_batch_dim_to_mesh_dim
     if isinstance(f, list):
       object.__setattr__(self, "force_batch_dim_to_mesh_dim", tuple(f))
+    if not isinstance(self.max_model_axes, int) or self.max_model_axes < 0:
+      raise InputError(f"AutoShardingOption: max_model_axes={self.max_model_axes!r}; "
+                       f"expected a non-negative int.")
     b = self.memory_budget_per_device
     if b is not None and (not isinstance(b, (int, float)) or b <= 0):
       raise InputError(f"AutoShardingOption: memory_budget_per_device={b!r}; "

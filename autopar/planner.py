@@ -258,7 +258,8 @@ def _memory_estimate(inputs, grads, sizes, batch_axes, n) -> int:
 def candidate_batch_axes(method: ShardParallel, mesh, micro_batch_size: int
                          ) -> list[tuple[str, ...]]:
   """Choices of batch axes to try: every subset of the mesh axes that divides
-  the micro-batch (or the forced one)."""
+  the micro-batch and leaves at most ``option.max_model_axes`` axes to plan
+  (or the forced one)."""
   names = axis_names_of(mesh)
   sizes = axis_sizes_of(mesh)
   option = method.option
@@ -272,12 +273,15 @@ def candidate_batch_axes(method: ShardParallel, mesh, micro_batch_size: int
   out = []
   for mask in range(1 << len(names)):
     axes = tuple(a for i, a in enumerate(names) if mask >> i & 1)
+    if len(names) - len(axes) > option.max_model_axes:
+      continue
     p = math.prod(sizes[a] for a in axes)
     if micro_batch_size and micro_batch_size % p == 0:
       out.append(axes)
     elif not micro_batch_size and not axes:
       out.append(axes)
-  return out
+  # A batch too small to split over enough axes: plan every axis.
+  return out or [()]
 
 
 def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,

@@ -155,4 +155,5 @@ def strategies_for(eqn, ctx: RuleContext) -> list[Strategy]:
 
 
 # Register the rule modules (they only call `register`).
-from autopar.strategies import dot, elementwise, shape_ops, reductions  # noqa: E402,F401
+from autopar.strategies import (dot, elementwise, indexing, reductions,  # noqa: E402,F401
+                                shape_ops)
