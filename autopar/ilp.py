@@ -14,6 +14,10 @@ Nodes and variables
     whose array operands all have the output's shape *follow* their first
     operand: they get no variables ("merged"), and each other operand gets an
     edge to the first one's node.
+  * a state leaf's choices come in two kinds: replicated over the batch axes
+    ``S``, or also split over them on one dimension (ZeRO/FSDP): ``1/|S|`` of
+    the memory, for an all-gather over ``S`` per micro-batch where
+    compute_grad reads it (per step for optimizer state).
   * ``e[p, r] >= 0`` for each edge (a value produced in spec ``p`` and
     consumed in spec ``r``): how much of the edge goes from ``p`` to ``r``.
 
@@ -91,10 +95,11 @@ def reshard_cost(aval, src: Spec, dst: Spec, cost: MeshCost, sizes, *,
 @dataclasses.dataclass
 class _Node:
   name: str
-  choices: list                      # specs, or strategies
+  choices: list                      # specs, (spec, dim) pairs, or strategies
   mult: float
   specs: list[tuple[Spec, ...]]      # per choice: spec of each output value
   costs: list[float]
+  mem: list[float] | None = None     # per choice: bytes per device (leaves)
   vars: list = dataclasses.field(default_factory=list)
 
 
@@ -102,6 +107,7 @@ class _Node:
 class Solution:
   """What the solver chose."""
   leaf_specs: tuple[Spec, ...]
+  leaf_batch_dims: tuple[int | None, ...]      # dim also split over the batch axes
   grad_specs: tuple[Spec, ...]
   compute_specs: dict[int, tuple[Spec, ...]]      # eqn index -> output specs
   apply_specs: dict[int, tuple[Spec, ...]]
@@ -116,6 +122,7 @@ class Solution:
   num_variables: int
   num_constraints: int
   collectives: tuple[tuple[str, str, tuple[str, ...], float, int], ...]
+  memory: float           # bytes per device: state, gradients, activation peak
 
 
 class ShardingProblem:
@@ -138,7 +145,7 @@ class ShardingProblem:
                planned_axes: Sequence[str], sizes: Mapping[str, int],
                cost: MeshCost, seconds_per_flop: float,
                allow_all_gather: bool = True, allow_all_to_all: bool = True,
-               memory_budget: float | None = None):
+               memory_budget: float | None = None, read_by_compute=()):
     self.compute = compute
     self.apply = apply
     self.num_consts = num_consts
@@ -154,6 +161,7 @@ class ShardingProblem:
     self.allow_all_gather = allow_all_gather
     self.allow_all_to_all = allow_all_to_all
     self.memory_budget = memory_budget
+    self.read_by_compute = set(read_by_compute)
     self.nodes: list[_Node] = []
     self.prob = pulp.LpProblem("autopar_sharding", pulp.LpMinimize)
     self.objective_terms: list = []
@@ -167,8 +175,8 @@ class ShardingProblem:
 
   # -- graph ---------------------------------------------------------------------
 
-  def _add_node(self, name, choices, specs, costs, mult) -> int:
-    node = _Node(name, choices, mult, specs, costs)
+  def _add_node(self, name, choices, specs, costs, mult, mem=None) -> int:
+    node = _Node(name, choices, mult, specs, costs, mem)
     self.nodes.append(node)
     return len(self.nodes) - 1
 
@@ -179,9 +187,23 @@ class ShardingProblem:
     self.leaf_nodes = []
     for k, aval in enumerate(self.leaf_avals):
       fixed = (0,) if self.batch_leaves[k] and self.n > 1 and aval.shape else ()
-      specs = enumerate_specs(aval.shape, A, sizes, fixed=fixed)
-      self.leaf_nodes.append(self._add_node(
-          f"leaf{k}", specs, [(s,) for s in specs], [0.0] * len(specs), 1))
+      choices, specs, costs, mem = [], [], [], []
+      for spec in enumerate_specs(aval.shape, A, sizes, fixed=fixed):
+        for dim in self._batch_axes_dims(k, aval, spec):
+          choices.append((spec, dim))
+          specs.append((spec,))
+          b = local_bytes(aval, spec, sizes)
+          if dim is None:
+            costs.append(0.0)
+            mem.append(b)
+            continue
+          shard = b / self._batch_size_devices
+          mem.append(shard)
+          # ZeRO-3: the gradient computation all-gathers the leaf each
+          # micro-batch; ZeRO-2 (optimizer state): the update is gathered once.
+          reps = self.n if k in self.read_by_compute else 1
+          costs.append(reps * self.cost.all_gather(shard, self.S))
+      self.leaf_nodes.append(self._add_node(f"leaf{k}", choices, specs, costs, 1, mem))
 
     # value -> (node, output position)
     self.compute_val: dict[Var, tuple[int, int]] = {}
@@ -207,6 +229,21 @@ class ShardingProblem:
     for g, v in enumerate(aj.invars[nconst + len(self.leaf_avals):]):
       self.apply_val[v] = (self.grad_nodes[g], 0)
     self.apply_eqn_nodes = self._add_eqns(aj, self.apply_val, 1, "apply")
+
+  @property
+  def _batch_size_devices(self) -> int:
+    return math.prod(self.sizes[a] for a in self.S)
+
+  def _batch_axes_dims(self, k, aval, spec) -> list[int | None]:
+    """None (replicated over the batch axes), and the dim a state leaf can
+    also be split on over them (ZeRO/FSDP), if any."""
+    d = self._batch_size_devices
+    if d == 1 or self.batch_leaves[k] or not aval.shape:
+      return [None]
+    for dim, n in enumerate(aval.shape):
+      if n % (d * math.prod(self.sizes[a] for a in spec[dim])) == 0:
+        return [None, dim]
+    return [None]
 
   def _add_eqns(self, jaxpr, val, mult, part) -> dict[int, int]:
     """Adds a node per equation (or merges it into its operand's)."""
@@ -333,14 +370,15 @@ class ShardingProblem:
         continue
       src, pos = self.apply_val[v]
       produced = self._spec_groups(src, pos)
-      leaf_node = self.nodes[self.leaf_nodes[leaf]]
-      for spec_tuple, x in zip(leaf_node.specs, leaf_node.vars):
-        self.prob += pulp.lpSum(produced.get(spec_tuple[0], [])) == x, \
+      for spec, xs in self._spec_groups(self.leaf_nodes[leaf], 0).items():
+        self.prob += pulp.lpSum(produced.get(spec, [])) == pulp.lpSum(xs), \
             f"donate_{out_idx}_{self.num_constraints}"
         self.num_constraints += 1
 
   def _value_bytes(self, node_id, pos, aval):
     node = self.nodes[node_id]
+    if node.mem is not None:
+      return pulp.lpSum(m * x for m, x in zip(node.mem, node.vars))
     return pulp.lpSum(local_bytes(aval, specs[pos], self.sizes) * x
                       for specs, x in zip(node.specs, node.vars))
 
@@ -458,8 +496,15 @@ class ShardingProblem:
         out.append((stage, "all-to-all", moved, float(b), mult))
     return out
 
+  def _memory_at_solution(self) -> float:
+    state, acts = self.memory_terms()
+    peak = max((pulp.value(a) or 0.0 for a in acts), default=0.0)
+    return float((pulp.value(state) or 0.0) + peak)
+
   def _read_solution(self, status, solver_name, seconds) -> Solution:
     leaf_specs = tuple(self.nodes[n].specs[self._chosen(n)][0] for n in self.leaf_nodes)
+    leaf_batch_dims = tuple(self.nodes[n].choices[self._chosen(n)][1]
+                            for n in self.leaf_nodes)
     grad_specs = tuple(self.nodes[n].specs[self._chosen(n)][0] for n in self.grad_nodes)
     cstrat = {i: self.nodes[n].choices[self._chosen(n)]
               for i, n in self.compute_eqn_nodes.items()}
@@ -480,7 +525,7 @@ class ShardingProblem:
       return specs
 
     return Solution(
-        leaf_specs=leaf_specs, grad_specs=grad_specs,
+        leaf_specs=leaf_specs, leaf_batch_dims=leaf_batch_dims, grad_specs=grad_specs,
         compute_specs=with_followers(cstrat, "compute"),
         apply_specs=with_followers(astrat, "apply"),
         compute_strategies=cstrat, apply_strategies=astrat,
@@ -491,7 +536,8 @@ class ShardingProblem:
         objective=float(pulp.value(self.prob.objective) or 0.0), status=status,
         solver=solver_name, seconds=seconds,
         num_variables=len(self.prob.variables()),
-        num_constraints=self.num_constraints, collectives=tuple(colls))
+        num_constraints=self.num_constraints, collectives=tuple(colls),
+        memory=self._memory_at_solution())
 
 
 def _liveness_peaks(jaxpr, num_consts: int, k: int) -> list[list[Var]]:

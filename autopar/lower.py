@@ -131,13 +131,18 @@ def _reduce_manual(x, spec: PartitionSpec, manual: Sequence[str]):
 
 # -- evaluating a jaxpr under the plan's constraints ----------------------------
 
-def _constraints(plan: Plan, part: str) -> dict[int, dict[int, PartitionSpec]]:
-  """Equation index -> output index -> spec, for one part ("compute"/"apply")."""
-  out: dict[int, dict[int, PartitionSpec]] = {}
+def _constraints(plan: Plan, part: str) -> dict[int, dict]:
+  """Equation index -> {output index or "in<k>" for operand k: spec}.
+
+  Plan intermediates are named ``<part>/<equation>/<output>`` (the spec an
+  output is produced in) or ``<part>/<equation>/in<k>`` (the spec operand
+  ``k`` is resharded to before the equation).
+  """
+  out: dict[int, dict] = {}
   for v in plan.intermediates:
     prefix, i, j = v.name.split("/")
     if prefix == part:
-      out.setdefault(int(i), {})[int(j)] = v.spec
+      out.setdefault(int(i), {})[j if j.startswith("in") else int(j)] = v.spec
   return out
 
 
@@ -154,10 +159,13 @@ def _eval_jaxpr(jaxpr, consts, args, constraints, constrain):
     env[v] = x
   for i, eqn in enumerate(jaxpr.eqns):
     params = eqn.primitive.get_bind_params(eqn.params)
+    pinned = constraints.get(i, {})
+    args = [read(a) for a in eqn.invars]
+    args = [constrain(x, pinned[f"in{k}"]) if f"in{k}" in pinned else x
+            for k, x in enumerate(args)]
     with eqn.ctx.manager:
-      ans = eqn.primitive.bind(*map(read, eqn.invars), **params)
+      ans = eqn.primitive.bind(*args, **params)
     outs = ans if eqn.primitive.multiple_results else [ans]
-    pinned = constraints.get(i)
     if pinned:
       outs = [constrain(x, pinned[j]) if j in pinned else x
               for j, x in enumerate(outs)]
@@ -292,6 +300,11 @@ def _apply_stage(split: SplitStep, plan: Plan, amesh, user_mesh,
   constraints = _constraints(plan, "apply")
   if constraints and max(constraints) >= len(jaxpr.eqns):
     constraints = {}     # a plan made for another program: let XLA propagate
+  if plan.batch_axes:
+    # The plan fixes only the planned axes here; dims it leaves unsplit stay
+    # free for XLA to keep state split over the batch axes (ZeRO/FSDP).
+    constraints = {i: {j: _unconstrained_where_unsplit(sp) for j, sp in outs.items()}
+                   for i, outs in constraints.items()}
   pin = lambda x, spec: lax.with_sharding_constraint(x, NamedSharding(amesh, spec))
 
   def fn(donated_vals, kept_vals, grads):
@@ -309,6 +322,11 @@ def _apply_stage(split: SplitStep, plan: Plan, amesh, user_mesh,
   out_shardings = [ns(s, user_mesh) for s in apply_specs]
   return jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
                  donate_argnums=(0,) if donated else ())
+
+
+def _unconstrained_where_unsplit(spec: PartitionSpec) -> PartitionSpec:
+  return PartitionSpec(*(PartitionSpec.UNCONSTRAINED if e is None else e
+                         for e in spec))
 
 
 def _whole_step(split: SplitStep, plan: Plan, amesh, user_mesh,

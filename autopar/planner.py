@@ -315,7 +315,8 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
         seconds_per_flop=option.seconds_per_flop,
         allow_all_gather=option.allow_all_gather,
         allow_all_to_all=option.allow_all_to_all,
-        memory_budget=option.memory_budget_per_device).build()
+        memory_budget=option.memory_budget_per_device,
+        read_by_compute=leaves_read_by_compute(local)).build()
     try:
       sol = problem.solve()
     except PlanError as e:
@@ -323,6 +324,8 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
       continue
     if best is None or sol.objective < best[1].objective * (1 - 1e-9) - 1e-15:
       best = (S, sol, local)
+  if best is None and option.memory_budget_per_device is None:
+    raise errors[0][1]
   if best is None:
     need = min(p.min_memory() for p, _ in errors) if errors else 0
     raise PlanError(
@@ -353,8 +356,17 @@ def _plan_from_solution(split, local, method, mesh, S, sol, batch_size) -> Plan:
     first = tuple(S) + tuple(spec[0]) if spec else tuple(S)
     return to_partition_spec((first, *spec[1:]))
 
-  in_specs = [with_batch(s) if l.is_batch else to_partition_spec(s)
-              for l, s in zip(traced.leaves, sol.leaf_specs, strict=True)]
+  def with_batch_dim(spec, dim):
+    # A state leaf also split over the batch axes (ZeRO/FSDP).
+    if dim is None:
+      return to_partition_spec(spec)
+    spec = list(spec)
+    spec[dim] = tuple(S) + tuple(spec[dim])
+    return to_partition_spec(tuple(spec))
+
+  in_specs = [with_batch(s) if l.is_batch else with_batch_dim(s, dim)
+              for l, s, dim in zip(traced.leaves, sol.leaf_specs,
+                                   sol.leaf_batch_dims, strict=True)]
   inputs = tuple(ValuePlan(l.path, l.shape, dtype_name(l.dtype), s)
                  for l, s in zip(traced.leaves, in_specs, strict=True))
   grads = tuple(ValuePlan(name, tuple(a.shape), dtype_name(a.dtype),
@@ -379,12 +391,27 @@ def _plan_from_solution(split, local, method, mesh, S, sol, batch_size) -> Plan:
     outputs.append(ValuePlan(path, tuple(v.aval.shape), dtype_name(v.aval.dtype), spec))
 
   inter = []
-  for part, jaxpr, specs in (("compute", local.compute.jaxpr, sol.compute_specs),
-                             ("apply", local.apply.jaxpr, sol.apply_specs)):
+  nconst = len(local.consts)
+  for part, jaxpr, specs, strategies in (
+      ("compute", local.compute.jaxpr, sol.compute_specs, sol.compute_strategies),
+      ("apply", local.apply.jaxpr, sol.apply_specs, sol.apply_strategies)):
+    # The spec every value is produced in, to find where the plan reshards.
+    produced = {v: s for v, s in zip(jaxpr.invars[nconst:], sol.leaf_specs)}
+    produced.update(zip(jaxpr.invars[nconst + len(sol.leaf_specs):], sol.grad_specs))
+    for i, outs in specs.items():
+      produced.update(zip(jaxpr.eqns[i].outvars, outs))
     for i, outs in sorted(specs.items()):
-      for j, (v, s) in enumerate(zip(jaxpr.eqns[i].outvars, outs)):
+      eqn = jaxpr.eqns[i]
+      for j, (v, s) in enumerate(zip(eqn.outvars, outs)):
         inter.append(ValuePlan(f"{part}/{i}/{j}", tuple(v.aval.shape),
                                dtype_name(v.aval.dtype), to_partition_spec(s)))
+      st = strategies.get(i)
+      for k, v in enumerate(eqn.invars if st is not None else ()):
+        need = st.in_specs[k]
+        if need is not None and v in produced and produced[v] != need:
+          # Resharded on this edge: pin the operand where the plan reshards it.
+          inter.append(ValuePlan(f"{part}/{i}/in{k}", tuple(v.aval.shape),
+                                 dtype_name(v.aval.dtype), to_partition_spec(need)))
 
   colls = {}
   for part, kind, axes, b, mult in sol.collectives:
@@ -404,7 +431,7 @@ def _plan_from_solution(split, local, method, mesh, S, sol, batch_size) -> Plan:
   solver = SolverStats(solver=sol.solver, status=sol.status, seconds=sol.seconds,
                        num_variables=sol.num_variables,
                        num_constraints=sol.num_constraints)
-  memory = _memory_estimate(inputs, grads, sizes, tuple(S), n)
+  memory = int(sol.memory)
   return Plan(method=method.name, mesh_axis_names=axis_names_of(mesh),
               mesh_shape=tuple(sizes.values()), num_micro_batches=n,
               batch_axes=tuple(S), inputs=inputs, grads=grads, outputs=tuple(outputs),
