@@ -38,6 +38,10 @@ def elementwise(eqn, ctx: RuleContext) -> list[Strategy]:
         ins.append(None)
       elif tuple(v.aval.shape) == tuple(out.shape):
         ins.append(spec)
+      elif len(v.aval.shape) == len(out.shape):
+        # Implicit broadcasting of size-1 dims ([8, 2048] + [1, 2048]).
+        ins.append(tuple(e if n == m else ()
+                         for e, n, m in zip(spec, v.aval.shape, out.shape)))
       else:                       # a scalar operand (select_n predicate, clamp bounds)
         ins.append(((),) * len(v.aval.shape))
     outs = tuple(spec for _ in eqn.outvars)

@@ -1,0 +1,231 @@
+"""Plan quality: autopar's plans against hand-written ones.
+
+    python benchmark/plan_quality.py
+
+On 8 simulated CPU devices, for MLPs, transformer blocks and a 4-layer
+GPT-style model at widths where data parallelism and where tensor parallelism
+should win, compiles one training step (SGD with momentum, one micro-batch)
+under:
+
+* autopar's plan (``ShardParallel``, default costs) on a 1-D mesh of 8 and on
+  a (2, 4) mesh; the better of the two is autopar's row;
+* hand-written plans, given as input shardings to ``jax.jit`` (XLA propagates
+  the rest): pure data parallel, FSDP (every parameter and optimizer state
+  split over all 8 devices), Megatron tensor parallel over 8 (column / row
+  split of consecutive matmuls, attention heads split), and data x tensor
+  2-D (batch over 2, Megatron over 4).
+
+It prints the bytes each device sends per step (ring formulas over every
+collective in the compiled HLO) and the peak memory per device (arguments +
+outputs - aliased + temp, from ``memory_analysis()``, the largest stage for
+autopar), and the ratio of autopar's bytes and memory to the best hand-written
+plan (the one with the fewest bytes). Target: bytes <= 1.05x, memory <= 1.1x.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax.training import train_state  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import autopar  # noqa: E402
+from autopar import hlo  # noqa: E402
+
+
+class MLP(nn.Module):
+  widths: tuple
+
+  @nn.compact
+  def __call__(self, x):
+    for i, w in enumerate(self.widths):
+      x = nn.Dense(w)(x)
+      if i < len(self.widths) - 1:
+        x = nn.relu(x)
+    return x
+
+
+class Block(nn.Module):
+  d: int
+  heads: int
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.LayerNorm()(x)
+    h = nn.MultiHeadDotProductAttention(num_heads=self.heads)(
+        h, h, mask=nn.make_causal_mask(jnp.ones(x.shape[:2])))
+    x = x + h
+    h = nn.Dense(4 * self.d)(nn.LayerNorm()(x))
+    return x + nn.Dense(self.d)(nn.gelu(h))
+
+
+class GPT(nn.Module):
+  vocab: int
+  d: int
+  heads: int
+  layers: int
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(self.vocab, self.d)(tokens)
+    for _ in range(self.layers):
+      x = Block(self.d, self.heads)(x)
+    return nn.Dense(self.vocab)(nn.LayerNorm()(x))
+
+
+def regression_step(state, batch):
+  def loss_fn(p):
+    return jnp.mean((state.apply_fn(p, batch["x"]) - batch["y"]) ** 2)
+  loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+  return state.apply_gradients(grads=grads), loss
+
+
+def lm_step(state, batch):
+  def loss_fn(p):
+    logits = state.apply_fn(p, batch["tokens"][:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, batch["tokens"][:, 1:]).mean()
+  loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+  return state.apply_gradients(grads=grads), loss
+
+
+def cases():
+  rng = np.random.RandomState(0)
+  tx = optax.sgd(0.01, momentum=0.9)
+
+  def mlp(batch, widths, din):
+    x = rng.randn(batch, din).astype(np.float32)
+    y = rng.randn(batch, widths[-1]).astype(np.float32)
+    return MLP(tuple(widths)), {"x": x, "y": y}, x[:1], regression_step
+
+  def block(batch, seq, d, heads):
+    x = rng.randn(batch, seq, d).astype(np.float32)
+    return Block(d, heads), {"x": x, "y": x}, x[:1], regression_step
+
+  def gpt(batch, seq, vocab, d, heads, layers):
+    t = rng.randint(0, vocab, size=(batch, seq + 1)).astype(np.int32)
+    return GPT(vocab, d, heads, layers), {"tokens": t}, t[:1, :-1], lm_step
+
+  for name, (model, batch, example, step) in [
+      ("MLP 64-64-64, batch 8192 (DP should win)", mlp(8192, [64, 64], 64)),
+      ("MLP 512-2048-512, batch 8 (TP should win)", mlp(8, [2048, 512], 512)),
+      ("block d=64, batch 256x8 (DP should win)", block(256, 8, 64, 4)),
+      ("block d=512, batch 2x8 (TP should win)", block(2, 8, 512, 8)),
+      ("GPT 4 layers d=256, batch 16x32", gpt(16, 32, 256, 256, 4, 4)),
+  ]:
+    params = model.init(jax.random.PRNGKey(0), example)
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    yield name, state, batch, step
+
+
+# -- hand-written plans -------------------------------------------------------
+
+def _first_divisible(shape, n):
+  for d, s in enumerate(shape):
+    if s % n == 0 and s >= n:
+      return d
+  return None
+
+
+def megatron_spec(path: str, shape, axis, size):
+  """Column/row splits by layer name, heads split in attention."""
+  def split(dim):
+    return P(*([None] * dim), axis) if shape[dim] % size == 0 else P()
+  if any(k in path for k in ("['query']", "['key']", "['value']")):
+    return split(len(shape) - 2) if len(shape) >= 2 else split(0)   # heads
+  if "['out']" in path:
+    return split(0) if len(shape) == 3 else P()                     # heads
+  if path.endswith("['kernel']"):
+    # Dense layers alternate column / row split in order of appearance.
+    idx = int(path.split("Dense_")[-1].split("'")[0]) if "Dense_" in path else 0
+    return split(1) if idx % 2 == 0 else split(0)
+  if path.endswith("['bias']") and "Dense_" in path:
+    idx = int(path.split("Dense_")[-1].split("'")[0])
+    return split(0) if idx % 2 == 0 else P()
+  return P()
+
+
+def state_specs(state, rule):
+  paths = jax.tree_util.tree_flatten_with_path(state)[0]
+  leaves = [rule(jax.tree_util.keystr(kp), np.shape(x)) for kp, x in paths]
+  return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state), leaves)
+
+
+def hand_written(state, batch, step):
+  devices = np.array(jax.devices())
+  m1 = Mesh(devices, ("x",))
+  m2 = Mesh(devices.reshape(2, 4), ("data", "model"))
+  plans = {
+      "data parallel": (m1, lambda p, s: P(), P("x")),
+      "FSDP": (m1, lambda p, s: (P(*([None] * _first_divisible(s, 8)), "x")
+                                  if _first_divisible(s, 8) is not None else P()),
+               P("x")),
+      "Megatron TP": (m1, lambda p, s: megatron_spec(p, s, "x", 8), P()),
+      "2-D data x TP": (m2, lambda p, s: megatron_spec(p, s, "model", 4), P("data")),
+  }
+  out = {}
+  batch_size = len(next(iter(batch.values())))
+  for name, (mesh, rule, bspec) in plans.items():
+    if bspec and batch_size % int(np.prod([mesh.shape[a] for a in bspec])):
+      continue                  # this plan cannot split this batch
+    specs = state_specs(state, rule)
+    st_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    b_sh = jax.tree.map(lambda x: NamedSharding(mesh, bspec), batch)
+    rep = NamedSharding(mesh, P())
+    compiled = jax.jit(step, in_shardings=(st_sh, b_sh), out_shardings=(st_sh, rep),
+                       donate_argnums=(0,)).lower(state, batch).compile()
+    out[name] = (hlo.bytes_sent(compiled), peak_memory(compiled))
+  return out
+
+
+def peak_memory(compiled) -> int:
+  m = compiled.memory_analysis()
+  return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+          + m.temp_size_in_bytes)
+
+
+def autopar_plan(state, batch, step):
+  best = None
+  for mesh in (jax.make_mesh((8,), ("x",)), jax.make_mesh((2, 4), ("data", "model"))):
+    p = autopar.parallelize(step, method=autopar.ShardParallel(mesh=mesh))
+    exe = p.get_executable(state, batch)
+    sent = sum(hlo.bytes_sent(exe.stages[s]) for s in exe.schedule)
+    mem = max(peak_memory(c) for c in exe.stages.values())
+    axes = "x".join(map(str, mesh.axis_sizes))
+    row = (sent, mem, f"{axes}: batch over {exe.plan.batch_axes or 'none'}")
+    if best is None or row[0] < best[0]:
+      best = row
+  return best
+
+
+def main():
+  warnings.filterwarnings("ignore", message="autopar: no sharding rule")
+  mib = 2 ** 20
+  print(f"{'model':<42} {'plan':<40} {'MiB sent':>9} {'peak MiB':>9}")
+  print("-" * 104)
+  for name, state, batch, step in cases():
+    hand = hand_written(state, batch, step)
+    sent, mem, how = autopar_plan(state, batch, step)
+    for plan, (b, m) in hand.items():
+      print(f"{name:<42} {plan:<40} {b / mib:>9.3f} {m / mib:>9.2f}")
+    print(f"{name:<42} {'autopar (' + how + ')':<40} {sent / mib:>9.3f} {mem / mib:>9.2f}")
+    best_name, (bb, bm) = min(hand.items(), key=lambda kv: kv[1][0])
+    ratio_b = sent / bb if bb else (1.0 if sent == 0 else float("inf"))
+    print(f"{'':<42} {'-> vs best hand-written (' + best_name + ')':<40} "
+          f"bytes x{ratio_b:.2f}  memory x{mem / bm:.2f}")
+    print()
+
+
+if __name__ == "__main__":
+  main()
