@@ -54,8 +54,10 @@ class AutoShardingOption:
       mesh axis, everything else replicated) without solving.
     force_batch_dim_to_mesh_dim: mesh axis name (or tuple of names) the batch
       dimension must be split over.
-    prefer_reduce_scatter: reduce-scatter gradients and shard optimizer state
-      where it does not cost more (ZeRO-2 style).
+    prefer_reduce_scatter: when the batch is split over more than one device,
+      reduce-scatter the gradients over the batch axes and split the optimizer
+      state over them (ZeRO-2): the same bytes as an all-reduce plus the
+      gather of the updated parameters, and less optimizer memory.
     allow_all_gather: let the solver use all-gather to reshard values.
     allow_all_to_all: let the solver use all-to-all to reshard values.
     memory_budget_per_device: bytes one device may use; None for no limit.

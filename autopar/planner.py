@@ -338,6 +338,14 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
   return _plan_from_solution(split, local, method, mesh, S, sol, batch_size)
 
 
+def _divisible_dim(shape, spec, d_batch, sizes) -> int | None:
+  """First dim that can also be split over the batch axes, if any."""
+  for dim, n in enumerate(shape):
+    if n % (d_batch * math.prod(sizes[a] for a in spec[dim])) == 0:
+      return dim
+  return None
+
+
 def _apply_donation(split: SplitStep) -> dict[int, int]:
   """apply_grad output index -> donated leaf it replaces."""
   pairs = donation_pairs(split.traced)
@@ -348,9 +356,12 @@ def _apply_donation(split: SplitStep) -> dict[int, int]:
 def _plan_from_solution(split, local, method, mesh, S, sol, batch_size) -> Plan:
   from autopar.strategies import to_partition_spec
 
+  from autopar.strategies import local_bytes
+
   traced = split.traced
   sizes = axis_sizes_of(mesh)
   n = method.micro_batches
+  to_bytes = lambda aval, spec: local_bytes(aval, spec, sizes)
 
   def with_batch(spec):
     first = tuple(S) + tuple(spec[0]) if spec else tuple(S)
@@ -364,15 +375,29 @@ def _plan_from_solution(split, local, method, mesh, S, sol, batch_size) -> Plan:
     spec[dim] = tuple(S) + tuple(spec[dim])
     return to_partition_spec(tuple(spec))
 
+  leaf_dims = list(sol.leaf_batch_dims)
+  grad_dims = [None] * len(sol.grad_specs)
+  d_batch = math.prod(sizes[a] for a in S)
+  if method.option.prefer_reduce_scatter and d_batch > 1:
+    # ZeRO-2: gradients reduce-scattered over the batch axes and the optimizer
+    # state (what compute_grad does not read) split over them too; the
+    # updated parameters are all-gathered, so the bytes equal an all-reduce.
+    read = leaves_read_by_compute(local)
+    for k, (l, spec) in enumerate(zip(traced.leaves, sol.leaf_specs)):
+      if leaf_dims[k] is None and not l.is_batch and k not in read:
+        leaf_dims[k] = _divisible_dim(l.shape, spec, d_batch, sizes)
+    for g, (a, spec) in enumerate(zip(split.grad_avals, sol.grad_specs)):
+      grad_dims[g] = _divisible_dim(a.shape, spec, d_batch, sizes)
+
   in_specs = [with_batch(s) if l.is_batch else with_batch_dim(s, dim)
-              for l, s, dim in zip(traced.leaves, sol.leaf_specs,
-                                   sol.leaf_batch_dims, strict=True)]
+              for l, s, dim in zip(traced.leaves, sol.leaf_specs, leaf_dims,
+                                   strict=True)]
   inputs = tuple(ValuePlan(l.path, l.shape, dtype_name(l.dtype), s)
                  for l, s in zip(traced.leaves, in_specs, strict=True))
   grads = tuple(ValuePlan(name, tuple(a.shape), dtype_name(a.dtype),
-                          to_partition_spec(s))
-                for name, a, s in zip(split.grad_names, split.grad_avals,
-                                      sol.grad_specs, strict=True))
+                          with_batch_dim(s, dim))
+                for name, a, s, dim in zip(split.grad_names, split.grad_avals,
+                                           sol.grad_specs, grad_dims, strict=True))
   pairs = donation_pairs(traced)
   batch_entry = PartitionSpec(None if not S else S[0] if len(S) == 1 else tuple(S))
   outputs = []
@@ -421,12 +446,14 @@ def _plan_from_solution(split, local, method, mesh, S, sol, batch_size) -> Plan:
   collectives = [CollectivePlan(stage=k[0], kind=k[1], axes=k[2], bytes=int(b),
                                 per_step=k[3], what="activations / partial sums")
                  for k, b in colls.items()]
-  d = math.prod(sizes[a] for a in S)
-  if d > 1 and split.has_marker:
-    gb = sum(g.bytes_per_device(sizes) for g in grads)
-    collectives.append(CollectivePlan(stage=grad_stage_names(n)[-1], kind="all-reduce",
-                                      axes=tuple(S), bytes=int(gb), per_step=1,
-                                      what="gradients"))
+  if d_batch > 1 and split.has_marker:
+    # Operand bytes: the gradient as each device holds it before the sync.
+    gb = sum(to_bytes(a, s) for a, s in zip(split.grad_avals, sol.grad_specs))
+    scattered = any(dim is not None for dim in grad_dims)
+    collectives.append(CollectivePlan(
+        stage=grad_stage_names(n)[-1],
+        kind="reduce-scatter" if scattered else "all-reduce", axes=tuple(S),
+        bytes=int(gb), per_step=1, what="gradients"))
   from autopar.plan import SolverStats
   solver = SolverStats(solver=sol.solver, status=sol.status, seconds=sol.seconds,
                        num_variables=sol.num_variables,

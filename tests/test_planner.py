@@ -181,3 +181,53 @@ def test_transformer_layer_gets_the_megatron_layout():
   assert all(k == "all-reduce" and b % act == 0 for k, b in colls)
   assert sum(b for _, b in colls) == 6 * act          # XLA fuses some of the 4
   check_numerics(p, make_state, step, x)
+
+
+def test_prefer_reduce_scatter_shards_gradients_and_optimizer_state():
+  make_state, step, batch = mlp_setup(batch=256, din=64, hidden=256, dout=64, tx=SGD,
+                                      seed=1)
+  option = autopar.AutoShardingOption(force_batch_dim_to_mesh_dim="data",
+                                      prefer_reduce_scatter=True)
+  p = autopar.parallelize(step, method=autopar.ShardParallel(
+      mesh=jax.make_mesh((8,), ("data",)), num_micro_batches=2, option=option))
+  exe = p.get_executable(make_state(), batch)
+  trace = [v for v in exe.plan.inputs if "opt_state" in v.name and "kernel" in v.name]
+  assert trace and all("data" in str(v.spec) for v in trace)
+  assert all("data" in str(g.spec) for g in exe.plan.grads if "kernel" in g.name)
+  sync = hlo.collectives(exe.stages["accumulate_grad_sync"])
+  assert any(c.kind == "reduce-scatter" for c in sync)
+  assert not any(c.kind == "all-reduce" and c.operand_bytes > 1024 for c in sync)
+  assert [c.kind for c in exe.plan.collectives if c.what == "gradients"] == ["reduce-scatter"]
+  check_numerics(p, make_state, step, batch)
+
+
+def test_convolutions_are_planned_without_fallback(recwarn):
+  import flax.linen as nn
+  import jax.numpy as jnp
+  from flax.training import train_state
+
+  class CNN(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.relu(nn.Conv(16, (3, 3))(x))
+      return nn.Dense(10)(x.mean(axis=(1, 2)))
+
+  model = CNN()
+  rng = np.random.RandomState(1)
+  batch = {"x": rng.randn(32, 8, 8, 3).astype(np.float32),
+           "y": rng.randint(0, 10, 32)}
+  params = model.init(jax.random.PRNGKey(0), batch["x"][:1])
+
+  def make_state():
+    return train_state.TrainState.create(
+        apply_fn=model.apply, params=jax.tree.map(jnp.array, params), tx=SGD)
+
+  def step(state, batch):
+    loss, g = autopar.value_and_grad(lambda p: optax.softmax_cross_entropy_with_integer_labels(
+        state.apply_fn(p, batch["x"]), batch["y"]).mean())(state.params)
+    return state.apply_gradients(grads=g), loss
+
+  p = autopar.parallelize(step, method=autopar.ShardParallel(
+      mesh=jax.make_mesh((2, 4), ("data", "model")), num_micro_batches=2))
+  check_numerics(p, make_state, step, batch)
+  assert not [w for w in recwarn if "no sharding rule" in str(w.message)]

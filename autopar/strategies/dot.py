@@ -62,3 +62,42 @@ def dot_general(eqn, ctx: RuleContext) -> list[Strategy]:
         out_specs=(ospec,), in_specs=(tuple(lspec), tuple(rspec)),
         compute=ctx.compute(flops, shards), comm=comm, collectives=colls))
   return strategies
+
+
+@register("conv_general_dilated")
+def conv_general_dilated(eqn, ctx: RuleContext) -> list[Strategy]:
+  """Convolutions: split the batch, the output features, or the input features
+  (partial sums, all-reduced). Spatial dims stay whole: halo exchanges are not
+  modelled."""
+  if eqn.params["feature_group_count"] != 1 or eqn.params["batch_group_count"] != 1:
+    return []
+  lhs, rhs = (v.aval for v in eqn.invars)
+  out = eqn.outvars[0].aval
+  dn = eqn.params["dimension_numbers"]
+  lb, lf = dn.lhs_spec[0], dn.lhs_spec[1]
+  ro, ri = dn.rhs_spec[0], dn.rhs_spec[1]
+  ob, of = dn.out_spec[0], dn.out_spec[1]
+  slots = {"batch": lhs.shape[lb], "out": rhs.shape[ro], "in": lhs.shape[lf]}
+  flops = 2 * math.prod(out.shape) * math.prod(rhs.shape) / rhs.shape[ro]
+  strategies = []
+  for assign in itertools.product([None, *slots], repeat=len(ctx.axes)):
+    axes_of = {s: tuple(a for a, t in zip(ctx.axes, assign) if t == s) for s in slots}
+    if any(slots[s] % math.prod(ctx.sizes[a] for a in axes_of[s]) for s in slots):
+      continue
+    lspec = [()] * len(lhs.shape)
+    rspec = [()] * len(rhs.shape)
+    ospec = [()] * len(out.shape)
+    lspec[lb] = ospec[ob] = axes_of["batch"]
+    rspec[ro] = ospec[of] = axes_of["out"]
+    lspec[lf] = rspec[ri] = axes_of["in"]
+    shards = math.prod(ctx.sizes[a] for a, t in zip(ctx.axes, assign) if t is not None)
+    comm, colls = 0.0, ()
+    if axes_of["in"]:
+      b = local_bytes(out, tuple(ospec), ctx.sizes)
+      comm = ctx.cost.all_reduce(b, axes_of["in"])
+      colls = (("all-reduce", axes_of["in"], b),)
+    strategies.append(Strategy(
+        f"conv lhs{tuple(lspec)} x rhs{tuple(rspec)}", (tuple(ospec),),
+        (tuple(lspec), tuple(rspec)), compute=ctx.compute(flops, shards),
+        comm=comm, collectives=colls))
+  return strategies
