@@ -13,8 +13,12 @@ Zero3Parallel  batch axes    sharded        sharded              reduce-scatter
 "Parameters" are the state leaves the gradient computation reads;
 "optimizer state" is every other non-batch leaf. A leaf is sharded on its
 first dimension that the batch axes divide (or kept replicated if none
-does). ``ShardParallel`` plans with the same presets until the solver
-decides (``ilp.py``).
+does).
+
+``ShardParallel`` is planned by :func:`plan_auto`: one ILP (``ilp.py``) per
+choice of batch axes, the cheapest solution becoming the plan. A step
+without a grad marker is planned as data parallel over the largest set of
+axes that divides its batch.
 
 Donated inputs are paired with the outputs that replace them (the new train
 state), and each pair gets one sharding, so that XLA can update in place.

@@ -11,7 +11,7 @@ from models import assert_trees_close, mlp_setup, single_device, transformer_set
 
 SGD = optax.sgd(0.05, momentum=0.9)
 MESHES = [((1,), ("x",)), ((2, 2), ("data", "model")), ((2, 4), ("data", "model")),
-          ((8,), ("d",))]
+          ((8,), ("d",)), ((2, 2, 2), ("a", "b", "c"))]
 METHODS = [autopar.ShardParallel, autopar.DataParallel, autopar.Zero2Parallel,
            autopar.Zero3Parallel]
 
@@ -30,7 +30,7 @@ def run(setup, mesh_i, method_i, n):
 @settings(max_examples=8, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(din=st.sampled_from([8, 16, 24]), hidden=st.sampled_from([16, 32, 64, 256]),
-       dout=st.sampled_from([4, 8]), mesh_i=st.integers(0, 3),
+       dout=st.sampled_from([4, 8]), mesh_i=st.integers(0, 4),
        method_i=st.integers(0, 3), n=st.sampled_from([1, 2, 4]))
 def test_random_mlps(din, hidden, dout, mesh_i, method_i, n):
   run(mlp_setup(batch=64, din=din, hidden=hidden, dout=dout, tx=SGD, seed=2),
@@ -40,7 +40,7 @@ def test_random_mlps(din, hidden, dout, mesh_i, method_i, n):
 @settings(max_examples=3, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(d=st.sampled_from([16, 32]), heads=st.sampled_from([2, 4]),
-       mesh_i=st.integers(0, 3), method_i=st.integers(0, 3), n=st.sampled_from([1, 2]))
+       mesh_i=st.integers(0, 4), method_i=st.integers(0, 3), n=st.sampled_from([1, 2]))
 def test_random_transformers(d, heads, mesh_i, method_i, n):
   run(transformer_setup(batch=16, seq=8, d=d, heads=heads, layers=1, tx=SGD),
       mesh_i, method_i, n)
