@@ -49,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import pulp
 from jax.extend.core import Var
@@ -65,31 +65,47 @@ __all__ = ["ShardingProblem", "Solution", "reshard_cost"]
 BIG = 1e3   # seconds: a cost that rules a choice out (disallowed collectives)
 
 
-def reshard_cost(aval, src: Spec, dst: Spec, cost: MeshCost, sizes, *,
-                 allow_all_gather=True, allow_all_to_all=True) -> float:
-  """Seconds to turn a value sharded ``src`` into ``dst`` (0 if equal).
+def reshard_collectives(src: Spec, dst: Spec) -> list[tuple[str, tuple[str, ...]]]:
+  """The collectives (kind, axes) that turn ``src`` into ``dst``.
 
   An axis that leaves a dimension is all-gathered; one that moves to another
   dimension is an all-to-all; one that is added only slices locally (free).
+  Reordering axes inside one dimension permutes shards (an all-to-all).
   """
   if src == dst:
-    return 0.0
+    return []
   pos_src = {a: d for d, e in enumerate(src) for a in e}
   pos_dst = {a: d for d, e in enumerate(dst) for a in e}
-  b = local_bytes(aval, src, sizes)
-  total = 0.0
   moved = tuple(a for a in pos_src if a in pos_dst and pos_dst[a] != pos_src[a])
   gone = tuple(a for a in pos_src if a not in pos_dst)
+  out = []
   if moved:
-    total += cost.all_to_all(b, moved) if allow_all_to_all else BIG
+    out.append(("all-to-all", moved))
   if gone:
-    total += cost.all_gather(b, gone) if allow_all_gather else BIG
-  # Reordering axes inside one dimension is a permutation of shards.
-  if not moved and not gone and any(
+    out.append(("all-gather", gone))
+  if not out and any(
       tuple(x for x in src[d] if x in dst[d]) != tuple(x for x in dst[d] if x in src[d])
       for d in range(len(src))):
-    total += cost.all_to_all(b, tuple(pos_src))
-  return total
+    out.append(("all-to-all", tuple(pos_src)))
+  return out
+
+
+def reshard_cost(aval, src: Spec, dst: Spec, cost: MeshCost, sizes, *,
+                 allow_all_gather=True, allow_all_to_all=True) -> float:
+  """Seconds to turn a value sharded ``src`` into ``dst`` (0 if equal)."""
+  allowed = {"all-gather": allow_all_gather, "all-to-all": allow_all_to_all}
+  b = local_bytes(aval, src, sizes)
+  return sum(cost.collective(kind, b, axes) if allowed[kind] else BIG
+             for kind, axes in reshard_collectives(src, dst))
+
+
+def _solver(time_limit: float | None = None) -> tuple[Any, str]:
+  """HiGHS through highspy, or CBC (bundled with PuLP) if it is missing."""
+  kw = {} if time_limit is None else {"timeLimit": time_limit}
+  solver = pulp.HiGHS(msg=False, **kw)
+  if solver.available():
+    return solver, "HiGHS"
+  return pulp.PULP_CBC_CMD(msg=False, **kw), "CBC"
 
 
 @dataclasses.dataclass
@@ -419,13 +435,7 @@ class ShardingProblem:
 
   def solve(self, time_limit: float = 60.0) -> Solution:
     t0 = time.perf_counter()
-    solver_name = "HiGHS"
-    try:
-      solver = pulp.HiGHS(msg=False, timeLimit=time_limit)
-      if not solver.available():
-        raise pulp.PulpSolverError("HiGHS not available")
-    except pulp.PulpSolverError:
-      solver, solver_name = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit), "CBC"
+    solver, solver_name = _solver(time_limit)
     self.prob.solve(solver)
     seconds = time.perf_counter() - t0
     status = pulp.LpStatus[self.prob.status]
@@ -454,8 +464,7 @@ class ShardingProblem:
     for idx, node in enumerate(self.nodes):
       prob += pulp.lpSum(node.vars) == 1
     prob += peak
-    prob.solve(pulp.HiGHS(msg=False) if pulp.HiGHS(msg=False).available()
-               else pulp.PULP_CBC_CMD(msg=False))
+    prob.solve(_solver()[0])
     return float(pulp.value(peak) or 0.0)
 
   def _chosen(self, node_id) -> int:
@@ -482,18 +491,12 @@ class ShardingProblem:
                       v.aval, self.n, "compute"))
     for (src, pos), r, aval, mult, part in edges:
       p = self.nodes[src].specs[self._chosen(src)][pos]
-      if r is None or p == r or self._reshard(aval, p, r) <= 0:
+      if r is None or self._reshard(aval, p, r) <= 0:
         continue
-      pos_p = {a: d for d, e in enumerate(p) for a in e}
-      pos_r = {a: d for d, e in enumerate(r) for a in e}
-      b = local_bytes(aval, p, self.sizes)
+      b = float(local_bytes(aval, p, self.sizes))
       stage = "compute_grad" if part == "compute" else "apply_grad"
-      gone = tuple(a for a in pos_p if a not in pos_r)
-      moved = tuple(a for a in pos_p if a in pos_r and pos_r[a] != pos_p[a])
-      if gone:
-        out.append((stage, "all-gather", gone, float(b), mult))
-      if moved:
-        out.append((stage, "all-to-all", moved, float(b), mult))
+      out.extend((stage, kind, axes, b, mult)
+                 for kind, axes in reshard_collectives(p, r))
     return out
 
   def _memory_at_solution(self) -> float:

@@ -37,7 +37,7 @@ from autopar.method import (ParallelMethod, ShardParallel,
                             Zero2Parallel, Zero3Parallel, axis_names_of,
                             axis_sizes_of, check_axes)
 from autopar.plan import CollectivePlan, Plan, ValuePlan
-from autopar.split import OutputKind, SplitStep
+from autopar.split import OutputKind, SplitStep, depends_on, reads
 from autopar.trace import TracedStep
 
 __all__ = ["plan_preset", "donation_pairs", "leaves_read_by_compute",
@@ -88,10 +88,8 @@ def leaves_read_by_compute(split: SplitStep) -> set[int]:
   if split.compute is None:
     return set()
   jaxpr = split.compute.jaxpr
-  nconst = len(split.consts)
-  read = {v for e in jaxpr.eqns for v in e.invars if isinstance(v, Var)}
-  read |= {v for v in jaxpr.outvars if isinstance(v, Var)}
-  return {k for k, v in enumerate(jaxpr.invars[nconst:]) if v in read}
+  read = reads(jaxpr)
+  return {k for k, v in enumerate(jaxpr.invars[len(split.consts):]) if v in read}
 
 
 def donation_pairs(traced: TracedStep) -> dict[int, int]:
@@ -170,13 +168,16 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
                         if zero else PartitionSpec())
 
   pairs = donation_pairs(traced)
+  jaxpr = traced.jaxpr.jaxpr
+  on_batch = depends_on(jaxpr, [v for v, l in zip(jaxpr.invars, traced.leaves)
+                                if l.is_batch])
   out_specs = []
-  for j, (kind, v) in enumerate(zip(split.out_kinds, traced.jaxpr.jaxpr.outvars)):
+  for j, (kind, v) in enumerate(zip(split.out_kinds, jaxpr.outvars)):
     if j in pairs:
       out_specs.append(in_specs[pairs[j]])
     elif kind is OutputKind.CONCAT or (
         not split.has_marker and batch_size and v.aval.ndim
-        and v.aval.shape[0] == batch_size and _depends_on_batch(split, j)):
+        and v.aval.shape[0] == batch_size and isinstance(v, Var) and v in on_batch):
       out_specs.append(PartitionSpec(batch_entry))
     else:
       out_specs.append(PartitionSpec())
@@ -202,17 +203,6 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
               batch_axes=batch_axes, inputs=inputs, grads=grads, outputs=outputs,
               collectives=tuple(collectives), memory_per_device=memory,
               objective=float(objective), in_tree=traced.in_tree, mesh=mesh)
-
-
-def _depends_on_batch(split: SplitStep, out_index: int) -> bool:
-  jaxpr = split.traced.jaxpr.jaxpr
-  batch = {v for v, l in zip(jaxpr.invars, split.traced.leaves) if l.is_batch}
-  dep = set(batch)
-  for e in jaxpr.eqns:
-    if any(isinstance(v, Var) and v in dep for v in e.invars):
-      dep.update(e.outvars)
-  v = jaxpr.outvars[out_index]
-  return isinstance(v, Var) and v in dep
 
 
 def _preset_collectives(split, inputs, grads, params, batch_axes, sizes, n, zero):

@@ -49,7 +49,7 @@ from autopar.errors import MarkerError
 from autopar.marker import grad_marker_p
 from autopar.trace import TracedStep, count_markers
 
-__all__ = ["OutputKind", "SplitStep", "split_step"]
+__all__ = ["OutputKind", "SplitStep", "split_step", "reads", "depends_on"]
 
 
 class OutputKind(enum.Enum):
@@ -120,11 +120,23 @@ def _kind_of(aval, micro_batch_size: int) -> OutputKind:
   return OutputKind.OTHER
 
 
-def _reads(jaxpr) -> set:
+def reads(jaxpr) -> set:
   """Top-level variables read by the equations and outputs of ``jaxpr``."""
   read = {v for e in jaxpr.eqns for v in e.invars if isinstance(v, Var)}
   read |= {v for v in jaxpr.outvars if isinstance(v, Var)}
   return read
+
+
+def depends_on(jaxpr, sources, *, stop=None) -> set:
+  """Variables computed (transitively) from ``sources``, ``sources`` included.
+
+  Dependence does not flow through the equation ``stop`` (the grad marker).
+  """
+  dep = set(sources)
+  for eqn in jaxpr.eqns:
+    if eqn is not stop and any(isinstance(v, Var) and v in dep for v in eqn.invars):
+      dep.update(eqn.outvars)
+  return dep
 
 
 def split_step(traced: TracedStep, *, fn_name: str = "step") -> SplitStep:
@@ -152,16 +164,8 @@ def split_step(traced: TracedStep, *, fn_name: str = "step") -> SplitStep:
   marker = jaxpr.eqns[markers[0]]
 
   # Forward dependence on the batch and on the (marked) gradients.
-  on_batch, on_grads = set(batch_vars), set()
-  for eqn in jaxpr.eqns:
-    if eqn is marker:
-      on_grads.update(eqn.outvars)
-      continue
-    ins = [v for v in eqn.invars if isinstance(v, Var)]
-    if any(v in on_batch for v in ins):
-      on_batch.update(eqn.outvars)
-    if any(v in on_grads for v in ins):
-      on_grads.update(eqn.outvars)
+  on_batch = depends_on(jaxpr, batch_vars, stop=marker)
+  on_grads = depends_on(jaxpr, marker.outvars, stop=marker)
 
   kinds, index = [], []
   micro_outs, apply_outs = [], []
@@ -185,7 +189,7 @@ def split_step(traced: TracedStep, *, fn_name: str = "step") -> SplitStep:
       invars=[*jaxpr.invars, *marker.outvars], outvars=apply_outs,
       eqns=[e for e in jaxpr.eqns if e is not marker])
   apply, _ = pe.dce_jaxpr(apply, [True] * len(apply_outs), instantiate=True)
-  used_batch = batch_vars & _reads(apply)
+  used_batch = batch_vars & reads(apply)
   if used_batch:
     raise _batch_after_marker_error(fn_name, None, traced)
 

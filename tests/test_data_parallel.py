@@ -23,6 +23,16 @@ def mesh_of(n, kind="make_mesh"):
   return Mesh(devices, names)  # Auto axes
 
 
+def train_side_by_side(p, ref, make_state, batch, steps):
+  """Trains ``p`` and the reference for ``steps`` steps; losses and params agree."""
+  ref_state, state = make_state(), make_state()
+  for _ in range(steps):
+    ref_state, ref_loss = ref(ref_state, batch)
+    state, loss = p(state, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(state.params, ref_state.params)
+
+
 @pytest.mark.parametrize("devices,n,kind", [
     (1, 1, "make_mesh"), (2, 2, "make_mesh"), (4, 4, "Mesh"), (8, 1, "make_mesh"),
     (8, 2, "Mesh"), (8, 4, "make_mesh")])
@@ -42,14 +52,9 @@ def test_mlp_adam_matches_single_device(devices, n, kind):
 def test_transformer_sgd_momentum_three_steps(devices, n):
   make_state, step, batch = transformer_setup()
   ref = single_device(step)
-  ref_state, p_state = make_state(), make_state()
   p = autopar.parallelize(step, method=autopar.DataParallel(
       mesh=mesh_of(devices), num_micro_batches=n))
-  for _ in range(3):
-    ref_state, ref_loss = ref(ref_state, batch)
-    p_state, loss = p(p_state, batch)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-  assert_trees_close(p_state.params, ref_state.params)
+  train_side_by_side(p, ref, make_state, batch, steps=3)
 
 
 def test_per_example_outputs_and_counts_are_combined_in_batch_order():
@@ -225,12 +230,7 @@ def test_mlp_adam_several_steps():
   ref = single_device(step)
   p = autopar.parallelize(step, method=autopar.DataParallel(
       mesh=mesh_of(8), num_micro_batches=4))
-  ref_state, state = make_state(), make_state()
-  for _ in range(3):
-    ref_state, ref_loss = ref(ref_state, batch)
-    state, loss = p(state, batch)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-  assert_trees_close(state.params, ref_state.params)
+  train_side_by_side(p, ref, make_state, batch, steps=3)
 
 
 def test_state_with_prng_key_and_plain_tuple_arguments():
