@@ -15,11 +15,21 @@ under:
   split of consecutive matmuls, attention heads split), and data x tensor
   2-D (batch over 2, Megatron over 4).
 
-It prints the bytes each device sends per step (ring formulas over every
-collective in the compiled HLO) and the peak memory per device (arguments +
-outputs - aliased + temp, from ``memory_analysis()``, the largest stage for
-autopar), and the ratio of autopar's bytes and memory to the best hand-written
-plan (the one with the fewest bytes). Target: bytes <= 1.05x, memory <= 1.1x.
+It prints, per plan, from the compiled executables:
+
+* MiB each device sends per step (ring formulas over every collective in the
+  HLO);
+* peak memory per device (arguments + outputs - aliased + temp, from
+  ``memory_analysis()``; the largest stage for autopar);
+* GFLOP each device computes per step (``cost_analysis()``): a plan that
+  replicates work sends fewer bytes but computes more;
+* the step time the α-β model predicts with autopar's default costs
+  (1e-12 s/flop, α = 1 us, β = 1e-10 s/byte): flops x s/flop plus α x ring
+  steps + β x bytes for every collective in the HLO.
+
+Then the ratio of autopar's bytes and memory to the hand-written plan with the
+fewest bytes (target: bytes <= 1.05x, memory <= 1.1x), and of its modelled
+time to the fastest hand-written plan under the model.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import autopar  # noqa: E402
 from autopar import hlo  # noqa: E402
+from autopar.cost_model import DEFAULT_ALPHA, DEFAULT_BETA  # noqa: E402
 
 
 class MLP(nn.Module):
@@ -122,7 +133,10 @@ def cases():
       ("MLP 512-2048-512, batch 8 (TP should win)", mlp(8, [2048, 512], 512)),
       ("block d=64, batch 256x8 (DP should win)", block(256, 8, 64, 4)),
       ("block d=512, batch 2x8 (TP should win)", block(2, 8, 512, 8)),
-      ("GPT 4 layers d=256, batch 16x32", gpt(16, 32, 256, 256, 4, 4)),
+      ("GPT 4 layers d=256 8 heads, batch 16x32", gpt(16, 32, 256, 256, 8, 4)),
+      # 4 heads on 8 devices: "Megatron" cannot split the heads, so that plan
+      # replicates attention (fewest bytes, 3x the compute per device).
+      ("GPT 4 layers d=256 4 heads, batch 16x32", gpt(16, 32, 256, 256, 4, 4)),
   ]:
     params = model.init(jax.random.PRNGKey(0), example)
     state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
@@ -185,8 +199,33 @@ def hand_written(state, batch, step):
     rep = NamedSharding(mesh, P())
     compiled = jax.jit(step, in_shardings=(st_sh, b_sh), out_shardings=(st_sh, rep),
                        donate_argnums=(0,)).lower(state, batch).compile()
-    out[name] = (hlo.bytes_sent(compiled), peak_memory(compiled))
+    out[name] = (hlo.bytes_sent(compiled), peak_memory(compiled), flops(compiled),
+                 model_seconds([compiled]))
   return out
+
+
+def flops(compiled) -> float:
+  analysis = compiled.cost_analysis()
+  if isinstance(analysis, (list, tuple)):
+    analysis = analysis[0]
+  return float(analysis.get("flops", 0.0))
+
+
+_RING_STEPS = {"all-reduce": lambda p: 2 * (p - 1), "all-gather": lambda p: p - 1,
+               "reduce-scatter": lambda p: p - 1, "all-to-all": lambda p: p - 1,
+               "collective-permute": lambda p: 1}
+
+
+def model_seconds(stages, seconds_per_flop=1e-12, alpha=DEFAULT_ALPHA,
+                  beta=DEFAULT_BETA) -> float:
+  """Step time under the α-β model, from the compiled HLO of every stage."""
+  total = 0.0
+  for compiled in stages:
+    total += seconds_per_flop * flops(compiled)
+    for c in hlo.collectives(compiled):
+      if c.group_size > 1:
+        total += alpha * _RING_STEPS[c.kind](c.group_size) + beta * c.bytes_sent
+  return total
 
 
 def peak_memory(compiled) -> int:
@@ -200,10 +239,12 @@ def autopar_plan(state, batch, step):
   for mesh in (jax.make_mesh((8,), ("x",)), jax.make_mesh((2, 4), ("data", "model"))):
     p = autopar.parallelize(step, method=autopar.ShardParallel(mesh=mesh))
     exe = p.get_executable(state, batch)
-    sent = sum(hlo.bytes_sent(exe.stages[s]) for s in exe.schedule)
+    stages = [exe.stages[s] for s in exe.schedule]
+    sent = sum(hlo.bytes_sent(c) for c in stages)
     mem = max(peak_memory(c) for c in exe.stages.values())
     axes = "x".join(map(str, mesh.axis_sizes))
-    row = (sent, mem, f"{axes}: batch over {exe.plan.batch_axes or 'none'}")
+    row = (sent, mem, sum(flops(c) for c in stages), model_seconds(stages),
+           f"{axes}: batch over {exe.plan.batch_axes or 'none'}")
     if best is None or row[0] < best[0]:
       best = row
   return best
@@ -212,18 +253,22 @@ def autopar_plan(state, batch, step):
 def main():
   warnings.filterwarnings("ignore", message="autopar: no sharding rule")
   mib = 2 ** 20
-  print(f"{'model':<42} {'plan':<40} {'MiB sent':>9} {'peak MiB':>9}")
-  print("-" * 104)
+  print(f"{'model':<42} {'plan':<40} {'MiB sent':>9} {'peak MiB':>9} "
+        f"{'GFLOP':>7} {'model ms':>9}")
+  print("-" * 122)
   for name, state, batch, step in cases():
     hand = hand_written(state, batch, step)
-    sent, mem, how = autopar_plan(state, batch, step)
-    for plan, (b, m) in hand.items():
-      print(f"{name:<42} {plan:<40} {b / mib:>9.3f} {m / mib:>9.2f}")
-    print(f"{name:<42} {'autopar (' + how + ')':<40} {sent / mib:>9.3f} {mem / mib:>9.2f}")
-    best_name, (bb, bm) = min(hand.items(), key=lambda kv: kv[1][0])
+    sent, mem, fl, secs, how = autopar_plan(state, batch, step)
+    rows = list(hand.items()) + [("autopar (" + how + ")", (sent, mem, fl, secs))]
+    for plan, (b, m, f, t) in rows:
+      print(f"{name:<42} {plan:<40} {b / mib:>9.3f} {m / mib:>9.2f} "
+            f"{f / 1e9:>7.2f} {t * 1e3:>9.3f}")
+    best_name, (bb, bm, _, _) = min(hand.items(), key=lambda kv: kv[1][0])
+    fast_name, (_, _, _, bt) = min(hand.items(), key=lambda kv: kv[1][3])
     ratio_b = sent / bb if bb else (1.0 if sent == 0 else float("inf"))
-    print(f"{'':<42} {'-> vs best hand-written (' + best_name + ')':<40} "
-          f"bytes x{ratio_b:.2f}  memory x{mem / bm:.2f}")
+    print(f"{'':<42} -> vs fewest bytes ({best_name}): bytes x{ratio_b:.2f}, "
+          f"memory x{mem / bm:.2f}; vs fastest in the model ({fast_name}): "
+          f"time x{secs / bt:.2f}")
     print()
 
 
