@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Literal
+from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal, Var
 
 from autopar.errors import InputError, MarkerError
 from autopar.marker import grad_marker_p
@@ -284,51 +284,54 @@ def _inline_marked_calls(closed: ClosedJaxpr, *, fn_name: str) -> ClosedJaxpr:
 
   The splitter cuts the top-level jaxpr and the planner gives every top-level
   equation a sharding, so calls (a ``jit`` equation, ``custom_jvp_call`` of
-  ``jax.nn.relu``, ...) are inlined by re-tracing the jaxpr with their bodies
-  in place. A marker inside ``scan``/``while``/``cond`` cannot be brought out
+  ``jax.nn.relu``, ...) are replaced by their bodies. This is done by
+  substituting variables, not by re-tracing, so it costs a pass over the
+  equations. A marker inside ``scan``/``while``/``cond`` cannot be brought out
   and is an error.
   """
+  top = closed.jaxpr
   if not any(e.primitive.name in _INLINABLE or
-             any(count_markers(s) for s in _sub_jaxprs(e))
-             for e in closed.jaxpr.eqns):
+             any(count_markers(s) for s in _sub_jaxprs(e)) for e in top.eqns):
     return closed
+  constvars, consts = list(top.constvars), list(closed.consts)
+  eqns: list = []
 
-  def inline_eval(jaxpr, consts, *args):
-    env = {}
+  def inline(jaxpr, env: dict, fresh: bool):
     def read(a):
-      return a.val if isinstance(a, Literal) else env[a]
-    for v, x in zip(jaxpr.constvars, consts, strict=True):
-      env[v] = x
-    for v, x in zip(jaxpr.invars, args, strict=True):
-      env[v] = x
+      return a if isinstance(a, Literal) else env.get(a, a)
     for eqn in jaxpr.eqns:
-      invals = [read(a) for a in eqn.invars]
-      subs = _sub_jaxprs(eqn)
-      marked = any(count_markers(s) for s in subs)
-      if marked and eqn.primitive.name not in _INLINABLE:
-        raise MarkerError(
-            f"{fn_name}: the grad marker (autopar.grad / autopar.value_and_grad) "
-            f"is inside a '{eqn.primitive.name}' equation. autopar splits the "
-            f"step at the marker, which must not sit inside control flow. Fix: "
-            f"call autopar.grad outside scan/while_loop/cond/checkpoint and use "
-            f"jax.grad inside them.")
-      if eqn.primitive.name in _INLINABLE:
-        sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-        sub_consts = getattr(sub, "consts", ())
-        sub_jaxpr = getattr(sub, "jaxpr", sub)
-        outs = inline_eval(sub_jaxpr, sub_consts, *invals)
-      else:
-        bind_params = eqn.primitive.get_bind_params(eqn.params)
-        with eqn.ctx.manager:
-          outs = eqn.primitive.bind(*invals, **bind_params)
-        if not eqn.primitive.multiple_results:
-          outs = [outs]
-      for v, x in zip(eqn.outvars, outs, strict=True):
-        env[v] = x
-    return [read(a) for a in jaxpr.outvars]
+      invars = [read(a) for a in eqn.invars]
+      name = eqn.primitive.name
+      if name not in _INLINABLE:
+        if any(count_markers(s) for s in _sub_jaxprs(eqn)):
+          raise MarkerError(
+              f"{fn_name}: the grad marker (autopar.grad / autopar.value_and_grad) "
+              f"is inside a '{name}' equation. autopar splits the step at the "
+              f"marker, which must not sit inside control flow. Fix: call "
+              f"autopar.grad outside scan/while_loop/cond/checkpoint and use "
+              f"jax.grad inside them.")
+        outvars = eqn.outvars
+        if fresh:     # a body inlined twice must not define a variable twice
+          outvars = [v if isinstance(v, DropVar) else Var(v.aval) for v in outvars]
+          env.update((v, w) for v, w in zip(eqn.outvars, outvars)
+                     if not isinstance(v, DropVar))
+        eqns.append(eqn.replace(invars=invars, outvars=outvars))
+        continue
+      sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+      sub_jaxpr = getattr(sub, "jaxpr", sub)
+      inner = {}
+      for cv, c in zip(sub_jaxpr.constvars, getattr(sub, "consts", ()), strict=True):
+        inner[cv] = Var(cv.aval)
+        constvars.append(inner[cv])
+        consts.append(c)
+      inner.update(zip(sub_jaxpr.invars, invars, strict=True))
+      inline(sub_jaxpr, inner, True)
+      for v, r in zip(eqn.outvars, sub_jaxpr.outvars, strict=True):
+        if not isinstance(v, DropVar):
+          env[v] = r if isinstance(r, Literal) else inner.get(r, r)
 
-  in_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
-                                   weak_type=v.aval.weak_type)
-              for v in closed.jaxpr.invars]
-  return jax.make_jaxpr(lambda *a: inline_eval(closed.jaxpr, closed.consts, *a))(
-      *in_avals)
+  env: dict = {}
+  inline(top, env, False)
+  outvars = [a if isinstance(a, Literal) else env.get(a, a) for a in top.outvars]
+  jaxpr = Jaxpr(constvars, top.invars, outvars, eqns, top.effects, top.debug_info)
+  return ClosedJaxpr(jaxpr, consts)
