@@ -9,21 +9,24 @@ import dataclasses
 import functools
 import math
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 import jax
 from jax.sharding import AbstractMesh
 
+from autopar import cache as plan_cache
 from autopar.errors import InputError, MarkerError, PlanError
 from autopar.executor import Executable
 from autopar.lower import lower_step
 from autopar.method import (ParallelMethod, ShardParallel, axis_sizes_of,
                             resolve_mesh)
 from autopar.plan import Plan
-from autopar.planner import batch_axes_for, plan_auto, plan_preset
+from autopar.planner import Progress, batch_axes_for, plan_auto, plan_preset
 from autopar.split import OutputKind, SplitStep, split_step
 from autopar.trace import (ArgFlags, LeafInfo, abstract_leaves, arg_names,
-                           check_batch_leaves, classify_args, trace_step)
+                           check_batch_leaves, classify_args, instantiate,
+                           trace_step, trace_step_any_batch)
 
 __all__ = ["parallelize", "ParallelizedFunction"]
 
@@ -108,6 +111,7 @@ class ParallelizedFunction:
     self._executables: dict[Any, Executable] = {}
     self._plans: dict[Any, tuple[Plan, SplitStep]] = {}
     self._splits: dict[Any, SplitStep] = {}
+    self._any_batch: dict[Any, Any] = {}
     self._lock = threading.Lock()
     functools.update_wrapper(self, fun)
 
@@ -181,7 +185,12 @@ class ParallelizedFunction:
     batch_size = check_batch_leaves(prep.leaves, num_micro_batches=n,
                                     data_axes=batch_axes, data_size=data_size,
                                     fn_name=self._name)
+    progress = Progress(self._name, getattr(getattr(method, "option", None),
+                                            "verbose", False))
+    t0 = time.perf_counter()
     split = self._split(prep, batch_size // n if batch_size else 0)
+    progress.add("trace", time.perf_counter() - t0,
+                 f"{len(split.traced.jaxpr.jaxpr.eqns)} equations")
     if not split.has_marker and n > 1:
       raise MarkerError(
           f"{self._name}: num_micro_batches={n} but the step has no grad marker, "
@@ -192,8 +201,18 @@ class ParallelizedFunction:
     if saved is not None:
       plan = _bind_saved_plan(saved, split, mesh, n, self._name)
     elif isinstance(method, ShardParallel) and split.has_marker:
-      plan = plan_auto(split, method, mesh, batch_size=batch_size,
-                       trace_local=lambda rows: self._split(prep, rows))
+      key = plan_cache.plan_key(split, method, mesh, batch_size) \
+          if method.option.plan_cache else None
+      cached = plan_cache.load(key) if key else None
+      if cached is not None:
+        plan = _bind_saved_plan(cached, split, mesh, n, self._name)
+        progress.add("plan cache hit", 0.0, str(plan_cache.cache_dir() / key))
+      else:
+        plan = plan_auto(split, method, mesh, batch_size=batch_size,
+                         trace_local=lambda rows: self._split(prep, rows),
+                         progress=progress)
+        if key:
+          plan_cache.store(key, plan)
     else:
       plan = plan_preset(split, method, mesh, batch_size=batch_size)
     data_size = math.prod(sizes[a] for a in plan.batch_axes)
@@ -216,8 +235,16 @@ class ParallelizedFunction:
     key = (prep.key, micro_batch_size)
     if key not in self._splits:
       args = self._args_for_trace(prep)
-      traced = trace_step(self.fun, args, prep.flags, prep.leaves, prep.in_tree,
-                          micro_batch_size=micro_batch_size)
+      # One symbolic trace serves every batch size (see trace_step_any_batch).
+      if micro_batch_size and prep.key not in self._any_batch:
+        self._any_batch[prep.key] = trace_step_any_batch(
+            self.fun, args, prep.flags, prep.leaves, prep.in_tree)
+      any_batch = self._any_batch.get(prep.key) if micro_batch_size else None
+      if any_batch is not None:
+        traced = instantiate(any_batch, micro_batch_size)
+      else:
+        traced = trace_step(self.fun, args, prep.flags, prep.leaves, prep.in_tree,
+                            micro_batch_size=micro_batch_size)
       self._splits[key] = split_step(traced, fn_name=self._name)
     return self._splits[key]
 

@@ -52,7 +52,7 @@ import time
 from typing import Any, Mapping, Sequence
 
 import pulp
-from jax.extend.core import Var
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from autopar.cost_model import MeshCost, itemsize
 from autopar.errors import PlanError
@@ -63,6 +63,7 @@ from autopar.strategies.elementwise import is_elementwise
 __all__ = ["ShardingProblem", "Solution", "reshard_cost"]
 
 BIG = 1e3   # seconds: a cost that rules a choice out (disallowed collectives)
+LAYER_ROUNDS = 8   # colour-refinement rounds that tell layers' equations apart
 
 
 def reshard_collectives(src: Spec, dst: Spec) -> list[tuple[str, tuple[str, ...]]]:
@@ -116,6 +117,7 @@ class _Node:
   specs: list[tuple[Spec, ...]]      # per choice: spec of each output value
   costs: list[float]
   mem: list[float] | None = None     # per choice: bytes per device (leaves)
+  key: Any = None                    # equal keys: identical choices and costs
   vars: list = dataclasses.field(default_factory=list)
 
 
@@ -161,7 +163,8 @@ class ShardingProblem:
                planned_axes: Sequence[str], sizes: Mapping[str, int],
                cost: MeshCost, seconds_per_flop: float,
                allow_all_gather: bool = True, allow_all_to_all: bool = True,
-               memory_budget: float | None = None, read_by_compute=()):
+               memory_budget: float | None = None, read_by_compute=(),
+               share_layers: bool = True):
     self.compute = compute
     self.apply = apply
     self.num_consts = num_consts
@@ -188,11 +191,15 @@ class ShardingProblem:
     self._followers: dict[str, dict[int, tuple[int, int]]] = {"compute": {},
                                                                "apply": {}}
     self._reshard_cache: dict = {}
+    self._strategy_cache: dict = {}
+    self._chosen_memo: dict = {}
+    self.share_layers = share_layers
+    self.timings: dict[str, float] = {}
 
   # -- graph ---------------------------------------------------------------------
 
-  def _add_node(self, name, choices, specs, costs, mult, mem=None) -> int:
-    node = _Node(name, choices, mult, specs, costs, mem)
+  def _add_node(self, name, choices, specs, costs, mult, mem=None, key=None) -> int:
+    node = _Node(name, choices, mult, specs, costs, mem, key)
     self.nodes.append(node)
     return len(self.nodes) - 1
 
@@ -219,7 +226,10 @@ class ShardingProblem:
           # micro-batch; ZeRO-2 (optimizer state): the update is gathered once.
           reps = self.n if k in self.read_by_compute else 1
           costs.append(reps * self.cost.all_gather(shard, self.S))
-      self.leaf_nodes.append(self._add_node(f"leaf{k}", choices, specs, costs, 1, mem))
+      key = ("leaf", tuple(aval.shape), str(aval.dtype), self.batch_leaves[k],
+             k in self.read_by_compute)
+      self.leaf_nodes.append(self._add_node(f"leaf{k}", choices, specs, costs, 1, mem,
+                                            key))
 
     # value -> (node, output position)
     self.compute_val: dict[Var, tuple[int, int]] = {}
@@ -236,7 +246,9 @@ class ShardingProblem:
       costs = [self.cost.all_reduce(local_bytes(v.aval, s, sizes), self.S)
                for s in specs]
       self.grad_nodes.append(self._add_node(f"grad{g}", specs, [(s,) for s in specs],
-                                            costs, 1))
+                                            costs, 1,
+                                            key=("grad", tuple(v.aval.shape),
+                                                 str(v.aval.dtype))))
 
     self.apply_val: dict[Var, tuple[int, int]] = {}
     aj = self.apply.jaxpr
@@ -279,10 +291,16 @@ class ShardingProblem:
         val[out] = lead
         self._followers[part][i] = lead
         continue
-      strategies = strategies_for(eqn, self.ctx)
-      node = self._add_node(f"{part}/{i}:{eqn.primitive.name}", strategies,
-                            [s.out_specs for s in strategies],
-                            [s.compute + s.comm for s in strategies], mult)
+      key = _eqn_key(eqn)
+      cached = self._strategy_cache.get(key) if key is not None else None
+      if cached is None:
+        strategies = strategies_for(eqn, self.ctx)
+        cached = (strategies, [s.out_specs for s in strategies],
+                  [s.compute + s.comm for s in strategies])
+        if key is not None:
+          self._strategy_cache[key] = cached
+      node = self._add_node(f"{part}/{i}:{eqn.primitive.name}", *cached, mult,
+                            key=(part, key) if key is not None else ("eqn", part, i))
       eqn_nodes[i] = node
       for pos, v in enumerate(eqn.invars):
         if isinstance(v, Var) and v in val:
@@ -293,17 +311,81 @@ class ShardingProblem:
 
   # -- variables and constraints ---------------------------------------------------
 
+  def _classes(self) -> list[int]:
+    """Node -> class: nodes of one class share their variables.
+
+    Repeated layers (a Python loop over blocks) trace to equations that are
+    alike up to which weights they read. Colour refinement finds them: every
+    node starts with its key (equal keys: identical choices and costs), then
+    for ``LAYER_ROUNDS`` rounds takes the colours of its producers and
+    consumers (with operand positions) into its own. Nodes that still share a
+    colour have the same neighbourhood that far out, which in a stack of
+    identical layers holds for the same equation in every layer away from the
+    ends. They then get one set of strategy variables, so the ILP's size does
+    not grow with depth. It is a restriction of the problem: the solution is
+    valid, and no worse when the best plan treats those layers alike.
+    """
+    n = len(self.nodes)
+    if not self.share_layers:
+      return list(range(n))
+    ids: dict = {}
+    color = [ids.setdefault(node.key, len(ids)) if node.key is not None else
+             ids.setdefault(("node", i), len(ids)) for i, node in enumerate(self.nodes)]
+    ins = [[] for _ in range(n)]
+    outs = [[] for _ in range(n)]
+    for (src, spos), dst, dpos, _, _ in self._edge_list():
+      ins[dst].append((src, spos, dpos))
+      outs[src].append((dst, spos, dpos))
+    for _ in range(LAYER_ROUNDS):
+      ids = {}
+      new = [ids.setdefault(
+          (color[v], tuple(sorted((color[u], sp, dp) for u, sp, dp in ins[v])),
+           tuple(sorted((color[w], sp, dp) for w, sp, dp in outs[v]))), len(ids))
+          for v in range(n)]
+      if len(ids) == len(set(color)):
+        break                      # stable: no class split this round
+      color = new
+    return color
+
+  def _edge_list(self):
+    """((src node, output pos), dst node, dst pos or -1 (follow), aval, mult)."""
+    for src, dst, pos, aval, mult, _ in self._pending_edges:
+      yield src, dst, pos, aval, mult
+    for src, (dst, dpos), aval, mult, _ in self._follow_edges:
+      yield src, dst, -1 - dpos, aval, mult
+    cj = self.compute.jaxpr
+    for g, node in enumerate(self.grad_nodes):
+      v = cj.outvars[g]
+      if isinstance(v, Var) and v in self.compute_val:
+        yield self.compute_val[v], node, -1, v.aval, self.n
+
   def _variables(self):
+    t0 = time.perf_counter()
+    self.node_class = self._classes()
+    self.timings["classes"] = time.perf_counter() - t0
+    shared: dict[int, list] = {}
+    weight: dict[int, float] = {}
     for idx, node in enumerate(self.nodes):
-      node.vars = [pulp.LpVariable(f"x_{idx}_{c}", cat="Binary")
-                   for c in range(len(node.choices))]
-      for var, c in zip(node.vars, node.costs):
-        if c:
-          self.objective_terms.append(node.mult * c * var)
+      c = self.node_class[idx]
+      if c not in shared:
+        shared[c] = [pulp.LpVariable(f"x_{idx}_{k}", cat="Binary")
+                     for k in range(len(node.choices))]
+      node.vars = shared[c]
+      weight[c] = weight.get(c, 0.0) + node.mult
+    self.num_classes = len(shared)
+    rep = {}
+    for idx, c in enumerate(self.node_class):
+      rep.setdefault(c, idx)
+    for c, idx in rep.items():
+      node = self.nodes[idx]
+      for var, cost in zip(node.vars, node.costs):
+        if cost:
+          self.objective_terms.append(weight[c] * cost * var)
+    self._class_rep = rep
 
   def _one_hot(self):
-    for idx, node in enumerate(self.nodes):
-      self.prob += pulp.lpSum(node.vars) == 1, f"one_hot_{idx}"
+    for c, idx in self._class_rep.items():
+      self.prob += pulp.lpSum(self.nodes[idx].vars) == 1, f"one_hot_{c}"
       self.num_constraints += 1
 
   def _spec_groups(self, node_id: int, pos: int) -> dict[Spec, list]:
@@ -362,56 +444,69 @@ class ShardingProblem:
     return c
 
   def _edges(self):
-    for (src, src_pos), dst, pos, aval, mult, _ in self._pending_edges:
-      self._edge(self._spec_groups(src, src_pos), self._required_groups(dst, pos),
-                 aval, mult)
-    for (src, src_pos), (dst, dst_pos), aval, mult, _ in self._follow_edges:
-      self._edge(self._spec_groups(src, src_pos), self._spec_groups(dst, dst_pos),
-                 aval, mult)
-    # compute_grad's gradients are accumulated in their gradient node's spec.
-    cj = self.compute.jaxpr
-    for g, node in enumerate(self.grad_nodes):
-      v = cj.outvars[g]
-      if isinstance(v, Var) and v in self.compute_val:
-        src, pos = self.compute_val[v]
-        required = {s[0]: [x] for s, x in zip(self.nodes[node].specs,
-                                              self.nodes[node].vars)}
-        self._edge(self._spec_groups(src, pos), required, v.aval, self.n)
+    # Edges between the same classes (and value shape) share their flows;
+    # their costs add up.
+    merged: dict = {}
+    for (src, spos), dst, dpos, aval, mult in self._edge_list():
+      key = (self.node_class[src], spos, self.node_class[dst], dpos,
+             tuple(aval.shape), str(aval.dtype))
+      if key in merged:
+        merged[key][-1] += mult
+      else:
+        merged[key] = [src, spos, dst, dpos, aval, mult]
+    for src, spos, dst, dpos, aval, mult in merged.values():
+      if dpos >= 0:
+        required = self._required_groups(dst, dpos)
+      else:
+        required = self._spec_groups(dst, -1 - dpos) if dst not in self._grad_node_set \
+            else {s[0]: [x] for s, x in zip(self.nodes[dst].specs, self.nodes[dst].vars)}
+      self._edge(self._spec_groups(src, spos), required, aval, mult)
 
   def _donation(self):
     aj = self.apply.jaxpr
+    seen = set()
     for out_idx, leaf in self.donation.items():
       v = aj.outvars[out_idx]
       if not isinstance(v, Var) or v not in self.apply_val:
         continue
       src, pos = self.apply_val[v]
+      key = (self.node_class[src], pos, self.node_class[self.leaf_nodes[leaf]])
+      if key in seen:
+        continue
+      seen.add(key)
       produced = self._spec_groups(src, pos)
       for spec, xs in self._spec_groups(self.leaf_nodes[leaf], 0).items():
         self.prob += pulp.lpSum(produced.get(spec, [])) == pulp.lpSum(xs), \
             f"donate_{out_idx}_{self.num_constraints}"
         self.num_constraints += 1
 
-  def _value_bytes(self, node_id, pos, aval):
+  def _bytes_per_choice(self, node_id, pos, aval) -> list[float]:
     node = self.nodes[node_id]
     if node.mem is not None:
-      return pulp.lpSum(m * x for m, x in zip(node.mem, node.vars))
-    return pulp.lpSum(local_bytes(aval, specs[pos], self.sizes) * x
-                      for specs, x in zip(node.specs, node.vars))
+      return node.mem
+    return [local_bytes(aval, specs[pos], self.sizes) for specs in node.specs]
+
+  def _memory_items(self):
+    """What memory counts: ([(node, pos, aval, factor)] of the state,
+    [[(node, pos, aval, 1)] at each liveness peak])."""
+    if getattr(self, "_mem_items", None) is None:
+      state = [(self.leaf_nodes[k], 0, aval, 1) for k, aval in enumerate(self.leaf_avals)]
+      # The un-reduced partial sums and the reduced gradients.
+      state += [(node, 0, self.compute.jaxpr.outvars[g].aval, 2)
+                for g, node in enumerate(self.grad_nodes)]
+      peaks = [[(*self.compute_val[v], v.aval, 1) for v in live if v in self.compute_val]
+               for live in _liveness_peaks(self.compute.jaxpr, self.num_consts, k=3)]
+      self._mem_items = (state, peaks)
+    return self._mem_items
 
   def memory_terms(self):
     """(state bytes, [activation bytes at each liveness peak]) as expressions."""
-    state = [self._value_bytes(self.leaf_nodes[k], 0, aval)
-             for k, aval in enumerate(self.leaf_avals)]
-    # The un-reduced partial sums and the reduced gradients.
-    for g, node in enumerate(self.grad_nodes):
-      state.append(2 * self._value_bytes(node, 0, self.compute.jaxpr.outvars[g].aval))
-    peaks = _liveness_peaks(self.compute.jaxpr, self.num_consts, k=3)
-    acts = []
-    for live in peaks:
-      terms = [self._value_bytes(*self.compute_val[v], v.aval) for v in live
-               if v in self.compute_val]
-      acts.append(pulp.lpSum(terms))
-    return pulp.lpSum(state), acts
+    def expr(items):
+      return pulp.lpSum(f * b * x for node, pos, aval, f in items
+                        for b, x in zip(self._bytes_per_choice(node, pos, aval),
+                                        self.nodes[node].vars))
+    state, peaks = self._memory_items()
+    return expr(state), [expr(p) for p in peaks]
 
   def _memory(self):
     if self.memory_budget is None:
@@ -424,20 +519,27 @@ class ShardingProblem:
   # -- solve ---------------------------------------------------------------------
 
   def build(self) -> "ShardingProblem":
+    t0 = time.perf_counter()
     self._build_graph()
+    self._grad_node_set = set(self.grad_nodes)
+    self.timings["strategies"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
     self._variables()
     self._one_hot()
     self._edges()
     self._donation()
     self._memory()
     self.prob += pulp.lpSum(self.objective_terms)
+    self.timings["build"] = time.perf_counter() - t0 - self.timings["classes"]
     return self
 
   def solve(self, time_limit: float = 60.0) -> Solution:
     t0 = time.perf_counter()
     solver, solver_name = _solver(time_limit)
-    self.prob.solve(solver)
-    seconds = time.perf_counter() - t0
+    try:
+      self.prob.solve(solver)
+    finally:
+      self.solve_seconds = seconds = time.perf_counter() - t0
     status = pulp.LpStatus[self.prob.status]
     if status != "Optimal":
       if self.memory_budget is not None:
@@ -468,8 +570,12 @@ class ShardingProblem:
     return float(pulp.value(peak) or 0.0)
 
   def _chosen(self, node_id) -> int:
-    vals = [v.varValue or 0.0 for v in self.nodes[node_id].vars]
-    return max(range(len(vals)), key=vals.__getitem__)
+    xs = self.nodes[node_id].vars
+    c = self._chosen_memo.get(id(xs))
+    if c is None:
+      vals = [v.varValue or 0.0 for v in xs]
+      c = self._chosen_memo[id(xs)] = max(range(len(vals)), key=vals.__getitem__)
+    return c
 
   def _spec_of(self, val_map, v) -> Spec | None:
     if not isinstance(v, Var) or v not in val_map:
@@ -500,11 +606,14 @@ class ShardingProblem:
     return out
 
   def _memory_at_solution(self) -> float:
-    state, acts = self.memory_terms()
-    peak = max((pulp.value(a) or 0.0 for a in acts), default=0.0)
-    return float((pulp.value(state) or 0.0) + peak)
+    def total(items):
+      return sum(f * self._bytes_per_choice(node, pos, aval)[self._chosen(node)]
+                 for node, pos, aval, f in items)
+    state, peaks = self._memory_items()
+    return float(total(state) + max((total(p) for p in peaks), default=0.0))
 
   def _read_solution(self, status, solver_name, seconds) -> Solution:
+    self._chosen_memo = {}
     leaf_specs = tuple(self.nodes[n].specs[self._chosen(n)][0] for n in self.leaf_nodes)
     leaf_batch_dims = tuple(self.nodes[n].choices[self._chosen(n)][1]
                             for n in self.leaf_nodes)
@@ -543,6 +652,27 @@ class ShardingProblem:
         memory=self._memory_at_solution())
 
 
+def _hashable(value):
+  if isinstance(value, (Jaxpr, ClosedJaxpr)):
+    return str(value)          # by content: scatter's update_jaxpr, loop bodies
+  try:
+    hash(value)
+    return value
+  except TypeError:
+    if isinstance(value, (tuple, list)):
+      return tuple(_hashable(v) for v in value)
+    return repr(value)
+
+
+def _eqn_key(eqn):
+  """Equations with equal keys get the same strategies."""
+  ins = tuple(("lit", repr(a.val)) if isinstance(a, Literal) else
+              (tuple(a.aval.shape), str(a.aval.dtype)) for a in eqn.invars)
+  outs = tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.outvars)
+  params = tuple(sorted((k, _hashable(v)) for k, v in eqn.params.items()))
+  return (eqn.primitive.name, params, ins, outs)
+
+
 def _liveness_peaks(jaxpr, num_consts: int, k: int) -> list[list[Var]]:
   """The ``k`` program points where the most (replicated) bytes are live."""
   last_use: dict[Var, int] = {}
@@ -554,12 +684,22 @@ def _liveness_peaks(jaxpr, num_consts: int, k: int) -> list[list[Var]]:
   for v in jaxpr.outvars:
     if isinstance(v, Var):
       last_use[v] = end
-  live: set[Var] = set()
-  points = []
+  dies: dict[int, list[Var]] = {}
+  nbytes = lambda v: math.prod(v.aval.shape) * itemsize(v.aval.dtype)
+  size, sizes = 0, []
+  born: list[list[Var]] = []
   for i, eqn in enumerate(jaxpr.eqns):
-    live = {v for v in live if last_use.get(v, -1) >= i}
-    live.update(v for v in eqn.outvars if v in last_use)
-    size = sum(math.prod(v.aval.shape) * itemsize(v.aval.dtype) for v in live)
-    points.append((size, i, list(live)))
-  points.sort(key=lambda p: -p[0])
-  return [p[2] for p in points[:k]]
+    # Values whose last use was before i are dead at i.
+    for v in dies.pop(i - 1, ()):
+      size -= nbytes(v)
+    new = [v for v in eqn.outvars if v in last_use]
+    for v in new:
+      size += nbytes(v)
+      dies.setdefault(max(last_use[v], i), []).append(v)
+    born.append(new)
+    sizes.append(size)
+  peaks = sorted(range(len(sizes)), key=lambda i: -sizes[i])[:k]
+  out = []
+  for t in peaks:      # the live set at t: born at or before t, last used at or after t
+    out.append([v for i in range(t + 1) for v in born[i] if last_use[v] >= t])
+  return out

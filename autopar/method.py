@@ -69,6 +69,14 @@ class AutoShardingOption:
       inside a micro-batch (tensor parallelism); the other axes split the
       batch. 2 allows 2-D tensor parallelism, at the price of an ILP that is
       ten times larger.
+    share_layers: give equations that repeat layer after layer one set of
+      decisions (see ``docs/planner.md``), so the problem does not grow with
+      depth. False solves every equation on its own.
+    plan_cache: keep solved plans on disk (``$AUTOPAR_CACHE_DIR``, default
+      ``~/.cache/autopar/plans``), keyed by the traced program, the mesh and
+      these options, so the same step is not solved twice.
+    verbose: print each planning stage and its time to stderr. None: only
+      once planning has taken more than 2 seconds.
 
   Example::
 
@@ -84,6 +92,9 @@ class AutoShardingOption:
   mesh_beta: Any = None
   seconds_per_flop: float = 1e-12
   max_model_axes: int = 1
+  share_layers: bool = True
+  plan_cache: bool = True
+  verbose: bool | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "mesh_alpha", _as_items(self.mesh_alpha, "mesh_alpha"))

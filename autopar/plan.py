@@ -106,15 +106,33 @@ class CollectivePlan:
 
 @dataclasses.dataclass(frozen=True)
 class SolverStats:
-  """How the plan was found."""
+  """How the plan was found.
+
+  Attributes:
+    solver, status: the ILP solver and its final status.
+    seconds: the solver's time for the chosen batch axes.
+    num_variables, num_constraints: the chosen problem's size.
+    num_equations: equations in compute_grad + apply_grad.
+    num_nodes: ILP nodes after merging elementwise equations into their
+      operands (plus one per argument leaf and gradient).
+    num_classes: node classes after sharing repeated layers (variable sets).
+    timings: seconds per planning stage ("trace", "strategies", "classes",
+      "build", "solve", "total"), summed over every batch-axes choice tried.
+  """
   solver: str
   status: str
   seconds: float
   num_variables: int = 0
   num_constraints: int = 0
+  num_equations: int = 0
+  num_nodes: int = 0
+  num_classes: int = 0
+  timings: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
   def to_json(self) -> dict:
-    return dataclasses.asdict(self)
+    d = dataclasses.asdict(self)
+    d["timings"] = dict(self.timings)
+    return d
 
   @classmethod
   def from_json(cls, d: Mapping) -> "SolverStats":
@@ -246,6 +264,12 @@ class Plan:
       s = self.solver
       lines.append(f"solver: {s.solver} ({s.status}) in {s.seconds:.3f} s, "
                    f"{s.num_variables} variables, {s.num_constraints} constraints")
+      if s.num_equations:
+        lines.append(f"problem: {s.num_equations} equations, {s.num_nodes} nodes "
+                     f"after merging, {s.num_classes} after sharing repeated layers")
+      if s.timings:
+        lines.append("planning time: " + ", ".join(
+            f"{k} {v:.2f} s" for k, v in s.timings.items()))
     for title, values in (("inputs", self.inputs), ("gradients", self.grads),
                           ("outputs", self.outputs)):
       if values:

@@ -27,6 +27,8 @@ state), and each pair gets one sharding, so that XLA can update in place.
 from __future__ import annotations
 
 import math
+import sys
+import time
 from typing import Sequence
 
 from jax.extend.core import Var
@@ -278,12 +280,35 @@ def candidate_batch_axes(method: ShardParallel, mesh, micro_batch_size: int
   return out or [()]
 
 
+class Progress:
+  """Planning stages and their times; printed to stderr when planning is long."""
+
+  def __init__(self, name: str, verbose: bool | None, quiet_seconds: float = 2.0):
+    self.name = name
+    self.verbose = verbose
+    self.quiet_seconds = quiet_seconds
+    self.start = time.perf_counter()
+    self.timings: dict[str, float] = {}
+
+  def add(self, stage: str, seconds: float, detail: str = "") -> None:
+    self.timings[stage] = self.timings.get(stage, 0.0) + seconds
+    elapsed = time.perf_counter() - self.start
+    if self.verbose or (self.verbose is None and elapsed > self.quiet_seconds):
+      print(f"autopar: planning {self.name}: {stage} {seconds:.2f} s"
+            f"{' (' + detail + ')' if detail else ''}, {elapsed:.1f} s so far",
+            file=sys.stderr, flush=True)
+
+  def total(self) -> dict[str, float]:
+    return {**self.timings, "total": time.perf_counter() - self.start}
+
+
 def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
-              trace_local) -> Plan:
+              trace_local, progress: Progress | None = None) -> Plan:
   """Plans ``split`` with the ILP, trying every choice of batch axes.
 
   ``trace_local(rows)`` returns the step split at ``rows`` per micro-batch.
   """
+  progress = progress or Progress("step", method.option.verbose)
   from autopar.ilp import ShardingProblem   # the solver is only needed here
   from autopar.errors import PlanError
 
@@ -296,7 +321,10 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
   best, errors = None, []
   for S in candidate_batch_axes(method, mesh, micro):
     d = math.prod(sizes[a] for a in S)
+    t0 = time.perf_counter()
     local = split if d == 1 else trace_local(micro // d)
+    if d > 1:
+      progress.add("trace", time.perf_counter() - t0, f"{micro // d} rows per device")
     A = tuple(a for a in names if a not in S)
     traced = local.traced
     problem = ShardingProblem(
@@ -310,14 +338,24 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
         allow_all_gather=option.allow_all_gather,
         allow_all_to_all=option.allow_all_to_all,
         memory_budget=option.memory_budget_per_device,
-        read_by_compute=leaves_read_by_compute(local)).build()
+        read_by_compute=leaves_read_by_compute(local),
+        share_layers=option.share_layers).build()
+    where = f"batch over {S or 'no axes'}"
+    progress.add("strategies", problem.timings["strategies"],
+                 f"{where}: {len(problem.nodes)} nodes")
+    progress.add("classes", problem.timings["classes"],
+                 f"{problem.num_classes} classes")
+    progress.add("build", problem.timings["build"])
     try:
       sol = problem.solve()
     except PlanError as e:
       errors.append((problem, e))
       continue
+    finally:
+      progress.add("solve", problem.solve_seconds,
+                   f"{len(problem.prob.variables())} variables")
     if best is None or sol.objective < best[1].objective * (1 - 1e-9) - 1e-15:
-      best = (S, sol, local)
+      best = (S, sol, local, problem)
   if best is None and option.memory_budget_per_device is None:
     raise errors[0][1]
   if best is None:
@@ -328,8 +366,12 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
         f"of batch axes; the smallest budget that fits is about {need:.0f} bytes. "
         f"Fix: raise memory_budget_per_device to at least {need:.0f}, or use more "
         f"micro-batches or a larger mesh.")
-  S, sol, local = best
-  return _plan_from_solution(split, local, method, mesh, S, sol, batch_size)
+  S, sol, local, problem = best
+  stats = dict(num_equations=len(local.compute.jaxpr.eqns) + len(local.apply.jaxpr.eqns),
+               num_nodes=len(problem.nodes), num_classes=problem.num_classes)
+  plan = _plan_from_solution(split, local, method, mesh, S, sol, batch_size, stats,
+                             progress)
+  return plan
 
 
 def _divisible_dim(shape, spec, d_batch, sizes) -> int | None:
@@ -347,7 +389,8 @@ def _apply_donation(split: SplitStep) -> dict[int, int]:
           if split.out_kinds[j] is OutputKind.APPLY}
 
 
-def _plan_from_solution(split, local, method, mesh, S, sol, batch_size) -> Plan:
+def _plan_from_solution(split, local, method, mesh, S, sol, batch_size, stats,
+                        progress) -> Plan:
   from autopar.strategies import to_partition_spec
 
   from autopar.strategies import local_bytes
@@ -451,7 +494,8 @@ def _plan_from_solution(split, local, method, mesh, S, sol, batch_size) -> Plan:
   from autopar.plan import SolverStats
   solver = SolverStats(solver=sol.solver, status=sol.status, seconds=sol.seconds,
                        num_variables=sol.num_variables,
-                       num_constraints=sol.num_constraints)
+                       num_constraints=sol.num_constraints, **stats,
+                       timings=progress.total())
   memory = int(sol.memory)
   return Plan(method=method.name, mesh_axis_names=axis_names_of(mesh),
               mesh_shape=tuple(sizes.values()), num_micro_batches=n,

@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
+from jax._src import core as jax_core
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal, Var
 
 from autopar.errors import InputError, MarkerError
@@ -232,8 +233,12 @@ class TracedStep:
 
 def trace_step(fn: Callable, args: Sequence[Any], flags: ArgFlags,
                leaves: Sequence[LeafInfo], in_tree: Any, *,
-               micro_batch_size: int) -> TracedStep:
-  """Traces ``fn`` with batch leaves cut to ``micro_batch_size`` rows."""
+               micro_batch_size: int | Any) -> TracedStep:
+  """Traces ``fn`` with batch leaves cut to ``micro_batch_size`` rows.
+
+  ``micro_batch_size`` may be a symbolic dimension (``jax.export``), which
+  traces the step once for every batch size; see :func:`instantiate`.
+  """
   static_vals = {i: args[i] for i in flags.static}
   nargs = len(args)
 
@@ -252,6 +257,102 @@ def trace_step(fn: Callable, args: Sequence[Any], flags: ArgFlags,
   return TracedStep(jaxpr=closed, leaves=tuple(leaves), in_tree=in_tree,
                     out_tree=out_tree, out_paths=out_paths,
                     micro_batch_size=micro_batch_size)
+
+
+# -- one trace for every batch size -------------------------------------------
+
+def trace_step_any_batch(fn: Callable, args: Sequence[Any], flags: ArgFlags,
+                         leaves: Sequence[LeafInfo], in_tree: Any) -> TracedStep | None:
+  """Traces ``fn`` once with a symbolic micro-batch size, or None if it can't be.
+
+  The planner needs the step at several per-device batch sizes (one per
+  choice of batch axes). Tracing a large model costs seconds each time, so
+  it is traced once with JAX's shape polymorphism and :func:`instantiate`
+  writes out the jaxpr at each concrete size in one pass over the equations.
+  A step whose Python code needs a concrete batch size (e.g. it branches on
+  it) cannot be traced this way and is traced per size instead.
+  """
+  from jax import export
+  rows, = export.symbolic_shape("autopar_rows")
+  try:
+    return trace_step(fn, args, flags, leaves, in_tree, micro_batch_size=rows)
+  except MarkerError:
+    raise
+  except Exception:   # noqa: BLE001 - any failure means: trace per batch size
+    return None
+
+
+def instantiate(traced: TracedStep, micro_batch_size: int) -> TracedStep:
+  """``traced`` (from :func:`trace_step_any_batch`) at a concrete batch size."""
+  jaxpr = _Instantiator({"autopar_rows": micro_batch_size}).jaxpr(traced.jaxpr.jaxpr)
+  return dataclasses.replace(traced, jaxpr=ClosedJaxpr(jaxpr, traced.jaxpr.consts),
+                             micro_batch_size=micro_batch_size)
+
+
+def _is_symbolic(d) -> bool:
+  return jax_core.is_symbolic_dim(d)
+
+
+class _Instantiator:
+  """Writes a symbolic-shape jaxpr out at concrete sizes (``env``)."""
+
+  def __init__(self, env):
+    self.env = env
+    self.vars: dict = {}         # old var -> new var, literal, or itself
+    self.jaxprs: dict = {}       # id(sub-jaxpr) -> instantiated
+
+  def value(self, v):
+    """A param (a shape, dimension numbers, a sub-jaxpr...) made concrete."""
+    if isinstance(v, (int, str, bool, float, type(None))):
+      return v
+    if _is_symbolic(v):
+      return int(v._evaluate(self.env))
+    if isinstance(v, (ClosedJaxpr, Jaxpr)):
+      out = self.jaxprs.get(id(v))
+      if out is None:
+        out = (ClosedJaxpr(self.jaxpr(v.jaxpr), v.consts) if isinstance(v, ClosedJaxpr)
+               else self.jaxpr(v))
+        self.jaxprs[id(v)] = (out, v)       # keep v alive: its id stays unique
+        return out
+      return out[0]
+    if isinstance(v, (tuple, list)):
+      items = [self.value(x) for x in v]
+      if all(a is b for a, b in zip(items, v)):
+        return v
+      if hasattr(v, "_fields"):          # a NamedTuple (dimension numbers)
+        return type(v)(*items)
+      return type(v)(items)
+    return v
+
+  def var(self, v):
+    if isinstance(v, Literal):
+      return v
+    w = self.vars.get(v)
+    if w is None:
+      shape = getattr(v.aval, "shape", ())
+      if any(_is_symbolic(d) for d in shape):
+        aval = v.aval.update(shape=tuple(self.value(d) for d in shape))
+        w = DropVar(aval) if isinstance(v, DropVar) else Var(aval)
+      else:
+        w = v
+      self.vars[v] = w
+    return w
+
+  def jaxpr(self, jaxpr: Jaxpr) -> Jaxpr:
+    var, value = self.var, self.value
+    eqns = []
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "dim_as_value":
+        (out,) = eqn.outvars
+        self.vars[out] = Literal(np.array(value(eqn.params["dim"]), out.aval.dtype),
+                                 out.aval)
+        continue
+      params = {k: value(v) for k, v in eqn.params.items()}
+      eqns.append(eqn.replace(invars=[var(v) for v in eqn.invars],
+                              outvars=[var(v) for v in eqn.outvars], params=params))
+    return Jaxpr([var(v) for v in jaxpr.constvars], [var(v) for v in jaxpr.invars],
+                 [var(v) for v in jaxpr.outvars], eqns, jaxpr.effects,
+                 jaxpr.debug_info)
 
 
 # -- markers inside nested calls ---------------------------------------------

@@ -1,7 +1,11 @@
-"""Test set-up: 8 simulated CPU devices, before jax is imported anywhere."""
+"""Test set-up: 8 simulated CPU devices, before jax is imported anywhere, and
+a plan cache of this test session's own (so no plan from an earlier run, or
+from the user's ~/.cache, is read)."""
 
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["AUTOPAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-test-cache-")

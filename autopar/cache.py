@@ -1,0 +1,72 @@
+"""Solved plans kept on disk, so the same step is not solved twice.
+
+A plan is stored as its JSON under ``$AUTOPAR_CACHE_DIR`` (default
+``~/.cache/autopar``), in ``plans/<key>.json``. The key is a SHA-256 over
+everything the solver's answer depends on: the traced program (the jaxpr's
+text, which holds every shape and dtype), the argument leaves, the mesh's axis
+names and sizes, the method with its options, the number of micro-batches, the
+batch size and the plan format. A changed model, mesh or option is a new key;
+nothing is ever invalidated in place. A cache file that cannot be read is
+ignored (and solved again), never an error.
+
+``AutoShardingOption(plan_cache=False)`` turns the cache off for a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+from autopar.errors import PlanError
+from autopar.method import ShardParallel, axis_names_of, axis_sizes_of
+from autopar.plan import PLAN_FORMAT, Plan
+
+__all__ = ["cache_dir", "plan_key", "load", "store"]
+
+
+def cache_dir() -> Path:
+  """Where plans are kept: ``$AUTOPAR_CACHE_DIR/plans`` or ``~/.cache/autopar/plans``."""
+  root = os.environ.get("AUTOPAR_CACHE_DIR") or Path.home() / ".cache" / "autopar"
+  return Path(root) / "plans"
+
+
+def plan_key(split, method: ShardParallel, mesh, batch_size: int) -> str:
+  """The cache key of planning ``split`` with ``method`` on ``mesh``."""
+  traced = split.traced
+  option = tuple((f.name, getattr(method.option, f.name))
+                 for f in dataclasses.fields(method.option) if f.name != "verbose")
+  h = hashlib.sha256()
+  for part in (f"format {PLAN_FORMAT}", type(method).__name__, repr(option),
+               repr(axis_names_of(mesh)), repr(tuple(axis_sizes_of(mesh).values())),
+               f"n {method.micro_batches} batch {batch_size}",
+               repr([(l.path, tuple(l.shape), str(l.dtype), l.is_batch)
+                     for l in traced.leaves]),
+               str(traced.jaxpr)):
+    h.update(part.encode())
+    h.update(b"\0")
+  return h.hexdigest()
+
+
+def load(key: str) -> Plan | None:
+  """The stored plan for ``key``, or None."""
+  path = cache_dir() / f"{key}.json"
+  try:
+    return Plan.from_json(path.read_text())
+  except (OSError, PlanError, KeyError, TypeError, ValueError):
+    return None
+
+
+def store(key: str, plan: Plan) -> None:
+  """Stores ``plan`` under ``key`` (atomically; errors are ignored)."""
+  directory = cache_dir()
+  try:
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+      f.write(plan.to_json())
+    os.replace(tmp, directory / f"{key}.json")
+  except OSError:
+    pass

@@ -1,0 +1,112 @@
+"""Planning time and problem size against depth.
+
+    python benchmark/planner.py [layers ...]      # default: 2 12 24 48 96
+
+Plans (``.plan()``, nothing compiled, no device touched) a GPT-style model
+(hidden 1024, 16 heads, MLP 4096, vocab 1024, 128 tokens, batch 64, Adam) for
+an abstract 8x8 mesh ("data", "model"), with the plan cache off, and prints
+per depth: equations in compute_grad + apply_grad, ILP nodes after merging
+elementwise equations, node classes after sharing repeated layers, the chosen
+problem's variables and constraints, and the planning time by stage (summed
+over the batch-axes choices tried: trace at each per-device batch size,
+strategy enumeration, layer classes, ILP construction, solve) and in total,
+measured from the call to ``.plan()``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from flax.training import train_state  # noqa: E402
+
+import autopar  # noqa: E402
+
+
+class Block(nn.Module):
+  d: int
+  heads: int
+
+  @nn.compact
+  def __call__(self, x):
+    b, t, d = x.shape
+    h = nn.LayerNorm()(x)
+    qkv = nn.Dense(3 * d, use_bias=False)(h).reshape(b, t, 3, self.heads, d // self.heads)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(d // self.heads).astype(x.dtype)
+    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
+    a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v).reshape(b, t, d)
+    x = x + nn.Dense(d, use_bias=False)(a)
+    h = nn.Dense(4 * d)(nn.LayerNorm()(x))
+    return x + nn.Dense(d)(jax.nn.gelu(h))
+
+
+class GPT(nn.Module):
+  vocab: int
+  d: int
+  heads: int
+  layers: int
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(self.vocab, self.d)(tokens)
+    for _ in range(self.layers):
+      x = Block(self.d, self.heads)(x)
+    return nn.Dense(self.vocab, use_bias=False)(nn.LayerNorm()(x))
+
+
+def lm_step(state, batch):
+  def loss_fn(p):
+    logits = state.apply_fn(p, batch["tokens"][:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, batch["tokens"][:, 1:]).mean()
+  loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+  return state.apply_gradients(grads=grads), loss
+
+
+def abstract_args(layers: int, d=1024, heads=16, vocab=1024, seq=128, batch=64):
+  model = GPT(vocab, d, heads, layers)
+  params = jax.eval_shape(
+      lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, seq), jnp.int32)))
+  state = jax.eval_shape(lambda p: train_state.TrainState.create(
+      apply_fn=model.apply, params=p, tx=optax.adam(1e-3)), params)
+  return state, {"tokens": jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)}
+
+
+def main(depths):
+  mesh = jax.sharding.AbstractMesh((8, 8), ("data", "model"))
+  option = autopar.AutoShardingOption(plan_cache=False, verbose=False)
+  cols = ("layers", "eqns", "nodes", "classes", "vars", "constr", "trace s",
+          "strat s", "classes s", "build s", "solve s", "total s")
+  print(" ".join(f"{c:>9}" for c in cols))
+  rows = []
+  for layers in depths:
+    args = abstract_args(layers)
+    step = autopar.parallelize(lm_step, method=autopar.ShardParallel(mesh=mesh,
+                                                                      option=option))
+    t0 = time.perf_counter()
+    plan = step.plan(*args)
+    total = time.perf_counter() - t0
+    s, t = plan.solver, plan.solver.timings
+    row = (layers, s.num_equations, s.num_nodes, s.num_classes, s.num_variables,
+           s.num_constraints, t.get("trace", 0), t.get("strategies", 0),
+           t.get("classes", 0), t.get("build", 0), t.get("solve", 0), total)
+    rows.append(row)
+    print(" ".join(f"{v:>9}" if isinstance(v, int) else f"{v:>9.2f}" for v in row),
+          flush=True)
+  if len(rows) > 1:
+    (l0, *_, t0_), (l1, *_, t1) = rows[0], rows[-1]
+    print(f"\nplanning time x{t1 / t0_:.1f} for x{l1 / l0:.0f} layers; batch axes "
+          f"chosen: {plan.batch_axes}")
+
+
+if __name__ == "__main__":
+  main([int(a) for a in sys.argv[1:]] or [2, 12, 24, 48, 96])
