@@ -63,6 +63,7 @@ from autopar.strategies.elementwise import is_elementwise
 __all__ = ["ShardingProblem", "Solution", "reshard_cost"]
 
 BIG = 1e3   # seconds: a cost that rules a choice out (disallowed collectives)
+MIP_GAP = 1e-4     # relative optimality gap at which the solver stops
 LAYER_ROUNDS = 8   # colour-refinement rounds that tell layers' equations apart
 
 
@@ -102,7 +103,9 @@ def reshard_cost(aval, src: Spec, dst: Spec, cost: MeshCost, sizes, *,
 
 def _solver(time_limit: float | None = None) -> tuple[Any, str]:
   """HiGHS through highspy, or CBC (bundled with PuLP) if it is missing."""
-  kw = {} if time_limit is None else {"timeLimit": time_limit}
+  kw = {"gapRel": MIP_GAP}
+  if time_limit is not None:
+    kw["timeLimit"] = time_limit
   solver = pulp.HiGHS(msg=False, **kw)
   if solver.available():
     return solver, "HiGHS"
@@ -273,10 +276,19 @@ class ShardingProblem:
         return [None, dim]
     return [None]
 
-  def _add_eqns(self, jaxpr, val, mult, part) -> dict[int, int]:
-    """Adds a node per equation (or merges it into its operand's)."""
-    eqn_nodes = {}
-    for i, eqn in enumerate(jaxpr.eqns):
+  def _add_eqns(self, jaxpr, val, mult, part, prefix="", eqn_nodes=None
+                ) -> dict[str, int]:
+    """Adds a node per equation (or merges it into its operand's).
+
+    Equations are named by their index, and equations inside control flow by
+    a path: ``"12.0.5"`` is equation 5 of sub-jaxpr 0 of equation 12.
+    """
+    eqn_nodes = {} if eqn_nodes is None else eqn_nodes
+    for idx, eqn in enumerate(jaxpr.eqns):
+      i = f"{prefix}{idx}"
+      if eqn.primitive.name in REGIONS:
+        self._add_region(eqn, i, val, mult, part, eqn_nodes)
+        continue
       operands = [v for v in eqn.invars if isinstance(v, Var) and v.aval.shape]
       out = eqn.outvars[0]
       if (is_elementwise(eqn) and len(eqn.outvars) == 1 and operands
@@ -308,6 +320,97 @@ class ShardingProblem:
       for j, v in enumerate(eqn.outvars):
         val[v] = (node, j)
     return eqn_nodes
+
+  # -- control flow: planned through --------------------------------------------
+
+  def _value_node(self, name, aval, mult, stack=None):
+    """A node choosing one spec for a loop-carried / branch-joined value.
+
+    ``stack``: also give the spec with a leading unsplit (stacked) dimension,
+    at output position 1 ("xs in" / "ys out" of a scan) - or 0 and 1 swapped.
+    """
+    specs = enumerate_specs(aval.shape, self.A, self.sizes)
+    if stack == "out":            # (per-iteration spec, stacked spec)
+      rows = [(s, ((),) + s) for s in specs]
+    elif stack == "in":           # (stacked spec, per-iteration spec)
+      rows = [(((),) + s, s) for s in specs]
+    else:
+      rows = [(s,) for s in specs]
+    key = ("value", name, tuple(aval.shape), str(aval.dtype), stack)
+    return self._add_node(name, specs, rows, [0.0] * len(specs), mult, key=key)
+
+  def _follow(self, src, dst, aval, mult, part):
+    """Edge: the value at ``src`` is resharded to the spec of ``dst``."""
+    if src is not None and src != dst:
+      self._follow_edges.append((src, dst, aval, mult, part))
+
+  def _add_region(self, eqn, i, val, mult, part, eqn_nodes):
+    """Plans through scan / while / cond / checkpoint (see REGIONS)."""
+    name = eqn.primitive.name
+    get = lambda a: val.get(a) if isinstance(a, Var) else None
+    ins = [get(a) for a in eqn.invars]
+    if name == "scan":
+      body, nc, ncar = eqn.params["jaxpr"], eqn.params["num_consts"], eqn.params["num_carry"]
+      length = eqn.params["length"]
+      bj = body.jaxpr
+      inner = dict(zip(bj.invars[:nc], ins[:nc]))
+      carry = []
+      for k, v in enumerate(bj.invars[nc:nc + ncar]):
+        node = self._value_node(f"{part}/{i}:carry{k}", v.aval, mult)
+        carry.append(node)
+        inner[v] = (node, 0)
+        self._follow(ins[nc + k], (node, 0), v.aval, mult, part)
+      for k, v in enumerate(bj.invars[nc + ncar:]):
+        node = self._value_node(f"{part}/{i}:xs{k}", v.aval, mult, stack="in")
+        inner[v] = (node, 1)
+        self._follow(ins[nc + ncar + k], (node, 0), eqn.invars[nc + ncar + k].aval,
+                     mult, part)
+      inner = {k: v for k, v in inner.items() if v is not None}
+      self._add_eqns(bj, inner, mult * length, part, f"{i}.0.", eqn_nodes)
+      for k, (v, node) in enumerate(zip(bj.outvars[:ncar], carry)):
+        self._follow(get_inner(inner, v), (node, 0), v.aval, mult * length, part)
+        val[eqn.outvars[k]] = (node, 0)
+      for k, v in enumerate(bj.outvars[ncar:]):
+        node = self._value_node(f"{part}/{i}:ys{k}", v.aval, mult, stack="out")
+        self._follow(get_inner(inner, v), (node, 0), v.aval, mult * length, part)
+        val[eqn.outvars[ncar + k]] = (node, 1)
+    elif name == "while":
+      cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+      bj = eqn.params["body_jaxpr"].jaxpr
+      inner = dict(zip(bj.invars[:bn], ins[cn:cn + bn]))
+      carry = []
+      for k, v in enumerate(bj.invars[bn:]):
+        node = self._value_node(f"{part}/{i}:carry{k}", v.aval, mult)
+        carry.append(node)
+        inner[v] = (node, 0)
+        self._follow(ins[cn + bn + k], (node, 0), v.aval, mult, part)
+      inner = {k: v for k, v in inner.items() if v is not None}
+      # The trip count is unknown: the body is costed once.
+      self._add_eqns(bj, inner, mult, part, f"{i}.1.", eqn_nodes)
+      for k, (v, node) in enumerate(zip(bj.outvars, carry)):
+        self._follow(get_inner(inner, v), (node, 0), v.aval, mult, part)
+        val[eqn.outvars[k]] = (node, 0)
+    elif name == "cond":
+      branches = eqn.params["branches"]
+      outs = [self._value_node(f"{part}/{i}:out{k}", v.aval, mult)
+              for k, v in enumerate(eqn.outvars)]
+      for b, branch in enumerate(branches):
+        bj = branch.jaxpr
+        inner = {v: n for v, n in zip(bj.invars, ins[1:]) if n is not None}
+        # One branch runs: each is costed at its share.
+        self._add_eqns(bj, inner, mult / len(branches), part, f"{i}.{b}.", eqn_nodes)
+        for v, node in zip(bj.outvars, outs):
+          self._follow(get_inner(inner, v), (node, 0), v.aval, mult, part)
+      for v, node in zip(eqn.outvars, outs):
+        val[v] = (node, 0)
+    else:                                     # checkpoint (remat): a call
+      bj = eqn.params["jaxpr"]
+      inner = {v: n for v, n in zip(bj.invars, ins) if n is not None}
+      self._add_eqns(bj, inner, mult, part, f"{i}.0.", eqn_nodes)
+      for v, out in zip(bj.outvars, eqn.outvars):
+        src = get_inner(inner, v)
+        if src is not None:
+          val[out] = src
 
   # -- variables and constraints ---------------------------------------------------
 
@@ -623,8 +726,10 @@ class ShardingProblem:
     astrat = {i: self.nodes[n].choices[self._chosen(n)]
               for i, n in self.apply_eqn_nodes.items()}
     colls = []
-    for part, strat, mult in (("compute_grad", cstrat, self.n), ("apply_grad", astrat, 1)):
+    for part, strat, nodes in (("compute_grad", cstrat, self.compute_eqn_nodes),
+                               ("apply_grad", astrat, self.apply_eqn_nodes)):
       for i, st in strat.items():
+        mult = self.nodes[nodes[i]].mult      # x loop length inside a scan
         for kind, axes, b in st.collectives:
           colls.append((part, kind, tuple(axes), float(b), mult))
     colls.extend(self._chosen_reshards())
@@ -650,6 +755,14 @@ class ShardingProblem:
         num_variables=len(self.prob.variables()),
         num_constraints=self.num_constraints, collectives=tuple(colls),
         memory=self._memory_at_solution())
+
+
+# Control-flow primitives whose bodies are planned (see ShardingProblem._add_region).
+REGIONS = ("scan", "while", "cond", "remat2")   # remat2: jax.checkpoint
+
+
+def get_inner(val, v):
+  return val.get(v) if isinstance(v, Var) else None
 
 
 def _hashable(value):

@@ -131,47 +131,122 @@ def _reduce_manual(x, spec: PartitionSpec, manual: Sequence[str]):
 
 # -- evaluating a jaxpr under the plan's constraints ----------------------------
 
-def _constraints(plan: Plan, part: str) -> dict[int, dict]:
-  """Equation index -> {output index or "in<k>" for operand k: spec}.
+def _constraints(plan: Plan, part: str) -> dict[str, dict]:
+  """Equation path -> {output index or "in<k>" for operand k: spec}.
 
   Plan intermediates are named ``<part>/<equation>/<output>`` (the spec an
   output is produced in) or ``<part>/<equation>/in<k>`` (the spec operand
-  ``k`` is resharded to before the equation).
+  ``k`` is resharded to before the equation). An equation inside control
+  flow has a path: ``12.0.5`` is equation 5 of sub-jaxpr 0 of equation 12.
   """
-  out: dict[int, dict] = {}
+  out: dict[str, dict] = {}
   for v in plan.intermediates:
     prefix, i, j = v.name.split("/")
     if prefix == part:
-      out.setdefault(int(i), {})[j if j.startswith("in") else int(j)] = v.spec
+      out.setdefault(i, {})[j if j.startswith("in") else int(j)] = v.spec
   return out
 
 
-def _eval_jaxpr(jaxpr, consts, args, constraints, constrain):
-  """``eval_jaxpr`` that pins the outputs the plan decided to their specs."""
+def _inside(constraints: dict[str, dict], prefix: str) -> dict[str, dict]:
+  """The constraints of one sub-jaxpr, with ``prefix`` taken off their paths."""
+  n = len(prefix)
+  return {k[n:]: v for k, v in constraints.items() if k.startswith(prefix)}
+
+
+def _eval_jaxpr(jaxpr, consts, args, constraints, constrain, constvals=()):
+  """``eval_jaxpr`` that pins the values the plan decided to their specs,
+  inside scan / while / cond / checkpoint bodies too."""
   if not constraints:
-    return jax_core.eval_jaxpr(jaxpr, (), *consts, *args)
+    return jax_core.eval_jaxpr(jaxpr, constvals, *consts, *args)
   env = {}
 
   def read(a):
     return a.val if isinstance(a, Literal) else env[a]
 
+  for v, x in zip(jaxpr.constvars, constvals, strict=True):
+    env[v] = x
   for v, x in zip(jaxpr.invars, [*consts, *args], strict=True):
     env[v] = x
   for i, eqn in enumerate(jaxpr.eqns):
-    params = eqn.primitive.get_bind_params(eqn.params)
-    pinned = constraints.get(i, {})
+    pinned = constraints.get(str(i), {})
     args = [read(a) for a in eqn.invars]
     args = [constrain(x, pinned[f"in{k}"]) if f"in{k}" in pinned else x
             for k, x in enumerate(args)]
-    with eqn.ctx.manager:
-      ans = eqn.primitive.bind(*args, **params)
-    outs = ans if eqn.primitive.multiple_results else [ans]
+    inner = _inside(constraints, f"{i}.")
+    if inner and eqn.primitive.name in _REGION_EVAL:
+      outs = _REGION_EVAL[eqn.primitive.name](eqn, args, inner, constrain)
+    else:
+      params = eqn.primitive.get_bind_params(eqn.params)
+      with eqn.ctx.manager:
+        ans = eqn.primitive.bind(*args, **params)
+      outs = ans if eqn.primitive.multiple_results else [ans]
     if pinned:
       outs = [constrain(x, pinned[j]) if j in pinned else x
               for j, x in enumerate(outs)]
     for v, x in zip(eqn.outvars, outs, strict=True):
       env[v] = x
   return [read(a) for a in jaxpr.outvars]
+
+
+def _eval_closed(closed, args, constraints, constrain):
+  return _eval_jaxpr(closed.jaxpr, (), args, constraints, constrain,
+                     constvals=closed.consts)
+
+
+def _scan(eqn, args, constraints, constrain):
+  p = eqn.params
+  nc, ncar = p["num_consts"], p["num_carry"]
+  consts, init, xs = args[:nc], args[nc:nc + ncar], args[nc + ncar:]
+  body = _inside(constraints, "0.")
+
+  def step(carry, x):
+    outs = _eval_closed(p["jaxpr"], [*consts, *carry, *x], body, constrain)
+    return outs[:ncar], outs[ncar:]
+  carry, ys = lax.scan(step, list(init), list(xs), length=p["length"],
+                       reverse=p["reverse"], unroll=p["unroll"])
+  return [*carry, *ys]
+
+
+def _while(eqn, args, constraints, constrain):
+  p = eqn.params
+  cn, bn = p["cond_nconsts"], p["body_nconsts"]
+  cconsts, bconsts, init = args[:cn], args[cn:cn + bn], args[cn + bn:]
+  body = _inside(constraints, "1.")
+
+  def cond(carry):
+    return jax_core.eval_jaxpr(p["cond_jaxpr"].jaxpr, p["cond_jaxpr"].consts,
+                               *cconsts, *carry)[0]
+
+  def step(carry):
+    return _eval_closed(p["body_jaxpr"], [*bconsts, *carry], body, constrain)
+  return list(lax.while_loop(cond, step, list(init)))
+
+
+def _cond(eqn, args, constraints, constrain):
+  index, ops = args[0], args[1:]
+  def branch(b, closed):
+    inner = _inside(constraints, f"{b}.")
+    return lambda *xs: _eval_closed(closed, list(xs), inner, constrain)
+  return list(lax.switch(index, [branch(b, c) for b, c in
+                                 enumerate(eqn.params["branches"])], *ops))
+
+
+def _checkpoint(eqn, args, constraints, constrain):
+  """The remat body under the plan's constraints, re-bound as the same
+  ``checkpoint`` primitive (same policy, same ``differentiated`` flag)."""
+  from jax._src.interpreters import partial_eval as pe
+  body = _inside(constraints, "0.")
+  jaxpr = eqn.params["jaxpr"]
+  closed = jax.make_jaxpr(lambda *xs: _eval_jaxpr(jaxpr, (), xs, body, constrain))(
+      *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars])
+  new = pe.convert_constvars_jaxpr(closed.jaxpr)
+  params = dict(eqn.params, jaxpr=new)
+  with eqn.ctx.manager:
+    return eqn.primitive.bind(*closed.consts, *args, **params)
+
+
+_REGION_EVAL = {"scan": _scan, "while": _while, "cond": _cond,
+                "remat2": _checkpoint}        # remat2: jax.checkpoint
 
 
 # -- stages -------------------------------------------------------------------
@@ -298,7 +373,7 @@ def _apply_stage(split: SplitStep, plan: Plan, amesh, user_mesh,
   apply_specs = [plan.outputs[j].spec for j, k in enumerate(split.out_kinds)
                  if k is OutputKind.APPLY]
   constraints = _constraints(plan, "apply")
-  if constraints and max(constraints) >= len(jaxpr.eqns):
+  if constraints and max(int(k.split(".")[0]) for k in constraints) >= len(jaxpr.eqns):
     constraints = {}     # a plan made for another program: let XLA propagate
   if plan.batch_axes:
     # The plan fixes only the planned axes here; dims it leaves unsplit stay

@@ -352,7 +352,7 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
       errors.append((problem, e))
       continue
     finally:
-      progress.add("solve", problem.solve_seconds,
+      progress.add("solve", getattr(problem, "solve_seconds", 0.0),
                    f"{len(problem.prob.variables())} variables")
     if best is None or sol.objective < best[1].objective * (1 - 1e-9) - 1e-15:
       best = (S, sol, local, problem)
@@ -372,6 +372,36 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
   plan = _plan_from_solution(split, local, method, mesh, S, sol, batch_size, stats,
                              progress)
   return plan
+
+
+def sub_jaxprs(eqn) -> list:
+  """The planned sub-jaxprs of a control-flow equation, by index: a scan's
+  body (0); a while's cond (0) and body (1); a cond's branches; a
+  checkpoint's body (0)."""
+  p = eqn.params
+  name = eqn.primitive.name
+  if name == "scan":
+    return [p["jaxpr"].jaxpr]
+  if name == "while":
+    return [p["cond_jaxpr"].jaxpr, p["body_jaxpr"].jaxpr]
+  if name == "cond":
+    return [b.jaxpr for b in p["branches"]]
+  if name == "remat2":            # jax.checkpoint / remat
+    return [p["jaxpr"]]
+  return []
+
+
+def eqn_at(jaxpr, path: str):
+  """The equation at ``path`` ("12", or "12.0.5" inside control flow)."""
+  parts = [int(x) for x in str(path).split(".")]
+  eqn = jaxpr.eqns[parts[0]]
+  for sub, k in zip(parts[1::2], parts[2::2]):
+    eqn = sub_jaxprs(eqn)[sub].eqns[k]
+  return eqn
+
+
+def _path_key(path) -> tuple[int, ...]:
+  return tuple(int(x) for x in str(path).split("."))
 
 
 def _divisible_dim(shape, spec, d_batch, sizes) -> int | None:
@@ -461,9 +491,9 @@ def _plan_from_solution(split, local, method, mesh, S, sol, batch_size, stats,
     produced = {v: s for v, s in zip(jaxpr.invars[nconst:], sol.leaf_specs)}
     produced.update(zip(jaxpr.invars[nconst + len(sol.leaf_specs):], sol.grad_specs))
     for i, outs in specs.items():
-      produced.update(zip(jaxpr.eqns[i].outvars, outs))
-    for i, outs in sorted(specs.items()):
-      eqn = jaxpr.eqns[i]
+      produced.update(zip(eqn_at(jaxpr, i).outvars, outs))
+    for i, outs in sorted(specs.items(), key=lambda kv: _path_key(kv[0])):
+      eqn = eqn_at(jaxpr, i)
       for j, (v, s) in enumerate(zip(eqn.outvars, outs)):
         inter.append(ValuePlan(f"{part}/{i}/{j}", tuple(v.aval.shape),
                                dtype_name(v.aval.dtype), to_partition_spec(s)))

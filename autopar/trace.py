@@ -383,18 +383,30 @@ def count_markers(jaxpr) -> int:
 def _inline_marked_calls(closed: ClosedJaxpr, *, fn_name: str) -> ClosedJaxpr:
   """Inlines nested ``jit`` and custom-derivative calls into the step.
 
-  The splitter cuts the top-level jaxpr and the planner gives every top-level
-  equation a sharding, so calls (a ``jit`` equation, ``custom_jvp_call`` of
-  ``jax.nn.relu``, ...) are replaced by their bodies. This is done by
+  The splitter cuts the top-level jaxpr and the planner gives every equation
+  a sharding, so calls (a ``jit`` equation, ``custom_jvp_call`` of
+  ``jax.nn.relu``, ...) are replaced by their bodies, at the top level and
+  inside scan / while / cond / checkpoint bodies. This is done by
   substituting variables, not by re-tracing, so it costs a pass over the
   equations. A marker inside ``scan``/``while``/``cond`` cannot be brought out
   and is an error.
   """
-  top = closed.jaxpr
-  if not any(e.primitive.name in _INLINABLE or
-             any(count_markers(s) for s in _sub_jaxprs(e)) for e in top.eqns):
+  if not _has_calls(closed.jaxpr):
     return closed
-  constvars, consts = list(top.constvars), list(closed.consts)
+  jaxpr, consts = _inline(closed.jaxpr, list(closed.consts), fn_name)
+  return ClosedJaxpr(jaxpr, consts)
+
+
+def _has_calls(jaxpr) -> bool:
+  return any(e.primitive.name in _INLINABLE or
+             any(_has_calls(s) or count_markers(s) for s in _sub_jaxprs(e))
+             for e in jaxpr.eqns)
+
+
+def _inline(top: Jaxpr, top_consts: list, fn_name: str) -> tuple[Jaxpr, list]:
+  """(``top`` with its calls inlined, its consts): callees' consts become
+  constvars of ``top``."""
+  constvars, consts = list(top.constvars), list(top_consts)
   eqns: list = []
 
   def inline(jaxpr, env: dict, fresh: bool):
@@ -416,7 +428,8 @@ def _inline_marked_calls(closed: ClosedJaxpr, *, fn_name: str) -> ClosedJaxpr:
           outvars = [v if isinstance(v, DropVar) else Var(v.aval) for v in outvars]
           env.update((v, w) for v, w in zip(eqn.outvars, outvars)
                      if not isinstance(v, DropVar))
-        eqns.append(eqn.replace(invars=invars, outvars=outvars))
+        eqns.append(eqn.replace(invars=invars, outvars=outvars,
+                                params=_inline_params(eqn, fn_name)))
         continue
       sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
       sub_jaxpr = getattr(sub, "jaxpr", sub)
@@ -434,5 +447,31 @@ def _inline_marked_calls(closed: ClosedJaxpr, *, fn_name: str) -> ClosedJaxpr:
   env: dict = {}
   inline(top, env, False)
   outvars = [a if isinstance(a, Literal) else env.get(a, a) for a in top.outvars]
-  jaxpr = Jaxpr(constvars, top.invars, outvars, eqns, top.effects, top.debug_info)
-  return ClosedJaxpr(jaxpr, consts)
+  return Jaxpr(constvars, top.invars, outvars, eqns, top.effects, top.debug_info), consts
+
+
+def _inline_params(eqn, fn_name: str) -> dict:
+  """Params of a control-flow equation with calls in its bodies inlined."""
+  params = eqn.params
+  if not any(_has_calls(s) for s in _sub_jaxprs(eqn)):
+    return params
+
+  def closed(c):
+    jaxpr, consts = _inline(c.jaxpr, list(c.consts), fn_name)
+    return ClosedJaxpr(jaxpr, consts)
+
+  def opened(j):
+    jaxpr, consts = _inline(j, [], fn_name)
+    return j if consts else jaxpr    # a checkpoint body cannot take consts
+
+  new = {}
+  for k, v in params.items():
+    if isinstance(v, ClosedJaxpr):
+      new[k] = closed(v)
+    elif isinstance(v, Jaxpr):
+      new[k] = opened(v)
+    elif isinstance(v, tuple) and v and all(isinstance(x, ClosedJaxpr) for x in v):
+      new[k] = tuple(closed(x) for x in v)
+    else:
+      new[k] = v
+  return new

@@ -121,3 +121,51 @@ def single_device(fn):
     args = jax.device_put(args, dev)
     return jax.jit(fn)(*args)
   return run
+
+
+class _ScanBlock(nn.Module):
+  d: int
+  heads: int
+
+  @nn.compact
+  def __call__(self, x, _):
+    return Block(self.d, self.heads)(x), None
+
+
+class ScanTransformer(nn.Module):
+  """The layers as one ``nn.scan`` over stacked weights (optionally remat)."""
+  vocab: int = 32
+  d: int = 32
+  heads: int = 4
+  layers: int = 2
+  remat: bool = False
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(self.vocab, self.d)(tokens)
+    block = nn.remat(_ScanBlock) if self.remat else _ScanBlock
+    x, _ = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                   length=self.layers)(self.d, self.heads)(x, None)
+    return nn.Dense(self.vocab)(nn.LayerNorm()(x))
+
+
+def lm_setup(model, batch=16, seq=8, seed=0, tx=None):
+  """A language-model step for any ``model(tokens) -> logits``."""
+  rng = np.random.RandomState(seed)
+  tokens = rng.randint(0, model.vocab, size=(batch, seq + 1)).astype(np.int32)
+  params = model.init(jax.random.PRNGKey(seed), tokens[:1, :-1])
+  tx = tx or optax.sgd(0.1, momentum=0.9)
+
+  def make_state():
+    return train_state.TrainState.create(
+        apply_fn=model.apply, params=jax.tree.map(jnp.array, params), tx=tx)
+
+  def step(state, batch):
+    def loss_fn(p):
+      logits = state.apply_fn(p, batch["tokens"][:, :-1])
+      return optax.softmax_cross_entropy_with_integer_labels(
+          logits, batch["tokens"][:, 1:]).mean()
+    loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  return make_state, step, {"tokens": tokens}

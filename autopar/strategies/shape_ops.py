@@ -147,10 +147,12 @@ def expand_dims(eqn, ctx):
   return strategies
 
 
-@register("iota", "full", "rng_bit_generator", "random_bits", "random_seed",
-          "random_wrap", "random_unwrap", "threefry2x32")
+@register("iota", "empty2", "full", "rng_bit_generator", "random_bits",
+          "random_seed", "random_wrap", "random_unwrap", "threefry2x32")
 def _generated(eqn, ctx):
-  if eqn.primitive.name != "iota":
+  # iota, and empty2 (an uninitialised buffer JAX makes for a cond's
+  # residuals): any sharding of the output.
+  if eqn.primitive.name not in ("iota", "empty2"):
     return []   # PRNG internals: keep replicated (the fallback), quietly
   return _same_rank(eqn, ctx, ())
 

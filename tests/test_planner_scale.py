@@ -1,0 +1,209 @@
+"""The planner at scale: planning without the cluster, repeated layers solved
+once, the plan cache, and one symbolic trace for every batch size."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.extend.core
+import numpy as np
+import optax
+import pytest
+
+import autopar
+from autopar import ilp
+from models import assert_trees_close, single_device, transformer_setup
+
+SGD = optax.sgd(0.1, momentum=0.9)
+HERE = os.path.dirname(__file__)
+
+
+def abstract(make_state, batch):
+  return jax.eval_shape(make_state), jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+
+
+def no_solver(monkeypatch):
+  def fail(self, *a, **k):
+    raise AssertionError("the ILP was solved again")
+  monkeypatch.setattr(ilp.ShardingProblem, "solve", fail)
+
+
+def test_plan_for_64_devices_in_a_process_with_one_device(tmp_path):
+  script = textwrap.dedent("""
+      import json, os, sys
+      os.environ["JAX_PLATFORMS"] = "cpu"
+      os.environ["XLA_FLAGS"] = ""
+      sys.path.insert(0, sys.argv[1])
+      import jax, jax.numpy as jnp, optax
+      from flax.training import train_state
+      import autopar
+      from jax._src import xla_bridge
+      from models import Transformer
+
+      model = Transformer(vocab=64, d=64, heads=8, layers=2)
+      tokens = jax.ShapeDtypeStruct((64, 17), jnp.int32)
+      def make_state():
+        params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 16), jnp.int32))
+        return train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                             tx=optax.adam(1e-3))
+      state = jax.eval_shape(make_state)
+
+      def step(state, batch):
+        def loss_fn(p):
+          logits = state.apply_fn(p, batch["tokens"][:, :-1])
+          return optax.softmax_cross_entropy_with_integer_labels(
+              logits, batch["tokens"][:, 1:]).mean()
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+      mesh = jax.sharding.AbstractMesh((8, 8), ("data", "model"))
+      plan = autopar.parallelize(step, method=autopar.ShardParallel(mesh=mesh)).plan(
+          state, {"tokens": tokens})
+      print(json.dumps({"touched": xla_bridge.backends_are_initialized(),
+                        "summary": plan.summary(), "json": plan.to_json(),
+                        "leaves": len(jax.tree.leaves(state)) + 1}))
+  """)
+  path = tmp_path / "plan64.py"
+  path.write_text(script)
+  env = {**os.environ, "AUTOPAR_CACHE_DIR": str(tmp_path / "cache")}
+  out = subprocess.run([sys.executable, str(path), HERE], capture_output=True,
+                       text=True, env=env, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  result = json.loads(out.stdout.strip().splitlines()[-1])
+  assert result["touched"] is False          # no backend, no device
+  plan = autopar.Plan.from_json(result["json"])
+  assert plan.mesh_shape == (8, 8) and plan.mesh_axis_names == ("data", "model")
+  assert len(plan.inputs) == result["leaves"]
+  for v in plan.inputs:
+    assert v.name in result["summary"]
+  assert plan.batch_axes and plan.solver.num_variables > 0
+  assert "estimated memory per device" in result["summary"]
+  assert autopar.Plan.from_json(plan.to_json()) == plan
+
+
+def test_saved_abstract_plan_runs_on_a_real_mesh_without_solving(monkeypatch):
+  make_state, step, batch = transformer_setup(batch=16, d=32, heads=4, tx=SGD)
+  amesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
+  saved = autopar.parallelize(step, method=autopar.ShardParallel(mesh=amesh)).plan(
+      *abstract(make_state, batch)).to_json()
+
+  no_solver(monkeypatch)
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  p = autopar.parallelize(step, method=autopar.ShardParallel(
+      mesh=mesh, plan=autopar.Plan.from_json(saved)))
+  ref_state, ref_loss = single_device(step)(make_state(), batch)
+  state, loss = p(make_state(), batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(state.params, ref_state.params)
+
+
+def test_plan_cache_hit_on_a_second_call(monkeypatch, tmp_path):
+  monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
+  make_state, step, batch = transformer_setup(batch=16, d=32, heads=4, tx=SGD)
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  args = abstract(make_state, batch)
+  first = autopar.parallelize(step, method=autopar.ShardParallel(mesh=mesh)).plan(*args)
+  assert len(list((tmp_path / "plans").glob("*.json"))) == 1
+
+  no_solver(monkeypatch)
+  again = autopar.parallelize(step, method=autopar.ShardParallel(mesh=mesh)).plan(*args)
+  assert again.to_json() == first.to_json()
+  # Another option is another key: it solves (and here fails loudly).
+  other = autopar.ShardParallel(mesh=mesh, option=autopar.AutoShardingOption(
+      seconds_per_flop=1e-13))
+  with pytest.raises(AssertionError, match="solved again"):
+    autopar.parallelize(step, method=other).plan(*args)
+
+
+def layer_specs(plan, layer):
+  """{path inside the layer: spec} of the parameters of Block_<layer>."""
+  tag = f"['Block_{layer}']"
+  return {v.name.split(tag)[1]: v.spec for v in plan.inputs
+          if v.name.startswith("state.params") and tag in v.name}
+
+
+def plan_transformer(layers, share=True, d=128, batch=8):
+  make_state, step, data = transformer_setup(batch=batch, seq=8, d=d, heads=4,
+                                             layers=layers, tx=SGD)
+  option = autopar.AutoShardingOption(share_layers=share, plan_cache=False)
+  method = autopar.ShardParallel(mesh=jax.sharding.AbstractMesh((8,), ("model",)),
+                                 option=option)
+  return autopar.parallelize(step, method=method).plan(*abstract(make_state, data))
+
+
+def test_24_layers_are_the_2_layer_plan_repeated():
+  two, deep = plan_transformer(2), plan_transformer(24)
+  # Tensor parallel at this width (hidden 128, batch 8): something is split.
+  assert any(any(s) for s in layer_specs(two, 0).values())
+  assert layer_specs(two, 1) == layer_specs(two, 0)
+  for layer in range(24):
+    assert layer_specs(deep, layer) == layer_specs(two, 0), layer
+  # The problem does not grow with depth.
+  assert deep.solver.num_classes <= two.solver.num_classes + 10
+  assert deep.solver.num_variables <= 1.2 * two.solver.num_variables
+  assert deep.solver.num_nodes > 8 * two.solver.num_nodes
+
+
+@pytest.mark.parametrize("d,batch", [(128, 8), (32, 512)])
+def test_sharing_layers_costs_nothing_on_a_small_model(d, batch):
+  shared = plan_transformer(4, share=True, d=d, batch=batch)
+  alone = plan_transformer(4, share=False, d=d, batch=batch)
+  assert shared.solver.num_classes < alone.solver.num_classes
+  # Equal up to the solver's optimality gap (both are solved to within it).
+  assert shared.objective <= alone.objective * (1 + ilp.MIP_GAP)
+
+
+def test_symbolic_trace_gives_the_same_program_as_a_concrete_one():
+  from autopar.trace import (abstract_leaves, arg_names, classify_args,
+                             instantiate, trace_step, trace_step_any_batch)
+  make_state, step, batch = transformer_setup(batch=16, d=32, heads=4, tx=SGD)
+  args = (make_state(), batch)
+  flags = classify_args(args, static_argnums="auto", batch_argnums=(1,),
+                        donate_argnums="auto", fn_name="step")
+  leaves, tree, _ = abstract_leaves(args, flags, arg_names(step, 2))
+  sym = trace_step_any_batch(step, [None, None], flags, leaves, tree)
+  assert sym is not None
+  for rows in (16, 2):
+    concrete = trace_step(step, [None, None], flags, leaves, tree, micro_batch_size=rows)
+    got = instantiate(sym, rows)
+    fn = jax.extend.core.jaxpr_as_fun(got.jaxpr)
+    ref = jax.extend.core.jaxpr_as_fun(concrete.jaxpr)
+    flat = jax.tree.leaves(args)
+    flat = [x[:rows] if l.is_batch else x for x, l in zip(flat, leaves)]
+    assert_trees_close(fn(*flat), ref(*flat))
+    assert [tuple(v.aval.shape) for v in got.jaxpr.jaxpr.outvars] == \
+        [tuple(v.aval.shape) for v in concrete.jaxpr.jaxpr.outvars]
+
+
+def test_step_that_needs_a_concrete_batch_size_is_traced_per_size():
+  make_state, step, batch = transformer_setup(batch=16, d=32, heads=4, tx=SGD)
+
+  def picky(state, batch):
+    if batch["tokens"].shape[0] > 4:            # Python branch on the batch size
+      batch = jax.tree.map(lambda x: x, batch)
+    return step(state, batch)
+
+  p = autopar.parallelize(picky, method=autopar.ShardParallel(
+      mesh=jax.make_mesh((2, 4), ("data", "model"))))
+  ref_state, ref_loss = single_device(step)(make_state(), batch)
+  state, loss = p(make_state(), batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(state.params, ref_state.params)
+
+
+def test_progress_is_printed_when_asked(capsys):
+  make_state, step, batch = transformer_setup(batch=16, d=32, heads=4, tx=SGD)
+  option = autopar.AutoShardingOption(verbose=True, plan_cache=False)
+  plan = autopar.parallelize(step, method=autopar.ShardParallel(
+      mesh=jax.make_mesh((2, 4), ("data", "model")), option=option)).plan(
+          *abstract(make_state, batch))
+  err = capsys.readouterr().err
+  for stage in ("trace", "strategies", "classes", "build", "solve"):
+    assert f"autopar: planning step: {stage}" in err
+  assert set(plan.solver.timings) >= {"trace", "solve", "total"}
+  assert "planning time:" in plan.summary()
+
