@@ -319,7 +319,8 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
   cost = MeshCost(sizes, option.alpha, option.beta)
   micro = batch_size // n if batch_size else 0
   best, errors = None, []
-  for S in candidate_batch_axes(method, mesh, micro):
+  for S in _distinct_up_to_axis_names(candidate_batch_axes(method, mesh, micro),
+                                      names, sizes, option):
     d = math.prod(sizes[a] for a in S)
     t0 = time.perf_counter()
     local = split if d == 1 else trace_local(micro // d)
@@ -372,6 +373,24 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
   plan = _plan_from_solution(split, local, method, mesh, S, sol, batch_size, stats,
                              progress)
   return plan
+
+
+def _distinct_up_to_axis_names(candidates, names, sizes, option):
+  """Drops batch-axes choices that differ from an earlier one only by the
+  names of axes of equal size and cost: their problems are the same up to
+  renaming, so their best objectives are equal (e.g. "data" or "model" of an
+  8 x 8 mesh with default costs)."""
+  alpha, beta = option.alpha, option.beta
+  def axis(a):
+    return (sizes[a], alpha.get(a), beta.get(a))
+  seen, out = set(), []
+  for S in candidates:
+    sig = (tuple(sorted(axis(a) for a in S)),
+           tuple(sorted(axis(a) for a in names if a not in S)))
+    if sig not in seen:
+      seen.add(sig)
+      out.append(S)
+  return out
 
 
 def sub_jaxprs(eqn) -> list:

@@ -3,7 +3,8 @@
     python benchmark/planner.py [layers ...]      # default: 2 12 24 48 96
 
 Plans (``.plan()``, nothing compiled, no device touched) a GPT-style model
-(hidden 1024, 16 heads, MLP 4096, vocab 1024, 128 tokens, batch 64, Adam) for
+written in plain JAX (hidden 1024, 16 heads, MLP 4096, vocab 1024, 128
+tokens, batch 64, Adam; the layers a Python loop) for
 an abstract 8x8 mesh ("data", "model"), with the plan cache off, and prints
 per depth: equations in compute_grad + apply_grad, ILP nodes after merging
 elementwise equations, node classes after sharing repeated layers, the chosen
@@ -22,7 +23,6 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
@@ -31,36 +31,47 @@ from flax.training import train_state  # noqa: E402
 import autopar  # noqa: E402
 
 
-class Block(nn.Module):
-  d: int
-  heads: int
-
-  @nn.compact
-  def __call__(self, x):
-    b, t, d = x.shape
-    h = nn.LayerNorm()(x)
-    qkv = nn.Dense(3 * d, use_bias=False)(h).reshape(b, t, 3, self.heads, d // self.heads)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(d // self.heads).astype(x.dtype)
-    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
-    a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v).reshape(b, t, d)
-    x = x + nn.Dense(d, use_bias=False)(a)
-    h = nn.Dense(4 * d)(nn.LayerNorm()(x))
-    return x + nn.Dense(d)(jax.nn.gelu(h))
+def init_params(layers, d, heads, vocab, seq):
+  """A GPT-style model's parameters (shapes only: nothing is allocated)."""
+  f32 = jnp.float32
+  def layer():
+    return {"ln1": {"scale": (d,), "bias": (d,)},
+            "qkv": (d, 3 * d), "out": (d, d),
+            "ln2": {"scale": (d,), "bias": (d,)},
+            "mlp_in": {"kernel": (d, 4 * d), "bias": (4 * d,)},
+            "mlp_out": {"kernel": (4 * d, d), "bias": (d,)}}
+  shapes = {"embed": (vocab, d), "pos": (seq, d),
+            "layers": [layer() for _ in range(layers)],
+            "ln_f": {"scale": (d,), "bias": (d,)}, "head": (d, vocab)}
+  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, f32), shapes,
+                      is_leaf=lambda x: isinstance(x, tuple))
 
 
-class GPT(nn.Module):
-  vocab: int
-  d: int
-  heads: int
-  layers: int
+def layer_norm(p, x):
+  mean = x.mean(-1, keepdims=True)
+  var = ((x - mean) ** 2).mean(-1, keepdims=True)
+  return (x - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
 
-  @nn.compact
-  def __call__(self, tokens):
-    x = nn.Embed(self.vocab, self.d)(tokens)
-    for _ in range(self.layers):
-      x = Block(self.d, self.heads)(x)
-    return nn.Dense(self.vocab, use_bias=False)(nn.LayerNorm()(x))
+
+def block(p, x, heads):
+  b, t, d = x.shape
+  qkv = (layer_norm(p["ln1"], x) @ p["qkv"]).reshape(b, t, 3, heads, d // heads)
+  q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(d // heads).astype(x.dtype)
+  s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
+  a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v).reshape(b, t, d)
+  x = x + a @ p["out"]
+  h = jax.nn.gelu(layer_norm(p["ln2"], x) @ p["mlp_in"]["kernel"] + p["mlp_in"]["bias"])
+  return x + h @ p["mlp_out"]["kernel"] + p["mlp_out"]["bias"]
+
+
+def make_apply(heads):
+  def apply(params, tokens):
+    x = params["embed"][tokens] + params["pos"][: tokens.shape[1]]
+    for p in params["layers"]:          # a Python loop: one block per layer
+      x = block(p, x, heads)
+    return layer_norm(params["ln_f"], x) @ params["head"]
+  return apply
 
 
 def lm_step(state, batch):
@@ -73,11 +84,9 @@ def lm_step(state, batch):
 
 
 def abstract_args(layers: int, d=1024, heads=16, vocab=1024, seq=128, batch=64):
-  model = GPT(vocab, d, heads, layers)
-  params = jax.eval_shape(
-      lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, seq), jnp.int32)))
+  params = init_params(layers, d, heads, vocab, seq)
   state = jax.eval_shape(lambda p: train_state.TrainState.create(
-      apply_fn=model.apply, params=p, tx=optax.adam(1e-3)), params)
+      apply_fn=make_apply(heads), params=p, tx=optax.adam(1e-3)), params)
   return state, {"tokens": jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)}
 
 
