@@ -709,9 +709,13 @@ class ShardingProblem:
     return out
 
   def _memory_at_solution(self) -> float:
+    def chosen_bytes(node_id, pos, aval):
+      node, c = self.nodes[node_id], self._chosen(node_id)
+      return node.mem[c] if node.mem is not None else \
+          local_bytes(aval, node.specs[c][pos], self.sizes)
+
     def total(items):
-      return sum(f * self._bytes_per_choice(node, pos, aval)[self._chosen(node)]
-                 for node, pos, aval, f in items)
+      return sum(f * chosen_bytes(node, pos, aval) for node, pos, aval, f in items)
     state, peaks = self._memory_items()
     return float(total(state) + max((total(p) for p in peaks), default=0.0))
 

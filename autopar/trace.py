@@ -293,6 +293,9 @@ def _is_symbolic(d) -> bool:
   return jax_core.is_symbolic_dim(d)
 
 
+_PLAIN = (int, str, bool, float, type(None))
+
+
 class _Instantiator:
   """Writes a symbolic-shape jaxpr out at concrete sizes (``env``)."""
 
@@ -303,7 +306,8 @@ class _Instantiator:
 
   def value(self, v):
     """A param (a shape, dimension numbers, a sub-jaxpr...) made concrete."""
-    if isinstance(v, (int, str, bool, float, type(None))):
+    t = type(v)
+    if t in _PLAIN or t is tuple and all(type(x) in _PLAIN for x in v):
       return v
     if _is_symbolic(v):
       return int(v._evaluate(self.env))
@@ -330,7 +334,7 @@ class _Instantiator:
     w = self.vars.get(v)
     if w is None:
       shape = getattr(v.aval, "shape", ())
-      if any(_is_symbolic(d) for d in shape):
+      if not all(type(d) is int for d in shape) and any(_is_symbolic(d) for d in shape):
         aval = v.aval.update(shape=tuple(self.value(d) for d in shape))
         w = DropVar(aval) if isinstance(v, DropVar) else Var(aval)
       else:
