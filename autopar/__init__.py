@@ -7,6 +7,9 @@ chooses a sharding for every array on the mesh, and runs it.
 """
 
 from autopar.api import ParallelizedFunction, parallelize
+from autopar.checkpoint import restore_checkpoint, save_checkpoint
+from autopar.cluster import (ClusterError, RemoteArray, global_mesh, init,
+                             shutdown)
 from autopar.errors import (AutoparError, InputError, MarkerError, MeshError,
                             PlanError)
 from autopar.executor import Executable
@@ -21,5 +24,6 @@ __all__ = [
     "parallelize", "ParallelizedFunction", "Executable", "grad", "value_and_grad",
     "ShardParallel", "DataParallel", "Zero2Parallel", "Zero3Parallel",
     "AutoShardingOption", "Plan", "AutoparError", "InputError", "MarkerError",
-    "MeshError", "PlanError",
+    "MeshError", "PlanError", "ClusterError", "init", "shutdown", "global_mesh",
+    "RemoteArray", "save_checkpoint", "restore_checkpoint",
 ]

@@ -16,6 +16,7 @@ import jax
 from jax.sharding import AbstractMesh
 
 from autopar import cache as plan_cache
+from autopar import cluster as plan_cluster
 from autopar.errors import InputError, MarkerError, PlanError
 from autopar.executor import Executable
 from autopar.lower import lower_step
@@ -122,6 +123,9 @@ class ParallelizedFunction:
   # -- public ------------------------------------------------------------------
 
   def __call__(self, *args):
+    c = plan_cluster.current()
+    if c is not None:
+      return c.run(self, args)      # on the Ray cluster's host workers
     prep = self._prepare(args)
     exe = self._executable(prep)
     outs = exe.run(exe.place(prep.values))

@@ -1,0 +1,543 @@
+"""Running the step on a Ray cluster: one actor per host, ``jax.distributed``
+between them.
+
+``autopar.init(cluster="ray", ...)`` starts (or joins) Ray, places one
+:class:`~autopar.host_worker.HostWorker` actor per host (a placement group,
+one bundle per host), and joins them into one JAX runtime with
+``jax.distributed.initialize`` (gloo collectives on CPU). The driver only
+plans, dispatches and collects:
+
+* ``@parallelize`` plans on the driver (against the abstract global mesh,
+  see :func:`global_mesh`), ships the function once, the plan once per input
+  signature, and then per call only what is new: each host gets its own
+  shards of numpy inputs (:func:`host_shards`), never the whole array.
+* Every worker compiles the same executables and runs the same micro-batch
+  loop on its shards (JAX's multi-controller model).
+* Outputs stay on the workers; the driver gets :class:`RemoteArray` handles,
+  which the next call passes back by id. ``np.asarray(x)`` /
+  ``jax.device_get(x)`` fetch one (each host sends its shards); small
+  replicated outputs (a loss) come back with the call.
+
+A worker that dies or does not answer within ``timeout`` seconds makes the
+call raise :class:`ClusterError` naming the host; the cluster is then unusable
+until ``autopar.shutdown()`` and ``autopar.init(...)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import math
+import os
+import sys
+import threading
+import time
+import weakref
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh, PartitionSpec
+
+from autopar.errors import AutoparError, InputError, MeshError
+
+__all__ = ["init", "shutdown", "global_mesh", "current", "RemoteArray",
+           "ClusterError", "host_shards", "normalize_index"]
+
+_CURRENT: "RayCluster | None" = None
+_LOCK = threading.Lock()
+SMALL_BYTES = 1024     # replicated outputs up to this size come back with the call
+
+
+class ClusterError(AutoparError):
+  """A host worker died, failed or did not answer."""
+
+
+# -- public -----------------------------------------------------------------------
+
+def init(cluster: str = "local", *, address: str | None = None,
+         num_hosts: int | None = None, num_devices_per_host: int | None = None,
+         timeout: float = 60.0) -> None:
+  """Chooses where parallelized steps run.
+
+  Args:
+    cluster: ``"local"`` (this process's devices; the default) or ``"ray"``.
+    address: a Ray cluster to join (``"auto"`` or ``"host:port"``); None
+      starts a local Ray instance, as on one machine.
+    num_hosts: host workers to start (default: the cluster's alive nodes).
+    num_devices_per_host: on machines without accelerators, simulated CPU
+      devices per worker (default 1); with GPUs, GPUs per worker (default:
+      the GPUs of a node).
+    timeout: seconds a call waits for a worker before raising ClusterError.
+  """
+  global _CURRENT
+  with _LOCK:
+    if _CURRENT is not None:
+      raise ClusterError("autopar.init: a Ray cluster is already running. Fix: "
+                         "call autopar.shutdown() first.")
+    if cluster == "local":
+      return
+    if cluster != "ray":
+      raise InputError(f"autopar.init: cluster={cluster!r}; expected 'local' or 'ray'.")
+    if num_hosts is not None and (not isinstance(num_hosts, int) or num_hosts < 1):
+      raise InputError(f"autopar.init: num_hosts={num_hosts!r}; expected a positive int.")
+    c = RayCluster(address, num_hosts, num_devices_per_host, timeout)
+    try:
+      c.start()
+    except BaseException:
+      c.stop()
+      raise
+    _CURRENT = c
+
+
+def shutdown() -> None:
+  """Ends the host workers, and the Ray instance if ``init`` started it."""
+  global _CURRENT
+  with _LOCK:
+    c, _CURRENT = _CURRENT, None
+  if c is not None:
+    c.stop()
+
+
+def current() -> "RayCluster | None":
+  """The running Ray cluster, or None (steps run in this process)."""
+  return _CURRENT
+
+
+def global_mesh(shape: Sequence[int], axis_names: Sequence[str]):
+  """A mesh over every device of every host.
+
+  Locally a ``jax.sharding.Mesh``; under a Ray cluster an ``AbstractMesh``
+  (the driver has no devices of the cluster), which the workers turn into the
+  real mesh (devices in ``jax.devices()`` order, so the first axis spans
+  hosts).
+  """
+  shape, axis_names = tuple(shape), tuple(axis_names)
+  if len(shape) != len(axis_names):
+    raise MeshError(f"global_mesh: shape {shape} and axis_names {axis_names} differ "
+                    f"in length.")
+  c = current()
+  total = c.num_devices if c is not None else jax.device_count()
+  if math.prod(shape) != total:
+    raise MeshError(f"global_mesh: shape {shape} has {math.prod(shape)} devices but "
+                    f"the cluster has {total}. Fix: use a shape whose product is "
+                    f"{total}.")
+  if c is not None:
+    return AbstractMesh(shape, axis_names)
+  return jax.make_mesh(shape, axis_names)
+
+
+# -- handles ---------------------------------------------------------------------------
+
+class RemoteArray:
+  """An array that lives on the host workers (one global array, sharded).
+
+  ``np.asarray(x)``, ``jax.device_get(x)``, ``float(x)`` bring it to the
+  driver. Passing it to a parallelized step sends only its id.
+  """
+
+  def __init__(self, cluster: "RayCluster", array_id: int, shape, dtype, value=None):
+    self._cluster = cluster
+    self.array_id = array_id
+    self.shape = tuple(shape)
+    self.dtype = np.dtype(dtype)
+    self._value = value
+    self.deleted = False
+    weakref.finalize(self, cluster._forget, array_id)
+
+  ndim = property(lambda self: len(self.shape))
+  size = property(lambda self: int(math.prod(self.shape)))
+
+  def __array__(self, dtype=None, copy=None):
+    if self._value is None:
+      self._value = self._cluster.fetch(self)
+    return self._value if dtype is None else self._value.astype(dtype)
+
+  def __float__(self):
+    return float(np.asarray(self))
+
+  def __int__(self):
+    return int(np.asarray(self))
+
+  def item(self):
+    return np.asarray(self).item()
+
+  def __repr__(self):
+    return (f"RemoteArray(shape={self.shape}, dtype={self.dtype}, id={self.array_id}"
+            f"{', deleted' if self.deleted else ''})")
+
+
+# -- shards --------------------------------------------------------------------------
+
+def normalize_index(index, shape) -> tuple[tuple[int, int], ...]:
+  """A shard's index (a tuple of slices) as ((start, stop), ...)."""
+  out = []
+  for d, s in enumerate(shape):
+    sl = index[d] if d < len(index) else slice(None)
+    start, stop, _ = sl.indices(s)
+    out.append((start, stop))
+  return tuple(out)
+
+
+def host_shards(shape, spec: PartitionSpec, mesh_shape, mesh_names,
+                device_hosts: Sequence[int]) -> dict[int, set]:
+  """host -> the indices ((start, stop) per dim) of the shards its devices hold.
+
+  Devices fill the mesh in ``jax.devices()`` order; ``device_hosts[k]`` is
+  the host of device ``k``.
+  """
+  entries = list(spec) + [None] * (len(shape) - len(spec))
+  pos = {a: i for i, a in enumerate(mesh_names)}
+  out: dict[int, set] = {}
+  for flat, coord in enumerate(itertools.product(*[range(s) for s in mesh_shape])):
+    index = []
+    for d, entry in enumerate(entries):
+      axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+      block, count = 0, 1
+      for a in axes:
+        block = block * mesh_shape[pos[a]] + coord[pos[a]]
+        count *= mesh_shape[pos[a]]
+      size = shape[d] // count
+      index.append((block * size, (block + 1) * size))
+    out.setdefault(device_hosts[flat], set()).add(tuple(index))
+  return out
+
+
+def _block(array: np.ndarray, index) -> np.ndarray:
+  return np.ascontiguousarray(array[tuple(slice(a, b) for a, b in index)])
+
+
+# -- the cluster -------------------------------------------------------------------------
+
+class RayCluster:
+  """The host workers and how to reach them (made by :func:`init`)."""
+
+  def __init__(self, address, num_hosts, num_devices_per_host, timeout):
+    self.address = address
+    self.num_hosts = num_hosts
+    self.num_devices_per_host = num_devices_per_host
+    self.timeout = timeout
+    self.workers: list = []
+    self.hosts: list[str] = []
+    self.started_ray = False
+    self.placement_group = None
+    self.broken: str | None = None
+    self._ids = itertools.count(1)
+    self._functions: dict[int, int] = {}        # id(fun) -> fn id
+    self._sent_plans: set = set()
+    self._forgotten: list[int] = []
+    self.bytes_sent = 0                          # numpy bytes shipped to workers
+
+  # -- lifecycle ------------------------------------------------------------------
+
+  def start(self) -> None:
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    from autopar.host_worker import HostWorker
+
+    if not ray.is_initialized():
+      if self.address is None:
+        n = self.num_hosts or 1
+        ray.init(num_cpus=max(n, os.cpu_count() or 1), include_dashboard=False,
+                 log_to_driver=False)
+      else:
+        ray.init(address=self.address, log_to_driver=False)
+      self.started_ray = True
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    gpus = int(sum(n["Resources"].get("GPU", 0) for n in nodes))
+    if self.num_hosts is None:
+      self.num_hosts = len(nodes)
+    platform = None if gpus else "cpu"
+    per_host = self.num_devices_per_host
+    if gpus and per_host is None:
+      per_host = int(max(n["Resources"].get("GPU", 0) for n in nodes))
+    bundle = {"CPU": 1, **({"GPU": per_host} if gpus else {})}
+    strategy = "STRICT_SPREAD" if self.num_hosts <= len(nodes) and len(nodes) > 1 \
+        else "PACK"
+    self.placement_group = placement_group([bundle] * self.num_hosts, strategy=strategy)
+    if not _ray_wait(self.placement_group.ready(), self.timeout):
+      raise ClusterError(
+          f"autopar.init: Ray could not place {self.num_hosts} host worker(s) with "
+          f"{bundle} each within {self.timeout:.0f} s (cluster resources: "
+          f"{ray.cluster_resources()}). Fix: ask for fewer hosts or add nodes.")
+    # Workers import autopar and the modules the step's code comes from:
+    # give them the driver's import path (on a multi-machine cluster, use a
+    # Ray runtime_env working_dir or install the code on every node).
+    paths = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    paths += [p for p in sys.path if p and os.path.isdir(p)]
+    env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+    if platform == "cpu":
+      env.update(JAX_PLATFORMS="cpu",
+                 XLA_FLAGS=f"--xla_force_host_platform_device_count={per_host or 1}")
+    actor = ray.remote(HostWorker)
+    self.workers = [
+        actor.options(num_cpus=1, num_gpus=(per_host if gpus else 0), max_restarts=0,
+                      runtime_env={"env_vars": env},
+                      scheduling_strategy=PlacementGroupSchedulingStrategy(
+                          self.placement_group, placement_group_bundle_index=i)
+                      ).remote(i, per_host, platform)
+        for i in range(self.num_hosts)]
+    addresses = self._call([w.address.remote() for w in self.workers], "start")
+    self.hosts = [ip for ip, _ in addresses]
+    coordinator = f"{addresses[0][0]}:{addresses[0][1]}"
+    infos = self._call([w.initialize.remote(coordinator, self.num_hosts)
+                        for w in self.workers], "jax.distributed.initialize",
+                       timeout=max(self.timeout, 180))
+    self.num_devices = infos[0]["devices"]
+    self.device_hosts = infos[0]["device_processes"]
+    self.pids = [i["pid"] for i in infos]
+
+  def stop(self) -> None:
+    import ray
+    for w in self.workers:
+      try:
+        ray.kill(w)
+      except Exception:   # noqa: BLE001 - already dead
+        pass
+    self.workers = []
+    if self.placement_group is not None:
+      try:
+        ray.util.remove_placement_group(self.placement_group)
+      except Exception:   # noqa: BLE001
+        pass
+    if self.started_ray and ray.is_initialized():
+      ray.shutdown()
+
+  # -- calls ------------------------------------------------------------------------
+
+  def _call(self, refs: list, what: str, timeout: float | None = None) -> list:
+    """Results of one call per worker; a dead or silent worker raises."""
+    import ray
+    if self.broken:
+      raise ClusterError(f"autopar: the Ray cluster is unusable ({self.broken}). "
+                         f"Fix: autopar.shutdown() then autopar.init(...).")
+    timeout = self.timeout if timeout is None else timeout
+    index = {r: i for i, r in enumerate(refs)}
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    pending = list(refs)
+    while pending:
+      left = deadline - time.monotonic()
+      if left <= 0:
+        silent = [index[r] for r in pending]
+        self._fail(f"host(s) {', '.join(self._host(i) for i in silent)} did not "
+                   f"answer {what} within {timeout:.0f} s")
+      ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+      for r in ready:
+        i = index[r]
+        try:
+          results[i] = ray.get(r)
+        except ray.exceptions.RayActorError as e:
+          self._fail(f"host {self._host(i)} died during {what}: "
+                     f"{_first_line(e)}")
+        except ray.exceptions.RayTaskError as e:
+          cause = e.cause if getattr(e, "cause", None) is not None else e
+          if isinstance(cause, AutoparError):
+            raise cause
+          # An exception in the step's own code: the cluster stays usable (if
+          # another host is left waiting in a collective, the next call times
+          # out and says so).
+          raise ClusterError(f"autopar: host {self._host(i)} raised in {what}: "
+                             f"{type(cause).__name__}: {cause}") from cause
+    return [results[i] for i in range(len(refs))]
+
+  def _host(self, i: int) -> str:
+    ip = self.hosts[i] if i < len(self.hosts) else "?"
+    return f"{i} ({ip})"
+
+  def _fail(self, message: str):
+    self.broken = message
+    raise ClusterError(f"autopar: {message}. The cluster is unusable now. Fix: "
+                       f"autopar.shutdown(), autopar.init(...), and restore the "
+                       f"last checkpoint (autopar.restore_checkpoint).")
+
+  def _forget(self, array_id: int) -> None:
+    self._forgotten.append(array_id)
+
+  # -- arrays -------------------------------------------------------------------------
+
+  def put(self, array: np.ndarray, spec: PartitionSpec, mesh) -> int:
+    """Sends each host its shards of ``array``; returns the new array's id."""
+    array_id = next(self._ids)
+    shape = tuple(array.shape)
+    shards = host_shards(shape, spec, tuple(mesh.axis_sizes), tuple(mesh.axis_names),
+                         self.device_hosts)
+    refs = []
+    for h, w in enumerate(self.workers):
+      blocks = {idx: _block(array, idx) for idx in shards.get(h, ())}
+      self.bytes_sent += sum(b.nbytes for b in blocks.values())
+      refs.append(w.put.remote(array_id, shape, array.dtype, tuple(mesh.axis_sizes),
+                               tuple(mesh.axis_names), spec, blocks))
+    self._call(refs, "put")
+    return array_id
+
+  def fetch(self, x: RemoteArray) -> np.ndarray:
+    if x.deleted:
+      raise InputError(f"autopar: {x!r} was donated to a later step. Fix: use the "
+                       f"state that step returned.")
+    parts = self._call([w.fetch.remote(x.array_id) for w in self.workers], "fetch")
+    out = np.empty(x.shape, x.dtype)
+    for shards in parts:
+      for idx, block in shards.items():
+        out[tuple(slice(a, b) for a, b in idx)] = block
+    return out
+
+  # -- running a step ----------------------------------------------------------------
+
+  def run(self, pf, args: Sequence[Any]):
+    """Runs ``pf`` (a ParallelizedFunction) on the workers."""
+    from ray import cloudpickle
+    pf = _with_global_mesh(pf, self)
+    abstract = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if isinstance(a, RemoteArray)
+        else a, list(args), is_leaf=lambda a: isinstance(a, RemoteArray))
+    plan = pf.plan(*abstract)
+    mesh = pf.method.mesh
+    fn_id = self._functions.get(id(pf.fun))
+    if fn_id is None:
+      fn_id = self._functions[id(pf.fun)] = next(self._ids)
+      kwargs = dict(donate_argnums=pf.donate_argnums, batch_argnums=pf.batch_argnums,
+                    static_argnums=pf.static_argnums)
+      payload = cloudpickle.dumps((pf.fun, kwargs))
+      self._call([w.register.remote(fn_id, payload) for w in self.workers], "register")
+    method = {f.name: getattr(pf.method, f.name) for f in dataclasses.fields(pf.method)
+              if f.name not in ("mesh", "plan")}
+    method.update(cls=type(pf.method), mesh=(tuple(mesh.axis_sizes),
+                                             tuple(mesh.axis_names)))
+    method_bytes = cloudpickle.dumps(method)
+    plan_json = plan.to_json(indent=None) if type(pf.method).__name__ == "ShardParallel" \
+        else None
+    plan_key = hashlib.sha256((plan_json or "").encode() + method_bytes).hexdigest()
+    first = plan_key not in self._sent_plans
+
+    # Array leaves: already remote (by id) or sent now, each host its shards.
+    from autopar.host_worker import _Ref
+    leaves, tree = jax.tree.flatten(list(args),
+                                    is_leaf=lambda a: isinstance(a, RemoteArray))
+    specs = iter(v.spec for v in plan.inputs)
+    temporary = []
+    shipped = []
+    for x in leaves:
+      if isinstance(x, RemoteArray):
+        next(specs)
+        if x.deleted:
+          raise InputError(f"autopar: {x!r} was donated to an earlier step. Fix: "
+                           f"pass the state that step returned.")
+        shipped.append(_Ref(x.array_id))
+      elif isinstance(x, (np.ndarray, np.generic, jax.Array)):
+        array_id = self.put(np.asarray(x), next(specs), mesh)
+        temporary.append(array_id)
+        shipped.append(_Ref(array_id))
+      else:
+        shipped.append(x)          # static: Python values go as they are
+    args_bytes = cloudpickle.dumps(jax.tree.unflatten(tree, shipped))
+    forgotten, self._forgotten = self._forgotten, []
+    if forgotten:
+      self._call([w.delete.remote(forgotten) for w in self.workers], "delete")
+    count = len(jax.tree.leaves(_out_shapes(pf, abstract)))
+    out_ids = [next(self._ids) for _ in range(count)]
+    results = self._call([
+        w.run.remote(fn_id, plan_key, plan_json if first else None, method_bytes,
+                     args_bytes, out_ids, SMALL_BYTES) for w in self.workers], "the step")
+    self._sent_plans.add(plan_key)
+    deleted = set(results[0]["deleted"])
+    for x in leaves:
+      if isinstance(x, RemoteArray) and x.array_id in deleted:
+        x.deleted = True
+    # Inputs sent for this call only (the batch) are dropped next time.
+    self._forgotten.extend(i for i in temporary if i not in deleted)
+    out_tree = cloudpickle.loads(results[0]["tree"])
+    outs = [RemoteArray(self, i, shape, dtype, value)
+            for i, (shape, dtype, value) in zip(out_ids, results[0]["leaves"], strict=True)]
+    return jax.tree.unflatten(out_tree, outs)
+
+  # -- checkpoints ----------------------------------------------------------------------
+
+  def save_checkpoint(self, path: str, state) -> None:
+    from ray import cloudpickle
+    from autopar.host_worker import _Ref
+    def ref(x):
+      if isinstance(x, RemoteArray):
+        return _Ref(x.array_id)
+      raise InputError(f"save_checkpoint: under the Ray cluster the state must be "
+                       f"what a parallelized step returned (RemoteArray leaves); got "
+                       f"a {type(x).__name__}. Fix: save the state a step returned.")
+    tree = jax.tree.map(ref, state, is_leaf=lambda a: isinstance(a, RemoteArray))
+    payload = cloudpickle.dumps(tree)
+    self._call([w.save_checkpoint.remote(os.path.abspath(path), payload)
+                for w in self.workers], "save_checkpoint", timeout=max(self.timeout, 300))
+
+  def restore_checkpoint(self, path: str, target, shardings):
+    from ray import cloudpickle
+    t_leaves, tree = jax.tree.flatten(target)
+    if shardings is None:
+      raise InputError("restore_checkpoint: under the Ray cluster give shardings "
+                       "(e.g. plan.input_shardings[0]).")
+    s_leaves = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, PartitionSpec))
+    if len(s_leaves) != len(t_leaves):
+      raise InputError(f"restore_checkpoint: shardings has {len(s_leaves)} leaves but "
+                       f"target has {len(t_leaves)}.")
+    mesh = None
+    entries = []
+    for x, s in zip(t_leaves, s_leaves):
+      spec = s if isinstance(s, PartitionSpec) else s.spec
+      mesh = mesh or getattr(s, "mesh", None)
+      entries.append((tuple(x.shape), np.dtype(x.dtype), spec))
+    if mesh is None:
+      raise InputError("restore_checkpoint: shardings must be NamedShardings on the "
+                       "cluster's mesh (plan.input_shardings[0]).")
+    out_ids = [next(self._ids) for _ in entries]
+    payload = cloudpickle.dumps(jax.tree.unflatten(tree, entries))
+    self._call([w.restore_checkpoint.remote(os.path.abspath(path), payload,
+                                            tuple(mesh.axis_sizes), tuple(mesh.axis_names),
+                                            out_ids) for w in self.workers],
+               "restore_checkpoint", timeout=max(self.timeout, 300))
+    return jax.tree.unflatten(tree, [RemoteArray(self, i, shape, dtype)
+                                     for i, (shape, dtype, _) in zip(out_ids, entries)])
+
+
+def _with_global_mesh(pf, c: RayCluster):
+  """``pf`` with its method's mesh made abstract over the cluster (a default
+  1-D "data" mesh when the method has none)."""
+  mesh = pf.method.mesh
+  if isinstance(mesh, AbstractMesh):
+    return pf
+  cached = getattr(pf, "_ray_variant", None)
+  if cached is not None:
+    return cached
+  if mesh is None:
+    mesh = AbstractMesh((c.num_devices,), ("data",))
+  else:
+    mesh = AbstractMesh(tuple(mesh.axis_sizes), tuple(mesh.axis_names))
+  if math.prod(mesh.axis_sizes) != c.num_devices:
+    raise MeshError(f"autopar: the method's mesh has {math.prod(mesh.axis_sizes)} "
+                    f"devices but the Ray cluster has {c.num_devices}. Fix: use "
+                    f"autopar.global_mesh(shape, names) with {c.num_devices} devices.")
+  from autopar.api import ParallelizedFunction
+  variant = ParallelizedFunction(pf.fun, method=dataclasses.replace(pf.method, mesh=mesh),
+                                 donate_argnums=pf.donate_argnums,
+                                 batch_argnums=pf.batch_argnums,
+                                 static_argnums=pf.static_argnums)
+  pf._ray_variant = variant
+  return variant
+
+
+def _out_shapes(pf, abstract):
+  """The step's output structure (from the driver's trace)."""
+  prep = pf._prepare(abstract)
+  plan, split = pf._plan(prep)
+  return jax.tree.unflatten(split.traced.out_tree,
+                            [0] * len(split.traced.out_paths))
+
+
+def _ray_wait(ref, timeout) -> bool:
+  import ray
+  ready, _ = ray.wait([ref], timeout=timeout)
+  return bool(ready)
+
+
+def _first_line(e) -> str:
+  text = str(e).strip().splitlines()
+  return text[0] if text else type(e).__name__

@@ -1,0 +1,184 @@
+"""The Ray actor that owns one host's devices (see ``cluster.py``).
+
+Every host worker runs in its own process, joins the others with
+``jax.distributed.initialize`` (gloo collectives on CPU), and runs the same
+SPMD program on its own shards (JAX's multi-controller model). Arrays stay
+here, in ``self.arrays`` under ids the driver assigns; the driver holds
+:class:`~autopar.cluster.RemoteArray` handles to them.
+
+Only plain data crosses to and from the driver: numpy shards, pickled
+functions, plan JSON, shapes and dtypes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+
+class HostWorker:
+  """One per host. Methods are called by the driver, in the same order on
+  every worker (collectives need every process to run the same program)."""
+
+  def __init__(self, host_index: int, num_devices: int | None, platform: str | None):
+    self.host_index = host_index
+    if platform == "cpu":
+      os.environ["JAX_PLATFORMS"] = "cpu"
+      os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                 f" --xla_force_host_platform_device_count="
+                                 f"{num_devices or 1}").strip()
+    self.arrays: dict[int, Any] = {}
+    self.functions: dict[int, Any] = {}
+    self.mesh = None
+
+  # -- start-up ------------------------------------------------------------------
+
+  def address(self) -> tuple[str, int]:
+    """This host's IP and a free port (host 0's is the coordinator's)."""
+    import ray
+    s = socket.socket()
+    s.bind(("", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return ray.util.get_node_ip_address(), port
+
+  def initialize(self, coordinator: str, num_hosts: int) -> dict:
+    import jax
+    if os.environ.get("JAX_PLATFORMS") == "cpu":
+      jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator, num_processes=num_hosts,
+                               process_id=self.host_index,
+                               initialization_timeout=120)
+    return {"process_index": jax.process_index(), "pid": os.getpid(),
+            "local_devices": jax.local_device_count(),
+            "devices": jax.device_count(),
+            "platform": jax.devices()[0].platform,
+            "device_processes": [d.process_index for d in jax.devices()]}
+
+  def ping(self) -> int:
+    return self.host_index
+
+  # -- arrays --------------------------------------------------------------------
+
+  def _mesh(self, shape, names):
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType, Mesh
+    devices = np.array(jax.devices()).reshape(shape)
+    return Mesh(devices, tuple(names), axis_types=(AxisType.Auto,) * len(names))
+
+  def put(self, array_id: int, shape, dtype, mesh_shape, mesh_names, spec,
+          shards: dict) -> None:
+    """Builds a global array from this host's shards ({index: numpy block})."""
+    import jax
+    from jax.sharding import NamedSharding
+    from autopar.cluster import normalize_index
+    sharding = NamedSharding(self._mesh(mesh_shape, mesh_names), spec)
+    self.arrays[array_id] = jax.make_array_from_callback(
+        tuple(shape), sharding,
+        lambda idx: shards[normalize_index(idx, shape)].astype(dtype, copy=False))
+
+  def fetch(self, array_id: int) -> dict:
+    """This host's shards of an array: {index: numpy block}."""
+    import numpy as np
+    from autopar.cluster import normalize_index
+    x = self._get(array_id)
+    return {normalize_index(s.index, x.shape): np.asarray(s.data)
+            for s in x.addressable_shards}
+
+  def delete(self, ids) -> None:
+    for i in ids:
+      x = self.arrays.pop(i, None)
+      if x is not None and not x.is_deleted():
+        x.delete()
+
+  def _get(self, array_id: int):
+    from autopar.errors import InputError
+    x = self.arrays.get(array_id)
+    if x is None or x.is_deleted():
+      raise InputError(f"autopar: array {array_id} on host {self.host_index} was "
+                       f"donated to an earlier step or deleted. Fix: pass the "
+                       f"state that step returned.")
+    return x
+
+  # -- running a step -----------------------------------------------------------------
+
+  def register(self, fn_id: int, payload: bytes) -> None:
+    """Keeps a step function (cloudpickled with its parallelize settings)."""
+    from ray import cloudpickle
+    self.functions[fn_id] = {"fun": cloudpickle.loads(payload), "by_plan": {}}
+
+  def run(self, fn_id: int, plan_key: str, plan_json: str | None,
+          method_bytes: bytes, args_bytes: bytes, out_ids: list[int],
+          small_bytes: int) -> dict:
+    """Runs the step on the global arrays; keeps its outputs under ``out_ids``.
+
+    The plan (JSON, for ShardParallel) comes with the first call of each
+    signature only; later calls name it by ``plan_key``.
+    """
+    from ray import cloudpickle
+    import jax
+    import numpy as np
+    import autopar
+    entry = self.functions[fn_id]
+    pf = entry["by_plan"].get(plan_key)
+    if pf is None:
+      fun, kwargs = entry["fun"]
+      method = cloudpickle.loads(method_bytes)
+      mesh_shape, mesh_names = method.pop("mesh")
+      cls = method.pop("cls")
+      if plan_json is not None:
+        method["plan"] = autopar.Plan.from_json(plan_json)
+      pf = autopar.parallelize(fun, method=cls(mesh=self._mesh(mesh_shape, mesh_names),
+                                                **method), **kwargs)
+      entry["by_plan"][plan_key] = pf
+    args = jax.tree.map(lambda a: self._get(a.array_id) if isinstance(a, _Ref) else a,
+                        cloudpickle.loads(args_bytes), is_leaf=lambda a: isinstance(a, _Ref))
+    outs = pf(*args)
+    leaves, tree = jax.tree.flatten(outs)
+    info = []
+    for i, x in zip(out_ids, leaves, strict=True):
+      self.arrays[i] = x
+      value = None
+      if x.is_fully_replicated and x.nbytes <= small_bytes:
+        value = np.asarray(x)
+      info.append((tuple(x.shape), str(x.dtype), value))
+    # Donated inputs are gone; drop their ids.
+    gone = [i for i, x in self.arrays.items() if x.is_deleted()]
+    for i in gone:
+      del self.arrays[i]
+    return {"tree": cloudpickle.dumps(tree), "leaves": info, "deleted": gone}
+
+  # -- checkpoints ---------------------------------------------------------------------
+
+  def save_checkpoint(self, path: str, tree_bytes: bytes) -> None:
+    from ray import cloudpickle
+    import jax
+    from autopar.checkpoint import save_local
+    tree = jax.tree.map(lambda a: self._get(a.array_id) if isinstance(a, _Ref) else a,
+                        cloudpickle.loads(tree_bytes), is_leaf=lambda a: isinstance(a, _Ref))
+    save_local(path, tree)
+
+  def restore_checkpoint(self, path: str, target_bytes: bytes, mesh_shape, mesh_names,
+                         out_ids: list[int]) -> None:
+    """Restores into global arrays (``target``: ShapeDtypeStructs with specs)."""
+    from ray import cloudpickle
+    import jax
+    from jax.sharding import NamedSharding
+    from autopar.checkpoint import restore_local
+    mesh = self._mesh(mesh_shape, mesh_names)
+    target = cloudpickle.loads(target_bytes)
+    abstract = jax.tree.map(
+        lambda t: jax.ShapeDtypeStruct(t[0], t[1], sharding=NamedSharding(mesh, t[2])),
+        target, is_leaf=lambda t: isinstance(t, tuple) and len(t) == 3)
+    restored = restore_local(path, abstract)
+    for i, x in zip(out_ids, jax.tree.leaves(restored), strict=True):
+      self.arrays[i] = x
+
+
+class _Ref:
+  """An array argument that is already on the workers (by id)."""
+
+  def __init__(self, array_id: int):
+    self.array_id = array_id
