@@ -187,7 +187,7 @@ def host_shards(shape, spec: PartitionSpec, mesh_shape, mesh_names,
   Devices fill the mesh in ``jax.devices()`` order; ``device_hosts[k]`` is
   the host of device ``k``.
   """
-  entries = list(spec) + [None] * (len(shape) - len(spec))
+  entries = (list(spec) + [None] * len(shape))[:len(shape)]
   pos = {a: i for i, a in enumerate(mesh_names)}
   out: dict[int, set] = {}
   for flat, coord in enumerate(itertools.product(*[range(s) for s in mesh_shape])):

@@ -1,0 +1,115 @@
+"""The Ray runtime: 2 host workers x 4 simulated CPU devices joined by
+jax.distributed (a real multi-process mesh, gloo collectives), against the
+same methods run in this process on 8 simulated devices."""
+
+import os
+import signal
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import autopar
+from autopar import cluster
+from models import assert_trees_close, mlp_setup, transformer_setup
+
+SGD = optax.sgd(0.1, momentum=0.9)
+STEPS = 3
+
+
+def methods(mesh):
+  return {
+      "dp": autopar.DataParallel(mesh=mesh, num_micro_batches=2),
+      "shard": autopar.ShardParallel(mesh=mesh, num_micro_batches=2),
+  }
+
+
+def setups():
+  return {"mlp": mlp_setup(batch=32, tx=SGD),
+          "transformer": transformer_setup(batch=16, d=32, heads=4, tx=SGD)}
+
+
+def train(step, make_state, batch, method, steps=STEPS, state=None):
+  p = autopar.parallelize(step, method=method)
+  state = make_state() if state is None else state
+  losses = []
+  for _ in range(steps):
+    state, loss = p(state, batch)
+    losses.append(float(loss))
+  return state, losses, p
+
+
+@pytest.fixture(scope="module")
+def references():
+  """Losses and final parameters in this process on 8 devices."""
+  assert cluster.current() is None
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  out = {}
+  for name, (make_state, step, batch) in setups().items():
+    for mname, method in methods(mesh).items():
+      state, losses, _ = train(step, make_state, batch, method)
+      out[name, mname] = (jax.device_get(state.params), losses)
+  return out
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(references):
+  autopar.init("ray", num_hosts=2, num_devices_per_host=4)
+  yield cluster.current()
+  autopar.shutdown()
+
+
+@pytest.mark.parametrize("model", ["mlp", "transformer"])
+@pytest.mark.parametrize("mname", ["dp", "shard"])
+def test_two_hosts_equal_one_process(ray_cluster, references, model, mname):
+  make_state, step, batch = setups()[model]
+  mesh = autopar.global_mesh((2, 4), ("data", "model"))
+  assert isinstance(mesh, jax.sharding.AbstractMesh)
+  state, losses, _ = train(step, make_state, batch, methods(mesh)[mname])
+  ref_params, ref_losses = references[model, mname]
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  # The state stays on the workers until asked for.
+  leaf = jax.tree.leaves(state.params)[0]
+  assert isinstance(leaf, autopar.RemoteArray)
+  assert_trees_close(jax.device_get(state.params), ref_params)
+
+
+def test_only_batch_shards_move_after_the_first_step(ray_cluster):
+  make_state, step, batch = setups()["mlp"]
+  p = autopar.parallelize(step, method=autopar.DataParallel(
+      mesh=autopar.global_mesh((8,), ("data",))))
+  state, _ = p(make_state(), batch)
+  before = ray_cluster.bytes_sent
+  state, _ = p(state, batch)
+  moved = ray_cluster.bytes_sent - before
+  assert moved == sum(x.nbytes for x in batch.values())   # each row once
+
+
+def test_a_killed_worker_is_named_and_a_checkpoint_resumes(ray_cluster, references,
+                                                          tmp_path):
+  make_state, step, batch = setups()["mlp"]
+  mesh = autopar.global_mesh((2, 4), ("data", "model"))
+  method = methods(mesh)["dp"]
+  state, losses, p = train(step, make_state, batch, method, steps=1)
+  path = str(tmp_path / "ckpt")
+  autopar.save_checkpoint(path, state)
+
+  os.kill(ray_cluster.pids[1], signal.SIGKILL)
+  start = time.monotonic()
+  with pytest.raises(autopar.ClusterError, match=r"host 1 \("):
+    p(state, batch)
+  assert time.monotonic() - start < 60
+  with pytest.raises(autopar.ClusterError, match="unusable"):
+    p(state, batch)
+
+  autopar.shutdown()
+  autopar.init("ray", num_hosts=2, num_devices_per_host=4)
+  target = jax.eval_shape(make_state)
+  shardings = p.plan(target, batch).input_shardings[0]
+  state = autopar.restore_checkpoint(path, target, shardings)
+  state, more, _ = train(step, make_state, batch, method, steps=STEPS - 1, state=state)
+  ref_params, ref_losses = references["mlp", "dp"]
+  np.testing.assert_allclose(losses + more, ref_losses, rtol=1e-5)
+  assert_trees_close(jax.device_get(state.params), ref_params)
