@@ -15,6 +15,7 @@ setup(
         "ray>=2.40",
         "pulp>=2.8",
         "highspy",
+        "orbax-checkpoint",
     ],
     extras_require={
         "test": ["pytest", "hypothesis", "flax", "optax", "orbax-checkpoint"],

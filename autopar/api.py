@@ -13,7 +13,7 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
-from jax.sharding import AbstractMesh
+from jax.sharding import AbstractMesh, Mesh
 
 from autopar import cache as plan_cache
 from autopar import cluster as plan_cluster
@@ -124,8 +124,10 @@ class ParallelizedFunction:
 
   def __call__(self, *args):
     c = plan_cluster.current()
-    if c is not None:
-      return c.run(self, args)      # on the Ray cluster's host workers
+    if c is not None and not isinstance(self.method.mesh, Mesh):
+      # On the Ray cluster's host workers. A method given a concrete mesh of
+      # this process's devices still runs here.
+      return c.run(self, args)
     prep = self._prepare(args)
     exe = self._executable(prep)
     outs = exe.run(exe.place(prep.values))

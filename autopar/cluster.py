@@ -205,7 +205,7 @@ def host_shards(shape, spec: PartitionSpec, mesh_shape, mesh_names,
 
 
 def _block(array: np.ndarray, index) -> np.ndarray:
-  return np.ascontiguousarray(array[tuple(slice(a, b) for a, b in index)])
+  return np.array(array[tuple(slice(a, b) for a, b in index)], copy=True, order="C")
 
 
 # -- the cluster -------------------------------------------------------------------------
@@ -226,6 +226,8 @@ class RayCluster:
     self._ids = itertools.count(1)
     self._functions: dict[int, int] = {}        # id(fun) -> fn id
     self._sent_plans: set = set()
+    self._sent_trees: set = set()
+    self._trees: dict[bytes, Any] = {}
     self._forgotten: list[int] = []
     self.bytes_sent = 0                          # numpy bytes shipped to workers
 
@@ -271,6 +273,10 @@ class RayCluster:
     if platform == "cpu":
       env.update(JAX_PLATFORMS="cpu",
                  XLA_FLAGS=f"--xla_force_host_platform_device_count={per_host or 1}")
+      if self.num_hosts > len(nodes):
+        # Several simulated hosts share a machine: one compute thread each,
+        # instead of each taking every core.
+        env["XLA_FLAGS"] += " --xla_cpu_multi_thread_eigen=false"
     actor = ray.remote(HostWorker)
     self.workers = [
         actor.options(num_cpus=1, num_gpus=(per_host if gpus else 0), max_restarts=0,
@@ -358,20 +364,19 @@ class RayCluster:
 
   # -- arrays -------------------------------------------------------------------------
 
-  def put(self, array: np.ndarray, spec: PartitionSpec, mesh) -> int:
-    """Sends each host its shards of ``array``; returns the new array's id."""
+  def _puts(self, array: np.ndarray, spec: PartitionSpec, mesh) -> tuple[int, list]:
+    """A new array id, and per host the ``put`` arguments of its shards."""
     array_id = next(self._ids)
     shape = tuple(array.shape)
     shards = host_shards(shape, spec, tuple(mesh.axis_sizes), tuple(mesh.axis_names),
                          self.device_hosts)
-    refs = []
-    for h, w in enumerate(self.workers):
+    per_host = []
+    for h in range(len(self.workers)):
       blocks = {idx: _block(array, idx) for idx in shards.get(h, ())}
       self.bytes_sent += sum(b.nbytes for b in blocks.values())
-      refs.append(w.put.remote(array_id, shape, array.dtype, tuple(mesh.axis_sizes),
-                               tuple(mesh.axis_names), spec, blocks))
-    self._call(refs, "put")
-    return array_id
+      per_host.append((array_id, shape, array.dtype, tuple(mesh.axis_sizes),
+                       tuple(mesh.axis_names), spec, blocks))
+    return array_id, per_host
 
   def fetch(self, x: RemoteArray) -> np.ndarray:
     if x.deleted:
@@ -419,6 +424,7 @@ class RayCluster:
     specs = iter(v.spec for v in plan.inputs)
     temporary = []
     shipped = []
+    puts: list[list] = [[] for _ in self.workers]    # sent with the call
     for x in leaves:
       if isinstance(x, RemoteArray):
         next(specs)
@@ -427,28 +433,39 @@ class RayCluster:
                            f"pass the state that step returned.")
         shipped.append(_Ref(x.array_id))
       elif isinstance(x, (np.ndarray, np.generic, jax.Array)):
-        array_id = self.put(np.asarray(x), next(specs), mesh)
+        array_id, per_host = self._puts(np.asarray(x), next(specs), mesh)
+        for h, p in enumerate(per_host):
+          puts[h].append(p)
         temporary.append(array_id)
         shipped.append(_Ref(array_id))
       else:
         shipped.append(x)          # static: Python values go as they are
-    args_bytes = cloudpickle.dumps(jax.tree.unflatten(tree, shipped))
+    tree_bytes = cloudpickle.dumps(tree)
+    tree_key = hashlib.sha256(tree_bytes).hexdigest()
+    new_tree = tree_key not in self._sent_trees
+    args_bytes = cloudpickle.dumps((tree_key, tree_bytes if new_tree else None, shipped))
     forgotten, self._forgotten = self._forgotten, []
-    if forgotten:
-      self._call([w.delete.remote(forgotten) for w in self.workers], "delete")
     count = len(jax.tree.leaves(_out_shapes(pf, abstract)))
     out_ids = [next(self._ids) for _ in range(count)]
     results = self._call([
         w.run.remote(fn_id, plan_key, plan_json if first else None, method_bytes,
-                     args_bytes, out_ids, SMALL_BYTES) for w in self.workers], "the step")
+                     args_bytes, out_ids, SMALL_BYTES, puts[h], forgotten)
+        for h, w in enumerate(self.workers)], "the step")
     self._sent_plans.add(plan_key)
+    self._sent_trees.add(tree_key)
+    self.last_step_seconds = [r["seconds"] for r in results]
     deleted = set(results[0]["deleted"])
     for x in leaves:
       if isinstance(x, RemoteArray) and x.array_id in deleted:
         x.deleted = True
     # Inputs sent for this call only (the batch) are dropped next time.
     self._forgotten.extend(i for i in temporary if i not in deleted)
-    out_tree = cloudpickle.loads(results[0]["tree"])
+    # The same structure is the same object, so the next call's signature
+    # (which includes a TrainState's apply_fn) is found in the caches.
+    out_bytes = results[0]["tree"]
+    out_tree = self._trees.get(out_bytes)
+    if out_tree is None:
+      out_tree = self._trees[out_bytes] = cloudpickle.loads(out_bytes)
     outs = [RemoteArray(self, i, shape, dtype, value)
             for i, (shape, dtype, value) in zip(out_ids, results[0]["leaves"], strict=True)]
     return jax.tree.unflatten(out_tree, outs)
@@ -499,18 +516,15 @@ class RayCluster:
 
 
 def _with_global_mesh(pf, c: RayCluster):
-  """``pf`` with its method's mesh made abstract over the cluster (a default
-  1-D "data" mesh when the method has none)."""
+  """``pf``, or for a method without a mesh, ``pf`` on a 1-D "data" mesh
+  over every device of the cluster."""
   mesh = pf.method.mesh
   if isinstance(mesh, AbstractMesh):
     return pf
   cached = getattr(pf, "_ray_variant", None)
   if cached is not None:
     return cached
-  if mesh is None:
-    mesh = AbstractMesh((c.num_devices,), ("data",))
-  else:
-    mesh = AbstractMesh(tuple(mesh.axis_sizes), tuple(mesh.axis_names))
+  mesh = AbstractMesh((c.num_devices,), ("data",))
   if math.prod(mesh.axis_sizes) != c.num_devices:
     raise MeshError(f"autopar: the method's mesh has {math.prod(mesh.axis_sizes)} "
                     f"devices but the Ray cluster has {c.num_devices}. Fix: use "

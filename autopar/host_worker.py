@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any
 
 
@@ -30,6 +31,7 @@ class HostWorker:
                                  f"{num_devices or 1}").strip()
     self.arrays: dict[int, Any] = {}
     self.functions: dict[int, Any] = {}
+    self.trees: dict[str, Any] = {}
     self.mesh = None
 
   # -- start-up ------------------------------------------------------------------
@@ -111,7 +113,7 @@ class HostWorker:
 
   def run(self, fn_id: int, plan_key: str, plan_json: str | None,
           method_bytes: bytes, args_bytes: bytes, out_ids: list[int],
-          small_bytes: int) -> dict:
+          small_bytes: int, puts=(), deletes=()) -> dict:
     """Runs the step on the global arrays; keeps its outputs under ``out_ids``.
 
     The plan (JSON, for ShardParallel) comes with the first call of each
@@ -121,6 +123,11 @@ class HostWorker:
     import jax
     import numpy as np
     import autopar
+    # One message per step: drop arrays the driver let go, take this call's
+    # new input shards, run.
+    self.delete(deletes)
+    for p in puts:
+      self.put(*p)
     entry = self.functions[fn_id]
     pf = entry["by_plan"].get(plan_key)
     if pf is None:
@@ -133,10 +140,19 @@ class HostWorker:
       pf = autopar.parallelize(fun, method=cls(mesh=self._mesh(mesh_shape, mesh_names),
                                                 **method), **kwargs)
       entry["by_plan"][plan_key] = pf
-    args = jax.tree.map(lambda a: self._get(a.array_id) if isinstance(a, _Ref) else a,
-                        cloudpickle.loads(args_bytes), is_leaf=lambda a: isinstance(a, _Ref))
+    # The argument structure comes once per distinct structure (keyed by its
+    # pickle's hash) and is reused, so a TrainState's apply_fn stays the same
+    # object from call to call and the compiled step is found again.
+    tree_key, tree_bytes, leaves = cloudpickle.loads(args_bytes)
+    if tree_bytes is not None:
+      self.trees[tree_key] = cloudpickle.loads(tree_bytes)
+    args = jax.tree.unflatten(self.trees[tree_key], [
+        self._get(a.array_id) if isinstance(a, _Ref) else a for a in leaves])
+    t0 = time.perf_counter()
     outs = pf(*args)
     leaves, tree = jax.tree.flatten(outs)
+    jax.block_until_ready(leaves)
+    seconds = time.perf_counter() - t0
     info = []
     for i, x in zip(out_ids, leaves, strict=True):
       self.arrays[i] = x
@@ -148,7 +164,8 @@ class HostWorker:
     gone = [i for i, x in self.arrays.items() if x.is_deleted()]
     for i in gone:
       del self.arrays[i]
-    return {"tree": cloudpickle.dumps(tree), "leaves": info, "deleted": gone}
+    return {"tree": cloudpickle.dumps(tree), "leaves": info, "deleted": gone,
+            "seconds": seconds}
 
   # -- checkpoints ---------------------------------------------------------------------
 
