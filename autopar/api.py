@@ -149,7 +149,7 @@ class ParallelizedFunction:
     The arguments may be ``jax.ShapeDtypeStruct`` pytrees (e.g. from
     ``jax.eval_shape``) and the method's mesh an ``AbstractMesh``.
     """
-    plan, _ = self._plan(self._prepare(args))
+    plan, _ = self._plan(self._prepare(plan_cluster.abstractify(args)))
     return plan
 
   # -- pipeline ----------------------------------------------------------------

@@ -346,7 +346,8 @@ class RayCluster:
           # another host is left waiting in a collective, the next call times
           # out and says so).
           raise ClusterError(f"autopar: host {self._host(i)} raised in {what}: "
-                             f"{type(cause).__name__}: {cause}") from cause
+                             f"{type(cause).__name__}: {cause}\n--- the host's "
+                             f"traceback ---\n{e}") from cause
     return [results[i] for i in range(len(refs))]
 
   def _host(self, i: int) -> str:
@@ -368,6 +369,7 @@ class RayCluster:
     """A new array id, and per host the ``put`` arguments of its shards."""
     array_id = next(self._ids)
     shape = tuple(array.shape)
+    spec = PartitionSpec(*list(spec)[:len(shape)])   # (a scalar may carry P(None))
     shards = host_shards(shape, spec, tuple(mesh.axis_sizes), tuple(mesh.axis_names),
                          self.device_hosts)
     per_host = []
@@ -395,9 +397,7 @@ class RayCluster:
     """Runs ``pf`` (a ParallelizedFunction) on the workers."""
     from ray import cloudpickle
     pf = _with_global_mesh(pf, self)
-    abstract = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if isinstance(a, RemoteArray)
-        else a, list(args), is_leaf=lambda a: isinstance(a, RemoteArray))
+    abstract = abstractify(list(args))
     plan = pf.plan(*abstract)
     mesh = pf.method.mesh
     fn_id = self._functions.get(id(pf.fun))
@@ -506,13 +506,20 @@ class RayCluster:
       raise InputError("restore_checkpoint: shardings must be NamedShardings on the "
                        "cluster's mesh (plan.input_shardings[0]).")
     out_ids = [next(self._ids) for _ in entries]
-    payload = cloudpickle.dumps(jax.tree.unflatten(tree, entries))
+    payload = cloudpickle.dumps((tree, entries))
     self._call([w.restore_checkpoint.remote(os.path.abspath(path), payload,
                                             tuple(mesh.axis_sizes), tuple(mesh.axis_names),
                                             out_ids) for w in self.workers],
                "restore_checkpoint", timeout=max(self.timeout, 300))
     return jax.tree.unflatten(tree, [RemoteArray(self, i, shape, dtype)
                                      for i, (shape, dtype, _) in zip(out_ids, entries)])
+
+
+def abstractify(args):
+  """``args`` with RemoteArray leaves as ``jax.ShapeDtypeStruct``s."""
+  return jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if isinstance(a, RemoteArray)
+      else a, args, is_leaf=lambda a: isinstance(a, RemoteArray))
 
 
 def _with_global_mesh(pf, c: RayCluster):

@@ -179,16 +179,17 @@ class HostWorker:
 
   def restore_checkpoint(self, path: str, target_bytes: bytes, mesh_shape, mesh_names,
                          out_ids: list[int]) -> None:
-    """Restores into global arrays (``target``: ShapeDtypeStructs with specs)."""
+    """Restores into global arrays (``target``: the tree and, per leaf,
+    (shape, dtype, spec))."""
     from ray import cloudpickle
     import jax
     from jax.sharding import NamedSharding
     from autopar.checkpoint import restore_local
     mesh = self._mesh(mesh_shape, mesh_names)
-    target = cloudpickle.loads(target_bytes)
-    abstract = jax.tree.map(
-        lambda t: jax.ShapeDtypeStruct(t[0], t[1], sharding=NamedSharding(mesh, t[2])),
-        target, is_leaf=lambda t: isinstance(t, tuple) and len(t) == 3)
+    tree, entries = cloudpickle.loads(target_bytes)
+    abstract = jax.tree.unflatten(tree, [
+        jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+        for shape, dtype, spec in entries])
     restored = restore_local(path, abstract)
     for i, x in zip(out_ids, jax.tree.leaves(restored), strict=True):
       self.arrays[i] = x
