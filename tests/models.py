@@ -79,25 +79,8 @@ def mlp_setup(batch=32, din=16, hidden=64, dout=4, tx=None, seed=0):
 
 def transformer_setup(batch=16, seq=8, vocab=32, d=32, heads=4, layers=2, seed=0,
                       tx=None):
-  model = Transformer(vocab=vocab, d=d, heads=heads, layers=layers)
-  rng = np.random.RandomState(seed)
-  tokens = rng.randint(0, vocab, size=(batch, seq + 1)).astype(np.int32)
-  params = model.init(jax.random.PRNGKey(seed), tokens[:1, :-1])
-  tx = tx or optax.sgd(0.1, momentum=0.9)
-
-  def make_state():
-    return train_state.TrainState.create(
-        apply_fn=model.apply, params=jax.tree.map(jnp.array, params), tx=tx)
-
-  def step(state, batch):
-    def loss_fn(p):
-      logits = state.apply_fn(p, batch["tokens"][:, :-1])
-      return optax.softmax_cross_entropy_with_integer_labels(
-          logits, batch["tokens"][:, 1:]).mean()
-    loss, grads = autopar.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), loss
-
-  return make_state, step, {"tokens": tokens}
+  return lm_setup(Transformer(vocab=vocab, d=d, heads=heads, layers=layers),
+                  batch=batch, seq=seq, seed=seed, tx=tx)
 
 
 def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
