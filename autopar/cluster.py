@@ -421,25 +421,33 @@ class RayCluster:
     from autopar.host_worker import _Ref
     leaves, tree = jax.tree.flatten(list(args),
                                     is_leaf=lambda a: isinstance(a, RemoteArray))
+    # Which leaves are arguments of the program (in plan.inputs order) and
+    # which belong to static arguments (sent as Python values).
+    static = set(pf._prepare(abstract).flags.static)
+    traced = [i not in static for i, a in enumerate(args)
+              for _ in jax.tree.leaves(a, is_leaf=lambda x: isinstance(x, RemoteArray))]
     specs = iter(v.spec for v in plan.inputs)
     temporary = []
     shipped = []
     puts: list[list] = [[] for _ in self.workers]    # sent with the call
-    for x in leaves:
-      if isinstance(x, RemoteArray):
+    for x, is_traced in zip(leaves, traced, strict=True):
+      if not is_traced:
+        shipped.append(x)          # static: Python values go as they are
+      elif isinstance(x, RemoteArray):
         next(specs)
         if x.deleted:
           raise InputError(f"autopar: {x!r} was donated to an earlier step. Fix: "
                            f"pass the state that step returned.")
         shipped.append(_Ref(x.array_id))
-      elif isinstance(x, (np.ndarray, np.generic, jax.Array)):
+      elif not isinstance(x, (np.ndarray, np.generic, jax.Array)):
+        next(specs)                # a Python scalar: the workers see the same
+        shipped.append(x)
+      else:
         array_id, per_host = self._puts(np.asarray(x), next(specs), mesh)
         for h, p in enumerate(per_host):
           puts[h].append(p)
         temporary.append(array_id)
         shipped.append(_Ref(array_id))
-      else:
-        shipped.append(x)          # static: Python values go as they are
     tree_bytes = cloudpickle.dumps(tree)
     tree_key = hashlib.sha256(tree_bytes).hexdigest()
     new_tree = tree_key not in self._sent_trees

@@ -113,3 +113,24 @@ def test_a_killed_worker_is_named_and_a_checkpoint_resumes(ray_cluster, referenc
   ref_params, ref_losses = references["mlp", "dp"]
   np.testing.assert_allclose(losses + more, ref_losses, rtol=1e-5)
   assert_trees_close(jax.device_get(state.params), ref_params)
+
+
+def test_static_argument_and_plan_on_remote_state(ray_cluster):
+  make_state, step, batch = setups()["mlp"]
+
+  def scaled(state, batch, scale):
+    new, loss = step(state, batch)
+    return new, loss * scale
+
+  p = autopar.parallelize(scaled, method=autopar.DataParallel(
+      mesh=autopar.global_mesh((8,), ("data",))))
+  state, loss = p(make_state(), batch, 2.0)
+  state, loss3 = p(state, batch, 3.0)        # another static value: another compile
+  ref = autopar.parallelize(step, method=autopar.DataParallel(
+      mesh=autopar.global_mesh((8,), ("data",))))
+  s1, l1 = ref(make_state(), batch)
+  _, l2 = ref(s1, batch)
+  np.testing.assert_allclose([float(loss), float(loss3)],
+                             [2 * float(l1), 3 * float(l2)], rtol=1e-5)
+  plan = p.plan(state, batch, 3.0)          # RemoteArray leaves plan like arrays
+  assert plan.batch_axes == ("data",)
