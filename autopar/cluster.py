@@ -340,6 +340,9 @@ class RayCluster:
                      f"{_first_line(e)}")
         except ray.exceptions.RayTaskError as e:
           cause = e.cause if getattr(e, "cause", None) is not None else e
+          # A host whose peer died fails in its collectives: if another host
+          # died, that is the error to report.
+          self._raise_if_a_host_died(pending, index, what)
           if isinstance(cause, AutoparError):
             raise cause
           # An exception in the step's own code: the cluster stays usable (if
@@ -349,6 +352,22 @@ class RayCluster:
                              f"{type(cause).__name__}: {cause}\n--- the host's "
                              f"traceback ---\n{e}") from cause
     return [results[i] for i in range(len(refs))]
+
+  def _raise_if_a_host_died(self, pending, index, what, wait: float = 5.0):
+    import ray
+    deadline = time.monotonic() + wait
+    pending = list(pending)
+    while pending and time.monotonic() < deadline:
+      ready, pending = ray.wait(pending, num_returns=1,
+                                timeout=max(0.0, deadline - time.monotonic()))
+      for r in ready:
+        try:
+          ray.get(r)
+        except ray.exceptions.RayActorError as e:
+          self._fail(f"host {self._host(index[r])} died during {what}: "
+                     f"{_first_line(e)}")
+        except Exception:   # noqa: BLE001 - another task error: reported by the caller
+          pass
 
   def _host(self, i: int) -> str:
     ip = self.hosts[i] if i < len(self.hosts) else "?"
