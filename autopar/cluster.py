@@ -224,7 +224,7 @@ class RayCluster:
     self.placement_group = None
     self.broken: str | None = None
     self._ids = itertools.count(1)
-    self._functions: dict[int, int] = {}        # id(fun) -> fn id
+    self._functions: dict[Any, int] = {}        # step function -> fn id
     self._sent_plans: set = set()
     self._sent_trees: set = set()
     self._trees: dict[bytes, Any] = {}
@@ -419,9 +419,11 @@ class RayCluster:
     abstract = abstractify(list(args))
     plan = pf.plan(*abstract)
     mesh = pf.method.mesh
-    fn_id = self._functions.get(id(pf.fun))
+    # Keyed by the function itself (held here), not its id(): a new closure
+    # can reuse a freed one's id.
+    fn_id = self._functions.get(pf.fun)
     if fn_id is None:
-      fn_id = self._functions[id(pf.fun)] = next(self._ids)
+      fn_id = self._functions[pf.fun] = next(self._ids)
       kwargs = dict(donate_argnums=pf.donate_argnums, batch_argnums=pf.batch_argnums,
                     static_argnums=pf.static_argnums)
       payload = cloudpickle.dumps((pf.fun, kwargs))
