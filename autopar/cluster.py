@@ -417,7 +417,10 @@ class RayCluster:
     from ray import cloudpickle
     pf = _with_global_mesh(pf, self)
     abstract = abstractify(list(args))
-    plan = pf.plan(*abstract)
+    # Planned (and traced) once per signature on the driver; every later call
+    # finds both in pf's caches.
+    prep = pf._prepare(abstract)
+    plan, split = pf._plan(prep)
     mesh = pf.method.mesh
     # Keyed by the function itself (held here), not its id(): a new closure
     # can reuse a freed one's id.
@@ -444,7 +447,7 @@ class RayCluster:
                                     is_leaf=lambda a: isinstance(a, RemoteArray))
     # Which leaves are arguments of the program (in plan.inputs order) and
     # which belong to static arguments (sent as Python values).
-    static = set(pf._prepare(abstract).flags.static)
+    static = set(prep.flags.static)
     traced = [i not in static for i, a in enumerate(args)
               for _ in jax.tree.leaves(a, is_leaf=lambda x: isinstance(x, RemoteArray))]
     specs = iter(v.spec for v in plan.inputs)
@@ -474,7 +477,7 @@ class RayCluster:
     new_tree = tree_key not in self._sent_trees
     args_bytes = cloudpickle.dumps((tree_key, tree_bytes if new_tree else None, shipped))
     forgotten, self._forgotten = self._forgotten, []
-    count = len(jax.tree.leaves(_out_shapes(pf, abstract)))
+    count = len(split.traced.out_paths)
     out_ids = [next(self._ids) for _ in range(count)]
     results = self._call([
         w.run.remote(fn_id, plan_key, plan_json if first else None, method_bytes,
@@ -572,14 +575,6 @@ def _with_global_mesh(pf, c: RayCluster):
                                  static_argnums=pf.static_argnums)
   pf._ray_variant = variant
   return variant
-
-
-def _out_shapes(pf, abstract):
-  """The step's output structure (from the driver's trace)."""
-  prep = pf._prepare(abstract)
-  plan, split = pf._plan(prep)
-  return jax.tree.unflatten(split.traced.out_tree,
-                            [0] * len(split.traced.out_paths))
 
 
 def _ray_wait(ref, timeout) -> bool:
