@@ -583,11 +583,16 @@ class ShardingProblem:
             f"donate_{out_idx}_{self.num_constraints}"
         self.num_constraints += 1
 
-  def _bytes_per_choice(self, node_id, pos, aval) -> list[float]:
+  def _bytes(self, node_id, pos, aval, choice) -> float:
+    """Bytes per device of a node's output ``pos`` under one of its choices."""
     node = self.nodes[node_id]
     if node.mem is not None:
-      return node.mem
-    return [local_bytes(aval, specs[pos], self.sizes) for specs in node.specs]
+      return node.mem[choice]
+    return local_bytes(aval, node.specs[choice][pos], self.sizes)
+
+  def _bytes_per_choice(self, node_id, pos, aval) -> list[float]:
+    return [self._bytes(node_id, pos, aval, c)
+            for c in range(len(self.nodes[node_id].choices))]
 
   def _memory_items(self):
     """What memory counts: ([(node, pos, aval, factor)] of the state,
@@ -709,13 +714,9 @@ class ShardingProblem:
     return out
 
   def _memory_at_solution(self) -> float:
-    def chosen_bytes(node_id, pos, aval):
-      node, c = self.nodes[node_id], self._chosen(node_id)
-      return node.mem[c] if node.mem is not None else \
-          local_bytes(aval, node.specs[c][pos], self.sizes)
-
     def total(items):
-      return sum(f * chosen_bytes(node, pos, aval) for node, pos, aval, f in items)
+      return sum(f * self._bytes(node, pos, aval, self._chosen(node))
+                 for node, pos, aval, f in items)
     state, peaks = self._memory_items()
     return float(total(state) + max((total(p) for p in peaks), default=0.0))
 
