@@ -17,6 +17,7 @@ from autopar.marker import grad, value_and_grad
 from autopar.method import (AutoShardingOption, DataParallel, ShardParallel,
                             Zero2Parallel, Zero3Parallel)
 from autopar.plan import Plan
+from autopar import nn  # noqa: E402  (autopar.nn: memory helpers)
 
 __version__ = "0.1.0"
 
@@ -25,5 +26,5 @@ __all__ = [
     "ShardParallel", "DataParallel", "Zero2Parallel", "Zero3Parallel",
     "AutoShardingOption", "Plan", "AutoparError", "InputError", "MarkerError",
     "MeshError", "PlanError", "ClusterError", "init", "shutdown", "global_mesh",
-    "RemoteArray", "save_checkpoint", "restore_checkpoint",
+    "RemoteArray", "save_checkpoint", "restore_checkpoint", "nn",
 ]

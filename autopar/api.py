@@ -23,6 +23,7 @@ from autopar.lower import lower_step
 from autopar.method import (ParallelMethod, ShardParallel, axis_sizes_of,
                             resolve_mesh)
 from autopar.plan import Plan
+from autopar.remat import remat_mode
 from autopar.planner import Progress, batch_axes_for, plan_auto, plan_preset
 from autopar.split import OutputKind, SplitStep, split_step
 from autopar.trace import (ArgFlags, LeafInfo, abstract_leaves, arg_names,
@@ -242,15 +243,16 @@ class ParallelizedFunction:
     if key not in self._splits:
       args = self._args_for_trace(prep)
       # One symbolic trace serves every batch size (see trace_step_any_batch).
-      if micro_batch_size and prep.key not in self._any_batch:
-        self._any_batch[prep.key] = trace_step_any_batch(
-            self.fun, args, prep.flags, prep.leaves, prep.in_tree)
-      any_batch = self._any_batch.get(prep.key) if micro_batch_size else None
-      if any_batch is not None:
-        traced = instantiate(any_batch, micro_batch_size)
-      else:
-        traced = trace_step(self.fun, args, prep.flags, prep.leaves, prep.in_tree,
-                            micro_batch_size=micro_batch_size)
+      with remat_mode(self.method.remat):
+        if micro_batch_size and prep.key not in self._any_batch:
+          self._any_batch[prep.key] = trace_step_any_batch(
+              self.fun, args, prep.flags, prep.leaves, prep.in_tree)
+        any_batch = self._any_batch.get(prep.key) if micro_batch_size else None
+        if any_batch is not None:
+          traced = instantiate(any_batch, micro_batch_size)
+        else:
+          traced = trace_step(self.fun, args, prep.flags, prep.leaves, prep.in_tree,
+                              micro_batch_size=micro_batch_size)
       self._splits[key] = split_step(traced, fn_name=self._name)
     return self._splits[key]
 

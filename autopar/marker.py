@@ -28,6 +28,8 @@ import jax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from autopar.remat import maybe_roll
+
 __all__ = ["grad", "value_and_grad", "grad_marker_p", "mark_gradients"]
 
 
@@ -105,7 +107,7 @@ def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
       grads = autopar.grad(loss_fn)(state.params)
   """
   del reduce_axes  # accepted for signature compatibility with older jax
-  grad_fn = jax.grad(fun, argnums=argnums, has_aux=has_aux,
+  grad_fn = jax.grad(maybe_roll(fun), argnums=argnums, has_aux=has_aux,
                      holomorphic=holomorphic, allow_int=allow_int)
 
   def marked(*args, **kwargs):
@@ -133,7 +135,7 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0,
       loss, grads = autopar.value_and_grad(loss_fn)(state.params)
   """
   del reduce_axes
-  vg_fn = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux,
+  vg_fn = jax.value_and_grad(maybe_roll(fun), argnums=argnums, has_aux=has_aux,
                              holomorphic=holomorphic, allow_int=allow_int)
 
   def marked(*args, **kwargs):

@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from autopar.errors import InputError, MeshError
+from autopar.remat import check_remat
 
 __all__ = ["AutoShardingOption", "ParallelMethod", "ShardParallel",
            "DataParallel", "Zero2Parallel", "Zero3Parallel", "resolve_mesh",
@@ -129,11 +130,18 @@ class ParallelMethod:
       ``"data"`` over all devices.
     num_micro_batches: split each batch into this many micro-batches and
       accumulate gradients over them (None or 1: no split).
+    remat: ``"none"`` (default); ``"layers"``: the repeated layers of the
+      function passed to ``autopar.grad``/``value_and_grad`` are rolled into
+      one ``lax.scan`` with ``jax.checkpoint`` on its body, so the backward
+      pass recomputes one layer at a time (see ``autopar/remat.py``); or a
+      ``jax.checkpoint_policies`` policy: the same, saving what it names.
   """
   mesh: Mesh | AbstractMesh | None = None
   num_micro_batches: int | None = None
+  remat: Any = dataclasses.field(default="none", kw_only=True)
 
   def __post_init__(self):
+    check_remat(self.remat, type(self).__name__)
     n = self.num_micro_batches
     if n is not None and (not isinstance(n, (int, np.integer)) or isinstance(n, bool)
                           or n < 1):

@@ -1,0 +1,386 @@
+"""``remat="layers"``: the repeated layers of a forward pass rolled into a scan.
+
+A transformer written as a Python loop over blocks traces to the same run of
+equations once per layer, each reading its own weights. With a method's
+``remat="layers"`` (or a ``jax.checkpoint`` policy), ``autopar.grad`` /
+``autopar.value_and_grad`` do not differentiate the user's loss function as
+written: they trace it, find the longest stretch of equations that repeats
+layer after layer, and differentiate an equivalent program in which that
+stretch is one ``lax.scan`` over the layers' weights stacked on a new leading
+axis, with ``jax.checkpoint`` on the scan body. XLA then compiles one loop
+body, and the backward pass keeps only what crosses layer boundaries (the
+carry) plus one layer's activations at a time. The user's parameters keep
+their own pytree: the stacking happens inside the differentiated function,
+so each layer's gradient comes back to its own leaf.
+
+How a stretch is found (:func:`find_layers`):
+
+1. Each equation gets a signature: primitive, parameters, input and output
+   types (literals by value). Candidate periods ``L`` are the distances
+   between equal signatures; for each, runs where ``sig[i] == sig[i + L]``
+   give ``N = run // L + 1`` repetitions.
+2. A candidate (start, L, N) is checked for data flow. Equation ``j`` of
+   repetition ``k`` must read, at each operand, the same kind of value as
+   equation ``j`` of every other repetition: a value made earlier in the same
+   repetition (at the same position), a value made by the previous
+   repetition (a *carry*; the first repetition reads its initial value from
+   before the stretch), a value from outside that is the same for every
+   repetition (loop-invariant), or one that differs (stacked and scanned
+   over: the layer's weights). Values a repetition makes may be read only by
+   itself and the next one, and the last repetition's by the code after the
+   stretch through the carry.
+3. The longest valid candidate that reads per-layer values wins; the search
+   then repeats before and after it (e.g. an encoder and a decoder stack).
+
+Because every repetition is checked to compute exactly the first one's
+equations on its own inputs, the rolled program computes the same values as
+the original; only the order of floating-point operations inside XLA's
+fusions may differ.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import contextvars
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+from autopar.errors import InputError
+
+__all__ = ["remat_mode", "check_remat", "maybe_roll", "find_layers", "Stack"]
+
+_MODE: contextvars.ContextVar = contextvars.ContextVar("autopar_remat", default="none")
+
+
+def check_remat(remat: Any, where: str) -> None:
+  if remat in ("none", "layers") or callable(remat):
+    return
+  raise InputError(f"{where}: remat={remat!r}; expected 'none', 'layers' or a "
+                   f"jax.checkpoint policy (e.g. jax.checkpoint_policies."
+                   f"dots_with_no_batch_dims_saveable).")
+
+
+@contextlib.contextmanager
+def remat_mode(remat: Any):
+  """While tracing a step: how ``autopar.grad`` treats repeated layers."""
+  token = _MODE.set(remat)
+  try:
+    yield
+  finally:
+    _MODE.reset(token)
+
+
+def maybe_roll(fun: Callable) -> Callable:
+  """``fun``, or ``fun`` with its repeated layers rolled into a checkpointed
+  scan when the step is traced under ``remat="layers"`` or a policy."""
+  def call(*args, **kwargs):
+    mode = _MODE.get()
+    if mode == "none":
+      return fun(*args, **kwargs)
+    policy = (jax.checkpoint_policies.nothing_saveable if mode == "layers" else mode)
+    return _rolled_call(fun, policy, args, kwargs)
+  return call
+
+
+# -- the rolled program ---------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+  """``count`` repetitions of ``length`` equations from ``start``.
+
+  Attributes:
+    carry: per carry slot, (equation, output) of the value each repetition
+      hands to the next, and the outer variable the first one reads instead.
+    stacked: per scanned input, the outer variable each repetition reads.
+    template: variables of the first repetition standing for the carries and
+      the stacked inputs, in the order above.
+  """
+  start: int
+  length: int
+  count: int
+  carry_pos: tuple[tuple[int, int], ...]
+  carry_init: tuple[Any, ...]
+  stacked: tuple[tuple[Any, ...], ...]
+  stacked_template: tuple[Any, ...]
+
+  @property
+  def end(self) -> int:
+    return self.start + self.length * self.count
+
+
+def _rolled_call(fun, policy, args, kwargs):
+  flat, tree = jax.tree.flatten((args, kwargs))
+  is_array = [isinstance(x, (jax.Array, np.ndarray, np.generic, float, int, complex))
+              and not isinstance(x, bool) for x in flat]
+  out_tree = []
+
+  def flat_fun(*arrays):
+    it = iter(arrays)
+    leaves = [next(it) if a else x for a, x in zip(is_array, flat)]
+    a, k = jax.tree.unflatten(tree, leaves)
+    out, t = jax.tree.flatten(fun(*a, **k))
+    out_tree.append(t)
+    return out
+
+  arrays = [x for a, x in zip(is_array, flat) if a]
+  closed = jax.make_jaxpr(flat_fun)(*arrays)
+  stacks = find_layers(closed.jaxpr)
+  outs = _eval(closed.jaxpr, closed.consts, arrays, stacks, policy)
+  return jax.tree.unflatten(out_tree[0], outs)
+
+
+def _eval(jaxpr: Jaxpr, consts, args, stacks: list[Stack], policy) -> list:
+  env: dict = {}
+
+  def read(v):
+    return v.val if isinstance(v, Literal) else env[v]
+
+  def run(eqns, env):
+    for eqn in eqns:
+      vals = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
+      params = eqn.primitive.get_bind_params(eqn.params)
+      with eqn.ctx.manager:
+        ans = eqn.primitive.bind(*vals, **params)
+      ans = ans if eqn.primitive.multiple_results else [ans]
+      for v, x in zip(eqn.outvars, ans, strict=True):
+        env[v] = x
+
+  env.update(zip(jaxpr.constvars, consts, strict=True))
+  env.update(zip(jaxpr.invars, args, strict=True))
+  pos = 0
+  for s in stacks:
+    run(jaxpr.eqns[pos:s.start], env)
+    _run_stack(jaxpr, s, env, run, policy)
+    pos = s.end
+  run(jaxpr.eqns[pos:], env)
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _run_stack(jaxpr: Jaxpr, s: Stack, env: dict, run, policy) -> None:
+  body_eqns = jaxpr.eqns[s.start:s.start + s.length]
+  first_out = lambda j, o: body_eqns[j].outvars[o]
+  xs = [jnp.stack([env[v] for v in per_layer]) for per_layer in s.stacked]
+  init = [env[v] if v is not None else
+          jnp.zeros(first_out(j, o).aval.shape, first_out(j, o).aval.dtype)
+          for v, (j, o) in zip(s.carry_init, s.carry_pos, strict=True)]
+  outer = env
+
+  def body(carry, x):
+    local = collections.ChainMap({}, outer)
+    for (j, o), v, c in zip(s.carry_pos, s.carry_init, carry, strict=True):
+      if v is not None:
+        local[v] = c
+    for v, xv in zip(s.stacked_template, x, strict=True):
+      local[v] = xv
+    run(body_eqns, local)
+    return [local[first_out(j, o)] for j, o in s.carry_pos], None
+
+  final, _ = lax.scan(jax.checkpoint(body, policy=policy, prevent_cse=False),
+                      init, xs, length=s.count)
+  last = jaxpr.eqns[s.start + (s.count - 1) * s.length:s.end]
+  for (j, o), x in zip(s.carry_pos, final, strict=True):
+    env[last[j].outvars[o]] = x
+
+
+# -- finding the layers -----------------------------------------------------------
+
+def find_layers(jaxpr: Jaxpr, min_count: int = 2) -> list[Stack]:
+  """The stacks of repeated layers in ``jaxpr`` (see the module docstring)."""
+  eqns = jaxpr.eqns
+  sigs = _signatures(eqns)
+  uses = _uses(jaxpr)
+  out: list[Stack] = []
+  ranges = [(0, len(eqns))]
+  while ranges:
+    lo, hi = ranges.pop()
+    best = _best_stack(eqns, sigs, uses, lo, hi, min_count)
+    if best is None:
+      continue
+    out.append(best)
+    ranges += [(lo, best.start), (best.end, hi)]
+  return sorted(out, key=lambda s: s.start)
+
+
+def _best_stack(eqns, sigs, uses, lo, hi, min_count) -> Stack | None:
+  s = sigs[lo:hi]
+  n = len(s)
+  if n < 2 * min_count:
+    return None
+  last_seen: dict = {}
+  periods = collections.Counter()
+  for i, x in enumerate(s):
+    if x in last_seen:
+      periods[i - last_seen[x]] += 1
+    last_seen[x] = i
+  candidates = []        # (coverage, length, run start, run length)
+  for length, hits in periods.items():
+    if hits < length or length > n // min_count:
+      continue
+    eq = np.concatenate([[False], s[:-length] == s[length:], [False]])
+    edges = np.flatnonzero(np.diff(eq.astype(np.int8)))
+    for a, b in zip(edges[::2], edges[1::2]):
+      run = b - a
+      count = run // length + 1
+      if count >= min_count:
+        candidates.append((count * length, length, lo + a, run))
+  candidates.sort(key=lambda c: (-c[0], c[1]))
+  for _, length, a, run in candidates[:16]:
+    top = run // length + 1
+    for count in range(top, max(min_count, top - 2) - 1, -1):
+      for start in range(a, a + min(length, run - (count - 1) * length + 1)):
+        stack = _check(eqns, uses, start, length, count)
+        if stack is not None:
+          return stack
+  return None
+
+
+def _check(eqns, uses, start, length, count) -> Stack | None:
+  """The stack at (start, length, count) if its data flow is that of layers."""
+  where: dict = {}           # var -> (repetition, equation, output)
+  for k in range(count):
+    for j in range(length):
+      for o, v in enumerate(eqns[start + k * length + j].outvars):
+        where[v] = (k, j, o)
+  roles = None               # per (j, operand): ("in", j', o) | ("carry", j', o) | "out"
+  outer = collections.defaultdict(list)  # (j, operand) -> outer var per repetition
+  for k in range(count):
+    mine = []
+    for j in range(length):
+      eqn = eqns[start + k * length + j]
+      for a, v in enumerate(eqn.invars):
+        if isinstance(v, Literal):
+          mine.append("lit")
+          continue
+        w = where.get(v)
+        if w is None:
+          mine.append("out")
+          outer[(j, a)].append(v)
+        elif w[0] == k:
+          mine.append(("in", w[1], w[2]))
+        elif w[0] == k - 1:
+          mine.append(("carry", w[1], w[2]))
+        else:
+          return None
+    if k == 0:
+      roles = mine
+    elif k == 1:
+      if any(r0 != r1 and not (r0 == "out" and r1[0] == "carry")
+             for r0, r1 in zip(roles, mine, strict=True)):
+        return None
+      roles1 = mine
+    elif mine != roles1:
+      return None
+  # Operands that read the previous repetition: their carry slot and the
+  # value the first repetition reads in its place.
+  keys = [(j, a) for j in range(length) for a in range(len(eqns[start + j].invars))]
+  carry: dict = {}           # (j', o) -> initial outer var
+  stacked: dict = {}         # template var -> outer vars per repetition
+  for key, r0, r1 in zip(keys, roles, roles1, strict=True):
+    if r0 != "out":
+      continue
+    first = outer[key][0]
+    if r1 != "out":          # a carry: repetition 0 reads its initial value
+      slot = (r1[1], r1[2])
+      if carry.setdefault(slot, first) is not first:
+        return None
+      continue
+    per_layer = tuple(outer[key])
+    if any(v is not first for v in per_layer):
+      if stacked.setdefault(first, per_layer) != per_layer:
+        return None
+  if not stacked:
+    return None              # nothing per layer: not a stack of layers
+  # The body binds the carries' and stacked inputs' template variables to
+  # its own values, so none of them may also be read as a loop invariant.
+  bound = [v for v in carry.values()] + list(stacked)
+  invariant = {outer[key][0] for key, r0, r1 in zip(keys, roles, roles1)
+               if r0 == r1 == "out" and outer[key][0] not in stacked}
+  if len(set(bound)) < len(bound) or invariant & set(bound):
+    return None
+  # Values made inside may be read only by their own repetition, the next
+  # one, or (the last repetition's carries) the code after the stack.
+  end = start + length * count
+  extra = []
+  for k in range(count):
+    for j in range(length):
+      eqn = eqns[start + k * length + j]
+      for o, v in enumerate(eqn.outvars):
+        for user in uses.get(v, ()):
+          if user is None or user >= end:       # read after the stack
+            if k != count - 1:
+              return None
+            if (j, o) not in carry:
+              extra.append((j, o))
+          elif user < start + k * length or user >= start + (k + 2) * length:
+            return None
+  for slot in extra:
+    carry.setdefault(slot, None)              # an output only: starts at zeros
+  carry_pos = tuple(sorted(carry))
+  return Stack(start=start, length=length, count=count, carry_pos=carry_pos,
+               carry_init=tuple(carry[p] for p in carry_pos),
+               stacked=tuple(stacked.values()), stacked_template=tuple(stacked))
+
+
+def _uses(jaxpr: Jaxpr) -> dict:
+  """var -> indices of the equations that read it (None: a jaxpr output)."""
+  uses = collections.defaultdict(list)
+  for i, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if not isinstance(v, Literal):
+        uses[v].append(i)
+  for v in jaxpr.outvars:
+    if not isinstance(v, Literal):
+      uses[v].append(None)
+  return uses
+
+
+def _signatures(eqns) -> np.ndarray:
+  ids: dict = {}
+  memo: dict = {}
+  out = np.empty(len(eqns), np.int64)
+  for i, eqn in enumerate(eqns):
+    key = (eqn.primitive.name,
+           tuple(_operand_key(v) for v in eqn.invars),
+           tuple(_aval_key(v.aval) for v in eqn.outvars),
+           tuple((k, _param_key(p, memo)) for k, p in sorted(eqn.params.items())))
+    out[i] = ids.setdefault(key, len(ids))
+  return out
+
+
+def _aval_key(aval) -> Any:
+  return (getattr(aval, "shape", ()), str(getattr(aval, "dtype", "")),
+          getattr(aval, "weak_type", False))
+
+
+def _operand_key(v) -> Any:
+  if isinstance(v, Literal):
+    val = np.asarray(v.val)
+    return ("lit", val.dtype.str, val.shape, val.tobytes())
+  return _aval_key(v.aval)
+
+
+def _param_key(p, memo) -> Any:
+  if isinstance(p, (ClosedJaxpr, Jaxpr)):
+    got = memo.get(id(p))
+    if got is None:
+      consts = tuple(id(c) for c in p.consts) if isinstance(p, ClosedJaxpr) else ()
+      got = memo[id(p)] = (p, ("jaxpr", str(p), consts))   # p: keeps its id unique
+    return got[1]
+  if isinstance(p, (tuple, list)):
+    return tuple(_param_key(x, memo) for x in p)
+  if callable(p) and not isinstance(p, type):
+    # A custom derivative rule: the same Python function in every layer.
+    f = getattr(p, "f", p)
+    return ("fn", getattr(f, "__module__", ""), getattr(f, "__qualname__", type(f).__name__))
+  try:
+    hash(p)
+    return p
+  except TypeError:
+    return ("repr", type(p).__name__, repr(p))
