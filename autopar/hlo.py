@@ -20,7 +20,7 @@ from typing import Any
 
 from autopar.cost_model import ring_bytes_sent
 
-__all__ = ["HloCollective", "collectives", "bytes_sent"]
+__all__ = ["HloCollective", "collectives", "bytes_sent", "ScheduledOp", "entry_schedule"]
 
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
           "collective-permute")
@@ -118,3 +118,107 @@ def collectives(compiled: Any) -> list[HloCollective]:
 def bytes_sent(compiled: Any) -> float:
   """Total bytes each device sends in one run of ``compiled`` (ring formulas)."""
   return float(sum(c.bytes_sent for c in collectives(compiled)))
+
+
+# -- the schedule --------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledOp:
+  """One instruction of the entry computation, in scheduled order.
+
+  Attributes:
+    name: the instruction's name.
+    opcode: its opcode (``fusion``, ``while``, ``reduce-scatter``, ...).
+    collective: the collective it is or starts (an async ``*-start``, or an
+      ``async-start`` wrapping one), else None.
+    backward_dot: it is, or calls a computation holding, a matmul
+      (``dot``, ``convolution`` or a GEMM custom call) of the backward pass
+      (JAX names those ``transpose(jvp(...))``).
+    dot: as ``backward_dot``, for any matmul.
+  """
+  name: str
+  opcode: str
+  collective: str | None
+  dot: bool
+  backward_dot: bool
+
+
+_COMP = re.compile(r"^(ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
+_OP = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?:\(.*?\)|\S+)\s+"
+                 r"(?P<op>[\w\-]+)\(")
+_CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)="
+                    r"\{?(?P<names>[%\w.\-, ]+)\}?")
+_GEMM = re.compile(r'custom_call_target="[^"]*(gemm|matmul)', re.I)
+
+
+def entry_schedule(compiled: Any) -> list[ScheduledOp]:
+  """The entry computation of ``compiled`` (a Compiled or its text) as run.
+
+  A compiled module is scheduled (``is_scheduled=true``): the order of the
+  entry computation's instructions is the order XLA issues them. Example,
+  does the first gradient reduce-scatter start before the last backward
+  matmul::
+
+      ops = entry_schedule(exe.stages["accumulate_grad_sync"])
+      first_rs = min(i for i, o in enumerate(ops) if o.collective == "reduce-scatter")
+      last_dot = max(i for i, o in enumerate(ops) if o.backward_dot)
+  """
+  text = _text(compiled)
+  comps: dict[str, list[str]] = {}
+  entry = None
+  current = None
+  for line in text.splitlines():
+    m = _COMP.match(line)
+    if m and "=" not in line.split("{")[0].split("(")[0]:
+      current = m.group("name")
+      comps[current] = []
+      if m.group(1):
+        entry = current
+      continue
+    if line.strip() == "}":
+      current = None
+    elif current is not None:
+      comps[current].append(line)
+  if entry is None:
+    return []
+  memo: dict[str, tuple[str | None, bool, bool]] = {}
+
+  def called(line):
+    return [n.strip().lstrip("%") for m in _CALLS.finditer(line)
+            for n in m.group("names").split(",") if n.strip()]
+
+  def line_info(line):
+    m = _OP.match(line)
+    op = m.group("op") if m else ""
+    base = op[:-len("-start")] if op.endswith("-start") else op
+    coll = base if base in _KINDS else None
+    is_dot = op in ("dot", "convolution") or bool(_GEMM.search(line))
+    bwd = is_dot and "transpose(" in line
+    for c in called(line):
+      c_coll, c_dot, c_bwd = comp_info(c)
+      if op == "async-start" and c_coll:
+        coll = c_coll
+      is_dot, bwd = is_dot or c_dot, bwd or c_bwd
+    return coll, is_dot, bwd
+
+  def comp_info(name):
+    if name not in memo:
+      memo[name] = (None, False, False)          # recursion guard
+      coll, is_dot, bwd = None, False, False
+      for line in comps.get(name, ()):
+        c, d, b = line_info(line)
+        coll, is_dot, bwd = coll or c, is_dot or d, bwd or b
+      memo[name] = (coll, is_dot, bwd)
+    return memo[name]
+
+  out = []
+  for line in comps[entry]:
+    m = _OP.match(line)
+    if not m:
+      continue
+    coll, is_dot, bwd = line_info(line)
+    if m.group("op").endswith("-done") or m.group("op") == "async-done":
+      coll = None
+    out.append(ScheduledOp(name=m.group("name"), opcode=m.group("op"),
+                           collective=coll, dot=is_dot, backward_dot=bwd))
+  return out

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import warnings
 from typing import Any, Sequence
 
@@ -431,6 +432,36 @@ def _abstract(shape, dtype, weak=False):
   return jax.ShapeDtypeStruct(tuple(shape), dtype, weak_type=weak)
 
 
+# XLA options that let collectives run asynchronously and overlap compute on
+# GPUs: the latency-hiding scheduler issues each collective's start as early
+# as its operands allow (a gradient's reduce-scatter while the backward pass
+# of the layers below is still running) and its done as late as possible;
+# the pipelining options move the collectives of a loop (scanned layers)
+# across iterations. Used for GPU compiles only, and only the options the
+# user has not set in XLA_FLAGS.
+GPU_OVERLAP_OPTIONS = {
+    "xla_gpu_enable_latency_hiding_scheduler": True,
+    "xla_gpu_enable_pipelined_all_gather": True,
+    "xla_gpu_enable_pipelined_reduce_scatter": True,
+    "xla_gpu_enable_pipelined_all_reduce": True,
+    "xla_gpu_enable_while_loop_double_buffering": True,
+}
+
+
+def compiler_options(mesh, xla_flags: str | None = None) -> dict[str, Any]:
+  """Per-executable XLA options for stages compiled on ``mesh``'s devices.
+
+  Empty on CPUs (autopar never changes their flags); on GPUs the overlap
+  options above, minus any the user set in ``XLA_FLAGS`` (``xla_flags``
+  stands for that variable in tests).
+  """
+  platforms = {d.platform for d in np.asarray(mesh.devices).flat}
+  if not platforms & {"gpu", "cuda", "rocm"}:
+    return {}
+  user = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+  return {k: v for k, v in GPU_OVERLAP_OPTIONS.items() if f"--{k}" not in user}
+
+
 def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh
                ) -> LoweredStep:
   """Compiles every stage of ``split`` under ``plan`` on the concrete ``mesh``.
@@ -449,6 +480,7 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh
   n = plan.num_micro_batches
   stages: dict[str, Any] = {}
   index = ()
+  options = compiler_options(mesh) or None
 
   with warnings.catch_warnings():
     # The last gradient stage donates its partial sums although the reduced
@@ -458,7 +490,7 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh
       fn = _whole_step(split, plan, amesh, mesh, donated, kept, batch)
       stages["step"] = fn.lower([leaf_avals[k] for k in donated],
                                 [leaf_avals[k] for k in kept],
-                                [leaf_avals[k] for k in batch]).compile()
+                                [leaf_avals[k] for k in batch]).compile(options)
       schedule = ("step",)
     else:
       rows = split_local.traced.micro_batch_size
@@ -474,12 +506,12 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh
           lowered = fn.lower(leaf_avals)
         else:
           lowered = fn.lower(leaf_avals, _abstract((), np.int32), acc_avals)
-        stages[name] = lowered.compile()
+        stages[name] = lowered.compile(options)
       fn = _apply_stage(split, plan, amesh, mesh, donated, kept)
       grad_avals = [_abstract(a.shape, a.dtype) for a in split.grad_avals]
       stages["apply_grad"] = fn.lower([leaf_avals[k] for k in donated],
                                       [leaf_avals[k] for k in kept],
-                                      grad_avals).compile()
+                                      grad_avals).compile(options)
       schedule = (*names, "apply_grad")
       replicated = NamedSharding(amesh, PartitionSpec())
       index = tuple(jax.device_put(np.int32(i), replicated) for i in range(n))

@@ -221,7 +221,9 @@ def _best_stack(eqns, sigs, uses, lo, hi, min_count) -> Stack | None:
     last_seen[x] = i
   candidates = []        # (coverage, length, run start, run length)
   for length, hits in periods.items():
-    if hits < length or length > n // min_count:
+    # A layer's equations that occur once in it all recur at its period;
+    # the runs below check the rest.
+    if hits < max(2, length // 8) or length > n // min_count:
       continue
     eq = np.concatenate([[False], s[:-length] == s[length:], [False]])
     edges = np.flatnonzero(np.diff(eq.astype(np.int8)))

@@ -157,6 +157,33 @@ def _generated(eqn, ctx):
   return _same_rank(eqn, ctx, ())
 
 
+@register("stack")
+def stack(eqn, ctx):
+  """``stack[axis]``: every input has the output's spec without ``axis``, which
+  stays whole (stacked layer weights keep each layer's slice whole too)."""
+  axis = eqn.params["axis"]
+  out = eqn.outvars[0].aval
+  strategies = []
+  for spec in enumerate_specs(out.shape, ctx.axes, ctx.sizes, fixed=(axis,)):
+    in_spec = spec[:axis] + spec[axis + 1:]
+    strategies.append(Strategy(str(spec), (spec,),
+                               tuple(None if isinstance(v, Literal) else in_spec
+                                     for v in eqn.invars)))
+  return strategies
+
+
+@register("unstack")
+def unstack(eqn, ctx):
+  """``unstack[axis]``: the inverse of ``stack``."""
+  axis = eqn.params["axis"]
+  src = eqn.invars[0].aval
+  strategies = []
+  for spec in enumerate_specs(src.shape, ctx.axes, ctx.sizes, fixed=(axis,)):
+    out_spec = spec[:axis] + spec[axis + 1:]
+    strategies.append(Strategy(str(spec), tuple(out_spec for _ in eqn.outvars), (spec,)))
+  return strategies
+
+
 @register("concatenate")
 def concatenate(eqn, ctx):
   return _same_rank(eqn, ctx, (eqn.params["dimension"],))

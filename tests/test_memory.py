@@ -1,0 +1,331 @@
+"""Memory and speed techniques: remat="layers", scan_layers, the chunked loss,
+gradient reduce-scatter overlapped with the backward pass, the fused update."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import autopar
+from autopar import hlo, remat
+from autopar.lower import GPU_OVERLAP_OPTIONS, compiler_options
+from models import assert_trees_close, single_device, transformer_setup
+
+
+# -- chunked cross-entropy --------------------------------------------------------
+
+def _ce_inputs(shape=(3, 7), d=16, vocab=50, seed=0):
+  k = jax.random.split(jax.random.PRNGKey(seed), 4)
+  hidden = jax.random.normal(k[0], (*shape, d))
+  w = jax.random.normal(k[1], (d, vocab)) * 0.3
+  labels = jax.random.randint(k[2], shape, 0, vocab)
+  mask = jax.random.bernoulli(k[3], 0.7, shape)
+  return hidden, w, labels, mask
+
+
+@pytest.mark.parametrize("chunk, masked", [(7, False), (7, True), (8, False),
+                                           (8, True), (1000, True)])
+def test_chunked_cross_entropy_equals_optax(chunk, masked):
+  """21 tokens: chunks that divide them, that do not, and one larger."""
+  hidden, w, labels, mask = _ce_inputs()
+  m = mask if masked else None
+
+  def reference(h, w):
+    nll = optax.softmax_cross_entropy_with_integer_labels(h @ w, labels)
+    return nll.mean() if m is None else (nll * m).sum() / m.sum()
+
+  def chunked(h, w):
+    return autopar.nn.chunked_cross_entropy(h, w, labels, chunk_size=chunk, mask=m)
+
+  value, grads = jax.jit(jax.value_and_grad(chunked, argnums=(0, 1)))(hidden, w)
+  ref_value, ref_grads = jax.value_and_grad(reference, argnums=(0, 1))(hidden, w)
+  np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+  assert_trees_close(grads, ref_grads)
+
+
+def test_chunked_cross_entropy_logprobs_and_their_gradients():
+  hidden, w, labels, _ = _ce_inputs()
+  weights = jnp.linspace(0.5, 2.0, labels.size).reshape(labels.shape)
+
+  def reference(h, w):
+    lp = jnp.take_along_axis(jax.nn.log_softmax(h @ w), labels[..., None], -1)[..., 0]
+    return -lp.mean() + (weights * lp).sum(), lp
+
+  def chunked(h, w):
+    loss, lp = autopar.nn.chunked_cross_entropy(h, w, labels, chunk_size=5,
+                                                return_logprobs=True)
+    return loss + (weights * lp).sum(), lp
+
+  (v, lp), g = jax.value_and_grad(chunked, argnums=(0, 1), has_aux=True)(hidden, w)
+  (rv, rlp), rg = jax.value_and_grad(reference, argnums=(0, 1), has_aux=True)(hidden, w)
+  np.testing.assert_allclose(lp, rlp, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(v, rv, rtol=1e-5)
+  assert_trees_close(g, rg)
+
+
+def test_chunked_cross_entropy_never_builds_the_logits():
+  tokens, vocab, chunk = 96, 200, 32
+  hidden, w, labels, _ = _ce_inputs(shape=(4, 24), d=16, vocab=vocab)
+  f = jax.jit(jax.value_and_grad(
+      lambda h, w: autopar.nn.chunked_cross_entropy(h, w, labels, chunk_size=chunk),
+      argnums=(0, 1)))
+  text = f.lower(hidden, w).compile().as_text()
+  shapes = {tuple(int(x) for x in dims.split(",")) for dims in
+            re.findall(r"\[(\d+(?:,\d+)+)\]", text)}
+  assert not [s for s in shapes if vocab in s and np.prod(s) >= tokens * vocab]
+  assert (chunk, vocab) in shapes
+  # The plain loss does build them: the check above can fail.
+  plain = jax.jit(jax.value_and_grad(
+      lambda h, w: optax.softmax_cross_entropy_with_integer_labels(h @ w, labels).mean(),
+      argnums=(0, 1))).lower(hidden, w).compile().as_text()
+  assert re.search(rf"\[4,24,{vocab}\]|\[{tokens},{vocab}\]", plain)
+
+
+def test_chunked_cross_entropy_bad_input():
+  hidden, w, labels, _ = _ce_inputs()
+  with pytest.raises(autopar.InputError, match=r"labels \(3,\)"):
+    autopar.nn.chunked_cross_entropy(hidden, w, labels[:, 0])
+  with pytest.raises(autopar.InputError, match="unembedding"):
+    autopar.nn.chunked_cross_entropy(hidden, w.T, labels)
+  with pytest.raises(autopar.InputError, match="chunk_size=0"):
+    autopar.nn.chunked_cross_entropy(hidden, w, labels, chunk_size=0)
+
+
+# -- scan_layers --------------------------------------------------------------------
+
+def _block(p, x):
+  return x + jnp.tanh(x @ p["w1"] + p["b"]) @ p["w2"]
+
+
+def _stacked(layers=4, d=8, seed=0):
+  k = jax.random.split(jax.random.PRNGKey(seed), 3)
+  # Small weights keep activations and gradients O(1), so that rtol 1e-5
+  # compares them rather than rounding in sums of large terms.
+  return {"w1": jax.random.normal(k[0], (layers, d, 2 * d)) * 0.2,
+          "b": jax.random.normal(k[1], (layers, 2 * d)) * 0.1,
+          "w2": jax.random.normal(k[2], (layers, 2 * d, d)) * 0.2}
+
+
+@pytest.mark.parametrize("remat_arg", [True, False,
+                                       jax.checkpoint_policies.dots_saveable])
+def test_scan_layers_equals_a_python_loop(remat_arg):
+  params = _stacked()
+  x = jax.random.normal(jax.random.PRNGKey(1), (5, 8))
+
+  def looped(p, x):
+    for i in range(4):
+      x = _block(jax.tree.map(lambda a: a[i], p), x)
+    return jnp.sum(x ** 2)
+
+  def scanned(p, x):
+    return jnp.sum(autopar.nn.scan_layers(_block, p, x, remat=remat_arg) ** 2)
+
+  v, g = jax.jit(jax.value_and_grad(scanned))(params, x)
+  rv, rg = jax.value_and_grad(looped)(params, x)
+  np.testing.assert_allclose(v, rv, rtol=1e-5)
+  assert_trees_close(g, rg)
+
+
+def test_scan_layers_bad_input():
+  params = _stacked()
+  params["b"] = params["b"][:3]
+  with pytest.raises(autopar.InputError, match=r"disagree on the number of layers"):
+    autopar.nn.scan_layers(_block, params, jnp.ones((5, 8)))
+  with pytest.raises(autopar.InputError, match="must return what it takes"):
+    autopar.nn.scan_layers(lambda p, x: x[:, :2], _stacked(), jnp.ones((5, 8)))
+
+
+def test_scan_layers_and_chunked_loss_under_the_planner():
+  """A scanned model with the chunked loss, planned on a 2x4 mesh with a memory
+  budget that makes the planner split the unembedding over the vocabulary."""
+  vocab, d, layers, seq, batch = 4096, 64, 3, 16, 8
+  k = jax.random.split(jax.random.PRNGKey(0), 4)
+  params = {"embed": jax.random.normal(k[0], (vocab, d)) * 0.1,
+            "layers": {"w1": jax.random.normal(k[1], (layers, d, 4 * d)) * 0.1,
+                       "b": jnp.zeros((layers, 4 * d)),
+                       "w2": jax.random.normal(k[2], (layers, 4 * d, d)) * 0.1},
+            "head": jax.random.normal(k[3], (d, vocab)) * 0.1}
+  tokens = np.random.RandomState(0).randint(0, vocab, (batch, seq + 1)).astype(np.int32)
+
+  def step(state, batch):
+    def loss_fn(p):
+      x = p["embed"][batch["tokens"][:, :-1]]
+      x = autopar.nn.scan_layers(_block, p["layers"], x)
+      return autopar.nn.chunked_cross_entropy(x, p["head"], batch["tokens"][:, 1:],
+                                              chunk_size=24)
+    loss, g = autopar.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=g), loss
+
+  def make():
+    return train_state.TrainState.create(apply_fn=None, params=params,
+                                         tx=optax.sgd(0.1, momentum=0.9))
+  ref_state, ref_loss = single_device(step)(make(), {"tokens": tokens})
+  option = autopar.AutoShardingOption(memory_budget_per_device=2_800_000)
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  p = autopar.parallelize(step, method=autopar.ShardParallel(
+      mesh=mesh, num_micro_batches=2, option=option))
+  head = [v for v in p.get_executable(make(), {"tokens": tokens}).plan.inputs
+          if v.name == "state.params['head']"][0]
+  assert head.spec[1] is not None and "model" in str(head.spec[1]), head.spec
+  state, loss = p(make(), {"tokens": tokens})
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(state.params, ref_state.params)
+
+
+# -- remat="layers" -----------------------------------------------------------------
+
+def _grad_stage(exe):
+  return exe.stages[exe.schedule[0]]
+
+
+def _dots(compiled) -> int:
+  return len(re.findall(r"\sdot\(", compiled.as_text()))
+
+
+def test_remat_layers_equals_no_remat_and_saves_memory():
+  """12 layers on a 2x4 mesh: same loss and parameters as single-device jax.jit,
+  one loop for the layers, less temp memory than without remat."""
+  make_state, step, batch = transformer_setup(layers=12, d=32, seq=64, batch=16)
+  ref_state, ref_loss = single_device(step)(make_state(), batch)
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  stages = {}
+  for mode in ("none", "layers"):
+    p = autopar.parallelize(step, method=autopar.DataParallel(mesh=mesh, remat=mode))
+    state, loss = p(make_state(), batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_trees_close(state.params, ref_state.params)
+    stages[mode] = _grad_stage(p.get_executable(make_state(), batch))
+  plain, rolled = stages["none"], stages["layers"]
+  assert " while(" not in plain.as_text()
+  assert rolled.as_text().count(" while(") == 2            # forward and backward loops
+  assert _dots(rolled) * 4 < _dots(plain)                  # one layer's matmuls, not 12
+  assert (rolled.memory_analysis().temp_size_in_bytes
+          < 0.5 * plain.memory_analysis().temp_size_in_bytes)
+
+
+def test_remat_layers_under_the_planner():
+  make_state, step, batch = transformer_setup(layers=4)
+  ref_state, ref_loss = single_device(step)(make_state(), batch)
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  p = autopar.parallelize(step, method=autopar.ShardParallel(
+      mesh=mesh, num_micro_batches=2, remat="layers"))
+  state, loss = p(make_state(), batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(state.params, ref_state.params)
+  assert " while(" in _grad_stage(p.get_executable(make_state(), batch)).as_text()
+
+
+def _loss_of(make_state, batch):
+  state = make_state()
+
+  def loss_fn(p):
+    logits = state.apply_fn(p, batch["tokens"][:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, batch["tokens"][:, 1:]).mean()
+  return loss_fn, state.params
+
+
+def test_find_layers_finds_every_layer():
+  for layers in (2, 5):
+    make_state, _, batch = transformer_setup(layers=layers)
+    loss_fn, params = _loss_of(make_state, batch)
+    stacks = remat.find_layers(jax.make_jaxpr(loss_fn)(params).jaxpr)
+    assert [s.count for s in stacks] == [layers]
+    assert len(stacks[0].stacked) == 16        # a block's 16 weight arrays
+
+
+def test_remat_with_a_policy_and_with_unusual_data_flow():
+  """A checkpoint policy, and layers that read the layer before last as well:
+  whatever is rolled must compute what the loop computes. In float64, so that
+  any difference is a wrong data flow, not rounding."""
+  with jax.enable_x64(True):
+    _check_rolled_equals_loop()
+
+
+def _check_rolled_equals_loop():
+  params = [jax.tree.map(lambda a: a[i].astype(jnp.float64), _stacked(layers=6))
+            for i in range(6)]
+  x = jax.random.normal(jax.random.PRNGKey(1), (5, 8), jnp.float64)
+
+  def skip_two(ps):
+    prev, h = x, x
+    for p in ps:
+      prev, h = h, _block(p, h) + 0.5 * prev
+    return jnp.sum(h ** 2)
+
+  def shared_input(ps):                        # every layer also reads x itself
+    h = x
+    for p in ps:
+      h = _block(p, h) + 0.5 * x
+    return jnp.sum(h ** 2)
+
+  for f in (skip_two, shared_input):
+    ref_v, ref_g = jax.value_and_grad(f)(params)
+    for mode in ("layers", jax.checkpoint_policies.dots_saveable):
+      with remat.remat_mode(mode):
+        fn = autopar.value_and_grad(f)
+        text = str(jax.make_jaxpr(fn)(params))
+        v, g = jax.jit(fn)(params)
+      assert "scan" in text, f.__name__
+      np.testing.assert_allclose(v, ref_v, rtol=1e-10)
+      assert_trees_close(g, ref_g, rtol=1e-10, atol=1e-10)
+
+
+def test_remat_option_is_checked():
+  with pytest.raises(autopar.InputError, match="remat='layer'"):
+    autopar.DataParallel(remat="layer")
+
+
+# -- gradient sync overlapped with the backward pass ----------------------------------
+
+@pytest.mark.parametrize("method", [autopar.Zero2Parallel, autopar.Zero3Parallel])
+def test_zero_reduce_scatter_starts_before_the_last_backward_matmul(method):
+  make_state, step, batch = transformer_setup(layers=3, d=64)
+  mesh = jax.make_mesh((8,), ("data",))
+  p = autopar.parallelize(step, method=method(mesh=mesh, num_micro_batches=2))
+  exe = p.get_executable(make_state(), batch)
+  ops = hlo.entry_schedule(exe.stages[exe.schedule[-2]])     # the sync stage
+  scatters = [i for i, o in enumerate(ops) if o.collective == "reduce-scatter"]
+  backward = [i for i, o in enumerate(ops) if o.backward_dot]
+  assert scatters and backward
+  assert scatters[0] < backward[-1]
+  # Numerics are unchanged.
+  ref_state, ref_loss = single_device(step)(make_state(), batch)
+  state, loss = p(make_state(), batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(state.params, ref_state.params)
+
+
+def test_overlap_flags_only_on_gpus():
+  cpu_mesh = jax.make_mesh((8,), ("data",))
+  assert compiler_options(cpu_mesh) == {}
+
+  class FakeGpu:
+    platform = "gpu"
+
+  class FakeMesh:
+    devices = np.array([FakeGpu()])
+  assert compiler_options(FakeMesh(), xla_flags="") == GPU_OVERLAP_OPTIONS
+  mine = "--xla_gpu_enable_latency_hiding_scheduler=false"
+  got = compiler_options(FakeMesh(), xla_flags=mine)
+  assert "xla_gpu_enable_latency_hiding_scheduler" not in got and got
+
+
+# -- one fused optimizer update -------------------------------------------------------
+
+def test_apply_grad_is_one_program_with_donated_state():
+  make_state, step, batch = transformer_setup(tx=optax.adam(1e-3))
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  p = autopar.parallelize(step, method=autopar.Zero2Parallel(mesh=mesh),
+                          donate_argnums=(0,))
+  exe = p.get_executable(make_state(), batch)
+  assert exe.schedule[-1] == "apply_grad" and exe.schedule.count("apply_grad") == 1
+  text = exe.stages["apply_grad"].as_text()
+  header = next(line for line in text.splitlines() if "input_output_alias" in line)
+  state_leaves = len(jax.tree.leaves(make_state()))
+  # every donated state leaf (params, Adam's mu and nu, counts) is updated in place
+  assert header.count("-alias)") == state_leaves
