@@ -34,7 +34,7 @@ import dataclasses
 import math
 import os
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -439,27 +439,49 @@ def _abstract(shape, dtype, weak=False):
 # the pipelining options move the collectives of a loop (scanned layers)
 # across iterations. Used for GPU compiles only, and only the options the
 # user has not set in XLA_FLAGS.
+# XLA renames and retires these between releases; options the installed
+# XLA does not know are left out (see _known_option).
 GPU_OVERLAP_OPTIONS = {
     "xla_gpu_enable_latency_hiding_scheduler": True,
     "xla_gpu_enable_pipelined_all_gather": True,
     "xla_gpu_enable_pipelined_reduce_scatter": True,
     "xla_gpu_enable_pipelined_all_reduce": True,
     "xla_gpu_enable_while_loop_double_buffering": True,
+    "xla_gpu_enable_highest_priority_async_stream": True,
 }
+_KNOWN: dict[tuple[str, str], bool] = {}
 
 
-def compiler_options(mesh, xla_flags: str | None = None) -> dict[str, Any]:
+def compiler_options(mesh, xla_flags: str | None = None,
+                     known: Callable[[str, Any], bool] | None = None) -> dict[str, Any]:
   """Per-executable XLA options for stages compiled on ``mesh``'s devices.
 
   Empty on CPUs (autopar never changes their flags); on GPUs the overlap
-  options above, minus any the user set in ``XLA_FLAGS`` (``xla_flags``
-  stands for that variable in tests).
+  options above that the installed XLA knows, minus any the user set in
+  ``XLA_FLAGS`` (``xla_flags`` and ``known`` stand in for the variable and
+  the check in tests).
   """
-  platforms = {d.platform for d in np.asarray(mesh.devices).flat}
-  if not platforms & {"gpu", "cuda", "rocm"}:
+  devices = list(np.asarray(mesh.devices).flat)
+  if not {d.platform for d in devices} & {"gpu", "cuda", "rocm"}:
     return {}
   user = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
-  return {k: v for k, v in GPU_OVERLAP_OPTIONS.items() if f"--{k}" not in user}
+  known = known or (lambda k, v: _known_option(k, v, devices[0]))
+  return {k: v for k, v in GPU_OVERLAP_OPTIONS.items()
+          if f"--{k}" not in user and known(k, v)}
+
+
+def _known_option(name: str, value: Any, device) -> bool:
+  """Whether this XLA accepts compiler option ``name`` (a tiny compile, cached)."""
+  key = (device.platform, name)
+  if key not in _KNOWN:
+    try:
+      x = jax.ShapeDtypeStruct((), np.float32,
+                               sharding=jax.sharding.SingleDeviceSharding(device))
+      jax.jit(lambda x: x + 1).lower(x).compile({name: value})
+      _KNOWN[key] = True
+    except Exception:  # noqa: BLE001 - "No such compile option", or a bad value
+      _KNOWN[key] = False
+  return _KNOWN[key]
 
 
 def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh

@@ -48,6 +48,10 @@ _ARGS.add_argument("--devices", type=int, default=8, help="simulated CPU devices
 _ARGS.add_argument("--gpu", action="store_true",
                    help="run on the GPU; also report tokens/s, MFU and the largest batch")
 _ARGS.add_argument("--dtype", default=None, help="float32 or bfloat16 (GPU default)")
+_ARGS.add_argument("--max-batch", type=int, default=256,
+                   help="largest batch the GPU search tries")
+_ARGS.add_argument("--only", default=None,
+                   help="comma-separated parts to run: steps, isolated, gpu (default: all)")
 OPTS = _ARGS.parse_args()
 
 if not OPTS.gpu:
@@ -170,6 +174,16 @@ def main():
         f"{n_params / 1e6:.1f}M parameters, {DTYPE.name}, DataParallel on "
         f"{len(devices)} {devices[0].platform} device(s)\n", flush=True)
 
+  parts = set((OPTS.only or "steps,isolated,gpu").split(","))
+  if "steps" in parts:
+    whole_steps(make_state, batch, mesh, H)
+  if "isolated" in parts:
+    isolated(make_state, mesh, devices, B, d, T, V, H)
+  if OPTS.gpu and "gpu" in parts:
+    gpu_figures(make_state, mesh, n_params, L, d, T, V, H, tx)
+
+
+def whole_steps(make_state, batch, mesh, H):
   # The four configurations of the whole step.
   configs = [("plain", "none", False), ('remat="layers"', "layers", False),
              ("chunked loss", "none", True), ("both", "layers", True)]
@@ -184,6 +198,11 @@ def main():
     print(f"{name:<16} {gib(temp):>12} {temp / t0:8.3f} {secs:8.3f} {secs / s0:8.3f} "
           f"{loss:9.4f}", flush=True)
 
+  worst = max(rows[n][1] / rows["plain"][1] for n in rows)
+  print(f"slowest configuration: x{worst:.2f} the plain step time (target <= 1.4)")
+
+
+def isolated(make_state, mesh, devices, B, d, T, V, H):
   # What each technique targets, in isolation.
   # Activation memory is the memory that grows with the batch: the gradient
   # stage's temp at two sequences per device minus at one (the plain loss).
@@ -223,24 +242,21 @@ def main():
   print(f"logits memory (loss head temp less the chunked loop's {gib(dw_carry).strip()} GiB "
         f"float32 unembedding-gradient carry): {gib(full)} against {gib(chunk - dw_carry)}: "
         f"{full / max(chunk - dw_carry, 1):.1f}x lower (target >= 10x)")
-  worst = max(rows[n][1] / rows["plain"][1] for n in rows)
-  print(f"slowest configuration: x{worst:.2f} the plain step time (target <= 1.4)")
-
-  if OPTS.gpu:
-    gpu_figures(make_state, mesh, n_params, L, d, T, V, H, tx)
 
 
 def gpu_figures(make_state, mesh, n_params, L, d, T, V, H, tx):
-  """Tokens/s and model FLOPs utilisation per configuration, and the largest
-  batch that fits (doubling until compilation or the step runs out of memory)."""
+  """Tokens/s and model FLOPs utilisation per configuration, at batch 8 and at
+  the largest batch that fits (doubling from 8 until compilation or the step
+  runs out of memory, or --max-batch)."""
   peak = float(os.environ.get("PEAK_TFLOPS", "989")) * 1e12    # H100 SXM dense bf16
   flops_per_token = 6 * n_params + 12 * L * d * T                # PaLM's MFU formula
-  print(f"\n{'configuration':<16} {'batch':>6} {'tokens/s':>10} {'MFU':>6}   largest batch")
+  print(f"\n{'configuration':<16} {'tokens/s @8':>12} {'MFU @8':>7} {'largest batch':>14} "
+        f"{'tokens/s':>10} {'MFU':>6}")
   for name, remat, chunked in [("plain", "none", False), ('remat="layers"', "layers", False),
                                ("chunked loss", "none", True), ("both", "layers", True)]:
     step = make_step(lambda p, t, c=chunked: lm_loss(p, t, H, c, OPTS.chunk))
-    fits, b, best = None, OPTS.batch or 8, None
-    while b <= 1024:
+    tps, b = {}, OPTS.batch or 8
+    while b <= OPTS.max_batch:
       tokens = np.random.RandomState(0).randint(0, V, (b, T + 1)).astype(np.int32)
       try:
         _, secs, _ = measure(step, make_state, {"tokens": tokens}, mesh, remat, 3)
@@ -248,16 +264,15 @@ def gpu_figures(make_state, mesh, n_params, L, d, T, V, H, tx):
         if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
           raise
         break
-      fits = b
-      if best is None:
-        best = (b, b * T / secs)
+      tps[b] = b * T / secs
       b *= 2
-    if best is None:
+    if not tps:
       print(f"{name:<16} does not fit at batch {OPTS.batch or 8}")
       continue
-    tps = best[1]
-    print(f"{name:<16} {best[0]:>6} {tps:10.0f} {tps * flops_per_token / peak:6.1%}   {fits}",
-          flush=True)
+    first, last = min(tps), max(tps)
+    mfu = lambda t: t * flops_per_token / peak
+    print(f"{name:<16} {tps[first]:12.0f} {mfu(tps[first]):7.1%} {last:>14} "
+          f"{tps[last]:10.0f} {mfu(tps[last]):6.1%}", flush=True)
 
 
 if __name__ == "__main__":

@@ -309,10 +309,16 @@ def test_overlap_flags_only_on_gpus():
 
   class FakeMesh:
     devices = np.array([FakeGpu()])
-  assert compiler_options(FakeMesh(), xla_flags="") == GPU_OVERLAP_OPTIONS
+  everything = lambda k, v: True
+  assert compiler_options(FakeMesh(), xla_flags="", known=everything) == GPU_OVERLAP_OPTIONS
   mine = "--xla_gpu_enable_latency_hiding_scheduler=false"
-  got = compiler_options(FakeMesh(), xla_flags=mine)
+  got = compiler_options(FakeMesh(), xla_flags=mine, known=everything)
   assert "xla_gpu_enable_latency_hiding_scheduler" not in got and got
+  # Options this XLA does not know are left out rather than failing the compile.
+  got = compiler_options(FakeMesh(), xla_flags="",
+                         known=lambda k, v: k != "xla_gpu_enable_pipelined_all_reduce")
+  assert "xla_gpu_enable_pipelined_all_reduce" not in got and len(got) == len(
+      GPU_OVERLAP_OPTIONS) - 1
 
 
 # -- one fused optimizer update -------------------------------------------------------
