@@ -263,14 +263,22 @@ def _check_rolled_equals_loop():
       h = _block(p, h) + 0.5 * x
     return jnp.sum(h ** 2)
 
-  for f in (skip_two, shared_input):
+  def two_stacks(ps):                          # an "encoder" and a "decoder" stack
+    h = x
+    for p in ps[:3]:
+      h = _block(p, h)
+    for p in ps[3:]:
+      h = h + jnp.sin(h @ p["w1"]) @ p["w2"]
+    return jnp.sum(h ** 2)
+
+  for f in (skip_two, shared_input, two_stacks):
     ref_v, ref_g = jax.value_and_grad(f)(params)
     for mode in ("layers", jax.checkpoint_policies.dots_saveable):
       with remat.remat_mode(mode):
         fn = autopar.value_and_grad(f)
         text = str(jax.make_jaxpr(fn)(params))
         v, g = jax.jit(fn)(params)
-      assert "scan" in text, f.__name__
+      assert text.count("scan[") == (4 if f is two_stacks else 2), f.__name__  # fwd + bwd
       np.testing.assert_allclose(v, ref_v, rtol=1e-10)
       assert_trees_close(g, ref_g, rtol=1e-10, atol=1e-10)
 
