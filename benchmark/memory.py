@@ -217,10 +217,10 @@ def isolated(make_state, mesh, devices, B, d, T, V, H):
   # Logits memory: the loss head alone (hidden states and unembedding to the
   # loss and both gradients) at one device's tokens.
   tokens_dev = (B // len(devices)) * T
-  h = jax.ShapeDtypeStruct((tokens_dev, d), DTYPE)
   w = jax.ShapeDtypeStruct((d, V), DTYPE)
-  labels = jnp.zeros((tokens_dev,), jnp.int32)
-  def head_temp(chunked):
+  def head_temp(chunked, tokens=tokens_dev):
+    h = jax.ShapeDtypeStruct((tokens, d), DTYPE)
+    labels = jnp.zeros((tokens,), jnp.int32)
     def f(h, w):
       if chunked:
         return autopar.nn.chunked_cross_entropy(h, w, labels, chunk_size=OPTS.chunk)
@@ -229,6 +229,8 @@ def isolated(make_state, mesh, devices, B, d, T, V, H):
     c = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).lower(h, w).compile()
     return c.memory_analysis().temp_size_in_bytes
   full, chunk = head_temp(False), head_temp(True)
+  # Growth with the token count: what each further `tokens_dev` tokens cost.
+  grow = {c: head_temp(c, 2 * tokens_dev) - head_temp(c) for c in (False, True)}
   # The chunked backward sums the unembedding's gradient over chunks in a
   # float32 loop carry, which XLA keeps in temp memory; the plain head writes
   # that gradient straight to its output. It is not logits memory.
@@ -242,6 +244,8 @@ def isolated(make_state, mesh, devices, B, d, T, V, H):
   print(f"logits memory (loss head temp less the chunked loop's {gib(dw_carry).strip()} GiB "
         f"float32 unembedding-gradient carry): {gib(full)} against {gib(chunk - dw_carry)}: "
         f"{full / max(chunk - dw_carry, 1):.1f}x lower (target >= 10x)")
+  print(f"loss head temp growth per further {tokens_dev} tokens: full logits "
+        f"{grow[False] / 2**20:.1f} MiB, chunked {grow[True] / 2**10:.1f} KiB")
 
 
 def gpu_figures(make_state, mesh, n_params, L, d, T, V, H, tx):
