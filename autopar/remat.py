@@ -44,6 +44,7 @@ import collections
 import contextlib
 import contextvars
 import dataclasses
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -57,6 +58,7 @@ from autopar.errors import InputError
 __all__ = ["remat_mode", "check_remat", "maybe_roll", "find_layers", "Stack"]
 
 _MODE: contextvars.ContextVar = contextvars.ContextVar("autopar_remat", default="none")
+_NOTHING = jax.checkpoint_policies.nothing_saveable
 
 
 def check_remat(remat: Any, where: str) -> None:
@@ -84,7 +86,7 @@ def maybe_roll(fun: Callable) -> Callable:
     mode = _MODE.get()
     if mode == "none":
       return fun(*args, **kwargs)
-    policy = (jax.checkpoint_policies.nothing_saveable if mode == "layers" else mode)
+    policy = _NOTHING if mode == "layers" else mode
     return _rolled_call(fun, policy, args, kwargs)
   return call
 
@@ -132,6 +134,14 @@ def _rolled_call(fun, policy, args, kwargs):
   arrays = [x for a, x in zip(is_array, flat) if a]
   closed = jax.make_jaxpr(flat_fun)(*arrays)
   stacks = find_layers(closed.jaxpr)
+  if not stacks:
+    name = getattr(fun, "__name__", "the function")
+    warnings.warn(
+        f"autopar: remat={'layers' if policy is _NOTHING else policy!r} found no "
+        f"repeated layers in {name} (a stretch of equations that repeats with "
+        f"different weights), so nothing is rematerialised. Layers written as one "
+        f"lax.scan can use autopar.nn.scan_layers(..., remat=True) or "
+        f"jax.checkpoint on the scan body instead.", stacklevel=4)
   outs = _eval(closed.jaxpr, closed.consts, arrays, stacks, policy)
   return jax.tree.unflatten(out_tree[0], outs)
 

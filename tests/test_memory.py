@@ -283,6 +283,16 @@ def _check_rolled_equals_loop():
       assert_trees_close(g, ref_g, rtol=1e-10, atol=1e-10)
 
 
+def test_remat_without_repeated_layers_warns_and_changes_nothing():
+  w = jnp.ones((4, 4))
+  f = lambda w: jnp.sum(jnp.tanh(w @ w))
+  with remat.remat_mode("layers"), pytest.warns(UserWarning, match="no repeated layers"):
+    v, g = autopar.value_and_grad(f)(w)
+  rv, rg = jax.value_and_grad(f)(w)
+  np.testing.assert_allclose(v, rv, rtol=1e-6)
+  np.testing.assert_allclose(g, rg, rtol=1e-6)
+
+
 def test_remat_option_is_checked():
   with pytest.raises(autopar.InputError, match="remat='layer'"):
     autopar.DataParallel(remat="layer")
