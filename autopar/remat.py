@@ -98,11 +98,15 @@ class Stack:
   """``count`` repetitions of ``length`` equations from ``start``.
 
   Attributes:
-    carry: per carry slot, (equation, output) of the value each repetition
-      hands to the next, and the outer variable the first one reads instead.
-    stacked: per scanned input, the outer variable each repetition reads.
-    template: variables of the first repetition standing for the carries and
-      the stacked inputs, in the order above.
+    carry_pos: per carry slot, (equation, output) within a repetition of the
+      value each repetition hands to the next.
+    carry_init: per carry slot, the variable from before the stack that the
+      first repetition reads in its place (None: a slot only read after the
+      stack, which starts at zeros).
+    stacked: per scanned input, the variable each repetition reads (stacked
+      on a new leading axis).
+    stacked_template: per scanned input, the variable the first repetition
+      reads (the body binds it to the current layer's slice).
   """
   start: int
   length: int
