@@ -16,7 +16,7 @@ so each layer's gradient comes back to its own leaf.
 How a stretch is found (:func:`find_layers`):
 
 1. Each equation gets a signature: primitive, parameters, input and output
-   types (literals by value). Candidate periods ``L`` are the distances
+   types (literals by type: their values are checked in step 2). Candidate periods ``L`` are the distances
    between equal signatures; for each, runs where ``sig[i] == sig[i + L]``
    give ``N = run // L + 1`` repetitions.
 2. A candidate (start, L, N) is checked for data flow. Equation ``j`` of
@@ -26,7 +26,8 @@ How a stretch is found (:func:`find_layers`):
    repetition (a *carry*; the first repetition reads its initial value from
    before the stretch), a value from outside that is the same for every
    repetition (loop-invariant), or one that differs (stacked and scanned
-   over: the layer's weights). Values a repetition makes may be read only by
+   over: the layer's weights, or a literal such as a per-layer RNG fold-in
+   constant). Values a repetition makes may be read only by
    itself and the next one, and the last repetition's by the code after the
    stretch through the carry.
 3. The longest valid candidate that reads per-layer values wins; the search
@@ -156,9 +157,13 @@ def _eval(jaxpr: Jaxpr, consts, args, stacks: list[Stack], policy) -> list:
   def read(v):
     return v.val if isinstance(v, Literal) else env[v]
 
-  def run(eqns, env):
+  def run(eqns, env, literals=None):
+    # `literals`: id -> value of the literals a scan body binds (a literal
+    # that differs from layer to layer).
     for eqn in eqns:
-      vals = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
+      vals = [env[v] if not isinstance(v, Literal) else
+              literals[id(v)] if literals and id(v) in literals else v.val
+              for v in eqn.invars]
       params = eqn.primitive.get_bind_params(eqn.params)
       with eqn.ctx.manager:
         ans = eqn.primitive.bind(*vals, **params)
@@ -180,20 +185,27 @@ def _eval(jaxpr: Jaxpr, consts, args, stacks: list[Stack], policy) -> list:
 def _run_stack(jaxpr: Jaxpr, s: Stack, env: dict, run, policy) -> None:
   body_eqns = jaxpr.eqns[s.start:s.start + s.length]
   first_out = lambda j, o: body_eqns[j].outvars[o]
-  xs = [jnp.stack([env[v] for v in per_layer]) for per_layer in s.stacked]
-  init = [env[v] if v is not None else
+  xs = [jnp.stack([_outer_value(env, v) for v in per_layer]) for per_layer in s.stacked]
+  init = [_outer_value(env, v) if v is not None else
           jnp.zeros(first_out(j, o).aval.shape, first_out(j, o).aval.dtype)
           for v, (j, o) in zip(s.carry_init, s.carry_pos, strict=True)]
   outer = env
 
   def body(carry, x):
     local = collections.ChainMap({}, outer)
-    for (j, o), v, c in zip(s.carry_pos, s.carry_init, carry, strict=True):
+    literals = {}
+
+    def bind(v, value):
+      if isinstance(v, Literal):
+        literals[id(v)] = value
+      else:
+        local[v] = value
+    for v, c in zip(s.carry_init, carry, strict=True):
       if v is not None:
-        local[v] = c
+        bind(v, c)
     for v, xv in zip(s.stacked_template, x, strict=True):
-      local[v] = xv
-    run(body_eqns, local)
+      bind(v, xv)
+    run(body_eqns, local, literals)
     return [local[first_out(j, o)] for j, o in s.carry_pos], None
 
   final, _ = lax.scan(jax.checkpoint(body, policy=policy, prevent_cse=False),
@@ -201,6 +213,12 @@ def _run_stack(jaxpr: Jaxpr, s: Stack, env: dict, run, policy) -> None:
   last = jaxpr.eqns[s.start + (s.count - 1) * s.length:s.end]
   for (j, o), x in zip(s.carry_pos, final, strict=True):
     env[last[j].outvars[o]] = x
+
+
+def _outer_value(env: dict, v):
+  if isinstance(v, Literal):
+    return jnp.asarray(v.val, v.aval.dtype)
+  return env[v]
 
 
 # -- finding the layers -----------------------------------------------------------
@@ -271,10 +289,7 @@ def _check(eqns, uses, start, length, count) -> Stack | None:
     for j in range(length):
       eqn = eqns[start + k * length + j]
       for a, v in enumerate(eqn.invars):
-        if isinstance(v, Literal):
-          mine.append("lit")
-          continue
-        w = where.get(v)
+        w = None if isinstance(v, Literal) else where.get(v)
         if w is None:
           mine.append("out")
           outer[(j, a)].append(v)
@@ -297,7 +312,7 @@ def _check(eqns, uses, start, length, count) -> Stack | None:
   # value the first repetition reads in its place.
   keys = [(j, a) for j in range(length) for a in range(len(eqns[start + j].invars))]
   carry: dict = {}           # (j', o) -> initial outer var
-  stacked: dict = {}         # template var -> outer vars per repetition
+  stacked: dict = {}         # id(template) -> (template, outer values per repetition)
   for key, r0, r1 in zip(keys, roles, roles1, strict=True):
     if r0 != "out":
       continue
@@ -308,16 +323,17 @@ def _check(eqns, uses, start, length, count) -> Stack | None:
         return None
       continue
     per_layer = tuple(outer[key])
-    if any(v is not first for v in per_layer):
-      if stacked.setdefault(first, per_layer) != per_layer:
+    if any(not _same_value(v, first) for v in per_layer):
+      if stacked.setdefault(id(first), (first, per_layer))[1] != per_layer:
         return None
   if not stacked:
     return None              # nothing per layer: not a stack of layers
   # The body binds the carries' and stacked inputs' template variables to
   # its own values, so none of them may also be read as a loop invariant.
-  bound = [v for v in carry.values()] + list(stacked)
-  invariant = {outer[key][0] for key, r0, r1 in zip(keys, roles, roles1)
-               if r0 == r1 == "out" and outer[key][0] not in stacked}
+  # (Sets of ids: literals are not hashable.)
+  bound = [id(v) for v in carry.values()] + list(stacked)
+  invariant = {id(outer[key][0]) for key, r0, r1 in zip(keys, roles, roles1)
+               if r0 == r1 == "out" and id(outer[key][0]) not in stacked}
   if len(set(bound)) < len(bound) or invariant & set(bound):
     return None
   # Values made inside may be read only by their own repetition, the next
@@ -341,7 +357,16 @@ def _check(eqns, uses, start, length, count) -> Stack | None:
   carry_pos = tuple(sorted(carry))
   return Stack(start=start, length=length, count=count, carry_pos=carry_pos,
                carry_init=tuple(carry[p] for p in carry_pos),
-               stacked=tuple(stacked.values()), stacked_template=tuple(stacked))
+               stacked=tuple(p for _, p in stacked.values()),
+               stacked_template=tuple(t for t, _ in stacked.values()))
+
+
+def _same_value(a, b) -> bool:
+  """The same variable, or literals of equal type and value."""
+  if a is b:
+    return True
+  return (isinstance(a, Literal) and isinstance(b, Literal) and a.aval == b.aval and
+          np.array_equal(np.asarray(a.val), np.asarray(b.val)))
 
 
 def _uses(jaxpr: Jaxpr) -> dict:
@@ -376,9 +401,10 @@ def _aval_key(aval) -> Any:
 
 
 def _operand_key(v) -> Any:
+  # A literal matches by type alone: one that differs between layers (a
+  # layer's index or RNG fold-in constant) is scanned over like a weight.
   if isinstance(v, Literal):
-    val = np.asarray(v.val)
-    return ("lit", val.dtype.str, val.shape, val.tobytes())
+    return ("lit", _aval_key(v.aval))
   return _aval_key(v.aval)
 
 

@@ -283,6 +283,38 @@ def _check_rolled_equals_loop():
       assert_trees_close(g, ref_g, rtol=1e-10, atol=1e-10)
 
 
+def test_remat_layers_with_dropout():
+  """Flax's dropout folds a per-layer constant into the RNG key: a literal
+  that differs between layers, which the scan takes as a per-layer input."""
+  import flax.linen as nn
+
+  class Layer(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.Dropout(0.2, deterministic=False)(nn.Dense(16)(nn.LayerNorm()(x)))
+      return x + jnp.tanh(h)
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for _ in range(4):
+        x = Layer()(x)
+      return x
+
+  net, x = Net(), jax.random.normal(jax.random.PRNGKey(0), (3, 16))
+  params = net.init({"params": jax.random.PRNGKey(1), "dropout": jax.random.PRNGKey(2)}, x)
+
+  def loss(p):
+    return jnp.mean(net.apply(p, x, rngs={"dropout": jax.random.PRNGKey(3)}) ** 2)
+  ref_v, ref_g = jax.value_and_grad(loss)(params)
+  with remat.remat_mode("layers"):
+    fn = autopar.value_and_grad(loss)
+    assert str(jax.make_jaxpr(fn)(params)).count("scan[") == 2
+    v, g = jax.jit(fn)(params)
+  np.testing.assert_allclose(v, ref_v, rtol=1e-5)
+  assert_trees_close(g, ref_g)
+
+
 def test_remat_without_repeated_layers_warns_and_changes_nothing():
   w = jnp.ones((4, 4))
   f = lambda w: jnp.sum(jnp.tanh(w @ w))
