@@ -33,6 +33,10 @@ How a stretch is found (:func:`find_layers`):
 3. The longest valid candidate that reads per-layer values wins; the search
    then repeats before and after it (e.g. an encoder and a decoder stack).
 
+A scan over layers that the user wrote already (per-iteration inputs, two or
+more iterations, a body not yet checkpointed) gets ``jax.checkpoint`` on its
+body instead.
+
 Because every repetition is checked to compute exactly the first one's
 equations on its own inputs, the rolled program computes the same values as
 the original; only the order of floating-point operations inside XLA's
@@ -139,14 +143,13 @@ def _rolled_call(fun, policy, args, kwargs):
   arrays = [x for a, x in zip(is_array, flat) if a]
   closed = jax.make_jaxpr(flat_fun)(*arrays)
   stacks = find_layers(closed.jaxpr)
-  if not stacks:
+  if not stacks and not any(_is_layer_scan(e) for e in closed.jaxpr.eqns):
     name = getattr(fun, "__name__", "the function")
     warnings.warn(
         f"autopar: remat={'layers' if policy is _NOTHING else policy!r} found no "
         f"repeated layers in {name} (a stretch of equations that repeats with "
-        f"different weights), so nothing is rematerialised. Layers written as one "
-        f"lax.scan can use autopar.nn.scan_layers(..., remat=True) or "
-        f"jax.checkpoint on the scan body instead.", stacklevel=4)
+        f"different weights, or a scan over per-layer inputs), so nothing is "
+        f"rematerialised.", stacklevel=4)
   outs = _eval(closed.jaxpr, closed.consts, arrays, stacks, policy)
   return jax.tree.unflatten(out_tree[0], outs)
 
@@ -164,10 +167,13 @@ def _eval(jaxpr: Jaxpr, consts, args, stacks: list[Stack], policy) -> list:
       vals = [env[v] if not isinstance(v, Literal) else
               literals[id(v)] if literals and id(v) in literals else v.val
               for v in eqn.invars]
-      params = eqn.primitive.get_bind_params(eqn.params)
-      with eqn.ctx.manager:
-        ans = eqn.primitive.bind(*vals, **params)
-      ans = ans if eqn.primitive.multiple_results else [ans]
+      if literals is None and _is_layer_scan(eqn):
+        ans = _checkpointed_scan(eqn, vals, policy)
+      else:
+        params = eqn.primitive.get_bind_params(eqn.params)
+        with eqn.ctx.manager:
+          ans = eqn.primitive.bind(*vals, **params)
+        ans = ans if eqn.primitive.multiple_results else [ans]
       for v, x in zip(eqn.outvars, ans, strict=True):
         env[v] = x
 
@@ -180,6 +186,34 @@ def _eval(jaxpr: Jaxpr, consts, args, stacks: list[Stack], policy) -> list:
     pos = s.end
   run(jaxpr.eqns[pos:], env)
   return [read(v) for v in jaxpr.outvars]
+
+
+def _is_layer_scan(eqn) -> bool:
+  """A scan the user wrote over layers (per-iteration inputs, two or more
+  iterations) whose body is not checkpointed yet."""
+  if eqn.primitive.name != "scan":
+    return False
+  p = eqn.params
+  has_xs = len(eqn.invars) > p["num_consts"] + p["num_carry"]
+  return (has_xs and p["length"] >= 2 and
+          not any(e.primitive.name == "remat2" for e in p["jaxpr"].jaxpr.eqns))
+
+
+def _checkpointed_scan(eqn, vals, policy) -> list:
+  """A scan over layers, re-bound with ``jax.checkpoint`` on its body."""
+  from jax.extend.core import jaxpr_as_fun
+  p = eqn.params
+  nc, ncar = p["num_consts"], p["num_carry"]
+  consts, init, xs = vals[:nc], vals[nc:nc + ncar], vals[nc + ncar:]
+  body = jaxpr_as_fun(p["jaxpr"])
+
+  def step(carry, x):
+    outs = body(*consts, *carry, *x)
+    return list(outs[:ncar]), list(outs[ncar:])
+  carry, ys = lax.scan(jax.checkpoint(step, policy=policy, prevent_cse=False),
+                       list(init), list(xs), length=p["length"], reverse=p["reverse"],
+                       unroll=p["unroll"])
+  return [*carry, *ys]
 
 
 def _run_stack(jaxpr: Jaxpr, s: Stack, env: dict, run, policy) -> None:

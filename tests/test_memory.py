@@ -13,7 +13,8 @@ from flax.training import train_state
 import autopar
 from autopar import hlo, remat
 from autopar.lower import GPU_OVERLAP_OPTIONS, compiler_options
-from models import assert_trees_close, single_device, transformer_setup
+from models import (ScanTransformer, assert_trees_close, lm_setup, single_device,
+                    transformer_setup)
 
 
 # -- chunked cross-entropy --------------------------------------------------------
@@ -313,6 +314,21 @@ def test_remat_layers_with_dropout():
     v, g = jax.jit(fn)(params)
   np.testing.assert_allclose(v, ref_v, rtol=1e-5)
   assert_trees_close(g, ref_g)
+
+
+def test_remat_layers_checkpoints_a_scan_over_layers():
+  """A model whose layers are already one scan (flax nn.scan): remat="layers"
+  puts jax.checkpoint on the scan body; numerics equal single-device jax.jit."""
+  make_state, step, batch = lm_setup(ScanTransformer(layers=3))
+  loss_fn, params = _loss_of(make_state, batch)
+  with remat.remat_mode("layers"):
+    assert "remat" in str(jax.make_jaxpr(autopar.value_and_grad(loss_fn))(params))
+  ref_state, ref_loss = single_device(step)(make_state(), batch)
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  p = autopar.parallelize(step, method=autopar.DataParallel(mesh=mesh, remat="layers"))
+  state, loss = p(make_state(), batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(state.params, ref_state.params)
 
 
 def test_remat_without_repeated_layers_warns_and_changes_nothing():
