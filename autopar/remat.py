@@ -132,12 +132,15 @@ def _rolled_call(fun, policy, args, kwargs):
               and not isinstance(x, bool) for x in flat]
   out_tree = []
 
+  constant_outs = []          # outputs that do not depend on the inputs (an aux int)
+
   def flat_fun(*arrays):
     it = iter(arrays)
     leaves = [next(it) if a else x for a, x in zip(is_array, flat)]
     a, k = jax.tree.unflatten(tree, leaves)
     out, t = jax.tree.flatten(fun(*a, **k))
     out_tree.append(t)
+    constant_outs.append([None if isinstance(o, jax.core.Tracer) else (o,) for o in out])
     return out
 
   arrays = [x for a, x in zip(is_array, flat) if a]
@@ -151,6 +154,7 @@ def _rolled_call(fun, policy, args, kwargs):
         f"different weights, or a scan over per-layer inputs), so nothing is "
         f"rematerialised.", stacklevel=4)
   outs = _eval(closed.jaxpr, closed.consts, arrays, stacks, policy)
+  outs = [x if c is None else c[0] for x, c in zip(outs, constant_outs[0], strict=True)]
   return jax.tree.unflatten(out_tree[0], outs)
 
 
