@@ -1,7 +1,9 @@
 """Memory and step time of remat="layers" and the chunked loss, side by side.
 
     python benchmark/memory.py                 # 12 layers, hidden 768, seq 1024, vocab 32k
-    python benchmark/memory.py --layers 4 --seq 256 --vocab 8192   # quicker
+    python benchmark/memory.py --layers 4 --seq 256 --vocab 8192   # a quick smoke test
+                                     # (so small that weights, not activations, dominate:
+                                     # its ratios say little)
     python benchmark/memory.py --gpu           # one GPU: adds tokens/s, MFU, largest batch
 
 A GPT-style model in plain JAX (the layers a Python loop, as users write
