@@ -438,9 +438,9 @@ def _abstract(shape, dtype, weak=False):
 # of the layers below is still running) and its done as late as possible;
 # the pipelining options move the collectives of a loop (scanned layers)
 # across iterations. Used for GPU compiles only, and only the options the
-# user has not set in XLA_FLAGS.
-# XLA renames and retires these between releases; options the installed
-# XLA does not know are left out (see _known_option).
+# user has not set in XLA_FLAGS. XLA renames and retires these between
+# releases; options the installed XLA does not know are left out (see
+# _known_option).
 GPU_OVERLAP_OPTIONS = {
     "xla_gpu_enable_latency_hiding_scheduler": True,
     "xla_gpu_enable_pipelined_all_gather": True,

@@ -133,6 +133,11 @@ def make_step(loss_fn):
   return step
 
 
+# The four configurations compared: (name, the method's remat, chunked loss).
+CONFIGS = [("plain", "none", False), ('remat="layers"', "layers", False),
+           ("chunked loss", "none", True), ("both", "layers", True)]
+
+
 # -- measuring -------------------------------------------------------------------
 
 def temp_bytes(exe) -> int:
@@ -187,12 +192,10 @@ def main():
 
 def whole_steps(make_state, batch, mesh, H):
   # The four configurations of the whole step.
-  configs = [("plain", "none", False), ('remat="layers"', "layers", False),
-             ("chunked loss", "none", True), ("both", "layers", True)]
   print(f"{'configuration':<16} {'temp GiB/dev':>12} {'x plain':>8} {'step s':>8} "
         f"{'x plain':>8} {'loss':>9}")
   rows = {}
-  for name, remat, chunked in configs:
+  for name, remat, chunked in CONFIGS:
     step = make_step(lambda p, t, c=chunked: lm_loss(p, t, H, c, OPTS.chunk))
     temp, secs, loss = measure(step, make_state, batch, mesh, remat, OPTS.steps)
     rows[name] = (temp, secs)
@@ -258,8 +261,7 @@ def gpu_figures(make_state, mesh, n_params, L, d, T, V, H, tx):
   flops_per_token = 6 * n_params + 12 * L * d * T                # PaLM's MFU formula
   print(f"\n{'configuration':<16} {'tokens/s @8':>12} {'MFU @8':>7} {'largest batch':>14} "
         f"{'tokens/s':>10} {'MFU':>6}")
-  for name, remat, chunked in [("plain", "none", False), ('remat="layers"', "layers", False),
-                               ("chunked loss", "none", True), ("both", "layers", True)]:
+  for name, remat, chunked in CONFIGS:
     step = make_step(lambda p, t, c=chunked: lm_loss(p, t, H, c, OPTS.chunk))
     tps, b = {}, OPTS.batch or 8
     while b <= OPTS.max_batch:
