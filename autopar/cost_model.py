@@ -23,6 +23,7 @@ The same formulas give "bytes each device sends per step" when α = 0 and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Mapping, Sequence
 
@@ -58,9 +59,10 @@ def itemsize(dtype) -> int:
     raise
 
 
+@functools.lru_cache(maxsize=None)
 def dtype_name(dtype) -> str:
   """A dtype's name as plans store it ("float32", "bfloat16", "key<fry>")."""
-  return str(dtype)
+  return str(dtype)    # cached: numpy's dtype __str__ is slow, and plans call it per value
 
 
 def num_bytes(shape: Sequence[int], dtype) -> int:

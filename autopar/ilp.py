@@ -51,6 +51,7 @@ import math
 import time
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import pulp
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
@@ -101,12 +102,19 @@ def reshard_cost(aval, src: Spec, dst: Spec, cost: MeshCost, sizes, *,
              for kind, axes in reshard_collectives(src, dst))
 
 
-def _solver(time_limit: float | None = None) -> tuple[Any, str]:
-  """HiGHS through highspy, or CBC (bundled with PuLP) if it is missing."""
+def _solver(time_limit: float | None = None, *, relax: bool = False
+            ) -> tuple[Any, str]:
+  """HiGHS through highspy, or CBC (bundled with PuLP) if it is missing.
+
+  ``relax``: solve the LP relaxation (binaries as continuous in [0, 1]), with
+  HiGHS's presolve off: on these problems it costs more than it saves.
+  """
   kw = {"gapRel": MIP_GAP}
   if time_limit is not None:
     kw["timeLimit"] = time_limit
-  solver = pulp.HiGHS(msg=False, **kw)
+  if relax:
+    kw["mip"] = False
+  solver = pulp.HiGHS(msg=False, **kw, **({"presolve": "off"} if relax else {}))
   if solver.available():
     return solver, "HiGHS"
   return pulp.PULP_CBC_CMD(msg=False, **kw), "CBC"
@@ -229,7 +237,7 @@ class ShardingProblem:
           # micro-batch; ZeRO-2 (optimizer state): the update is gathered once.
           reps = self.n if k in self.read_by_compute else 1
           costs.append(reps * self.cost.all_gather(shard, self.S))
-      key = ("leaf", tuple(aval.shape), str(aval.dtype), self.batch_leaves[k],
+      key = ("leaf", tuple(aval.shape), aval.dtype, self.batch_leaves[k],
              k in self.read_by_compute)
       self.leaf_nodes.append(self._add_node(f"leaf{k}", choices, specs, costs, 1, mem,
                                             key))
@@ -251,7 +259,7 @@ class ShardingProblem:
       self.grad_nodes.append(self._add_node(f"grad{g}", specs, [(s,) for s in specs],
                                             costs, 1,
                                             key=("grad", tuple(v.aval.shape),
-                                                 str(v.aval.dtype))))
+                                                 v.aval.dtype)))
 
     self.apply_val: dict[Var, tuple[int, int]] = {}
     aj = self.apply.jaxpr
@@ -336,7 +344,7 @@ class ShardingProblem:
       rows = [(((),) + s, s) for s in specs]
     else:
       rows = [(s,) for s in specs]
-    key = ("value", name, tuple(aval.shape), str(aval.dtype), stack)
+    key = ("value", name, tuple(aval.shape), aval.dtype, stack)
     return self._add_node(name, specs, rows, [0.0] * len(specs), mult, key=key)
 
   def _follow(self, src, dst, aval, mult, part):
@@ -434,21 +442,9 @@ class ShardingProblem:
     ids: dict = {}
     color = [ids.setdefault(node.key, len(ids)) if node.key is not None else
              ids.setdefault(("node", i), len(ids)) for i, node in enumerate(self.nodes)]
-    ins = [[] for _ in range(n)]
-    outs = [[] for _ in range(n)]
-    for (src, spos), dst, dpos, _, _ in self._edge_list():
-      ins[dst].append((src, spos, dpos))
-      outs[src].append((dst, spos, dpos))
-    for _ in range(LAYER_ROUNDS):
-      ids = {}
-      new = [ids.setdefault(
-          (color[v], tuple(sorted((color[u], sp, dp) for u, sp, dp in ins[v])),
-           tuple(sorted((color[w], sp, dp) for w, sp, dp in outs[v]))), len(ids))
-          for v in range(n)]
-      if len(ids) == len(set(color)):
-        break                      # stable: no class split this round
-      color = new
-    return color
+    edges = [(src, dst, spos, dpos)
+             for (src, spos), dst, dpos, _, _ in self._edge_list()]
+    return refine_colors(color, edges, LAYER_ROUNDS)
 
   def _edge_list(self):
     """((src node, output pos), dst node, dst pos or -1 (follow), aval, mult)."""
@@ -538,7 +534,7 @@ class ShardingProblem:
     self.num_constraints += len(produced) + len(required)
 
   def _reshard(self, aval, p: Spec, r: Spec) -> float:
-    key = (tuple(aval.shape), str(aval.dtype), p, r)
+    key = (tuple(aval.shape), aval.dtype, p, r)
     c = self._reshard_cache.get(key)
     if c is None:
       c = self._reshard_cache[key] = reshard_cost(
@@ -552,7 +548,7 @@ class ShardingProblem:
     merged: dict = {}
     for (src, spos), dst, dpos, aval, mult in self._edge_list():
       key = (self.node_class[src], spos, self.node_class[dst], dpos,
-             tuple(aval.shape), str(aval.dtype))
+             tuple(aval.shape), aval.dtype)
       if key in merged:
         merged[key][-1] += mult
       else:
@@ -643,9 +639,15 @@ class ShardingProblem:
 
   def solve(self, time_limit: float = 60.0) -> Solution:
     t0 = time.perf_counter()
-    solver, solver_name = _solver(time_limit)
     try:
+      # The edge flows make the LP relaxation tight (see _edge), so its
+      # solution is most often already integral, and then optimal for the
+      # ILP; the branch-and-bound solve runs only when it is not.
+      solver, solver_name = _solver(time_limit, relax=True)
       self.prob.solve(solver)
+      if self.prob.status != pulp.LpStatusOptimal or not self._integral():
+        solver, solver_name = _solver(time_limit)
+        self.prob.solve(solver)
     finally:
       self.solve_seconds = seconds = time.perf_counter() - t0
     status = pulp.LpStatus[self.prob.status]
@@ -655,6 +657,15 @@ class ShardingProblem:
       raise PlanError(f"autopar: the sharding ILP ended with status {status!r}. "
                       f"Fix: report this with the step's jaxpr.")
     return self._read_solution(status, solver_name, seconds)
+
+  def _integral(self, tol: float = 1e-6) -> bool:
+    """Whether every one-hot variable of the current solution is 0 or 1."""
+    for idx in self._class_rep.values():
+      for x in self.nodes[idx].vars:
+        v = x.varValue
+        if v is None or min(v, 1.0 - v) > tol:
+          return False
+    return True
 
   def _infeasible_message(self, status) -> str:
     need = self.min_memory()
@@ -766,6 +777,50 @@ class ShardingProblem:
 REGIONS = ("scan", "while", "cond", "remat2")   # remat2: jax.checkpoint
 
 
+def _mix(x):
+  """splitmix64's finaliser: a well-spread 64-bit hash of each element."""
+  x = x + np.uint64(0x9E3779B97F4A7C15)
+  x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+  x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+  return x ^ (x >> np.uint64(31))
+
+
+def refine_colors(color: Sequence[int], edges: Sequence[tuple[int, int, int, int]],
+                  rounds: int) -> list[int]:
+  """Colour refinement (1-WL) of a graph whose edges are ``(src, dst, src
+  output position, dst operand position)``.
+
+  Each round a node's new colour is its colour with the multisets of
+  (producer colour, positions) and (consumer colour, positions); it stops
+  after ``rounds`` rounds or when no class splits. A multiset is summed as
+  64-bit hashes, so it runs as a few numpy passes over the edges (the
+  planner calls it on graphs of ~10^5 edges); two different neighbourhoods
+  would get one colour only if their hash sums collided (~2^-64).
+  """
+  color = np.unique(np.asarray(color, np.int64), return_inverse=True)[1]
+  if not len(edges) or not len(color):
+    return color.tolist()
+  src, dst, spos, dpos = (np.asarray(c, np.int64).astype(np.uint64)
+                          for c in zip(*edges))
+  pos = _mix(_mix(spos) + dpos)
+  n = len(color)
+  count = len(np.unique(color))
+  for _ in range(rounds):
+    c = color.astype(np.uint64)
+    into = np.zeros(n, np.uint64)
+    outof = np.zeros(n, np.uint64)
+    np.add.at(into, dst, _mix(_mix(c[src]) ^ pos))
+    np.add.at(outof, src, _mix(_mix(c[dst] + np.uint64(1)) ^ pos))
+    sig = np.stack([c, into, outof], axis=1)
+    _, new = np.unique(sig, axis=0, return_inverse=True)
+    new = new.reshape(-1)
+    new_count = int(new.max()) + 1
+    if new_count == count:
+      break                          # stable: no class split this round
+    color, count = new, new_count
+  return color.tolist()
+
+
 def get_inner(val, v):
   return val.get(v) if isinstance(v, Var) else None
 
@@ -785,8 +840,8 @@ def _hashable(value):
 def _eqn_key(eqn):
   """Equations with equal keys get the same strategies."""
   ins = tuple(("lit", repr(a.val)) if isinstance(a, Literal) else
-              (tuple(a.aval.shape), str(a.aval.dtype)) for a in eqn.invars)
-  outs = tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.outvars)
+              (tuple(a.aval.shape), a.aval.dtype) for a in eqn.invars)
+  outs = tuple((tuple(v.aval.shape), v.aval.dtype) for v in eqn.outvars)
   params = tuple(sorted((k, _hashable(v)) for k, v in eqn.params.items()))
   return (eqn.primitive.name, params, ins, outs)
 
