@@ -27,10 +27,10 @@ from autopar.method import (ParallelMethod, ShardParallel, axis_sizes_of,
 from autopar.plan import Plan
 from autopar.remat import remat_mode
 from autopar.planner import Progress, batch_axes_for, plan_auto, plan_preset
-from autopar.split import OutputKind, SplitStep, split_step
+from autopar.split import OutputKind, SplitStep, instantiate_split, split_step
 from autopar.trace import (ArgFlags, LeafInfo, abstract_leaves, arg_names,
-                           check_batch_leaves, classify_args, instantiate,
-                           trace_step, trace_step_any_batch)
+                           check_batch_leaves, classify_args, trace_step,
+                           trace_step_any_batch)
 
 __all__ = ["parallelize", "ParallelizedFunction"]
 
@@ -115,7 +115,7 @@ class ParallelizedFunction:
     self._executables: dict[Any, Executable] = {}
     self._plans: dict[Any, tuple[Plan, SplitStep]] = {}
     self._splits: dict[Any, SplitStep] = {}
-    self._any_batch: dict[Any, Any] = {}
+    self._any_split: dict[Any, SplitStep | None] = {}   # symbolic-batch split
     self._lock = threading.Lock()
     functools.update_wrapper(self, fun)
 
@@ -248,18 +248,23 @@ class ParallelizedFunction:
     key = (prep.key, micro_batch_size)
     if key not in self._splits:
       args = self._args_for_trace(prep)
-      # One symbolic trace serves every batch size (see trace_step_any_batch).
+      # One symbolic trace, split once, serves every batch size (see
+      # trace_step_any_batch); a step that needs a concrete size is traced
+      # at each.
       with remat_mode(self.method.remat):
-        if micro_batch_size and prep.key not in self._any_batch:
-          self._any_batch[prep.key] = trace_step_any_batch(
-              self.fun, args, prep.flags, prep.leaves, prep.in_tree)
-        any_batch = self._any_batch.get(prep.key) if micro_batch_size else None
-        if any_batch is not None:
-          traced = instantiate(any_batch, micro_batch_size)
+        if micro_batch_size and prep.key not in self._any_split:
+          any_batch = trace_step_any_batch(self.fun, args, prep.flags, prep.leaves,
+                                           prep.in_tree)
+          self._any_split[prep.key] = (None if any_batch is None else
+                                       split_step(any_batch, fn_name=self._name))
+        any_split = self._any_split.get(prep.key) if micro_batch_size else None
+        if any_split is not None:
+          split = instantiate_split(any_split, micro_batch_size)
         else:
-          traced = trace_step(self.fun, args, prep.flags, prep.leaves, prep.in_tree,
-                              micro_batch_size=micro_batch_size)
-      self._splits[key] = split_step(traced, fn_name=self._name)
+          split = split_step(trace_step(self.fun, args, prep.flags, prep.leaves,
+                                        prep.in_tree, micro_batch_size=micro_batch_size),
+                             fn_name=self._name)
+      self._splits[key] = split
     return self._splits[key]
 
   def _args_for_trace(self, prep: _Prepared) -> list:

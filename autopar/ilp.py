@@ -194,7 +194,8 @@ class ShardingProblem:
     self.read_by_compute = set(read_by_compute)
     self.nodes: list[_Node] = []
     self.prob = pulp.LpProblem("autopar_sharding", pulp.LpMinimize)
-    self.objective_terms: list = []
+    self.objective: dict = {}       # variable -> cost coefficient (seconds)
+    self.num_variables = 0
     self.num_constraints = 0
     self._edge_count = 0
     self._pending_edges: list = []
@@ -469,6 +470,7 @@ class ShardingProblem:
       if c not in shared:
         shared[c] = [pulp.LpVariable(f"x_{idx}_{k}", cat="Binary")
                      for k in range(len(node.choices))]
+        self.num_variables += len(node.choices)
       node.vars = shared[c]
       weight[c] = weight.get(c, 0.0) + node.mult
     self.num_classes = len(shared)
@@ -479,13 +481,28 @@ class ShardingProblem:
       node = self.nodes[idx]
       for var, cost in zip(node.vars, node.costs):
         if cost:
-          self.objective_terms.append(weight[c] * cost * var)
+          self._cost(var, weight[c] * cost)
     self._class_rep = rep
 
   def _one_hot(self):
     for c, idx in self._class_rep.items():
-      self.prob += pulp.lpSum(self.nodes[idx].vars) == 1, f"one_hot_{c}"
-      self.num_constraints += 1
+      self._constrain([(x, 1) for x in self.nodes[idx].vars], "==", 1, f"one_hot_{c}")
+
+  def _cost(self, var, seconds: float) -> None:
+    """Adds ``seconds · var`` to the objective."""
+    self.objective[var] = self.objective.get(var, 0.0) + seconds
+
+  _SENSES = {"==": pulp.LpConstraintEQ, "<=": pulp.LpConstraintLE}
+
+  def _constrain(self, terms, sense: str, rhs: float, name: str | None = None) -> None:
+    """Adds ``Σ coef · var (sense) rhs`` for ``terms`` = [(var, coef)], built
+    directly as one expression (PuLP's operators copy it term by term)."""
+    expr: dict = {}
+    for x, a in terms:
+      expr[x] = expr.get(x, 0) + a
+    self.prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(expr),
+                                              self._SENSES[sense], rhs=rhs), name)
+    self.num_constraints += 1
 
   def _spec_groups(self, node_id: int, pos: int) -> dict[Spec, list]:
     groups: dict[Spec, list] = {}
@@ -517,21 +534,23 @@ class ShardingProblem:
     if len(produced) == 1 or len(required) == 1:
       for (p, r), c in costs.items():
         if c > 0:
-          side = required[r] if len(produced) == 1 else produced[p]
-          self.objective_terms.append(mult * c * pulp.lpSum(side))
+          for x in (required[r] if len(produced) == 1 else produced[p]):
+            self._cost(x, mult * c)
       return
     flows = {}
     for (p, r), c in costs.items():
       e = pulp.LpVariable(f"e_{self._edge_count}", lowBound=0)
       self._edge_count += 1
+      self.num_variables += 1
       flows[p, r] = e
       if c > 0:
-        self.objective_terms.append(mult * c * e)
+        self._cost(e, mult * c)
     for p, pvars in produced.items():
-      self.prob += (pulp.lpSum(flows[p, r] for r in required) == pulp.lpSum(pvars))
+      self._constrain([(flows[p, r], 1) for r in required] + [(x, -1) for x in pvars],
+                      "==", 0)
     for r, rvars in required.items():
-      self.prob += (pulp.lpSum(flows[p, r] for p in produced) == pulp.lpSum(rvars))
-    self.num_constraints += len(produced) + len(required)
+      self._constrain([(flows[p, r], 1) for p in produced] + [(x, -1) for x in rvars],
+                      "==", 0)
 
   def _reshard(self, aval, p: Spec, r: Spec) -> float:
     key = (tuple(aval.shape), aval.dtype, p, r)
@@ -575,9 +594,8 @@ class ShardingProblem:
       seen.add(key)
       produced = self._spec_groups(src, pos)
       for spec, xs in self._spec_groups(self.leaf_nodes[leaf], 0).items():
-        self.prob += pulp.lpSum(produced.get(spec, [])) == pulp.lpSum(xs), \
-            f"donate_{out_idx}_{self.num_constraints}"
-        self.num_constraints += 1
+        self._constrain([(x, 1) for x in produced.get(spec, [])] + [(x, -1) for x in xs],
+                        "==", 0, f"donate_{out_idx}_{self.num_constraints}")
 
   def _bytes(self, node_id, pos, aval, choice) -> float:
     """Bytes per device of a node's output ``pos`` under one of its choices."""
@@ -633,7 +651,7 @@ class ShardingProblem:
     self._edges()
     self._donation()
     self._memory()
-    self.prob += pulp.lpSum(self.objective_terms)
+    self.prob.setObjective(pulp.LpAffineExpression(self.objective))
     self.timings["build"] = time.perf_counter() - t0 - self.timings["classes"]
     return self
 
@@ -768,7 +786,7 @@ class ShardingProblem:
                               for v in cj.outvars[num_grads:]),
         objective=float(pulp.value(self.prob.objective) or 0.0), status=status,
         solver=solver_name, seconds=seconds,
-        num_variables=len(self.prob.variables()),
+        num_variables=self.num_variables,
         num_constraints=self.num_constraints, collectives=tuple(colls),
         memory=self._memory_at_solution())
 

@@ -354,7 +354,7 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
       continue
     finally:
       progress.add("solve", getattr(problem, "solve_seconds", 0.0),
-                   f"{len(problem.prob.variables())} variables")
+                   f"{problem.num_variables} variables")
     if best is None or sol.objective < best[1].objective * (1 - 1e-9) - 1e-15:
       best = (S, sol, local, problem)
   if best is None and option.memory_budget_per_device is None:
@@ -509,10 +509,10 @@ def _plan_from_solution(split, local, method, mesh, S, sol, batch_size, stats,
     # The spec every value is produced in, to find where the plan reshards.
     produced = {v: s for v, s in zip(jaxpr.invars[nconst:], sol.leaf_specs)}
     produced.update(zip(jaxpr.invars[nconst + len(sol.leaf_specs):], sol.grad_specs))
-    for i, outs in specs.items():
-      produced.update(zip(eqn_at(jaxpr, i).outvars, outs))
-    for i, outs in sorted(specs.items(), key=lambda kv: _path_key(kv[0])):
-      eqn = eqn_at(jaxpr, i)
+    eqns = sorted((_path_key(i), i, eqn_at(jaxpr, i), outs) for i, outs in specs.items())
+    for _, _, eqn, outs in eqns:
+      produced.update(zip(eqn.outvars, outs))
+    for _, i, eqn, outs in eqns:
       for j, (v, s) in enumerate(zip(eqn.outvars, outs)):
         inter.append(ValuePlan(f"{part}/{i}/{j}", tuple(v.aval.shape),
                                dtype_name(v.aval.dtype), to_partition_spec(s)))

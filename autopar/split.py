@@ -47,9 +47,10 @@ from jax.extend.core import ClosedJaxpr, Var
 
 from autopar.errors import MarkerError
 from autopar.marker import grad_marker_p
-from autopar.trace import TracedStep, count_markers
+from autopar.trace import TracedStep, count_markers, instantiate, instantiator
 
-__all__ = ["OutputKind", "SplitStep", "split_step", "reads", "depends_on"]
+__all__ = ["OutputKind", "SplitStep", "split_step", "instantiate_split", "reads",
+           "depends_on"]
 
 
 class OutputKind(enum.Enum):
@@ -199,6 +200,29 @@ def split_step(traced: TracedStep, *, fn_name: str = "step") -> SplitStep:
                    apply=ClosedJaxpr(apply, ()), consts=tuple(closed.consts),
                    grad_names=names, out_kinds=tuple(kinds),
                    out_index=tuple(index))
+
+
+def instantiate_split(split: SplitStep, micro_batch_size: int) -> SplitStep:
+  """``split`` of a symbolic-batch trace (:func:`~autopar.trace.trace_step_any_batch`)
+  at a concrete micro-batch size.
+
+  The same as splitting the step traced at that size, without cutting it
+  again: the step's jaxpr is written out at the size, and compute_grad and
+  apply_grad, whose equations are the step's, reuse what that wrote.
+  """
+  inst = instantiator(micro_batch_size)
+  traced = instantiate(split.traced, micro_batch_size, inst)
+  def write(closed):
+    return None if closed is None else ClosedJaxpr(inst.jaxpr(closed.jaxpr), ())
+  compute, apply = write(split.compute), write(split.apply)
+  kinds = list(split.out_kinds)
+  if compute is not None:
+    outs = compute.jaxpr.outvars[split.num_grads:]
+    for j, (kind, idx) in enumerate(zip(split.out_kinds, split.out_index)):
+      if kind is not OutputKind.APPLY:
+        kinds[j] = _kind_of(outs[idx].aval, micro_batch_size)
+  return dataclasses.replace(split, traced=traced, compute=compute, apply=apply,
+                             out_kinds=tuple(kinds))
 
 
 def _batch_after_marker_error(fn_name: str, path: str | None,

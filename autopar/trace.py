@@ -282,11 +282,23 @@ def trace_step_any_batch(fn: Callable, args: Sequence[Any], flags: ArgFlags,
     return None
 
 
-def instantiate(traced: TracedStep, micro_batch_size: int) -> TracedStep:
-  """``traced`` (from :func:`trace_step_any_batch`) at a concrete batch size."""
-  jaxpr = _Instantiator({"autopar_rows": micro_batch_size}).jaxpr(traced.jaxpr.jaxpr)
+def instantiate(traced: TracedStep, micro_batch_size: int,
+                instantiator: "_Instantiator | None" = None) -> TracedStep:
+  """``traced`` (from :func:`trace_step_any_batch`) at a concrete batch size.
+
+  ``instantiator``: one made by :func:`instantiator` for this size, to write
+  out further jaxprs that share equations with this one (the split step's).
+  """
+  inst = instantiator or _Instantiator({"autopar_rows": micro_batch_size})
+  jaxpr = inst.jaxpr(traced.jaxpr.jaxpr)
   return dataclasses.replace(traced, jaxpr=ClosedJaxpr(jaxpr, traced.jaxpr.consts),
                              micro_batch_size=micro_batch_size)
+
+
+def instantiator(micro_batch_size: int) -> "_Instantiator":
+  """Writes jaxprs from :func:`trace_step_any_batch` out at a batch size;
+  variables and equations they share come out shared."""
+  return _Instantiator({"autopar_rows": micro_batch_size})
 
 
 def _is_symbolic(d) -> bool:
@@ -303,6 +315,8 @@ class _Instantiator:
     self.env = env
     self.vars: dict = {}         # old var -> new var, literal, or itself
     self.jaxprs: dict = {}       # id(sub-jaxpr) -> instantiated
+    self.avals: dict = {}        # symbolic aval -> concrete aval
+    self.eqns: dict = {}         # id(equation) -> (instantiated, equation)
 
   def value(self, v):
     """A param (a shape, dimension numbers, a sub-jaxpr...) made concrete."""
@@ -333,27 +347,41 @@ class _Instantiator:
       return v
     w = self.vars.get(v)
     if w is None:
-      shape = getattr(v.aval, "shape", ())
-      if not all(type(d) is int for d in shape) and any(_is_symbolic(d) for d in shape):
-        aval = v.aval.update(shape=tuple(self.value(d) for d in shape))
-        w = DropVar(aval) if isinstance(v, DropVar) else Var(aval)
-      else:
-        w = v
+      aval = self.aval(v.aval)
+      w = v if aval is v.aval else DropVar(aval) if isinstance(v, DropVar) else Var(aval)
       self.vars[v] = w
     return w
+
+  def aval(self, aval):
+    """``aval`` at concrete sizes (itself if it has no symbolic dimension)."""
+    shape = getattr(aval, "shape", ())
+    if all(type(d) is int for d in shape):
+      return aval
+    new = self.avals.get(aval)       # equal avals: one evaluation
+    if new is None:
+      new = self.avals[aval] = (
+          aval.update(shape=tuple(self.value(d) for d in shape))
+          if any(_is_symbolic(d) for d in shape) else aval)
+    return new
 
   def jaxpr(self, jaxpr: Jaxpr) -> Jaxpr:
     var, value = self.var, self.value
     eqns = []
     for eqn in jaxpr.eqns:
+      done = self.eqns.get(id(eqn))
+      if done is not None:
+        eqns.append(done[0])
+        continue
       if eqn.primitive.name == "dim_as_value":
         (out,) = eqn.outvars
         self.vars[out] = Literal(np.array(value(eqn.params["dim"]), out.aval.dtype),
                                  out.aval)
         continue
       params = {k: value(v) for k, v in eqn.params.items()}
-      eqns.append(eqn.replace(invars=[var(v) for v in eqn.invars],
-                              outvars=[var(v) for v in eqn.outvars], params=params))
+      new = eqn.replace(invars=[var(v) for v in eqn.invars],
+                        outvars=[var(v) for v in eqn.outvars], params=params)
+      self.eqns[id(eqn)] = (new, eqn)      # keep eqn alive: its id stays unique
+      eqns.append(new)
     return Jaxpr([var(v) for v in jaxpr.constvars], [var(v) for v in jaxpr.invars],
                  [var(v) for v in jaxpr.outvars], eqns, jaxpr.effects,
                  jaxpr.debug_info)

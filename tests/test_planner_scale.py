@@ -158,6 +158,7 @@ def test_sharing_layers_costs_nothing_on_a_small_model(d, batch):
 
 
 def test_symbolic_trace_gives_the_same_program_as_a_concrete_one():
+  from autopar.split import instantiate_split, split_step
   from autopar.trace import (abstract_leaves, arg_names, classify_args,
                              instantiate, trace_step, trace_step_any_batch)
   make_state, step, batch = transformer_setup(batch=16, d=32, heads=4, tx=SGD)
@@ -177,6 +178,22 @@ def test_symbolic_trace_gives_the_same_program_as_a_concrete_one():
     assert_trees_close(fn(*flat), ref(*flat))
     assert [tuple(v.aval.shape) for v in got.jaxpr.jaxpr.outvars] == \
         [tuple(v.aval.shape) for v in concrete.jaxpr.jaxpr.outvars]
+    # Split once symbolically, then written out: the same two stages.
+    got_split = instantiate_split(split_step(sym), rows)
+    ref_split = split_step(concrete)
+    assert got_split.out_kinds == ref_split.out_kinds
+    assert got_split.out_index == ref_split.out_index
+    for part in ("compute", "apply"):
+      g, r = getattr(got_split, part), getattr(ref_split, part)
+      assert [v.aval for v in g.jaxpr.invars] == [v.aval for v in r.jaxpr.invars]
+      assert [v.aval for v in g.jaxpr.outvars] == [v.aval for v in r.jaxpr.outvars]
+    grads = [np.ones(a.shape, a.dtype) for a in ref_split.grad_avals]
+    consts = list(ref_split.consts)
+    assert_trees_close(jax.extend.core.jaxpr_as_fun(got_split.compute)(*consts, *flat),
+                       jax.extend.core.jaxpr_as_fun(ref_split.compute)(*consts, *flat))
+    assert_trees_close(
+        jax.extend.core.jaxpr_as_fun(got_split.apply)(*consts, *flat, *grads),
+        jax.extend.core.jaxpr_as_fun(ref_split.apply)(*consts, *flat, *grads))
 
 
 def test_step_that_needs_a_concrete_batch_size_is_traced_per_size():

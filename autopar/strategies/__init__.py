@@ -22,6 +22,7 @@ each entry the tuple of mesh axes that split that dimension (major first)::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import warnings
@@ -55,6 +56,7 @@ def local_bytes(aval, spec: Spec, sizes) -> float:
   return math.prod(local_shape(aval.shape, spec, sizes)) * itemsize(aval.dtype)
 
 
+@functools.lru_cache(maxsize=4096)
 def to_partition_spec(spec: Spec):
   from jax.sharding import PartitionSpec
   return PartitionSpec(*(None if not e else e[0] if len(e) == 1 else tuple(e)
