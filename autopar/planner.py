@@ -26,6 +26,7 @@ state), and each pair gets one sharding, so that XLA can update in place.
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import sys
 import time
@@ -319,44 +320,50 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
   cost = MeshCost(sizes, option.alpha, option.beta)
   micro = batch_size // n if batch_size else 0
   best, errors = None, []
-  for S in _distinct_up_to_axis_names(candidate_batch_axes(method, mesh, micro),
-                                      names, sizes, option):
-    d = math.prod(sizes[a] for a in S)
-    t0 = time.perf_counter()
-    local = split if d == 1 else trace_local(micro // d)
-    if d > 1:
-      progress.add("trace", time.perf_counter() - t0, f"{micro // d} rows per device")
-    A = tuple(a for a in names if a not in S)
-    traced = local.traced
-    problem = ShardingProblem(
-        compute=local.compute, apply=local.apply, num_consts=len(local.consts),
-        leaf_avals=[l.abstract((micro // d, *l.shape[1:]) if l.is_batch else None)
-                    for l in traced.leaves],
-        batch_leaves=[l.is_batch for l in traced.leaves],
-        donation=_apply_donation(local), num_micro_batches=n, batch_axes=S,
-        planned_axes=A, sizes=sizes, cost=cost,
-        seconds_per_flop=option.seconds_per_flop,
-        allow_all_gather=option.allow_all_gather,
-        allow_all_to_all=option.allow_all_to_all,
-        memory_budget=option.memory_budget_per_device,
-        read_by_compute=leaves_read_by_compute(local),
-        share_layers=option.share_layers).build()
-    where = f"batch over {S or 'no axes'}"
-    progress.add("strategies", problem.timings["strategies"],
-                 f"{where}: {len(problem.nodes)} nodes")
-    progress.add("classes", problem.timings["classes"],
-                 f"{problem.num_classes} classes")
-    progress.add("build", problem.timings["build"])
-    try:
-      sol = problem.solve()
-    except PlanError as e:
-      errors.append((problem, e))
-      continue
-    finally:
-      progress.add("solve", getattr(problem, "solve_seconds", 0.0),
-                   f"{problem.num_variables} variables")
-    if best is None or sol.objective < best[1].objective * (1 - 1e-9) - 1e-15:
-      best = (S, sol, local, problem)
+  # Each problem is solved on a worker thread while the next one is built:
+  # HiGHS runs without holding the GIL, so building and solving overlap.
+  with concurrent.futures.ThreadPoolExecutor(max_workers=1) as solver:
+    pending = []
+    for S in _distinct_up_to_axis_names(candidate_batch_axes(method, mesh, micro),
+                                        names, sizes, option):
+      d = math.prod(sizes[a] for a in S)
+      t0 = time.perf_counter()
+      local = split if d == 1 else trace_local(micro // d)
+      if d > 1:
+        progress.add("trace", time.perf_counter() - t0, f"{micro // d} rows per device")
+      A = tuple(a for a in names if a not in S)
+      traced = local.traced
+      problem = ShardingProblem(
+          compute=local.compute, apply=local.apply, num_consts=len(local.consts),
+          leaf_avals=[l.abstract((micro // d, *l.shape[1:]) if l.is_batch else None)
+                      for l in traced.leaves],
+          batch_leaves=[l.is_batch for l in traced.leaves],
+          donation=_apply_donation(local), num_micro_batches=n, batch_axes=S,
+          planned_axes=A, sizes=sizes, cost=cost,
+          seconds_per_flop=option.seconds_per_flop,
+          allow_all_gather=option.allow_all_gather,
+          allow_all_to_all=option.allow_all_to_all,
+          memory_budget=option.memory_budget_per_device,
+          read_by_compute=leaves_read_by_compute(local),
+          share_layers=option.share_layers).build()
+      where = f"batch over {S or 'no axes'}"
+      progress.add("strategies", problem.timings["strategies"],
+                   f"{where}: {len(problem.nodes)} nodes")
+      progress.add("classes", problem.timings["classes"],
+                   f"{problem.num_classes} classes")
+      progress.add("build", problem.timings["build"])
+      pending.append((S, local, problem, solver.submit(problem.solve)))
+    for S, local, problem, future in pending:
+      try:
+        sol = future.result()
+      except PlanError as e:
+        errors.append((problem, e))
+        continue
+      finally:
+        progress.add("solve", getattr(problem, "solve_seconds", 0.0),
+                     f"batch over {S or 'no axes'}: {problem.num_variables} variables")
+      if best is None or sol.objective < best[1].objective * (1 - 1e-9) - 1e-15:
+        best = (S, sol, local, problem)
   if best is None and option.memory_budget_per_device is None:
     raise errors[0][1]
   if best is None:
