@@ -32,6 +32,7 @@ class HostWorker:
     self.arrays: dict[int, Any] = {}
     self.functions: dict[int, Any] = {}
     self.trees: dict[str, Any] = {}
+    self.tree_pickles: dict[Any, bytes] = {}
     self.mesh = None
 
   # -- start-up ------------------------------------------------------------------
@@ -164,8 +165,20 @@ class HostWorker:
     gone = [i for i, x in self.arrays.items() if x.is_deleted()]
     for i in gone:
       del self.arrays[i]
-    return {"tree": cloudpickle.dumps(tree), "leaves": info, "deleted": gone,
+    return {"tree": self._tree_bytes(tree), "leaves": info, "deleted": gone,
             "seconds": seconds}
+
+  def _tree_bytes(self, tree) -> bytes:
+    """The output structure pickled (kept: it pickles the TrainState's
+    apply_fn and optimizer, milliseconds each step)."""
+    from ray import cloudpickle
+    try:
+      data = self.tree_pickles.get(tree)
+      if data is None:
+        data = self.tree_pickles[tree] = cloudpickle.dumps(tree)
+      return data
+    except TypeError:          # an unhashable treedef
+      return cloudpickle.dumps(tree)
 
   # -- checkpoints ---------------------------------------------------------------------
 
