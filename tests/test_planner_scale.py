@@ -9,6 +9,7 @@ import textwrap
 
 import jax
 import jax.extend.core
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -117,6 +118,31 @@ def test_plan_cache_hit_on_a_second_call(monkeypatch, tmp_path):
       seconds_per_flop=1e-13))
   with pytest.raises(AssertionError, match="solved again"):
     autopar.parallelize(step, method=other).plan(*args)
+
+
+def test_plan_cache_key_tells_programs_apart():
+  import hashlib
+  from autopar.cache import program_digest
+
+  def digest(f, *shapes):
+    h = hashlib.sha256()
+    program_digest(jax.make_jaxpr(f)(*[jax.ShapeDtypeStruct(s, jnp.float32)
+                                       for s in shapes]), h)
+    return h.hexdigest()
+
+  def scan(body):
+    return lambda x: jax.lax.scan(lambda c, _: (body(c), None), x, None, length=3)[0]
+
+  programs = {
+      "sin": (jnp.sin, (4,)), "cos": (jnp.cos, (4,)), "sin 8": (jnp.sin, (8,)),
+      "x*2": (lambda x: x * 2, (4,)), "x*3": (lambda x: x * 3, (4,)),
+      "sum 0": (lambda x: x.sum(0), (4, 4)), "sum 1": (lambda x: x.sum(1), (4, 4)),
+      "scan sin": (scan(jnp.sin), (4,)), "scan cos": (scan(jnp.cos), (4,)),
+      "x+y": (lambda x, y: x + y, (4,), (4,)), "y+x": (lambda x, y: y - x, (4,), (4,)),
+  }
+  digests = {k: digest(f, *shapes) for k, (f, *shapes) in programs.items()}
+  assert len(set(digests.values())) == len(programs)
+  assert digest(jnp.sin, (4,)) == digests["sin"]      # the same program, traced again
 
 
 def layer_specs(plan, layer):
