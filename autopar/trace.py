@@ -378,8 +378,14 @@ class _Instantiator:
                                  out.aval)
         continue
       params = {k: value(v) for k, v in eqn.params.items()}
-      new = eqn.replace(invars=[var(v) for v in eqn.invars],
-                        outvars=[var(v) for v in eqn.outvars], params=params)
+      invars = [var(v) for v in eqn.invars]
+      outvars = [var(v) for v in eqn.outvars]
+      if (all(a is b for a, b in zip(invars, eqn.invars))
+          and all(a is b for a, b in zip(outvars, eqn.outvars))
+          and all(params[k] is v for k, v in eqn.params.items())):
+        new = eqn                    # nothing symbolic in it (the optimizer's)
+      else:
+        new = eqn.replace(invars=invars, outvars=outvars, params=params)
       self.eqns[id(eqn)] = (new, eqn)      # keep eqn alive: its id stays unique
       eqns.append(new)
     return Jaxpr([var(v) for v in jaxpr.constvars], [var(v) for v in jaxpr.invars],
