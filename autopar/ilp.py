@@ -661,7 +661,12 @@ class ShardingProblem:
     self.timings["build"] = time.perf_counter() - t0 - self.timings["classes"]
     return self
 
-  def solve(self, time_limit: float = 60.0) -> Solution:
+  def solve(self, time_limit: float = 60.0) -> float:
+    """Solves the problem; returns its objective (seconds per step).
+
+    :meth:`solution` then reads what was chosen: the planner compares the
+    objectives of several problems and reads only the best one's solution.
+    """
     t0 = time.perf_counter()
     try:
       # The edge flows make the LP relaxation tight (see _edge), so its
@@ -680,7 +685,12 @@ class ShardingProblem:
         raise PlanError(self._infeasible_message(status))
       raise PlanError(f"autopar: the sharding ILP ended with status {status!r}. "
                       f"Fix: report this with the step's jaxpr.")
-    return self._read_solution(status, solver_name, seconds)
+    self._solved = (status, solver_name, seconds)
+    return float(pulp.value(self.prob.objective) or 0.0)
+
+  def solution(self) -> Solution:
+    """What the solver chose (after :meth:`solve`)."""
+    return self._read_solution(*self._solved)
 
   def _integral(self, tol: float = 1e-6) -> bool:
     """Whether every one-hot variable of the current solution is 0 or 1."""

@@ -355,15 +355,15 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
       pending.append((S, local, problem, solver.submit(problem.solve)))
     for S, local, problem, future in pending:
       try:
-        sol = future.result()
+        objective = future.result()
       except PlanError as e:
         errors.append((problem, e))
         continue
       finally:
         progress.add("solve", getattr(problem, "solve_seconds", 0.0),
                      f"batch over {S or 'no axes'}: {problem.num_variables} variables")
-      if best is None or sol.objective < best[1].objective * (1 - 1e-9) - 1e-15:
-        best = (S, sol, local, problem)
+      if best is None or objective < best[1] * (1 - 1e-9) - 1e-15:
+        best = (S, objective, local, problem)
   if best is None and option.memory_budget_per_device is None:
     raise errors[0][1]
   if best is None:
@@ -374,7 +374,8 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
         f"of batch axes; the smallest budget that fits is about {need:.0f} bytes. "
         f"Fix: raise memory_budget_per_device to at least {need:.0f}, or use more "
         f"micro-batches or a larger mesh.")
-  S, sol, local, problem = best
+  S, _, local, problem = best
+  sol = problem.solution()
   stats = dict(num_equations=len(local.compute.jaxpr.eqns) + len(local.apply.jaxpr.eqns),
                num_nodes=len(problem.nodes), num_classes=problem.num_classes)
   plan = _plan_from_solution(split, local, method, mesh, S, sol, batch_size, stats,
