@@ -10,13 +10,17 @@ per depth: equations in compute_grad + apply_grad, ILP nodes after merging
 elementwise equations, node classes after sharing repeated layers, the chosen
 problem's variables and constraints, and the planning time by stage (summed
 over the batch-axes choices tried: trace at each per-device batch size,
-strategy enumeration, layer classes, ILP construction, solve) and in total,
-measured from the call to ``.plan()``.
+strategy enumeration, layer classes, ILP construction, solve; a solve runs
+on a thread while the next problem is built, so stage times overlap) and in
+total, measured from the call to ``.plan()``. Each
+depth is planned in a fresh process.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 import time
 
@@ -90,32 +94,49 @@ def abstract_args(layers: int, d=1024, heads=16, vocab=1024, seq=128, batch=64):
   return state, {"tokens": jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)}
 
 
-def main(depths):
+COLUMNS = ("layers", "eqns", "nodes", "classes", "vars", "constr", "trace s",
+           "strat s", "classes s", "build s", "solve s", "total s")
+
+
+def plan_one(layers: int) -> tuple:
+  """Plans the ``layers``-deep model; its row of the table."""
   mesh = jax.sharding.AbstractMesh((8, 8), ("data", "model"))
   option = autopar.AutoShardingOption(plan_cache=False, verbose=False)
-  cols = ("layers", "eqns", "nodes", "classes", "vars", "constr", "trace s",
-          "strat s", "classes s", "build s", "solve s", "total s")
-  print(" ".join(f"{c:>9}" for c in cols))
+  args = abstract_args(layers)
+  step = autopar.parallelize(lm_step, method=autopar.ShardParallel(mesh=mesh,
+                                                                    option=option))
+  t0 = time.perf_counter()
+  plan = step.plan(*args)
+  total = time.perf_counter() - t0
+  s, t = plan.solver, plan.solver.timings
+  return (layers, s.num_equations, s.num_nodes, s.num_classes, s.num_variables,
+          s.num_constraints, t.get("trace", 0), t.get("strategies", 0),
+          t.get("classes", 0), t.get("build", 0), t.get("solve", 0), total,
+          list(plan.batch_axes))
+
+
+def main(depths):
+  # Each depth is planned in a fresh process, as a script planning its one
+  # model would be: in one long process the later (larger) models are traced
+  # on a heap that holds the earlier ones, which slows JAX's tracing by a
+  # third or more.
+  print(" ".join(f"{c:>9}" for c in COLUMNS))
   rows = []
   for layers in depths:
-    args = abstract_args(layers)
-    step = autopar.parallelize(lm_step, method=autopar.ShardParallel(mesh=mesh,
-                                                                      option=option))
-    t0 = time.perf_counter()
-    plan = step.plan(*args)
-    total = time.perf_counter() - t0
-    s, t = plan.solver, plan.solver.timings
-    row = (layers, s.num_equations, s.num_nodes, s.num_classes, s.num_variables,
-           s.num_constraints, t.get("trace", 0), t.get("strategies", 0),
-           t.get("classes", 0), t.get("build", 0), t.get("solve", 0), total)
+    out = subprocess.run([sys.executable, __file__, "--one", str(layers)],
+                         check=True, capture_output=True, text=True).stdout
+    *row, batch_axes = json.loads(out.strip().splitlines()[-1])
     rows.append(row)
     print(" ".join(f"{v:>9}" if isinstance(v, int) else f"{v:>9.2f}" for v in row),
           flush=True)
   if len(rows) > 1:
     (l0, *_, t0_), (l1, *_, t1) = rows[0], rows[-1]
     print(f"\nplanning time x{t1 / t0_:.1f} for x{l1 / l0:.0f} layers; batch axes "
-          f"chosen: {plan.batch_axes}")
+          f"chosen: {tuple(batch_axes)}")
 
 
 if __name__ == "__main__":
-  main([int(a) for a in sys.argv[1:]] or [2, 12, 24, 48, 96])
+  if sys.argv[1:2] == ["--one"]:
+    print(json.dumps(plan_one(int(sys.argv[2]))))
+  else:
+    main([int(a) for a in sys.argv[1:]] or [2, 12, 24, 48, 96])
