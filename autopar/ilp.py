@@ -40,8 +40,10 @@ Constraints (one method each)
     ``Σ_{values live at t} Σ_c bytes(value, c) · x[v,c] + state ≤ budget``
                                                                   (``_memory``)
 
-Solved with PuLP and HiGHS (CBC if HiGHS is missing). An infeasible memory
-budget raises an error with the smallest budget that would fit.
+Solved with PuLP and HiGHS (CBC if HiGHS is missing): the LP relaxation
+first, which the edge flows make tight, and branch and bound only if its
+solution is fractional. An infeasible memory budget raises an error with the
+smallest budget that would fit.
 """
 
 from __future__ import annotations
@@ -492,22 +494,20 @@ class ShardingProblem:
 
   def _one_hot(self):
     for c, idx in self._class_rep.items():
-      self._constrain([(x, 1) for x in self.nodes[idx].vars], "==", 1, f"one_hot_{c}")
+      self._equal([(x, 1) for x in self.nodes[idx].vars], 1, f"one_hot_{c}")
 
   def _cost(self, var, seconds: float) -> None:
     """Adds ``seconds · var`` to the objective."""
     self.objective[var] = self.objective.get(var, 0.0) + seconds
 
-  _SENSES = {"==": pulp.LpConstraintEQ, "<=": pulp.LpConstraintLE}
-
-  def _constrain(self, terms, sense: str, rhs: float, name: str | None = None) -> None:
-    """Adds ``Σ coef · var (sense) rhs`` for ``terms`` = [(var, coef)], built
+  def _equal(self, terms, rhs: float, name: str | None = None) -> None:
+    """Adds ``Σ coef · var == rhs`` for ``terms`` = [(var, coef)], built
     directly as one expression (PuLP's operators copy it term by term)."""
     expr: dict = {}
     for x, a in terms:
       expr[x] = expr.get(x, 0) + a
     self.prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(expr),
-                                              self._SENSES[sense], rhs=rhs), name)
+                                              pulp.LpConstraintEQ, rhs=rhs), name)
     self.num_constraints += 1
 
   def _spec_groups(self, node_id: int, pos: int) -> dict[Spec, list]:
@@ -552,11 +552,9 @@ class ShardingProblem:
       if c > 0:
         self._cost(e, mult * c)
     for p, pvars in produced.items():
-      self._constrain([(flows[p, r], 1) for r in required] + [(x, -1) for x in pvars],
-                      "==", 0)
+      self._equal([(flows[p, r], 1) for r in required] + [(x, -1) for x in pvars], 0)
     for r, rvars in required.items():
-      self._constrain([(flows[p, r], 1) for p in produced] + [(x, -1) for x in rvars],
-                      "==", 0)
+      self._equal([(flows[p, r], 1) for p in produced] + [(x, -1) for x in rvars], 0)
 
   def _reshard(self, aval, p: Spec, r: Spec) -> float:
     key = (tuple(aval.shape), aval.dtype, p, r)
@@ -600,8 +598,8 @@ class ShardingProblem:
       seen.add(key)
       produced = self._spec_groups(src, pos)
       for spec, xs in self._spec_groups(self.leaf_nodes[leaf], 0).items():
-        self._constrain([(x, 1) for x in produced.get(spec, [])] + [(x, -1) for x in xs],
-                        "==", 0, f"donate_{out_idx}_{self.num_constraints}")
+        self._equal([(x, 1) for x in produced.get(spec, [])] + [(x, -1) for x in xs],
+                    0, f"donate_{out_idx}_{self.num_constraints}")
 
   def _bytes(self, node_id, pos, aval, choice) -> float:
     """Bytes per device of a node's output ``pos`` under one of its choices."""
