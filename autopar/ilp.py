@@ -871,9 +871,11 @@ def _hashable(value):
 
 def _eqn_key(eqn):
   """Equations with equal keys get the same strategies."""
-  ins = tuple(("lit", repr(a.val)) if isinstance(a, Literal) else
-              (tuple(a.aval.shape), a.aval.dtype) for a in eqn.invars)
-  outs = tuple((tuple(v.aval.shape), v.aval.dtype) for v in eqn.outvars)
+  # A literal by its bytes (numpy's repr is slow); shapes are tuples already.
+  ins = tuple(("lit", np.asarray(a.val).tobytes(), a.aval.shape, a.aval.dtype)
+              if isinstance(a, Literal) else (a.aval.shape, a.aval.dtype)
+              for a in eqn.invars)
+  outs = tuple((v.aval.shape, v.aval.dtype) for v in eqn.outvars)
   params = tuple(sorted((k, _hashable(v)) for k, v in eqn.params.items()))
   return (eqn.primitive.name, params, ins, outs)
 
