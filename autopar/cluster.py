@@ -210,6 +210,30 @@ def _block(array: np.ndarray, index) -> np.ndarray:
 
 # -- the cluster -------------------------------------------------------------------------
 
+def _join_ray(address: str) -> None:
+  """Connects this process to the Ray cluster at ``address``."""
+  import ray
+  try:
+    ray.init(address=address, log_to_driver=False)
+  except Exception as e:   # noqa: BLE001 - Ray wraps its errors in RuntimeError
+    causes = [e]
+    while causes[-1].__cause__ is not None:
+      causes.append(causes[-1].__cause__)
+    if any(type(c).__name__ == "AuthenticationError" or "InvalidAuthToken" in str(c)
+           for c in causes):
+      raise ClusterError(
+          f"autopar.init: the Ray cluster at {address!r} refused this process's "
+          f"credentials: it uses token authentication (the default for "
+          f"`ray start` since Ray 2.59) and RAY_AUTH_MODE is "
+          f"{os.environ.get('RAY_AUTH_MODE', 'unset')!r} here. Fix: set "
+          f"RAY_AUTH_MODE=token in this process's environment, with the "
+          f"cluster's token in ~/.ray/auth_token or RAY_AUTH_TOKEN.") from e
+    raise ClusterError(f"autopar.init: could not join the Ray cluster at "
+                       f"{address!r}: {e}. Fix: check the address (`ray status` "
+                       f"on the head node prints it) and that the cluster is "
+                       f"running.") from e
+
+
 class RayCluster:
   """The host workers and how to reach them (made by :func:`init`)."""
 
@@ -246,7 +270,7 @@ class RayCluster:
         ray.init(num_cpus=max(n, os.cpu_count() or 1), include_dashboard=False,
                  log_to_driver=False)
       else:
-        ray.init(address=self.address, log_to_driver=False)
+        _join_ray(self.address)
       self.started_ray = True
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     gpus = int(sum(n["Resources"].get("GPU", 0) for n in nodes))

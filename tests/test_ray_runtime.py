@@ -3,7 +3,12 @@ jax.distributed (a real multi-process mesh, gloo collectives), against the
 same methods run in this process on 8 simulated devices."""
 
 import os
+import queue
 import signal
+import socket
+import subprocess
+import sys
+import threading
 import time
 
 import jax
@@ -55,8 +60,47 @@ def references():
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(references):
-  autopar.init("ray", num_hosts=2, num_devices_per_host=4)
+def ray_head():
+  """A one-node Ray cluster started as a user would (``ray start --head``),
+  for autopar to join; it outlives autopar.shutdown() and ends here."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+  # Token authentication, as `ray start` sets up by default since Ray 2.59;
+  # the driver (this process) must then say so too.
+  auth_mode = os.environ.get("RAY_AUTH_MODE")
+  os.environ["RAY_AUTH_MODE"] = "token"
+  head = subprocess.Popen(
+      [ray_cli, "start", "--head", "--block", f"--port={port}",
+       "--node-ip-address=127.0.0.1", "--num-cpus=2", "--include-dashboard=false",
+       "--disable-usage-stats"],
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  lines: "queue.Queue[str | None]" = queue.Queue()
+  threading.Thread(target=lambda: ([lines.put(l) for l in head.stdout], lines.put(None)),
+                   daemon=True).start()
+  seen, deadline = [], time.monotonic() + 120
+  while not seen or "runtime started" not in seen[-1]:   # "Ray runtime started."
+    try:
+      line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+    except queue.Empty:
+      line = None
+    if line is None:
+      head.kill()
+      pytest.fail("ray start --head did not start in 120 s:\n" + "".join(seen[-20:]))
+    seen.append(line)
+  yield head, f"127.0.0.1:{port}"
+  head.terminate()                           # --block: ends the node's processes
+  head.wait(timeout=60)
+  if auth_mode is None:
+    del os.environ["RAY_AUTH_MODE"]
+  else:
+    os.environ["RAY_AUTH_MODE"] = auth_mode
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(references, ray_head):
+  autopar.init("ray", address=ray_head[1], num_hosts=2, num_devices_per_host=4)
   yield cluster.current()
   autopar.shutdown()
 
@@ -87,8 +131,8 @@ def test_only_batch_shards_move_after_the_first_step(ray_cluster):
   assert moved == sum(x.nbytes for x in batch.values())   # each row once
 
 
-def test_a_killed_worker_is_named_and_a_checkpoint_resumes(ray_cluster, references,
-                                                          tmp_path):
+def test_a_killed_worker_is_named_and_a_checkpoint_resumes(ray_cluster, ray_head,
+                                                          references, tmp_path):
   make_state, step, batch = setups()["mlp"]
   mesh = autopar.global_mesh((2, 4), ("data", "model"))
   method = methods(mesh)["dp"]
@@ -105,7 +149,9 @@ def test_a_killed_worker_is_named_and_a_checkpoint_resumes(ray_cluster, referenc
     p(state, batch)
 
   autopar.shutdown()
-  autopar.init("ray", num_hosts=2, num_devices_per_host=4)
+  head, address = ray_head
+  assert head.poll() is None                 # the joined cluster is left running
+  autopar.init("ray", address=address, num_hosts=2, num_devices_per_host=4)
   target = jax.eval_shape(make_state)
   shardings = p.plan(target, batch).input_shardings[0]
   state = autopar.restore_checkpoint(path, target, shardings)
