@@ -305,11 +305,29 @@ def _is_symbolic(d) -> bool:
   return jax_core.is_symbolic_dim(d)
 
 
-_PLAIN = (int, str, bool, float, type(None))
+# What _Instantiator.value does with a param, by the param's type.
+_OPAQUE, _DIM, _JAXPR, _SEQ = range(4)
+_KINDS: dict[type, int] = {}
+
+
+def _kind(t: type) -> int:
+  k = _KINDS.get(t)
+  if k is None:
+    k = _KINDS[t] = (
+        _JAXPR if issubclass(t, (ClosedJaxpr, Jaxpr)) else
+        _SEQ if issubclass(t, (tuple, list)) else
+        _DIM if getattr(t, "dimension_as_value", None) is not None else  # see
+        _OPAQUE)                                             # is_symbolic_dim
+  return k
 
 
 class _Instantiator:
-  """Writes a symbolic-shape jaxpr out at concrete sizes (``env``)."""
+  """Writes a symbolic-shape jaxpr out at concrete sizes (``env``).
+
+  It runs once per batch size over every equation of a large step, so it
+  looks each thing up once: a param's kind by its type, a variable's
+  replacement by the variable, an aval's by the aval.
+  """
 
   def __init__(self, env):
     self.env = env
@@ -320,30 +338,32 @@ class _Instantiator:
 
   def value(self, v):
     """A param (a shape, dimension numbers, a sub-jaxpr...) made concrete."""
-    t = type(v)
-    if t in _PLAIN or t is tuple and all(type(x) in _PLAIN for x in v):
+    k = _KINDS.get(type(v))
+    if k is None:
+      k = _kind(type(v))
+    if k == _OPAQUE:
       return v
-    if _is_symbolic(v):
+    if k == _DIM:
       return int(v._evaluate(self.env))
-    if isinstance(v, (ClosedJaxpr, Jaxpr)):
-      out = self.jaxprs.get(id(v))
-      if out is None:
-        out = (ClosedJaxpr(self.jaxpr(v.jaxpr), v.consts) if isinstance(v, ClosedJaxpr)
-               else self.jaxpr(v))
-        self.jaxprs[id(v)] = (out, v)       # keep v alive: its id stays unique
-        return out
-      return out[0]
-    if isinstance(v, (tuple, list)):
+    if k == _SEQ:
+      if all(_KINDS.get(t) == _OPAQUE for t in set(map(type, v))):
+        return v                         # e.g. a tuple of ints
       items = [self.value(x) for x in v]
       if all(a is b for a, b in zip(items, v)):
         return v
       if hasattr(v, "_fields"):          # a NamedTuple (dimension numbers)
         return type(v)(*items)
       return type(v)(items)
-    return v
+    out = self.jaxprs.get(id(v))
+    if out is None:
+      out = (ClosedJaxpr(self.jaxpr(v.jaxpr), v.consts) if isinstance(v, ClosedJaxpr)
+             else self.jaxpr(v))
+      self.jaxprs[id(v)] = (out, v)       # keep v alive: its id stays unique
+      return out
+    return out[0]
 
   def var(self, v):
-    if isinstance(v, Literal):
+    if type(v) is Literal:
       return v
     w = self.vars.get(v)
     if w is None:
@@ -365,10 +385,11 @@ class _Instantiator:
     return new
 
   def jaxpr(self, jaxpr: Jaxpr) -> Jaxpr:
-    var, value = self.var, self.value
+    var, value, known = self.var, self.value, self.vars.get
+    memo = self.eqns
     eqns = []
     for eqn in jaxpr.eqns:
-      done = self.eqns.get(id(eqn))
+      done = memo.get(id(eqn))
       if done is not None:
         eqns.append(done[0])
         continue
@@ -377,16 +398,29 @@ class _Instantiator:
         self.vars[out] = Literal(np.array(value(eqn.params["dim"]), out.aval.dtype),
                                  out.aval)
         continue
-      params = {k: value(v) for k, v in eqn.params.items()}
-      invars = [var(v) for v in eqn.invars]
-      outvars = [var(v) for v in eqn.outvars]
-      if (all(a is b for a, b in zip(invars, eqn.invars))
-          and all(a is b for a, b in zip(outvars, eqn.outvars))
-          and all(params[k] is v for k, v in eqn.params.items())):
-        new = eqn                    # nothing symbolic in it (the optimizer's)
-      else:
-        new = eqn.replace(invars=invars, outvars=outvars, params=params)
-      self.eqns[id(eqn)] = (new, eqn)      # keep eqn alive: its id stays unique
+      params = eqn.params
+      new_params = None
+      for k, p in params.items():
+        q = value(p)
+        if q is not p:
+          if new_params is None:
+            new_params = dict(params)
+          new_params[k] = q
+      changed = new_params is not None
+      invars = []
+      for v in eqn.invars:
+        w = v if type(v) is Literal else known(v) or var(v)
+        changed = changed or w is not v
+        invars.append(w)
+      outvars = []
+      for v in eqn.outvars:
+        w = known(v) or var(v)
+        changed = changed or w is not v
+        outvars.append(w)
+      # Unchanged: nothing symbolic in it (e.g. the optimizer's equations).
+      new = eqn.replace(invars=invars, outvars=outvars,
+                        params=new_params or params) if changed else eqn
+      memo[id(eqn)] = (new, eqn)      # keep eqn alive: its id stays unique
       eqns.append(new)
     return Jaxpr([var(v) for v in jaxpr.constvars], [var(v) for v in jaxpr.invars],
                  [var(v) for v in jaxpr.outvars], eqns, jaxpr.effects,
