@@ -12,7 +12,9 @@ problem's variables and constraints, and the planning time by stage (summed
 over the batch-axes choices tried: trace at each per-device batch size,
 strategy enumeration, layer classes, ILP construction, solve; a solve runs
 on a thread while the next problem is built, so stage times overlap) and in
-total, measured from the call to ``.plan()``. Each
+total, measured from the call to ``.plan()``: wall-clock seconds, and the
+process's CPU seconds (all threads; steadier than wall time on a shared
+host, where other machines' load can stretch the wall time by a third). Each
 depth is planned in a fresh process.
 """
 
@@ -95,7 +97,7 @@ def abstract_args(layers: int, d=1024, heads=16, vocab=1024, seq=128, batch=64):
 
 
 COLUMNS = ("layers", "eqns", "nodes", "classes", "vars", "constr", "trace s",
-           "strat s", "classes s", "build s", "solve s", "total s")
+           "strat s", "classes s", "build s", "solve s", "total s", "cpu s")
 
 
 def plan_one(layers: int) -> tuple:
@@ -105,13 +107,13 @@ def plan_one(layers: int) -> tuple:
   args = abstract_args(layers)
   step = autopar.parallelize(lm_step, method=autopar.ShardParallel(mesh=mesh,
                                                                     option=option))
-  t0 = time.perf_counter()
+  t0, c0 = time.perf_counter(), time.process_time()
   plan = step.plan(*args)
-  total = time.perf_counter() - t0
+  total, cpu = time.perf_counter() - t0, time.process_time() - c0
   s, t = plan.solver, plan.solver.timings
   return (layers, s.num_equations, s.num_nodes, s.num_classes, s.num_variables,
           s.num_constraints, t.get("trace", 0), t.get("strategies", 0),
-          t.get("classes", 0), t.get("build", 0), t.get("solve", 0), total,
+          t.get("classes", 0), t.get("build", 0), t.get("solve", 0), total, cpu,
           list(plan.batch_axes))
 
 
@@ -130,7 +132,7 @@ def main(depths):
     print(" ".join(f"{v:>9}" if isinstance(v, int) else f"{v:>9.2f}" for v in row),
           flush=True)
   if len(rows) > 1:
-    (l0, *_, t0_), (l1, *_, t1) = rows[0], rows[-1]
+    (l0, *_, t0_, _), (l1, *_, t1, _) = rows[0], rows[-1]
     print(f"\nplanning time x{t1 / t0_:.1f} for x{l1 / l0:.0f} layers; batch axes "
           f"chosen: {tuple(batch_axes)}")
 
