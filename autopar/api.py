@@ -224,7 +224,7 @@ class ParallelizedFunction:
       else:
         plan = plan_auto(split, method, mesh, batch_size=batch_size,
                          trace_local=lambda rows: self._split(prep, rows),
-                         progress=progress)
+                         progress=progress, any_batch=self._any_split.get(prep.key))
         if key:
           plan_cache.store(key, plan)
     else:

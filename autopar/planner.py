@@ -41,6 +41,7 @@ from autopar.method import (ParallelMethod, ShardParallel,
                             axis_sizes_of, check_axes)
 from autopar.plan import CollectivePlan, Plan, ValuePlan
 from autopar.split import OutputKind, SplitStep, depends_on, reads
+from autopar.strategies import enumerate_specs, local_bytes
 from autopar.trace import TracedStep
 
 __all__ = ["plan_preset", "donation_pairs", "leaves_read_by_compute",
@@ -304,10 +305,13 @@ class Progress:
 
 
 def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
-              trace_local, progress: Progress | None = None) -> Plan:
+              trace_local, progress: Progress | None = None,
+              any_batch: SplitStep | None = None) -> Plan:
   """Plans ``split`` with the ILP, trying every choice of batch axes.
 
   ``trace_local(rows)`` returns the step split at ``rows`` per micro-batch.
+  ``any_batch``: the step split at a symbolic batch size, if it could be
+  traced so; it bounds the cost of a choice before its problem is built.
   """
   progress = progress or Progress("step", method.option.verbose)
   from autopar.ilp import ShardingProblem   # the solver is only needed here
@@ -319,19 +323,50 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
   option = method.option
   cost = MeshCost(sizes, option.alpha, option.beta)
   micro = batch_size // n if batch_size else 0
+  matmul_flops = _matmul_flops(any_batch) if any_batch is not None else None
   best, errors = None, []
+  pending = []
+
+  def settle():
+    """Waits for the solves in flight and keeps the best (the first of equals)."""
+    nonlocal best
+    for S, local, problem, future in pending:
+      try:
+        objective = future.result()
+      except PlanError as e:
+        errors.append((problem, e))
+        continue
+      finally:
+        progress.add("solve", getattr(problem, "solve_seconds", 0.0),
+                     f"batch over {S or 'no axes'}: {problem.num_variables} variables")
+      if best is None or objective < best[1] * (1 - 1e-9) - 1e-15:
+        best = (S, objective, local, problem)
+    pending.clear()
+
   # Each problem is solved on a worker thread while the next one is built:
   # HiGHS runs without holding the GIL, so building and solving overlap.
   with concurrent.futures.ThreadPoolExecutor(max_workers=1) as solver:
-    pending = []
     for S in _distinct_up_to_axis_names(candidate_batch_axes(method, mesh, micro),
                                         names, sizes, option):
+      A = tuple(a for a in names if a not in S)
       d = math.prod(sizes[a] for a in S)
+      bound = _cost_lower_bound(split, matmul_flops, S, A, sizes, cost, option, n,
+                                micro // d)
+      if bound > 0 and pending:
+        # Every plan with these batch axes costs at least ``bound``. Building
+        # its problem takes about as long as the solve in flight: wait for
+        # that, and skip this choice if a plan already costs no more.
+        settle()
+        if best is not None and bound >= best[1] * (1 - 1e-9) - 1e-15:
+          progress.add("skipped", 0.0,
+                       f"batch over {S}: its gradient sync and matmuls alone cost "
+                       f"at least {bound:.3g} s a step, the plan with batch over "
+                       f"{best[0] or 'no axes'} {best[1]:.3g} s")
+          continue
       t0 = time.perf_counter()
       local = split if d == 1 else trace_local(micro // d)
       if d > 1:
         progress.add("trace", time.perf_counter() - t0, f"{micro // d} rows per device")
-      A = tuple(a for a in names if a not in S)
       traced = local.traced
       problem = ShardingProblem(
           compute=local.compute, apply=local.apply, num_consts=len(local.consts),
@@ -353,17 +388,7 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
                    f"{problem.num_classes} classes")
       progress.add("build", problem.timings["build"])
       pending.append((S, local, problem, solver.submit(problem.solve)))
-    for S, local, problem, future in pending:
-      try:
-        objective = future.result()
-      except PlanError as e:
-        errors.append((problem, e))
-        continue
-      finally:
-        progress.add("solve", getattr(problem, "solve_seconds", 0.0),
-                     f"batch over {S or 'no axes'}: {problem.num_variables} variables")
-      if best is None or objective < best[1] * (1 - 1e-9) - 1e-15:
-        best = (S, objective, local, problem)
+    settle()
   if best is None and option.memory_budget_per_device is None:
     raise errors[0][1]
   if best is None:
@@ -381,6 +406,65 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
   plan = _plan_from_solution(split, local, method, mesh, S, sol, batch_size, stats,
                              progress)
   return plan
+
+
+def _cost_lower_bound(split: SplitStep, matmul_flops, S, A, sizes, cost: MeshCost,
+                      option, n: int, rows: int) -> float:
+  """Seconds a step costs at least under any plan with batch axes ``S`` and
+  planned axes ``A`` (``rows`` per device and micro-batch): its gradient
+  sync, and its matmuls split over every planned axis."""
+  bound = _sync_lower_bound(split, S, A, sizes, cost)
+  if matmul_flops is not None:
+    compute, apply = matmul_flops(rows)
+    bound += option.seconds_per_flop * (n * compute + apply) / math.prod(
+        sizes[a] for a in A)
+  return bound
+
+
+def _sync_lower_bound(split: SplitStep, S, A, sizes, cost: MeshCost) -> float:
+  """Seconds that any plan with batch axes ``S`` spends at least on the
+  gradient sync: each gradient all-reduced over ``S``, split over the planned
+  axes ``A`` as finely as its shape allows (the ILP charges each gradient
+  its all-reduce at the spec it chooses, and every other cost is >= 0)."""
+  if not S or not split.has_marker:
+    return 0.0
+  total, seen = 0.0, {}
+  for aval in split.grad_avals:
+    key = (tuple(aval.shape), aval.dtype)
+    if key not in seen:
+      if not all(isinstance(d, int) for d in key[0]):
+        seen[key] = 0.0
+      else:
+        seen[key] = min(cost.all_reduce(local_bytes(aval, spec, sizes), S)
+                        for spec in enumerate_specs(aval.shape, A, sizes))
+    total += seen[key]
+  return total
+
+
+def _matmul_flops(any_batch: SplitStep):
+  """``rows -> (compute_grad, apply_grad)`` flops of their top-level
+  dot_generals at ``rows`` per micro-batch, counted as the ILP counts them
+  (see strategies/dot.py). A strategy divides them by at most the product of
+  the planned axes, so with the gradient sync they bound a plan's cost from
+  below. Equations inside loops and calls are left out (a lower bound still).
+  """
+  def dims(closed) -> list:
+    """Per dot_general: the dims whose product is half its flops."""
+    out = []
+    for eqn in closed.jaxpr.eqns if closed is not None else ():
+      if eqn.primitive.name == "dot_general":
+        lhs, o = eqn.invars[0].aval, eqn.outvars[0].aval
+        (lc, _), _ = eqn.params["dimension_numbers"]
+        out.append((*o.shape, *(lhs.shape[d] for d in lc)))
+    return out
+  parts = dims(any_batch.compute), dims(any_batch.apply)
+
+  def at(rows: int) -> tuple[float, float]:
+    env = {"autopar_rows": rows}
+    size = lambda d: d if isinstance(d, int) else int(d._evaluate(env))
+    return tuple(float(sum(2 * math.prod(size(d) for d in ds) for ds in part))
+                 for part in parts)
+  return at
 
 
 def _distinct_up_to_axis_names(candidates, names, sizes, option):
@@ -449,8 +533,6 @@ def _apply_donation(split: SplitStep) -> dict[int, int]:
 def _plan_from_solution(split, local, method, mesh, S, sol, batch_size, stats,
                         progress) -> Plan:
   from autopar.strategies import to_partition_spec
-
-  from autopar.strategies import local_bytes
 
   traced = split.traced
   sizes = axis_sizes_of(mesh)

@@ -15,8 +15,10 @@ import optax
 import pytest
 
 import autopar
-from autopar import ilp
-from models import assert_trees_close, single_device, transformer_setup
+from flax.training import train_state
+
+from autopar import ilp, planner
+from models import assert_trees_close, mlp_setup, single_device, transformer_setup
 
 SGD = optax.sgd(0.1, momentum=0.9)
 HERE = os.path.dirname(__file__)
@@ -250,3 +252,66 @@ def test_progress_is_printed_when_asked(capsys):
   assert set(plan.solver.timings) >= {"trace", "solve", "total"}
   assert "planning time:" in plan.summary()
 
+
+
+def contrastive_setup(batch=64, d=16):
+  """A loss over a (batch x batch) matrix: two of its dims shrink with the
+  batch, so its matmul's flops fall with the square of the batch split."""
+  rng = np.random.RandomState(0)
+  x = rng.randn(batch, d).astype(np.float32)
+  params = {"w": jnp.asarray(rng.randn(d, d).astype(np.float32) / 4)}
+
+  def make_state():
+    return train_state.TrainState.create(apply_fn=None, params=params, tx=SGD)
+
+  def step(state, batch):
+    def loss_fn(p):
+      z = jnp.tanh(batch["x"] @ p["w"])
+      logits = z @ z.T
+      labels = jnp.arange(z.shape[0])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  return make_state, step, {"x": x}
+
+
+@pytest.mark.parametrize("setup", ["mlp", "transformer", "contrastive"])
+def test_a_skipped_choice_of_batch_axes_could_not_have_won(monkeypatch, setup):
+  """The planner skips a choice of batch axes when a lower bound on its cost
+  (gradient sync + matmuls) is no less than a plan already solved. The bound
+  must never exceed that choice's optimal cost; and skipping must not change
+  the plan."""
+  make_state, step, batch = {
+      "mlp": lambda: mlp_setup(batch=256, din=64, hidden=256, dout=8, tx=SGD),
+      "transformer": lambda: transformer_setup(batch=16, d=64, heads=8, tx=SGD),
+      "contrastive": contrastive_setup}[setup]()
+  args = abstract(make_state, batch)
+  mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
+  option = autopar.AutoShardingOption(plan_cache=False, max_model_axes=2)
+
+  def plan():
+    return autopar.parallelize(step, method=autopar.ShardParallel(
+        mesh=mesh, num_micro_batches=2, option=option)).plan(*args)
+
+  skipping = plan()
+  bounds, objectives = {}, {}
+  real_bound, real_solve = planner._cost_lower_bound, ilp.ShardingProblem.solve
+
+  def record_bound(split, flops, S, *rest):
+    bounds[S] = real_bound(split, flops, S, *rest)
+    return 0.0                                  # skip nothing
+
+  def record_solve(self):
+    objectives[self.S] = real_solve(self)
+    return objectives[self.S]
+
+  monkeypatch.setattr(planner, "_cost_lower_bound", record_bound)
+  monkeypatch.setattr(ilp.ShardingProblem, "solve", record_solve)
+  every = plan()
+  assert len(objectives) >= 3 and set(objectives) == set(bounds)
+  assert any(bounds[S] > 0 for S in bounds)
+  for S, objective in objectives.items():
+    assert bounds[S] <= objective * (1 + 1e-9), (S, bounds[S], objective)
+  assert skipping.batch_axes == every.batch_axes
+  assert skipping.objective == pytest.approx(every.objective, rel=1e-9)
