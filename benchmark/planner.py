@@ -13,8 +13,9 @@ over the batch-axes choices tried: trace at each per-device batch size,
 strategy enumeration, layer classes, ILP construction, solve; a solve runs
 on a thread while the next problem is built, so stage times overlap) and in
 total, measured from the call to ``.plan()``: wall-clock seconds, and the
-process's CPU seconds (all threads; steadier than wall time on a shared
-host, where other machines' load can stretch the wall time by a third). Each
+process's CPU seconds (all threads), beside JAX's own ``jax.make_jaxpr`` of
+the step timed in a fresh process just before, and the ratio of the two:
+this machine's speed varies with its host's load, the ratio much less. Each
 depth is planned in a fresh process.
 """
 
@@ -97,7 +98,8 @@ def abstract_args(layers: int, d=1024, heads=16, vocab=1024, seq=128, batch=64):
 
 
 COLUMNS = ("layers", "eqns", "nodes", "classes", "vars", "constr", "trace s",
-           "strat s", "classes s", "build s", "solve s", "total s", "cpu s")
+           "strat s", "classes s", "build s", "solve s", "total s", "cpu s",
+           "jaxpr s", "ratio")
 
 
 def plan_one(layers: int) -> tuple:
@@ -117,22 +119,41 @@ def plan_one(layers: int) -> tuple:
           list(plan.batch_axes))
 
 
+def make_jaxpr_one(layers: int) -> float:
+  """Seconds JAX's own ``jax.make_jaxpr`` takes to trace the step (as a user
+  would call it: concrete batch size, garbage collector on)."""
+  args = abstract_args(layers)
+  t0 = time.perf_counter()
+  jax.make_jaxpr(lm_step)(*args)
+  return time.perf_counter() - t0
+
+
+def run_fresh(*argv) -> object:
+  out = subprocess.run([sys.executable, __file__, *argv], check=True,
+                       capture_output=True, text=True).stdout
+  return json.loads(out.strip().splitlines()[-1])
+
+
 def main(depths):
   # Each depth is planned in a fresh process, as a script planning its one
   # model would be: in one long process the later (larger) models are traced
   # on a heap that holds the earlier ones, which slows JAX's tracing by a
   # third or more.
+  #
+  # "jaxpr s" is JAX's make_jaxpr of the same step alone, in a fresh process
+  # run just before: the machine's speed varies (other machines share its
+  # host), and "ratio" (total / jaxpr) is the figure that does not.
   print(" ".join(f"{c:>9}" for c in COLUMNS))
   rows = []
   for layers in depths:
-    out = subprocess.run([sys.executable, __file__, "--one", str(layers)],
-                         check=True, capture_output=True, text=True).stdout
-    *row, batch_axes = json.loads(out.strip().splitlines()[-1])
+    trace = run_fresh("--trace", str(layers))
+    *row, batch_axes = run_fresh("--one", str(layers))
+    row += [trace, row[-2] / trace]
     rows.append(row)
     print(" ".join(f"{v:>9}" if isinstance(v, int) else f"{v:>9.2f}" for v in row),
           flush=True)
   if len(rows) > 1:
-    (l0, *_, t0_, _), (l1, *_, t1, _) = rows[0], rows[-1]
+    (l0, *_, t0_, _, _, _), (l1, *_, t1, _, _, _) = rows[0], rows[-1]
     print(f"\nplanning time x{t1 / t0_:.1f} for x{l1 / l0:.0f} layers; batch axes "
           f"chosen: {tuple(batch_axes)}")
 
@@ -140,5 +161,7 @@ def main(depths):
 if __name__ == "__main__":
   if sys.argv[1:2] == ["--one"]:
     print(json.dumps(plan_one(int(sys.argv[2]))))
+  elif sys.argv[1:2] == ["--trace"]:
+    print(json.dumps(make_jaxpr_one(int(sys.argv[2]))))
   else:
     main([int(a) for a in sys.argv[1:]] or [2, 12, 24, 48, 96])
