@@ -266,9 +266,11 @@ class RayCluster:
 
     if not ray.is_initialized():
       if self.address is None:
+        # "local": a new instance of this process's own, even where a
+        # cluster started with `ray start` is (or was) running on the machine.
         n = self.num_hosts or 1
-        ray.init(num_cpus=max(n, os.cpu_count() or 1), include_dashboard=False,
-                 log_to_driver=False)
+        ray.init(address="local", num_cpus=max(n, os.cpu_count() or 1),
+                 include_dashboard=False, log_to_driver=False)
       else:
         _join_ray(self.address)
       self.started_ray = True

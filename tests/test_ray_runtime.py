@@ -4,10 +4,12 @@ same methods run in this process on 8 simulated devices."""
 
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -71,10 +73,14 @@ def ray_head():
   # the driver (this process) must then say so too.
   auth_mode = os.environ.get("RAY_AUTH_MODE")
   os.environ["RAY_AUTH_MODE"] = "token"
+  # Its own temp dir: `ray start` records the cluster there for ray.init()
+  # to find, and a record left in the default /tmp/ray after the cluster is
+  # gone would send later plain ray.init() calls on this machine to it.
+  temp_dir = tempfile.mkdtemp(prefix="ray-")
   head = subprocess.Popen(
       [ray_cli, "start", "--head", "--block", f"--port={port}",
        "--node-ip-address=127.0.0.1", "--num-cpus=2", "--include-dashboard=false",
-       "--disable-usage-stats"],
+       "--disable-usage-stats", f"--temp-dir={temp_dir}"],
       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   lines: "queue.Queue[str | None]" = queue.Queue()
   threading.Thread(target=lambda: ([lines.put(l) for l in head.stdout], lines.put(None)),
@@ -92,6 +98,7 @@ def ray_head():
   yield head, f"127.0.0.1:{port}"
   head.terminate()                           # --block: ends the node's processes
   head.wait(timeout=60)
+  shutil.rmtree(temp_dir, ignore_errors=True)
   if auth_mode is None:
     del os.environ["RAY_AUTH_MODE"]
   else:
