@@ -76,7 +76,8 @@ def ray_head():
   # Its own temp dir: `ray start` records the cluster there for ray.init()
   # to find, and a record left in the default /tmp/ray after the cluster is
   # gone would send later plain ray.init() calls on this machine to it.
-  temp_dir = tempfile.mkdtemp(prefix="ray-")
+  # (Under /tmp, as Ray's own: its sockets' paths must stay short.)
+  temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
   head = subprocess.Popen(
       [ray_cli, "start", "--head", "--block", f"--port={port}",
        "--node-ip-address=127.0.0.1", "--num-cpus=2", "--include-dashboard=false",
