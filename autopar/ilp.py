@@ -60,7 +60,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 from autopar.cost_model import MeshCost, itemsize
 from autopar.errors import PlanError
 from autopar.strategies import (RuleContext, Spec, Strategy, enumerate_specs,
-                                local_bytes, strategies_for)
+                                grad_sync_costs, local_bytes, strategies_for)
 from autopar.strategies.elementwise import is_elementwise
 
 __all__ = ["ShardingProblem", "Solution", "reshard_cost"]
@@ -262,9 +262,7 @@ class ShardingProblem:
     self.grad_nodes = []
     for g in range(num_grads):
       v = cj.outvars[g]
-      specs = enumerate_specs(v.aval.shape, A, sizes)
-      costs = [self.cost.all_reduce(local_bytes(v.aval, s, sizes), self.S)
-               for s in specs]
+      specs, costs = grad_sync_costs(v.aval, A, self.S, sizes, self.cost)
       self.grad_nodes.append(self._add_node(f"grad{g}", specs, [(s,) for s in specs],
                                             costs, 1,
                                             key=("grad", tuple(v.aval.shape),

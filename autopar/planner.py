@@ -41,7 +41,8 @@ from autopar.method import (ParallelMethod, ShardParallel,
                             axis_sizes_of, check_axes)
 from autopar.plan import CollectivePlan, Plan, ValuePlan
 from autopar.split import OutputKind, SplitStep, depends_on, reads
-from autopar.strategies import enumerate_specs, local_bytes
+from autopar.strategies import grad_sync_costs, local_bytes
+from autopar.strategies.dot import dot_flops
 from autopar.trace import TracedStep
 
 __all__ = ["plan_preset", "donation_pairs", "leaves_read_by_compute",
@@ -425,7 +426,8 @@ def _sync_lower_bound(split: SplitStep, S, A, sizes, cost: MeshCost) -> float:
   """Seconds that any plan with batch axes ``S`` spends at least on the
   gradient sync: each gradient all-reduced over ``S``, split over the planned
   axes ``A`` as finely as its shape allows (the ILP charges each gradient
-  its all-reduce at the spec it chooses, and every other cost is >= 0)."""
+  its all-reduce at the spec it chooses, ``grad_sync_costs``, and every
+  other cost is >= 0)."""
   if not S or not split.has_marker:
     return 0.0
   total, seen = 0.0, {}
@@ -435,8 +437,7 @@ def _sync_lower_bound(split: SplitStep, S, A, sizes, cost: MeshCost) -> float:
       if not all(isinstance(d, int) for d in key[0]):
         seen[key] = 0.0
       else:
-        seen[key] = min(cost.all_reduce(local_bytes(aval, spec, sizes), S)
-                        for spec in enumerate_specs(aval.shape, A, sizes))
+        seen[key] = min(grad_sync_costs(aval, A, S, sizes, cost)[1])
     total += seen[key]
   return total
 
@@ -448,21 +449,20 @@ def _matmul_flops(any_batch: SplitStep):
   the planned axes, so with the gradient sync they bound a plan's cost from
   below. Equations inside loops and calls are left out (a lower bound still).
   """
-  def dims(closed) -> list:
-    """Per dot_general: the dims whose product is half its flops."""
-    out = []
-    for eqn in closed.jaxpr.eqns if closed is not None else ():
-      if eqn.primitive.name == "dot_general":
-        lhs, o = eqn.invars[0].aval, eqn.outvars[0].aval
-        (lc, _), _ = eqn.params["dimension_numbers"]
-        out.append((*o.shape, *(lhs.shape[d] for d in lc)))
-    return out
-  parts = dims(any_batch.compute), dims(any_batch.apply)
+  def dots(closed) -> list:
+    """Per dot_general: (lhs shape, output shape, contracting dims)."""
+    return [(eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape,
+             eqn.params["dimension_numbers"][0][0])
+            for eqn in (closed.jaxpr.eqns if closed is not None else ())
+            if eqn.primitive.name == "dot_general"]
+  parts = dots(any_batch.compute), dots(any_batch.apply)
 
   def at(rows: int) -> tuple[float, float]:
     env = {"autopar_rows": rows}
-    size = lambda d: d if isinstance(d, int) else int(d._evaluate(env))
-    return tuple(float(sum(2 * math.prod(size(d) for d in ds) for ds in part))
+    def shape(s):
+      return tuple(d if isinstance(d, int) else int(d._evaluate(env)) for d in s)
+    return tuple(float(sum(dot_flops(shape(lhs), shape(out), lc)
+                           for lhs, out, lc in part))
                  for part in parts)
   return at
 

@@ -33,8 +33,8 @@ from jax.extend.core import Literal
 from autopar.cost_model import MeshCost, itemsize
 
 __all__ = ["Spec", "Strategy", "RuleContext", "register", "strategies_for",
-           "enumerate_specs", "replicated", "shard_count", "local_bytes",
-           "to_partition_spec", "RULES"]
+           "enumerate_specs", "grad_sync_costs", "replicated", "shard_count",
+           "local_bytes", "to_partition_spec", "RULES"]
 
 Spec = tuple[tuple[str, ...], ...]
 
@@ -86,6 +86,17 @@ def enumerate_specs(shape: Sequence[int], axes: Sequence[str],
       seen.add(spec)
       out.append(spec)
   return out
+
+
+def grad_sync_costs(aval, planned_axes: Sequence[str], batch_axes: Sequence[str],
+                    sizes: Mapping[str, int], cost: MeshCost
+                    ) -> tuple[list[Spec], list[float]]:
+  """A gradient's specs over the planned axes, and the seconds of its
+  all-reduce over the batch axes at each (the ILP's grad nodes; the
+  planner's cost lower bound takes their minimum)."""
+  specs = enumerate_specs(aval.shape, planned_axes, sizes)
+  return specs, [cost.all_reduce(local_bytes(aval, s, sizes), batch_axes)
+                 for s in specs]
 
 
 @dataclasses.dataclass(frozen=True)

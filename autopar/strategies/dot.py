@@ -13,6 +13,12 @@ import math
 from autopar.strategies import RuleContext, Strategy, local_bytes, register
 
 
+def dot_flops(lhs_shape, out_shape, contracting) -> int:
+  """Flops of a dot_general: 2 x its output's size x its contracted dims'.
+  The planner's cost lower bound (planner._matmul_flops) counts with it too."""
+  return 2 * math.prod(out_shape) * math.prod(lhs_shape[d] for d in contracting)
+
+
 @register("dot_general")
 def dot_general(eqn, ctx: RuleContext) -> list[Strategy]:
   lhs, rhs = (v.aval for v in eqn.invars)
@@ -31,7 +37,7 @@ def dot_general(eqn, ctx: RuleContext) -> list[Strategy]:
       return lhs.shape[lc[i]]
     return (lhs if kind == "l" else rhs).shape[i]
 
-  flops = 2 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in lc)
+  flops = dot_flops(lhs.shape, out.shape, lc)
   strategies = []
   for assign in itertools.product([None, *slots], repeat=len(ctx.axes)):
     axes_of = {s: tuple(a for a, t in zip(ctx.axes, assign) if t == s) for s in slots}
