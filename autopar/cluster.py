@@ -41,6 +41,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, PartitionSpec
 
 from autopar.errors import AutoparError, InputError, MeshError
+from autopar.host_worker import pickled
 
 __all__ = ["init", "shutdown", "global_mesh", "current", "RemoteArray",
            "ClusterError", "host_shards", "normalize_index"]
@@ -252,7 +253,7 @@ class RayCluster:
     self._sent_plans: set = set()
     self._sent_trees: set = set()
     self._trees: dict[bytes, Any] = {}
-    self._pickles: dict[Any, tuple[Any, bytes]] = {}    # see _pickled
+    self._pickles: dict = {}          # see host_worker.pickled
     self._forgotten: list[int] = []
     self.bytes_sent = 0                          # numpy bytes shipped to workers
 
@@ -409,23 +410,6 @@ class RayCluster:
   def _forget(self, array_id: int) -> None:
     self._forgotten.append(array_id)
 
-  def _pickled(self, key, owner, value) -> bytes:
-    """``cloudpickle.dumps(value())``, kept per ``key`` (and, if ``owner`` is
-    not None, only while ``owner`` is the object it was made for). A step's
-    method and argument structure are the same from step to step, and a
-    TrainState's treedef pickles its apply_fn and optimizer: milliseconds
-    each call."""
-    from ray import cloudpickle
-    try:
-      hit = self._pickles.get(key)
-    except TypeError:          # an unhashable treedef (node data)
-      return cloudpickle.dumps(value())
-    if hit is not None and (owner is None or hit[0] is owner):
-      return hit[1]
-    data = cloudpickle.dumps(value())
-    self._pickles[key] = (owner, data)
-    return data
-
   # -- arrays -------------------------------------------------------------------------
 
   def _puts(self, array: np.ndarray, spec: PartitionSpec, mesh) -> tuple[int, list]:
@@ -479,7 +463,8 @@ class RayCluster:
               if f.name not in ("mesh", "plan")}
     method.update(cls=type(pf.method), mesh=(tuple(mesh.axis_sizes),
                                              tuple(mesh.axis_names)))
-    method_bytes = self._pickled(("method", id(pf.method)), pf.method, lambda: method)
+    method_bytes = pickled(self._pickles, ("method", id(pf.method)), method,
+                           owner=pf.method)
     plan_json = plan.to_json(indent=None) if type(pf.method).__name__ == "ShardParallel" \
         else None
     plan_key = hashlib.sha256((plan_json or "").encode() + method_bytes).hexdigest()
@@ -516,7 +501,7 @@ class RayCluster:
           puts[h].append(p)
         temporary.append(array_id)
         shipped.append(_Ref(array_id))
-    tree_bytes = self._pickled(tree, None, lambda: tree)
+    tree_bytes = pickled(self._pickles, tree, tree)
     tree_key = hashlib.sha256(tree_bytes).hexdigest()
     new_tree = tree_key not in self._sent_trees
     args_bytes = cloudpickle.dumps((tree_key, tree_bytes if new_tree else None, shipped))

@@ -18,6 +18,28 @@ import time
 from typing import Any
 
 
+def pickled(cache: dict, key, value, owner=None) -> bytes:
+  """``cloudpickle.dumps(value)``, kept in ``cache`` under ``key`` (and, if
+  ``owner`` is not None, only while ``owner`` is the object it was made for).
+
+  A step's method and its argument and output structures are the same from
+  step to step, and a TrainState's treedef pickles its apply_fn and
+  optimizer: milliseconds each call, on the driver and on every worker. A
+  key that cannot be hashed (a treedef with unhashable node data) is pickled
+  every time.
+  """
+  from ray import cloudpickle
+  try:
+    hit = cache.get(key)
+  except TypeError:
+    return cloudpickle.dumps(value)
+  if hit is not None and (owner is None or hit[0] is owner):
+    return hit[1]
+  data = cloudpickle.dumps(value)
+  cache[key] = (owner, data)
+  return data
+
+
 class HostWorker:
   """One per host. Methods are called by the driver, in the same order on
   every worker (collectives need every process to run the same program)."""
@@ -32,7 +54,7 @@ class HostWorker:
     self.arrays: dict[int, Any] = {}
     self.functions: dict[int, Any] = {}
     self.trees: dict[str, Any] = {}
-    self.tree_pickles: dict[Any, bytes] = {}
+    self.tree_pickles: dict = {}            # see pickled
     self.mesh = None
 
   # -- start-up ------------------------------------------------------------------
@@ -165,20 +187,8 @@ class HostWorker:
     gone = [i for i, x in self.arrays.items() if x.is_deleted()]
     for i in gone:
       del self.arrays[i]
-    return {"tree": self._tree_bytes(tree), "leaves": info, "deleted": gone,
-            "seconds": seconds}
-
-  def _tree_bytes(self, tree) -> bytes:
-    """The output structure pickled (kept: it pickles the TrainState's
-    apply_fn and optimizer, milliseconds each step)."""
-    from ray import cloudpickle
-    try:
-      data = self.tree_pickles.get(tree)
-      if data is None:
-        data = self.tree_pickles[tree] = cloudpickle.dumps(tree)
-      return data
-    except TypeError:          # an unhashable treedef
-      return cloudpickle.dumps(tree)
+    return {"tree": pickled(self.tree_pickles, tree, tree), "leaves": info,
+            "deleted": gone, "seconds": seconds}
 
   # -- checkpoints ---------------------------------------------------------------------
 
