@@ -3,9 +3,9 @@
 A plan is stored as its JSON under ``$AUTOPAR_CACHE_DIR`` (default
 ``~/.cache/autopar``), in ``plans/<key>.json``. The key is a SHA-256 over
 everything the solver's answer depends on: the traced program (every
-equation with its parameters, shapes and dtypes: ``program_digest``), the argument leaves, the mesh's axis
-names and sizes, the method with its options, the number of micro-batches, the
-batch size and the plan format. A changed model, mesh or option is a new key;
+equation with its parameters, shapes and dtypes: ``program_digest``), the
+argument leaves, the mesh's axis names and sizes, the method with its
+options, the number of micro-batches, the batch size and the plan format. A changed model, mesh or option is a new key;
 nothing is ever invalidated in place. A cache file that cannot be read is
 ignored (and solved again), never an error.
 
