@@ -15,7 +15,7 @@ on a thread while the next problem is built, so stage times overlap) and in
 total, measured from the call to ``.plan()``: wall-clock seconds, and the
 process's CPU seconds (all threads), beside JAX's own ``jax.make_jaxpr`` of
 the step timed in a fresh process just before, and the ratio of the two:
-this machine's speed varies with its host's load, the ratio much less. Each
+this machine's speed varies with its host's load, the ratio less. Each
 depth is planned in a fresh process.
 """
 
@@ -142,20 +142,21 @@ def main(depths):
   #
   # "jaxpr s" is JAX's make_jaxpr of the same step alone, in a fresh process
   # run just before: the machine's speed varies (other machines share its
-  # host), and "ratio" (total / jaxpr) is the figure that does not.
+  # host), and "ratio" (total / jaxpr) varies less.
   print(" ".join(f"{c:>9}" for c in COLUMNS))
   rows = []
   for layers in depths:
     trace = run_fresh("--trace", str(layers))
     *row, batch_axes = run_fresh("--one", str(layers))
-    row += [trace, row[-2] / trace]
-    rows.append(row)
+    row += [trace, row[COLUMNS.index("total s")] / trace]
+    rows.append(dict(zip(COLUMNS, row)))
     print(" ".join(f"{v:>9}" if isinstance(v, int) else f"{v:>9.2f}" for v in row),
           flush=True)
   if len(rows) > 1:
-    (l0, *_, t0_, _, _, _), (l1, *_, t1, _, _, _) = rows[0], rows[-1]
-    print(f"\nplanning time x{t1 / t0_:.1f} for x{l1 / l0:.0f} layers; batch axes "
-          f"chosen: {tuple(batch_axes)}")
+    first, last = rows[0], rows[-1]
+    print(f"\nplanning time x{last['total s'] / first['total s']:.1f} for "
+          f"x{last['layers'] / first['layers']:.0f} layers; batch axes chosen: "
+          f"{tuple(batch_axes)}")
 
 
 if __name__ == "__main__":
