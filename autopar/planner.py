@@ -36,6 +36,12 @@ from jax.extend.core import Var
 from jax.sharding import PartitionSpec
 
 from autopar.cost_model import MeshCost, dtype_name, num_bytes
+from autopar.errors import PlanError
+# Imported here, not where it is used: importing PuLP keeps the tracebacks of
+# the solver libraries it fails to import, and through them every frame on
+# the stack at the time; from inside plan_auto that would keep its problem
+# and traced step alive for the rest of the process.
+from autopar.ilp import ShardingProblem
 from autopar.method import (ParallelMethod, ShardParallel,
                             Zero2Parallel, Zero3Parallel, axis_names_of,
                             axis_sizes_of, check_axes)
@@ -315,9 +321,6 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
   traced so; it bounds the cost of a choice before its problem is built.
   """
   progress = progress or Progress("step", method.option.verbose)
-  from autopar.ilp import ShardingProblem   # the solver is only needed here
-  from autopar.errors import PlanError
-
   sizes = axis_sizes_of(mesh)
   names = axis_names_of(mesh)
   n = method.micro_batches

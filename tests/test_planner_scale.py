@@ -64,9 +64,18 @@ def test_plan_for_64_devices_in_a_process_with_one_device(tmp_path):
         return state.apply_gradients(grads=grads), loss
 
       mesh = jax.sharding.AbstractMesh((8, 8), ("data", "model"))
-      plan = autopar.parallelize(step, method=autopar.ShardParallel(mesh=mesh)).plan(
-          state, {"tokens": tokens})
+      fn = autopar.parallelize(step, method=autopar.ShardParallel(mesh=mesh))
+      plan = fn.plan(state, {"tokens": tokens})
+      # Nothing of the planning outlives the function planned (the plan is
+      # plain data): the first plan in a process once kept its problem.
+      del fn
+      import gc
+      from autopar import ilp, split
+      gc.collect()
+      kept = [type(o).__name__ for o in gc.get_objects()
+              if isinstance(o, (ilp.ShardingProblem, split.SplitStep))]
       print(json.dumps({"touched": xla_bridge.backends_are_initialized(),
+                        "kept": kept,
                         "summary": plan.summary(), "json": plan.to_json(),
                         "leaves": len(jax.tree.leaves(state)) + 1}))
   """)
@@ -78,6 +87,7 @@ def test_plan_for_64_devices_in_a_process_with_one_device(tmp_path):
   assert out.returncode == 0, out.stderr[-3000:]
   result = json.loads(out.stdout.strip().splitlines()[-1])
   assert result["touched"] is False          # no backend, no device
+  assert result["kept"] == []
   plan = autopar.Plan.from_json(result["json"])
   assert plan.mesh_shape == (8, 8) and plan.mesh_axis_names == ("data", "model")
   assert len(plan.inputs) == result["leaves"]
