@@ -27,7 +27,8 @@ from autopar.method import (ParallelMethod, ShardParallel, axis_sizes_of,
 from autopar.plan import Plan
 from autopar.remat import remat_mode
 from autopar.planner import Progress, batch_axes_for, plan_auto, plan_preset
-from autopar.split import OutputKind, SplitStep, instantiate_split, split_step
+from autopar.split import (OutputKind, SplitStep, instantiate_split, outputs_at,
+                            split_step)
 from autopar.trace import (ArgFlags, LeafInfo, abstract_leaves, arg_names,
                            check_batch_leaves, classify_args, trace_step,
                            trace_step_any_batch)
@@ -113,7 +114,7 @@ class ParallelizedFunction:
     self.batch_argnums = batch_argnums
     self.static_argnums = static_argnums
     self._executables: dict[Any, Executable] = {}
-    self._plans: dict[Any, tuple[Plan, SplitStep]] = {}
+    self._plans: dict[Any, tuple[Plan, int]] = {}    # key -> (plan, micro-batch size)
     self._splits: dict[Any, SplitStep] = {}
     self._any_split: dict[Any, SplitStep | None] = {}   # symbolic-batch split
     self._lock = threading.Lock()
@@ -179,14 +180,15 @@ class ParallelizedFunction:
     return _Prepared(flags=flags, leaves=tuple(leaves), in_tree=in_tree,
                      values=values, key=key)
 
-  def _plan(self, prep: _Prepared) -> tuple[Plan, SplitStep]:
+  def _plan(self, prep: _Prepared) -> tuple[Plan, int]:
+    """The plan for these arguments, and the micro-batch size (rows)."""
     if prep.key in self._plans:
       return self._plans[prep.key]
     with _gc_paused():
       self._plans[prep.key] = self._plan_uncached(prep)
     return self._plans[prep.key]
 
-  def _plan_uncached(self, prep: _Prepared) -> tuple[Plan, SplitStep]:
+  def _plan_uncached(self, prep: _Prepared) -> tuple[Plan, int]:
     method = self.method
     mesh = resolve_mesh(method)
     n = method.micro_batches
@@ -201,8 +203,12 @@ class ParallelizedFunction:
                                     fn_name=self._name)
     progress = Progress(self._name, getattr(getattr(method, "option", None),
                                             "verbose", False))
+    micro = batch_size // n if batch_size else 0
     t0 = time.perf_counter()
-    split = self._split(prep, batch_size // n if batch_size else 0)
+    # The ILP plans each choice of batch axes on the step at its rows per
+    # device; of the step at the full micro-batch it needs only the outputs,
+    # which the symbolic trace gives without writing the step out at that size.
+    split = self._traced(prep, micro) if solving else self._split(prep, micro)
     progress.add("trace", time.perf_counter() - t0,
                  f"{len(split.traced.jaxpr.jaxpr.eqns)} equations")
     if not split.has_marker and n > 1:
@@ -228,42 +234,56 @@ class ParallelizedFunction:
         if key:
           plan_cache.store(key, plan)
     else:
-      plan = plan_preset(split, method, mesh, batch_size=batch_size)
+      plan = plan_preset(self._split(prep, micro), method, mesh, batch_size=batch_size)
     data_size = math.prod(sizes[a] for a in plan.batch_axes)
     if split.has_marker and n * data_size > 1:
-      for path, kind in zip(split.traced.out_paths, split.out_kinds, strict=True):
+      outputs = outputs_at(split, micro)
+      for path, kind, aval in zip(split.traced.out_paths, outputs.kinds, outputs.avals,
+                                  strict=True):
         if kind is OutputKind.OTHER:
-          shape = _out_shape(split, path)
           raise InputError(
-              f"{self._name}: output {path} (shape {shape}) is computed from the "
-              f"batch before the gradient marker, but it is neither a scalar nor "
-              f"per-example (leading axis = micro-batch size "
-              f"{split.traced.micro_batch_size}), so it cannot be combined over "
-              f"{n} micro-batch(es) x {data_size} device(s). Fix: return a "
-              f"scalar mean, an integer count, or per-example values.")
-    return plan, split
+              f"{self._name}: output {path} (shape {tuple(aval.shape)}) is computed "
+              f"from the batch before the gradient marker, but it is neither a "
+              f"scalar nor per-example (leading axis = micro-batch size {micro}), "
+              f"so it cannot be combined over {n} micro-batch(es) x {data_size} "
+              f"device(s). Fix: return a scalar mean, an integer count, or "
+              f"per-example values.")
+    return plan, micro
+
+  def _traced(self, prep: _Prepared, micro_batch_size: int) -> SplitStep:
+    """The step split at a symbolic batch size if it can be traced so, else
+    at ``micro_batch_size`` rows."""
+    any_split = self._symbolic(prep) if micro_batch_size else None
+    return any_split if any_split is not None else self._split(prep, micro_batch_size)
+
+  def _symbolic(self, prep: _Prepared) -> SplitStep | None:
+    """The step traced once at a symbolic batch size and split (cached), or
+    None if it cannot be traced so (see trace_step_any_batch)."""
+    if prep.key not in self._any_split:
+      with remat_mode(self.method.remat):
+        traced = trace_step_any_batch(self.fun, self._args_for_trace(prep),
+                                      prep.flags, prep.leaves, prep.in_tree)
+      self._any_split[prep.key] = (None if traced is None else
+                                   split_step(traced, fn_name=self._name))
+    return self._any_split[prep.key]
 
   def _split(self, prep: _Prepared, micro_batch_size: int) -> SplitStep:
-    """The step traced and split at ``micro_batch_size`` rows (cached)."""
+    """The step traced and split at ``micro_batch_size`` rows (cached).
+
+    One symbolic trace, split once, serves every batch size; a step that
+    needs a concrete size is traced at each.
+    """
     key = (prep.key, micro_batch_size)
     if key not in self._splits:
-      args = self._args_for_trace(prep)
-      # One symbolic trace, split once, serves every batch size (see
-      # trace_step_any_batch); a step that needs a concrete size is traced
-      # at each.
-      with remat_mode(self.method.remat):
-        if micro_batch_size and prep.key not in self._any_split:
-          any_batch = trace_step_any_batch(self.fun, args, prep.flags, prep.leaves,
-                                           prep.in_tree)
-          self._any_split[prep.key] = (None if any_batch is None else
-                                       split_step(any_batch, fn_name=self._name))
-        any_split = self._any_split.get(prep.key) if micro_batch_size else None
-        if any_split is not None:
-          split = instantiate_split(any_split, micro_batch_size)
-        else:
-          split = split_step(trace_step(self.fun, args, prep.flags, prep.leaves,
-                                        prep.in_tree, micro_batch_size=micro_batch_size),
-                             fn_name=self._name)
+      any_split = self._symbolic(prep) if micro_batch_size else None
+      if any_split is not None:
+        split = instantiate_split(any_split, micro_batch_size)
+      else:
+        with remat_mode(self.method.remat):
+          traced = trace_step(self.fun, self._args_for_trace(prep), prep.flags,
+                              prep.leaves, prep.in_tree,
+                              micro_batch_size=micro_batch_size)
+        split = split_step(traced, fn_name=self._name)
       self._splits[key] = split
     return self._splits[key]
 
@@ -277,7 +297,9 @@ class ParallelizedFunction:
       exe = self._executables.get(prep.key)
       if exe is not None:
         return exe
-      plan, split = self._plan(prep)
+      plan, micro = self._plan(prep)
+      with _gc_paused():
+        split = self._split(prep, micro)
       mesh = resolve_mesh(self.method)
       if isinstance(mesh, AbstractMesh):
         raise PlanError(
@@ -314,11 +336,6 @@ def _gc_paused():
     yield
   finally:
     gc.enable()
-
-
-def _out_shape(split: SplitStep, path: str):
-  i = split.traced.out_paths.index(path)
-  return tuple(split.traced.jaxpr.jaxpr.outvars[i].aval.shape)
 
 
 def _check_local_split(split: SplitStep, local: SplitStep, name: str) -> SplitStep:

@@ -448,7 +448,7 @@ class RayCluster:
     # Planned (and traced) once per signature on the driver; every later call
     # finds both in pf's caches.
     prep = pf._prepare(abstract)
-    plan, split = pf._plan(prep)
+    plan, _ = pf._plan(prep)
     mesh = pf.method.mesh
     # Keyed by the function itself (held here), not its id(): a new closure
     # can reuse a freed one's id.
@@ -506,7 +506,7 @@ class RayCluster:
     new_tree = tree_key not in self._sent_trees
     args_bytes = cloudpickle.dumps((tree_key, tree_bytes if new_tree else None, shipped))
     forgotten, self._forgotten = self._forgotten, []
-    count = len(split.traced.out_paths)
+    count = len(plan.outputs)
     out_ids = [next(self._ids) for _ in range(count)]
     results = self._call([
         w.run.remote(fn_id, plan_key, plan_json if first else None, method_bytes,

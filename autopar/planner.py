@@ -46,7 +46,7 @@ from autopar.method import (ParallelMethod, ShardParallel,
                             Zero2Parallel, Zero3Parallel, axis_names_of,
                             axis_sizes_of, check_axes)
 from autopar.plan import CollectivePlan, Plan, ValuePlan
-from autopar.split import OutputKind, SplitStep, depends_on, reads
+from autopar.split import OutputKind, SplitStep, depends_on, outputs_at, reads
 from autopar.strategies import grad_sync_costs, local_bytes
 from autopar.strategies.dot import dot_flops
 from autopar.trace import TracedStep
@@ -103,16 +103,18 @@ def leaves_read_by_compute(split: SplitStep) -> set[int]:
   return {k for k, v in enumerate(jaxpr.invars[len(split.consts):]) if v in read}
 
 
-def donation_pairs(traced: TracedStep) -> dict[int, int]:
+def donation_pairs(traced: TracedStep, out_avals=None) -> dict[int, int]:
   """Output leaf index -> donated input leaf index it replaces.
 
   A donated argument is paired with the whole output, or with one top-level
   element of it, that has the same pytree structure, shapes and dtypes (the
-  new state returned in place of the old).
+  new state returned in place of the old). ``out_avals``: the outputs' avals,
+  if not those of ``traced``'s jaxpr (which may have a symbolic batch size).
   """
   leaves = traced.leaves
   arg_children = traced.in_tree.children()
-  out_avals = _out_avals(traced)
+  out_avals = [(tuple(a.shape), a.dtype) for a in (
+      out_avals or [v.aval for v in traced.jaxpr.jaxpr.outvars])]
   candidates = [(0, traced.out_tree)]
   if traced.out_tree.num_nodes > 1 and traced.out_tree.children():
     off = 0
@@ -135,13 +137,6 @@ def donation_pairs(traced: TracedStep) -> dict[int, int]:
           break
     start += count
   return pairs
-
-
-def _out_avals(traced: TracedStep) -> list[tuple]:
-  out = []
-  for v in traced.jaxpr.jaxpr.outvars:
-    out.append((tuple(v.aval.shape), v.aval.dtype))
-  return out
 
 
 def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
@@ -316,7 +311,9 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
               any_batch: SplitStep | None = None) -> Plan:
   """Plans ``split`` with the ILP, trying every choice of batch axes.
 
-  ``trace_local(rows)`` returns the step split at ``rows`` per micro-batch.
+  ``split``: the step split at ``batch_size`` rows, or at a symbolic batch
+  size (``any_batch``); each choice is planned on the step at its rows per
+  device, which ``trace_local(rows)`` returns.
   ``any_batch``: the step split at a symbolic batch size, if it could be
   traced so; it bounds the cost of a choice before its problem is built.
   """
@@ -368,7 +365,7 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
                        f"{best[0] or 'no axes'} {best[1]:.3g} s")
           continue
       t0 = time.perf_counter()
-      local = split if d == 1 else trace_local(micro // d)
+      local = trace_local(micro // d)
       if d > 1:
         progress.add("trace", time.perf_counter() - t0, f"{micro // d} rows per device")
       traced = local.traced
@@ -407,8 +404,8 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
   sol = problem.solution()
   stats = dict(num_equations=len(local.compute.jaxpr.eqns) + len(local.apply.jaxpr.eqns),
                num_nodes=len(problem.nodes), num_classes=problem.num_classes)
-  plan = _plan_from_solution(split, local, method, mesh, S, sol, batch_size, stats,
-                             progress)
+  plan = _plan_from_solution(split, outputs_at(split, micro), local, method, mesh, S,
+                             sol, stats, progress)
   return plan
 
 
@@ -462,8 +459,16 @@ def _matmul_flops(any_batch: SplitStep):
 
   def at(rows: int) -> tuple[float, float]:
     env = {"autopar_rows": rows}
+    dims: dict = {}           # symbolic dim -> its value (a few distinct ones)
+    def dim(d):
+      if type(d) is int:
+        return d
+      v = dims.get(d)
+      if v is None:
+        v = dims[d] = int(d._evaluate(env))
+      return v
     def shape(s):
-      return tuple(d if isinstance(d, int) else int(d._evaluate(env)) for d in s)
+      return tuple(map(dim, s))
     return tuple(float(sum(dot_flops(shape(lhs), shape(out), lc)
                            for lhs, out, lc in part))
                  for part in parts)
@@ -505,17 +510,15 @@ def sub_jaxprs(eqn) -> list:
   return []
 
 
-def eqn_at(jaxpr, path: str):
-  """The equation at ``path`` ("12", or "12.0.5" inside control flow)."""
-  parts = [int(x) for x in str(path).split(".")]
-  eqn = jaxpr.eqns[parts[0]]
-  for sub, k in zip(parts[1::2], parts[2::2]):
-    eqn = sub_jaxprs(eqn)[sub].eqns[k]
-  return eqn
-
-
-def _path_key(path) -> tuple[int, ...]:
-  return tuple(int(x) for x in str(path).split("."))
+def _eqns_by_path(jaxpr, prefix: str = ""):
+  """(path, equation) of every equation in path order: an equation, then
+  the equations of its bodies (``"12.0.5"`` is equation 5 of body 0 of
+  equation 12)."""
+  for idx, eqn in enumerate(jaxpr.eqns):
+    path = f"{prefix}{idx}"
+    yield path, eqn
+    for k, sub in enumerate(sub_jaxprs(eqn)):
+      yield from _eqns_by_path(sub, f"{path}.{k}.")
 
 
 def _divisible_dim(shape, spec, d_batch, sizes) -> int | None:
@@ -533,11 +536,17 @@ def _apply_donation(split: SplitStep) -> dict[int, int]:
           if split.out_kinds[j] is OutputKind.APPLY}
 
 
-def _plan_from_solution(split, local, method, mesh, S, sol, batch_size, stats,
+def _plan_from_solution(split, outputs, local, method, mesh, S, sol, stats,
                         progress) -> Plan:
+  """The :class:`Plan` of the solution ``sol`` with batch axes ``S``.
+
+  ``split``: the step, possibly at a symbolic batch size; ``outputs``: its
+  outputs and gradients at the full micro-batch size (``outputs_at``);
+  ``local``: the step at the rows per device it was planned at."""
   from autopar.strategies import to_partition_spec
 
   traced = split.traced
+  out_avals, out_kinds, grad_avals = outputs
   sizes = axis_sizes_of(mesh)
   n = method.micro_batches
   to_bytes = lambda aval, spec: local_bytes(aval, spec, sizes)
@@ -565,7 +574,7 @@ def _plan_from_solution(split, local, method, mesh, S, sol, batch_size, stats,
     for k, (l, spec) in enumerate(zip(traced.leaves, sol.leaf_specs)):
       if leaf_dims[k] is None and not l.is_batch and k not in read:
         leaf_dims[k] = _divisible_dim(l.shape, spec, d_batch, sizes)
-    for g, (a, spec) in enumerate(zip(split.grad_avals, sol.grad_specs)):
+    for g, (a, spec) in enumerate(zip(grad_avals, sol.grad_specs)):
       grad_dims[g] = _divisible_dim(a.shape, spec, d_batch, sizes)
 
   in_specs = [with_batch(s) if l.is_batch else with_batch_dim(s, dim)
@@ -575,14 +584,13 @@ def _plan_from_solution(split, local, method, mesh, S, sol, batch_size, stats,
                  for l, s in zip(traced.leaves, in_specs, strict=True))
   grads = tuple(ValuePlan(name, tuple(a.shape), dtype_name(a.dtype),
                           with_batch_dim(s, dim))
-                for name, a, s, dim in zip(split.grad_names, split.grad_avals,
+                for name, a, s, dim in zip(split.grad_names, grad_avals,
                                            sol.grad_specs, grad_dims, strict=True))
-  pairs = donation_pairs(traced)
+  pairs = donation_pairs(traced, out_avals)
   batch_entry = PartitionSpec(None if not S else S[0] if len(S) == 1 else tuple(S))
-  outputs = []
-  for j, (path, v, kind, idx) in enumerate(zip(
-      traced.out_paths, traced.jaxpr.jaxpr.outvars, split.out_kinds,
-      split.out_index, strict=True)):
+  planned_outputs = []
+  for j, (path, aval, kind, idx) in enumerate(zip(
+      traced.out_paths, out_avals, out_kinds, split.out_index, strict=True)):
     if j in pairs:
       spec = in_specs[pairs[j]]
     elif kind is OutputKind.APPLY:
@@ -592,7 +600,8 @@ def _plan_from_solution(split, local, method, mesh, S, sol, batch_size, stats,
       spec = batch_entry
     else:
       spec = PartitionSpec()
-    outputs.append(ValuePlan(path, tuple(v.aval.shape), dtype_name(v.aval.dtype), spec))
+    planned_outputs.append(ValuePlan(path, tuple(aval.shape), dtype_name(aval.dtype),
+                                     spec))
 
   inter = []
   nconst = len(local.consts)
@@ -602,10 +611,10 @@ def _plan_from_solution(split, local, method, mesh, S, sol, batch_size, stats,
     # The spec every value is produced in, to find where the plan reshards.
     produced = {v: s for v, s in zip(jaxpr.invars[nconst:], sol.leaf_specs)}
     produced.update(zip(jaxpr.invars[nconst + len(sol.leaf_specs):], sol.grad_specs))
-    eqns = sorted((_path_key(i), i, eqn_at(jaxpr, i), outs) for i, outs in specs.items())
-    for _, _, eqn, outs in eqns:
+    eqns = [(i, eqn, specs[i]) for i, eqn in _eqns_by_path(jaxpr) if i in specs]
+    for _, eqn, outs in eqns:
       produced.update(zip(eqn.outvars, outs))
-    for _, i, eqn, outs in eqns:
+    for i, eqn, outs in eqns:
       for j, (v, s) in enumerate(zip(eqn.outvars, outs)):
         inter.append(ValuePlan(f"{part}/{i}/{j}", tuple(v.aval.shape),
                                dtype_name(v.aval.dtype), to_partition_spec(s)))
@@ -627,7 +636,7 @@ def _plan_from_solution(split, local, method, mesh, S, sol, batch_size, stats,
                  for k, b in colls.items()]
   if d_batch > 1 and split.has_marker:
     # Operand bytes: the gradient as each device holds it before the sync.
-    gb = sum(to_bytes(a, s) for a, s in zip(split.grad_avals, sol.grad_specs))
+    gb = sum(to_bytes(a, s) for a, s in zip(grad_avals, sol.grad_specs))
     scattered = any(dim is not None for dim in grad_dims)
     collectives.append(CollectivePlan(
         stage=grad_stage_names(n)[-1],
@@ -641,7 +650,8 @@ def _plan_from_solution(split, local, method, mesh, S, sol, batch_size, stats,
   memory = int(sol.memory)
   return Plan(method=method.name, mesh_axis_names=axis_names_of(mesh),
               mesh_shape=tuple(sizes.values()), num_micro_batches=n,
-              batch_axes=tuple(S), inputs=inputs, grads=grads, outputs=tuple(outputs),
+              batch_axes=tuple(S), inputs=inputs, grads=grads,
+              outputs=tuple(planned_outputs),
               intermediates=tuple(inter), collectives=tuple(collectives),
               memory_per_device=memory, objective=sol.objective, solver=solver,
               in_tree=traced.in_tree, mesh=mesh)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import NamedTuple
 
 import numpy as np
 from jax._src.interpreters import partial_eval as pe
@@ -49,8 +50,8 @@ from autopar.errors import MarkerError
 from autopar.marker import grad_marker_p
 from autopar.trace import TracedStep, count_markers, instantiate, instantiator
 
-__all__ = ["OutputKind", "SplitStep", "split_step", "instantiate_split", "reads",
-           "depends_on"]
+__all__ = ["OutputKind", "SplitStep", "split_step", "instantiate_split",
+           "outputs_at", "reads", "depends_on"]
 
 
 class OutputKind(enum.Enum):
@@ -215,14 +216,38 @@ def instantiate_split(split: SplitStep, micro_batch_size: int) -> SplitStep:
   def write(closed):
     return None if closed is None else ClosedJaxpr(inst.jaxpr(closed.jaxpr), ())
   compute, apply = write(split.compute), write(split.apply)
-  kinds = list(split.out_kinds)
-  if compute is not None:
-    outs = compute.jaxpr.outvars[split.num_grads:]
-    for j, (kind, idx) in enumerate(zip(split.out_kinds, split.out_index)):
-      if kind is not OutputKind.APPLY:
-        kinds[j] = _kind_of(outs[idx].aval, micro_batch_size)
+  avals = [v.aval for v in traced.jaxpr.jaxpr.outvars]
   return dataclasses.replace(split, traced=traced, compute=compute, apply=apply,
-                             out_kinds=tuple(kinds))
+                             out_kinds=_kinds_at(split, avals, micro_batch_size))
+
+
+class SizedOutputs(NamedTuple):
+  """What the planner reads of a step's results at one batch size."""
+  avals: list                       # per output leaf
+  kinds: tuple                      # per output leaf, an OutputKind
+  grad_avals: list                  # per gradient
+
+
+def outputs_at(split: SplitStep, micro_batch_size: int) -> SizedOutputs:
+  """The step's outputs and gradients at ``micro_batch_size`` rows, from
+  ``split`` at that size or at a symbolic one
+  (:func:`~autopar.trace.trace_step_any_batch`), without writing the step
+  out at the size as :func:`instantiate_split` does."""
+  outvars = split.traced.jaxpr.jaxpr.outvars
+  grads = split.grad_avals if split.has_marker else []
+  if split.traced.micro_batch_size == micro_batch_size:
+    return SizedOutputs([v.aval for v in outvars], split.out_kinds, grads)
+  inst = instantiator(micro_batch_size)
+  avals = [inst.aval(v.aval) for v in outvars]
+  return SizedOutputs(avals, _kinds_at(split, avals, micro_batch_size),
+                      [inst.aval(a) for a in grads])
+
+
+def _kinds_at(split: SplitStep, avals, micro_batch_size: int) -> tuple:
+  """``split.out_kinds`` for outputs of avals ``avals``: whether an output
+  is per-example depends on the size."""
+  return tuple(kind if kind is OutputKind.APPLY else _kind_of(aval, micro_batch_size)
+               for kind, aval in zip(split.out_kinds, avals, strict=True))
 
 
 def _batch_after_marker_error(fn_name: str, path: str | None,

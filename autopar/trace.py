@@ -500,8 +500,12 @@ def _inline(top: Jaxpr, top_consts: list, fn_name: str) -> tuple[Jaxpr, list]:
           outvars = [v if isinstance(v, DropVar) else Var(v.aval) for v in outvars]
           env.update((v, w) for v, w in zip(eqn.outvars, outvars)
                      if not isinstance(v, DropVar))
-        eqns.append(eqn.replace(invars=invars, outvars=outvars,
-                                params=_inline_params(eqn, fn_name)))
+        params = _inline_params(eqn, fn_name)
+        if (outvars is eqn.outvars and params is eqn.params and
+            all(a is b for a, b in zip(invars, eqn.invars))):
+          eqns.append(eqn)             # reads nothing inlined: kept as it is
+        else:
+          eqns.append(eqn.replace(invars=invars, outvars=outvars, params=params))
         continue
       sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
       sub_jaxpr = getattr(sub, "jaxpr", sub)
