@@ -49,6 +49,7 @@ smallest budget that would fit.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 import time
 from typing import Any, Mapping, Sequence
@@ -837,31 +838,37 @@ def _eqn_key(eqn):
 
 def _liveness_peaks(jaxpr, num_consts: int, k: int) -> list[list[Var]]:
   """The ``k`` program points where the most (replicated) bytes are live."""
+  eqns = jaxpr.eqns
   last_use: dict[Var, int] = {}
-  for i, eqn in enumerate(jaxpr.eqns):
+  for i, eqn in enumerate(eqns):
     for v in eqn.invars:
-      if isinstance(v, Var):
+      if type(v) is not Literal:
         last_use[v] = i
-  end = len(jaxpr.eqns)
+  end = len(eqns)
   for v in jaxpr.outvars:
-    if isinstance(v, Var):
+    if type(v) is not Literal:
       last_use[v] = end
-  dies: dict[int, list[Var]] = {}
-  nbytes = lambda v: math.prod(v.aval.shape) * itemsize(v.aval.dtype)
+  aval_bytes: dict = {}      # aval -> bytes (a step has few distinct avals)
+  def nbytes(v):
+    b = aval_bytes.get(v.aval)
+    if b is None:
+      b = aval_bytes[v.aval] = math.prod(v.aval.shape) * itemsize(v.aval.dtype)
+    return b
+  dying = [0] * (end + 1)    # bytes whose last use is at each point
   size, sizes = 0, []
   born: list[list[Var]] = []
-  for i, eqn in enumerate(jaxpr.eqns):
+  for i, eqn in enumerate(eqns):
     # Values whose last use was before i are dead at i.
-    for v in dies.pop(i - 1, ()):
-      size -= nbytes(v)
+    if i:
+      size -= dying[i - 1]
     new = [v for v in eqn.outvars if v in last_use]
     for v in new:
-      size += nbytes(v)
-      dies.setdefault(max(last_use[v], i), []).append(v)
+      b = nbytes(v)
+      size += b
+      dying[max(last_use[v], i)] += b
     born.append(new)
     sizes.append(size)
-  peaks = sorted(range(len(sizes)), key=lambda i: -sizes[i])[:k]
-  out = []
-  for t in peaks:      # the live set at t: born at or before t, last used at or after t
-    out.append([v for i in range(t + 1) for v in born[i] if last_use[v] >= t])
-  return out
+  peaks = heapq.nlargest(k, range(len(sizes)), key=sizes.__getitem__)
+  # The live set at t: born at or before t, last used at or after t.
+  return [[v for i in range(t + 1) for v in born[i] if last_use[v] >= t]
+          for t in peaks]

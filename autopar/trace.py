@@ -437,8 +437,16 @@ _INLINABLE = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call",
 
 
 def _sub_jaxprs(eqn) -> list:
-  from jax.extend.core import jaxprs_in_params
-  return list(jaxprs_in_params(eqn.params))
+  """The jaxprs in ``eqn``'s params (as ``jaxprs_in_params``; this runs per
+  equation of a large step, so it checks types without a generator)."""
+  out = []
+  for val in eqn.params.values():
+    for v in (val if isinstance(val, tuple) else (val,)):
+      if isinstance(v, Jaxpr):
+        out.append(v)
+      elif isinstance(v, ClosedJaxpr):
+        out.append(v.jaxpr)
+  return out
 
 
 def count_markers(jaxpr) -> int:

@@ -86,3 +86,32 @@ def test_marker_inside_jit_is_inlined():
 def test_step_without_marker_is_one_apply_part():
   s = _split(lambda w, x: (w - jax.grad(f)(w, x),), W, X)
   assert not s.has_marker and s.out_kinds == (OutputKind.APPLY,)
+
+
+def test_dead_code_elimination_matches_jax():
+  """split._dce (a fast path for equations without a DCE rule) removes what
+  JAX's dce_jaxpr removes: dead equations, unused loop outputs and carries
+  inside scan / while / cond, and nothing with an effect."""
+  from jax._src.interpreters import partial_eval as pe
+  from autopar.split import _dce
+
+  def fn(w, x):
+    dead = jnp.sin(x) * 3.0                          # unused
+    def body(c, xs):
+      return (c[0] + xs @ w, c[1] * 2.0), (jnp.tanh(xs), xs.sum())
+    (c0, _), (ys, _) = jax.lax.scan(body, (jnp.zeros(2), jnp.ones(())), x)
+    out = jax.lax.cond(x.sum() > 0, lambda a: (a * 2, a + 1), lambda a: (a, a), c0)[0]
+    n, _ = jax.lax.while_loop(lambda s: s[0] < 3, lambda s: (s[0] + 1, s[1] * 2),
+                              (0, dead.sum()))
+    jax.debug.callback(lambda v: None, x.sum())      # an effect: kept
+    return out + n + ys.sum(), dead.mean()
+
+  jaxpr = jax.make_jaxpr(fn)(W, X).jaxpr
+  for keep in ([0], [1], [0, 1]):
+    j = jaxpr.replace(outvars=[jaxpr.outvars[i] for i in keep])
+    ref, _ = pe.dce_jaxpr(j, [True] * len(keep), instantiate=True)
+    new = _dce(j)
+    assert str(new) == str(ref)
+    assert new.effects == ref.effects
+    assert str(new) != str(j)          # the scan's unused outputs at least
+  assert len(_dce(jaxpr.replace(outvars=jaxpr.outvars[:1])).eqns) < len(jaxpr.eqns)
