@@ -151,15 +151,35 @@ def abstract_leaves(args: Sequence[Any], flags: ArgFlags, names: Sequence[str]
   dynamic = [i for i in range(len(args)) if i not in flags.static]
   infos, leaves = [], []
   for i in dynamic:
-    for kp, x in jax.tree_util.tree_flatten_with_path(args[i])[0]:
+    xs, keys = _leaves_and_keys(args[i])
+    for x, key in zip(xs, keys, strict=True):
       shape, dtype, weak = _leaf_aval(x)
       infos.append(LeafInfo(
-          path=names[i] + jax.tree_util.keystr(kp), shape=shape, dtype=dtype,
+          path=names[i] + key, shape=shape, dtype=dtype,
           weak_type=weak, argnum=i, is_batch=i in flags.batch,
           is_donated=i in flags.donate))
-      leaves.append(x)
+    leaves.extend(xs)
   treedef = jax.tree_util.tree_structure(tuple(args[i] for i in dynamic))
   return infos, treedef, leaves
+
+
+# Pytree structure -> the key path of each of its leaves ("['params']['w']").
+# Every call of a step flattens its arguments; spelling out the paths of a
+# large train state is slow (0.1 s for 3000 leaves), so it is done once per
+# structure.
+_KEYS: dict = {}
+
+
+def _leaves_and_keys(tree) -> tuple[list, tuple[str, ...]]:
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  keys = _KEYS.get(treedef)
+  if keys is None:
+    keys = tuple(jax.tree_util.keystr(kp)
+                 for kp, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
+    if len(_KEYS) >= 1024:
+      _KEYS.clear()
+    _KEYS[treedef] = keys
+  return leaves, keys
 
 
 def check_batch_leaves(leaves: Sequence[LeafInfo], *, num_micro_batches: int,

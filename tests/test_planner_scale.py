@@ -114,6 +114,23 @@ def test_saved_abstract_plan_runs_on_a_real_mesh_without_solving(monkeypatch):
   assert_trees_close(state.params, ref_state.params)
 
 
+def test_planned_function_runs_with_its_plan(monkeypatch):
+  """.plan() with abstract arguments, then a call with arrays: the call runs
+  the plan made (no second solve), on the step written out at the full
+  micro-batch size only now, and matches single-device jax.jit."""
+  make_state, step, batch = transformer_setup(batch=16, d=32, heads=4, tx=SGD)
+  p = autopar.parallelize(step, method=autopar.ShardParallel(
+      mesh=jax.make_mesh((2, 4), ("data", "model")), num_micro_batches=2,
+      option=autopar.AutoShardingOption(plan_cache=False)))
+  plan = p.plan(*abstract(make_state, batch))
+  no_solver(monkeypatch)
+  ref_state, ref_loss = single_device(step)(make_state(), batch)
+  state, loss = p(make_state(), batch)
+  assert p.get_executable(make_state(), batch).plan is plan
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(state.params, ref_state.params)
+
+
 def test_plan_cache_hit_on_a_second_call(monkeypatch, tmp_path):
   monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
   make_state, step, batch = transformer_setup(batch=16, d=32, heads=4, tx=SGD)
