@@ -230,26 +230,13 @@ class ShardingProblem:
     A, sizes = self.A, self.sizes
     # Leaf nodes, shared by both jaxprs.
     self.leaf_nodes = []
+    by_key = {}      # leaves of one shape and role (the layers') share their choices
     for k, aval in enumerate(self.leaf_avals):
-      fixed = (0,) if self.batch_leaves[k] and self.n > 1 and aval.shape else ()
-      choices, specs, costs, mem = [], [], [], []
-      for spec in enumerate_specs(aval.shape, A, sizes, fixed=fixed):
-        for dim in self._batch_axes_dims(k, aval, spec):
-          choices.append((spec, dim))
-          specs.append((spec,))
-          b = local_bytes(aval, spec, sizes)
-          if dim is None:
-            costs.append(0.0)
-            mem.append(b)
-            continue
-          shard = b / self._batch_size_devices
-          mem.append(shard)
-          # ZeRO-3: the gradient computation all-gathers the leaf each
-          # micro-batch; ZeRO-2 (optimizer state): the update is gathered once.
-          reps = self.n if k in self.read_by_compute else 1
-          costs.append(reps * self.cost.all_gather(shard, self.S))
       key = ("leaf", tuple(aval.shape), aval.dtype, self.batch_leaves[k],
              k in self.read_by_compute)
+      if key not in by_key:
+        by_key[key] = self._leaf_choices(k, aval)
+      choices, specs, costs, mem = by_key[key]
       self.leaf_nodes.append(self._add_node(f"leaf{k}", choices, specs, costs, 1, mem,
                                             key))
 
@@ -277,6 +264,28 @@ class ShardingProblem:
     for g, v in enumerate(aj.invars[nconst + len(self.leaf_avals):]):
       self.apply_val[v] = (self.grad_nodes[g], 0)
     self.apply_eqn_nodes = self._add_eqns(aj, self.apply_val, 1, "apply")
+
+  def _leaf_choices(self, k, aval) -> tuple[list, list, list, list]:
+    """(choices, specs, costs, bytes per device) of input leaf ``k``."""
+    A, sizes = self.A, self.sizes
+    fixed = (0,) if self.batch_leaves[k] and self.n > 1 and aval.shape else ()
+    choices, specs, costs, mem = [], [], [], []
+    for spec in enumerate_specs(aval.shape, A, sizes, fixed=fixed):
+      for dim in self._batch_axes_dims(k, aval, spec):
+        choices.append((spec, dim))
+        specs.append((spec,))
+        b = local_bytes(aval, spec, sizes)
+        if dim is None:
+          costs.append(0.0)
+          mem.append(b)
+          continue
+        shard = b / self._batch_size_devices
+        mem.append(shard)
+        # ZeRO-3: the gradient computation all-gathers the leaf each
+        # micro-batch; ZeRO-2 (optimizer state): the update is gathered once.
+        reps = self.n if k in self.read_by_compute else 1
+        costs.append(reps * self.cost.all_gather(shard, self.S))
+    return choices, specs, costs, mem
 
   @property
   def _batch_size_devices(self) -> int:
@@ -476,7 +485,7 @@ class ShardingProblem:
     for idx, node in enumerate(self.nodes):
       c = self.node_class[idx]
       if c not in shared:
-        shared[c] = [pulp.LpVariable(f"x_{idx}_{k}", cat="Binary")
+        shared[c] = [_variable(self.prob, f"x_{idx}_{k}", cat="Binary")
                      for k in range(len(node.choices))]
         self.num_variables += len(node.choices)
       node.vars = shared[c]
@@ -545,7 +554,7 @@ class ShardingProblem:
       return
     flows = {}
     for (p, r), c in costs.items():
-      e = pulp.LpVariable(f"e_{self._edge_count}", lowBound=0)
+      e = _variable(self.prob, f"e_{self._edge_count}", lowBound=0)
       self._edge_count += 1
       self.num_variables += 1
       flows[p, r] = e
@@ -710,7 +719,7 @@ class ShardingProblem:
   def min_memory(self) -> float:
     """The smallest peak memory any sharding reaches (a separate small ILP)."""
     prob = pulp.LpProblem("autopar_min_memory", pulp.LpMinimize)
-    peak = pulp.LpVariable("peak", lowBound=0)
+    peak = _variable(prob, "peak", lowBound=0)
     state, acts = self.memory_terms()
     for t, act in enumerate(acts or [0]):
       prob += peak >= state + act
@@ -807,6 +816,16 @@ class ShardingProblem:
 
 # Control-flow primitives whose bodies are planned (see ShardingProblem._add_region).
 REGIONS = ("scan", "while", "cond", "remat2")   # remat2: jax.checkpoint
+
+
+def _variable(prob, name: str, lowBound=None, cat="Continuous"):
+  """A new variable of ``prob``: ``prob.add_variable`` where PuLP has it
+  (3.3 on; PuLP 4.0 requires it and 3.3 warns on every ``LpVariable(...)``),
+  else ``pulp.LpVariable``."""
+  add = getattr(prob, "add_variable", None)
+  if add is not None:
+    return add(name, lowBound=lowBound, cat=cat)
+  return pulp.LpVariable(name, lowBound=lowBound, cat=cat)
 
 
 def get_inner(val, v):
