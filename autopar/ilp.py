@@ -315,9 +315,11 @@ class ShardingProblem:
       if eqn.primitive.name in REGIONS:
         self._add_region(eqn, i, val, mult, part, eqn_nodes)
         continue
-      operands = [v for v in eqn.invars if isinstance(v, Var) and v.aval.shape]
-      out = eqn.outvars[0]
-      if (is_elementwise(eqn) and len(eqn.outvars) == 1 and operands
+      merge = is_elementwise(eqn) and len(eqn.outvars) == 1
+      if merge:
+        operands = [v for v in eqn.invars if isinstance(v, Var) and v.aval.shape]
+        out = eqn.outvars[0]
+      if (merge and operands
           and all(tuple(v.aval.shape) == tuple(out.aval.shape) for v in operands)
           and all(v in val for v in operands)):
         # Merged: the output follows its first operand's spec; every other
