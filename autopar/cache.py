@@ -72,7 +72,7 @@ def program_digest(closed, h) -> None:
     return hit[0]
 
   def name(v) -> str:
-    if isinstance(v, Literal):     # its bytes: numpy's repr is slow
+    if type(v) is Literal:         # its bytes: numpy's repr is slow
       return f"lit({np.asarray(v.val).tobytes().hex()}:{aval(v)})"
     n = names.get(v)
     if n is None:
@@ -92,12 +92,13 @@ def program_digest(closed, h) -> None:
     return repr(value)
 
   def jaxpr(j) -> None:
-    h.update(("{" + " ".join(name(v) for v in (*j.constvars, *j.invars)) + ";").encode())
+    h.update(("{" + " ".join([name(v) for v in (*j.constvars, *j.invars)]) + ";").encode())
+    update = h.update
     for eqn in j.eqns:
-      params = ",".join(f"{k}={param(v)}" for k, v in sorted(eqn.params.items()))
-      h.update(f"{' '.join(name(v) for v in eqn.outvars)}={eqn.primitive.name}"
-               f"[{params}]({' '.join(name(v) for v in eqn.invars)});".encode())
-    h.update((" ".join(name(v) for v in j.outvars) + "}").encode())
+      params = ",".join([f"{k}={param(v)}" for k, v in sorted(eqn.params.items())])
+      update(f"{' '.join([name(v) for v in eqn.outvars])}={eqn.primitive.name}"
+             f"[{params}]({' '.join([name(v) for v in eqn.invars])});".encode())
+    h.update((" ".join([name(v) for v in j.outvars]) + "}").encode())
 
   jaxpr(closed.jaxpr)
   h.update(f"consts {len(closed.consts)}".encode())
