@@ -120,7 +120,7 @@ def store(key: str, plan: Plan) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
-      f.write(plan.to_json())
+      f.write(plan.to_json(indent=None))
     os.replace(tmp, directory / f"{key}.json")
   except OSError:
     pass

@@ -71,14 +71,17 @@ class ValuePlan:
   def bytes_per_device(self, axis_sizes: Mapping[str, int]) -> int:
     return bytes_per_device(self.shape, self.dtype, self.spec, axis_sizes)
 
-  def to_json(self) -> dict:
+  def to_json(self, spec_json: list | None = None) -> dict:
+    """As a dict for JSON; ``spec_json``: ``spec_to_json(self.spec)``, if the
+    caller has it."""
     return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
-            "spec": spec_to_json(self.spec)}
+            "spec": spec_to_json(self.spec) if spec_json is None else spec_json}
 
   @classmethod
-  def from_json(cls, d: Mapping) -> "ValuePlan":
+  def from_json(cls, d: Mapping, spec: PartitionSpec | None = None) -> "ValuePlan":
+    """From a dict of :meth:`to_json`; ``spec``: its spec, if the caller has it."""
     return cls(name=d["name"], shape=tuple(d["shape"]), dtype=d["dtype"],
-               spec=spec_from_json(d["spec"]))
+               spec=spec_from_json(d["spec"]) if spec is None else spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,6 +207,19 @@ class Plan:
   # -- JSON --------------------------------------------------------------------
 
   def to_json(self, indent: int | None = 1) -> str:
+    """The plan as JSON text (``indent=None``: compact, and about twice as
+    fast to write for a large plan: Python's C encoder only runs unindented)."""
+    specs: dict = {}       # a plan has few distinct specs: one list each
+
+    def values(vs) -> list:
+      out = []
+      for v in vs:
+        spec = specs.get(v.spec)
+        if spec is None:
+          spec = specs[v.spec] = spec_to_json(v.spec)
+        out.append(v.to_json(spec))
+      return out
+
     d = {
         "format": PLAN_FORMAT,
         "method": self.method,
@@ -211,10 +227,10 @@ class Plan:
         "mesh_shape": list(self.mesh_shape),
         "num_micro_batches": self.num_micro_batches,
         "batch_axes": list(self.batch_axes),
-        "inputs": [v.to_json() for v in self.inputs],
-        "grads": [v.to_json() for v in self.grads],
-        "outputs": [v.to_json() for v in self.outputs],
-        "intermediates": [v.to_json() for v in self.intermediates],
+        "inputs": values(self.inputs),
+        "grads": values(self.grads),
+        "outputs": values(self.outputs),
+        "intermediates": values(self.intermediates),
         "collectives": [c.to_json() for c in self.collectives],
         "memory_per_device": self.memory_per_device,
         "objective": self.objective,
@@ -234,15 +250,25 @@ class Plan:
       raise PlanError(f"Plan.from_json: plan format {d.get('format')!r} is not "
                       f"supported (this autopar reads format {PLAN_FORMAT}). "
                       f"Fix: make the plan again with this version.")
+    specs: dict = {}       # spec (as hashable JSON) -> PartitionSpec, made once
+
+    def values(ds) -> tuple:
+      out = []
+      for v in ds:
+        key = tuple(tuple(e) if isinstance(e, list) else e for e in v["spec"])
+        spec = specs.get(key)
+        if spec is None:
+          spec = specs[key] = spec_from_json(v["spec"])
+        out.append(ValuePlan.from_json(v, spec))
+      return tuple(out)
+
     return cls(
         method=d["method"], mesh_axis_names=tuple(d["mesh_axis_names"]),
         mesh_shape=tuple(d["mesh_shape"]),
         num_micro_batches=int(d["num_micro_batches"]),
         batch_axes=tuple(d["batch_axes"]),
-        inputs=tuple(map(ValuePlan.from_json, d["inputs"])),
-        grads=tuple(map(ValuePlan.from_json, d["grads"])),
-        outputs=tuple(map(ValuePlan.from_json, d["outputs"])),
-        intermediates=tuple(map(ValuePlan.from_json, d["intermediates"])),
+        inputs=values(d["inputs"]), grads=values(d["grads"]),
+        outputs=values(d["outputs"]), intermediates=values(d["intermediates"]),
         collectives=tuple(map(CollectivePlan.from_json, d["collectives"])),
         memory_per_device=int(d["memory_per_device"]),
         objective=float(d["objective"]),
