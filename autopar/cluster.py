@@ -448,7 +448,8 @@ class RayCluster:
     # Planned (and traced) once per signature on the driver; every later call
     # finds both in pf's caches.
     prep = pf._prepare(abstract)
-    plan, _ = pf._plan(prep)
+    plan, micro = pf._plan(prep)
+    num_outs = len(pf._traced(prep, micro).traced.out_paths)
     mesh = pf.method.mesh
     # Keyed by the function itself (held here), not its id(): a new closure
     # can reuse a freed one's id.
@@ -506,8 +507,7 @@ class RayCluster:
     new_tree = tree_key not in self._sent_trees
     args_bytes = cloudpickle.dumps((tree_key, tree_bytes if new_tree else None, shipped))
     forgotten, self._forgotten = self._forgotten, []
-    count = len(plan.outputs)
-    out_ids = [next(self._ids) for _ in range(count)]
+    out_ids = [next(self._ids) for _ in range(num_outs)]
     results = self._call([
         w.run.remote(fn_id, plan_key, plan_json if first else None, method_bytes,
                      args_bytes, out_ids, SMALL_BYTES, puts[h], forgotten)
