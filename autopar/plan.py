@@ -250,7 +250,7 @@ class Plan:
       raise PlanError(f"Plan.from_json: plan format {d.get('format')!r} is not "
                       f"supported (this autopar reads format {PLAN_FORMAT}). "
                       f"Fix: make the plan again with this version.")
-    specs: dict = {}       # spec (as hashable JSON) -> PartitionSpec, made once
+    specs: dict = {}       # spec entries (lists made tuples) -> PartitionSpec
 
     def values(ds) -> tuple:
       out = []
@@ -258,7 +258,7 @@ class Plan:
         key = tuple(tuple(e) if isinstance(e, list) else e for e in v["spec"])
         spec = specs.get(key)
         if spec is None:
-          spec = specs[key] = spec_from_json(v["spec"])
+          spec = specs[key] = spec_from_json(key)
         out.append(ValuePlan.from_json(v, spec))
       return tuple(out)
 

@@ -57,7 +57,6 @@ def local_bytes(aval, spec: Spec, sizes) -> float:
 
 
 @functools.lru_cache(maxsize=4096)
-@functools.lru_cache(maxsize=1 << 16)
 def to_partition_spec(spec: Spec):
   """``spec`` (a tuple of axis-name tuples per dim) as a PartitionSpec; cached,
   as a plan converts one per value of the step."""
