@@ -4,6 +4,7 @@ same methods run in this process on 8 simulated devices."""
 
 import os
 import queue
+import secrets
 import shutil
 import signal
 import socket
@@ -71,13 +72,20 @@ def ray_head():
   ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
   # Token authentication, as `ray start` sets up by default since Ray 2.59;
   # the driver (this process) must then say so too.
-  auth_mode = os.environ.get("RAY_AUTH_MODE")
+  saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
   os.environ["RAY_AUTH_MODE"] = "token"
   # Its own temp dir: `ray start` records the cluster there for ray.init()
   # to find, and a record left in the default /tmp/ray after the cluster is
   # gone would send later plain ray.init() calls on this machine to it.
   # (Under /tmp, as Ray's own: its sockets' paths must stay short.)
   temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
+  # The cluster's token, made here: `ray start` makes none, and a machine
+  # that never ran Ray (or a fresh HOME) has no ~/.ray/auth_token to fall
+  # back on. Both the head and this process (the driver) read it.
+  token = os.path.join(temp_dir, "auth_token")
+  with open(token, "w") as f:
+    f.write(secrets.token_hex(32))
+  os.environ["RAY_AUTH_TOKEN_PATH"] = token
   head = subprocess.Popen(
       [ray_cli, "start", "--head", "--block", f"--port={port}",
        "--node-ip-address=127.0.0.1", "--num-cpus=2", "--include-dashboard=false",
@@ -100,10 +108,11 @@ def ray_head():
   head.terminate()                           # --block: ends the node's processes
   head.wait(timeout=60)
   shutil.rmtree(temp_dir, ignore_errors=True)
-  if auth_mode is None:
-    del os.environ["RAY_AUTH_MODE"]
-  else:
-    os.environ["RAY_AUTH_MODE"] = auth_mode
+  for k, v in saved.items():
+    if v is None:
+      os.environ.pop(k, None)
+    else:
+      os.environ[k] = v
 
 
 @pytest.fixture(scope="module")
