@@ -18,9 +18,14 @@ plans, dispatches and collects:
   ``jax.device_get(x)`` fetch one (each host sends its shards); small
   replicated outputs (a loss) come back with the call.
 
-A worker that dies or does not answer within ``timeout`` seconds makes the
-call raise :class:`ClusterError` naming the host; the cluster is then unusable
-until ``autopar.shutdown()`` and ``autopar.init(...)``.
+Liveness is checked apart from how long a step takes. While a call is under
+way the driver pings every host that has not answered yet, every few seconds,
+on a thread of the worker's own (a Ray concurrency group), so a host that is
+busy compiling or running a long step still answers. A host that dies, or
+does not answer a ping within ``timeout`` seconds, makes the call raise
+:class:`ClusterError` naming it; the cluster is then unusable until
+``autopar.shutdown()`` and ``autopar.init(...)``. A step of living hosts is
+waited for as long as it takes, unless ``init(step_timeout=...)`` sets a limit.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ __all__ = ["init", "shutdown", "global_mesh", "current", "RemoteArray",
 _CURRENT: "RayCluster | None" = None
 _LOCK = threading.Lock()
 SMALL_BYTES = 1024     # replicated outputs up to this size come back with the call
+LIVENESS = "liveness"  # the workers' concurrency group that answers pings
 
 
 class ClusterError(AutoparError):
@@ -59,7 +65,7 @@ class ClusterError(AutoparError):
 
 def init(cluster: str = "local", *, address: str | None = None,
          num_hosts: int | None = None, num_devices_per_host: int | None = None,
-         timeout: float = 60.0) -> None:
+         timeout: float = 30.0, step_timeout: float | None = None) -> None:
   """Chooses where parallelized steps run.
 
   Args:
@@ -70,7 +76,11 @@ def init(cluster: str = "local", *, address: str | None = None,
     num_devices_per_host: on machines without accelerators, simulated CPU
       devices per worker (default 1); with GPUs, GPUs per worker (default:
       the GPUs of a node).
-    timeout: seconds a call waits for a worker before raising ClusterError.
+    timeout: seconds a host may go without answering a liveness check before
+      it is taken for dead (ClusterError naming it). A host that answers is
+      waited for however long its step, or its first compile, takes.
+    step_timeout: seconds one call (a step, a checkpoint) may take before
+      ClusterError, even with every host alive; None (default): no limit.
   """
   global _CURRENT
   with _LOCK:
@@ -83,7 +93,13 @@ def init(cluster: str = "local", *, address: str | None = None,
       raise InputError(f"autopar.init: cluster={cluster!r}; expected 'local' or 'ray'.")
     if num_hosts is not None and (not isinstance(num_hosts, int) or num_hosts < 1):
       raise InputError(f"autopar.init: num_hosts={num_hosts!r}; expected a positive int.")
-    c = RayCluster(address, num_hosts, num_devices_per_host, timeout)
+    for name, value in (("timeout", timeout), ("step_timeout", step_timeout)):
+      if value is None and name == "step_timeout":
+        continue
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise InputError(f"autopar.init: {name}={value!r}; expected a positive number "
+                         f"of seconds{' or None' if name == 'step_timeout' else ''}.")
+    c = RayCluster(address, num_hosts, num_devices_per_host, timeout, step_timeout)
     try:
       c.start()
     except BaseException:
@@ -238,11 +254,13 @@ def _join_ray(address: str) -> None:
 class RayCluster:
   """The host workers and how to reach them (made by :func:`init`)."""
 
-  def __init__(self, address, num_hosts, num_devices_per_host, timeout):
+  def __init__(self, address, num_hosts, num_devices_per_host, timeout,
+               step_timeout=None):
     self.address = address
     self.num_hosts = num_hosts
     self.num_devices_per_host = num_devices_per_host
     self.timeout = timeout
+    self.step_timeout = step_timeout
     self.workers: list = []
     self.hosts: list[str] = []
     self.started_ray = False
@@ -287,10 +305,11 @@ class RayCluster:
     strategy = "STRICT_SPREAD" if self.num_hosts <= len(nodes) and len(nodes) > 1 \
         else "PACK"
     self.placement_group = placement_group([bundle] * self.num_hosts, strategy=strategy)
-    if not _ray_wait(self.placement_group.ready(), self.timeout):
+    place_seconds = max(self.timeout, 60)
+    if not _ray_wait(self.placement_group.ready(), place_seconds):
       raise ClusterError(
           f"autopar.init: Ray could not place {self.num_hosts} host worker(s) with "
-          f"{bundle} each within {self.timeout:.0f} s (cluster resources: "
+          f"{bundle} each within {place_seconds:.0f} s (cluster resources: "
           f"{ray.cluster_resources()}). Fix: ask for fewer hosts or add nodes.")
     # Workers import autopar and the modules the step's code comes from:
     # give them the driver's import path (on a multi-machine cluster, use a
@@ -305,7 +324,8 @@ class RayCluster:
         # Several simulated hosts share a machine: one compute thread each,
         # instead of each taking every core.
         env["XLA_FLAGS"] += " --xla_cpu_multi_thread_eigen=false"
-    actor = ray.remote(HostWorker)
+    # Pings run on a thread of their own, beside a long step.
+    actor = ray.remote(concurrency_groups={LIVENESS: 1})(HostWorker)
     self.workers = [
         actor.options(num_cpus=1, num_gpus=(per_host if gpus else 0), max_restarts=0,
                       runtime_env={"env_vars": env},
@@ -313,12 +333,13 @@ class RayCluster:
                           self.placement_group, placement_group_bundle_index=i)
                       ).remote(i, per_host, platform)
         for i in range(self.num_hosts)]
-    addresses = self._call([w.address.remote() for w in self.workers], "start")
+    addresses = self._call([w.address.remote() for w in self.workers], "start",
+                           limit=max(self.timeout, 120), ping=False)
     self.hosts = [ip for ip, _ in addresses]
     coordinator = f"{addresses[0][0]}:{addresses[0][1]}"
     infos = self._call([w.initialize.remote(coordinator, self.num_hosts)
                         for w in self.workers], "jax.distributed.initialize",
-                       timeout=max(self.timeout, 180))
+                       limit=max(self.timeout, 180), ping=False)
     self.num_devices = infos[0]["devices"]
     self.device_hosts = infos[0]["device_processes"]
     self.pids = [i["pid"] for i in infos]
@@ -341,25 +362,59 @@ class RayCluster:
 
   # -- calls ------------------------------------------------------------------------
 
-  def _call(self, refs: list, what: str, timeout: float | None = None) -> list:
-    """Results of one call per worker; a dead or silent worker raises."""
+  def _call(self, refs: list, what: str, limit: float | None = None,
+            ping: bool = True) -> list:
+    """Results of one call per worker (``refs[i]`` is worker ``i``'s).
+
+    Waits while every host that has not answered is alive: each is pinged
+    every few seconds, and one that dies or leaves a ping unanswered for
+    ``self.timeout`` seconds raises. ``limit``: seconds the whole call may
+    take (default ``step_timeout``: none). ``ping=False``: no pings (workers
+    still starting), so ``limit`` alone bounds the wait.
+    """
     import ray
     if self.broken:
       raise ClusterError(f"autopar: the Ray cluster is unusable ({self.broken}). "
                          f"Fix: autopar.shutdown() then autopar.init(...).")
-    timeout = self.timeout if timeout is None else timeout
+    limit = self.step_timeout if limit is None else limit
     index = {r: i for i, r in enumerate(refs)}
     results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    interval = min(5.0, self.timeout / 4)
+    pings: dict = {}                    # outstanding ping -> worker
+    sent: dict[int, float] = {}         # worker -> when its outstanding ping went out
+    answered: dict[int, float] = {}     # worker -> when it last answered one
     pending = list(refs)
     while pending:
-      left = deadline - time.monotonic()
-      if left <= 0:
+      now = time.monotonic()
+      if limit is not None and now - start > limit:
         silent = [index[r] for r in pending]
         self._fail(f"host(s) {', '.join(self._host(i) for i in silent)} did not "
-                   f"answer {what} within {timeout:.0f} s")
-      ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+                   f"finish {what} within {limit:.0f} s")
+      waiting = {index[r] for r in pending}
+      if ping:
+        for i in sorted(waiting - set(sent)):
+          if now - answered.get(i, -math.inf) >= interval:
+            pings[self.workers[i].ping.options(concurrency_group=LIVENESS).remote()] = i
+            sent[i] = now
+        dead = [i for i, t in sent.items() if i in waiting and now - t > self.timeout]
+        if dead:
+          self._fail(f"host(s) {', '.join(self._host(i) for i in dead)} did not "
+                     f"answer a liveness check within {self.timeout:.0f} s during "
+                     f"{what}")
+      wait = interval if limit is None else min(interval, max(0.0, start + limit - now))
+      ready, _ = ray.wait(pending + list(pings), num_returns=1, timeout=wait)
       for r in ready:
+        if r in pings:
+          i = pings.pop(r)
+          del sent[i]
+          try:
+            ray.get(r)
+          except ray.exceptions.RayActorError as e:
+            self._fail(f"host {self._host(i)} died during {what}: {_first_line(e)}")
+          answered[i] = time.monotonic()
+          continue
+        pending.remove(r)
         i = index[r]
         try:
           results[i] = ray.get(r)
@@ -373,9 +428,9 @@ class RayCluster:
           self._raise_if_a_host_died(pending, index, what)
           if isinstance(cause, AutoparError):
             raise cause
-          # An exception in the step's own code: the cluster stays usable (if
-          # another host is left waiting in a collective, the next call times
-          # out and says so).
+          # An exception in the step's own code: the cluster stays usable. (A
+          # host left waiting in a collective is alive, so it is waited for:
+          # step_timeout bounds such a wait.)
           raise ClusterError(f"autopar: host {self._host(i)} raised in {what}: "
                              f"{type(cause).__name__}: {cause}\n--- the host's "
                              f"traceback ---\n{e}") from cause
@@ -545,7 +600,7 @@ class RayCluster:
     tree = jax.tree.map(ref, state, is_leaf=lambda a: isinstance(a, RemoteArray))
     payload = cloudpickle.dumps(tree)
     self._call([w.save_checkpoint.remote(os.path.abspath(path), payload)
-                for w in self.workers], "save_checkpoint", timeout=max(self.timeout, 300))
+                for w in self.workers], "save_checkpoint")
 
   def restore_checkpoint(self, path: str, target, shardings):
     from ray import cloudpickle
@@ -571,7 +626,7 @@ class RayCluster:
     self._call([w.restore_checkpoint.remote(os.path.abspath(path), payload,
                                             tuple(mesh.axis_sizes), tuple(mesh.axis_names),
                                             out_ids) for w in self.workers],
-               "restore_checkpoint", timeout=max(self.timeout, 300))
+               "restore_checkpoint")
     return jax.tree.unflatten(tree, [RemoteArray(self, i, shape, dtype)
                                      for i, (shape, dtype, _) in zip(out_ids, entries)])
 

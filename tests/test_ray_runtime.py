@@ -197,3 +197,43 @@ def test_static_argument_and_plan_on_remote_state(ray_cluster):
                              [2 * float(l1), 3 * float(l2)], rtol=1e-5)
   plan = p.plan(state, batch, 3.0)          # RemoteArray leaves plan like arrays
   assert plan.batch_axes == ("data",)
+
+
+def test_a_slow_living_host_is_waited_for_and_a_frozen_one_is_named(ray_head):
+  """Liveness is apart from step time: a first step that takes longer than
+  the liveness timeout (its trace sleeps) completes; a host that stops
+  answering (SIGSTOP) is named within the timeout."""
+  autopar.shutdown()
+  autopar.init("ray", address=ray_head[1], num_hosts=2, num_devices_per_host=4,
+               timeout=2.0)
+  try:
+    make_state, step, batch = setups()["mlp"]
+
+    def slow_step(state, batch):
+      time.sleep(3.0)          # at trace time: the workers' first call takes >= 3 s
+      return step(state, batch)
+
+    p = autopar.parallelize(slow_step, method=autopar.DataParallel(
+        mesh=autopar.global_mesh((8,), ("data",))))
+    state, loss = p(make_state(), batch)
+    assert min(cluster.current().last_step_seconds) >= 3.0
+    assert np.isfinite(float(loss))
+
+    pid = cluster.current().pids[1]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+      start = time.monotonic()
+      with pytest.raises(autopar.ClusterError, match=r"host\(s\) 1 \(.*liveness"):
+        p(state, batch)
+      assert time.monotonic() - start < 10
+    finally:
+      os.kill(pid, signal.SIGKILL)
+  finally:
+    autopar.shutdown()
+
+
+def test_init_checks_its_timeouts():
+  with pytest.raises(autopar.InputError, match="step_timeout=0"):
+    autopar.init("ray", step_timeout=0)
+  with pytest.raises(autopar.InputError, match="timeout='soon'"):
+    autopar.init("ray", timeout="soon")
