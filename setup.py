@@ -1,8 +1,12 @@
+import re
+
 from setuptools import find_packages, setup
+
+VERSION = re.search(r'__version__ = "([^"]+)"', open("autopar/version.py").read()).group(1)
 
 setup(
     name="autopar",
-    version="0.1.0",
+    version=VERSION,
     description="An auto-parallelizing compiler front end for stock JAX.",
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",

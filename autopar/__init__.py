@@ -17,9 +17,9 @@ from autopar.marker import grad, value_and_grad
 from autopar.method import (AutoShardingOption, DataParallel, ShardParallel,
                             Zero2Parallel, Zero3Parallel)
 from autopar.plan import Plan
+from autopar.version import __version__
 from autopar import nn  # noqa: E402  (autopar.nn: memory helpers)
 
-__version__ = "0.1.0"
 
 __all__ = [
     "parallelize", "ParallelizedFunction", "Executable", "grad", "value_and_grad",

@@ -208,9 +208,10 @@ class ParallelizedFunction:
     # The ILP plans each choice of batch axes on the step at its rows per
     # device; of the step at the full micro-batch it needs only the outputs,
     # which the symbolic trace gives without writing the step out at that size.
-    split = self._traced(prep, micro) if solving else self._split(prep, micro)
+    split = self._traced(prep, micro)
     progress.add("trace", time.perf_counter() - t0,
                  f"{len(split.traced.jaxpr.jaxpr.eqns)} equations")
+    fingerprint = plan_cache.fingerprint(split, method, mesh, batch_size)
     if not split.has_marker and n > 1:
       raise MarkerError(
           f"{self._name}: num_micro_batches={n} but the step has no grad marker, "
@@ -219,22 +220,23 @@ class ParallelizedFunction:
           f"instead of jax.grad / jax.value_and_grad.")
     saved = method.plan if isinstance(method, ShardParallel) else None
     if saved is not None:
-      plan = _bind_saved_plan(saved, split, mesh, n, self._name)
+      plan = _bind_saved_plan(saved, split, mesh, fingerprint, self._name)
     elif isinstance(method, ShardParallel) and split.has_marker:
-      key = plan_cache.plan_key(split, method, mesh, batch_size) \
-          if method.option.plan_cache else None
+      key = plan_cache.plan_key(fingerprint) if method.option.plan_cache else None
       cached = plan_cache.load(key) if key else None
-      if cached is not None:
-        plan = _bind_saved_plan(cached, split, mesh, n, self._name)
+      if cached is not None and dict(cached.fingerprint) == fingerprint:
+        plan = _bind_saved_plan(cached, split, mesh, fingerprint, self._name)
         progress.add("plan cache hit", 0.0, str(plan_cache.cache_dir() / key))
       else:
         plan = plan_auto(split, method, mesh, batch_size=batch_size,
                          trace_local=lambda rows: self._split(prep, rows),
                          progress=progress, any_batch=self._any_split.get(prep.key))
+        plan = dataclasses.replace(plan, fingerprint=tuple(fingerprint.items()))
         if key:
           plan_cache.store(key, plan)
     else:
       plan = plan_preset(self._split(prep, micro), method, mesh, batch_size=batch_size)
+      plan = dataclasses.replace(plan, fingerprint=tuple(fingerprint.items()))
     data_size = math.prod(sizes[a] for a in plan.batch_axes)
     if split.has_marker and n * data_size > 1:
       outputs = outputs_at(split, micro)
@@ -354,30 +356,22 @@ def _check_local_split(split: SplitStep, local: SplitStep, name: str) -> SplitSt
                              out_index=split.out_index)
 
 
-def _bind_saved_plan(saved: Plan, split: SplitStep, mesh, n: int, name: str) -> Plan:
-  """Checks a saved plan against this step and mesh, and attaches both."""
+def _bind_saved_plan(saved: Plan, split: SplitStep, mesh, fingerprint, name: str
+                     ) -> Plan:
+  """Checks a saved plan against this step and mesh (its fingerprint), and
+  attaches both."""
   leaves = split.traced.leaves
-  if saved.num_micro_batches != n:
-    raise PlanError(
-        f"{name}: the saved plan is for num_micro_batches={saved.num_micro_batches} "
-        f"but the method has num_micro_batches={n}. Fix: use the plan's number of "
-        f"micro-batches, or plan again.")
-  if tuple(saved.mesh_shape) != tuple(mesh.axis_sizes) or \
-      tuple(saved.mesh_axis_names) != tuple(mesh.axis_names):
-    raise PlanError(
-        f"{name}: the saved plan is for mesh {dict(zip(saved.mesh_axis_names, saved.mesh_shape))}"
-        f" but the method's mesh is {dict(zip(mesh.axis_names, mesh.axis_sizes))}. "
-        f"Fix: plan again for this mesh, or use a mesh of the plan's shape.")
-  if len(saved.inputs) != len(leaves) or any(
-      v.name != l.path or tuple(v.shape) != tuple(l.shape)
-      for v, l in zip(saved.inputs, leaves)):
-    for v, l in zip(saved.inputs, leaves):
-      if v.name != l.path or tuple(v.shape) != tuple(l.shape):
-        raise PlanError(
-            f"{name}: the saved plan does not match the arguments: it has input "
-            f"{v.name} with shape {tuple(v.shape)} where the step has {l.path} "
-            f"with shape {tuple(l.shape)}. Fix: plan again for these arguments.")
-    raise PlanError(
-        f"{name}: the saved plan has {len(saved.inputs)} inputs but the step has "
-        f"{len(leaves)}. Fix: plan again for these arguments.")
+  details = {}
+  for v, l in zip(saved.inputs, leaves):
+    if v.name != l.path or tuple(v.shape) != tuple(l.shape):
+      details["arguments"] = (
+          f"it does not match the arguments: it has input {v.name} with shape "
+          f"{tuple(v.shape)} where the step has {l.path} with shape {tuple(l.shape)}")
+      break
+  else:
+    if len(saved.inputs) != len(leaves):
+      details["arguments"] = (f"it does not match the arguments: it has "
+                              f"{len(saved.inputs)} inputs but the step has "
+                              f"{len(leaves)}")
+  plan_cache.check_fingerprint(saved, fingerprint, name, details)
   return dataclasses.replace(saved, in_tree=split.traced.in_tree, mesh=mesh)

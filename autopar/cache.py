@@ -1,13 +1,20 @@
-"""Solved plans kept on disk, so the same step is not solved twice.
+"""What a plan was made for, and solved plans kept on disk.
 
-A plan is stored as its JSON under ``$AUTOPAR_CACHE_DIR`` (default
-``~/.cache/autopar``), in ``plans/<key>.json``. The key is a SHA-256 over
-everything the solver's answer depends on: the traced program (every
-equation with its parameters, shapes and dtypes: ``program_digest``), the
-argument leaves, the mesh's axis names and sizes, the method with its
-options, the number of micro-batches, the batch size and the plan format. A changed model, mesh or option is a new key;
-nothing is ever invalidated in place. A cache file that cannot be read is
-ignored (and solved again), never an error.
+Every :class:`~autopar.plan.Plan` carries a *fingerprint* (:func:`fingerprint`):
+the autopar version, a digest of the traced program (every equation with its
+parameters, shapes and dtypes: :func:`program_digest`), a digest of the
+argument leaves (paths, shapes, dtypes, which are batch data and which are
+donated), the mesh's axis names and sizes, the method with its options, the
+number of micro-batches and the batch size. A saved plan given back to a
+step is checked against the step's own fingerprint
+(:func:`check_fingerprint`), so a plan made for another program is an error
+that says what differs, never pins put on the wrong equations.
+
+Solved plans are stored as their JSON under ``$AUTOPAR_CACHE_DIR`` (default
+``~/.cache/autopar``), in ``plans/<key>.json``; the key is a SHA-256 of the
+fingerprint (:func:`plan_key`). A changed model, mesh, option or autopar
+version is a new key; nothing is ever invalidated in place. A cache file
+that cannot be read is ignored (and solved again), never an error.
 
 ``AutoShardingOption(plan_cache=False)`` turns the cache off for a step.
 """
@@ -17,14 +24,18 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import re
 import tempfile
 from pathlib import Path
+from typing import Mapping
 
 from autopar.errors import PlanError
-from autopar.method import ShardParallel, axis_names_of, axis_sizes_of
+from autopar.method import ParallelMethod, axis_names_of, axis_sizes_of
 from autopar.plan import PLAN_FORMAT, Plan
+from autopar.version import __version__
 
-__all__ = ["cache_dir", "plan_key", "load", "store"]
+__all__ = ["cache_dir", "fingerprint", "check_fingerprint", "plan_key", "load",
+           "store", "program_digest"]
 
 
 def cache_dir() -> Path:
@@ -33,22 +44,79 @@ def cache_dir() -> Path:
   return Path(root) / "plans"
 
 
-def plan_key(split, method: ShardParallel, mesh, batch_size: int) -> str:
-  """The cache key of planning ``split`` with ``method`` on ``mesh``."""
+def _sha(text: str) -> str:
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def fingerprint(split, method: ParallelMethod, mesh, batch_size: int) -> dict[str, str]:
+  """What a plan for ``split`` under ``method`` on ``mesh`` is made for.
+
+  ``split``: the step as the planner reads it (at a symbolic batch size where
+  it can be traced so). Each entry is short text: digests for the program,
+  the argument leaves and the options, the rest spelled out.
+  """
   traced = split.traced
-  option = tuple((f.name, getattr(method.option, f.name))
-                 for f in dataclasses.fields(method.option) if f.name != "verbose")
   h = hashlib.sha256()
-  for part in (f"format {PLAN_FORMAT}", type(method).__name__, repr(option),
-               repr(axis_names_of(mesh)), repr(tuple(axis_sizes_of(mesh).values())),
-               f"n {method.micro_batches} batch {batch_size}",
-               repr([(l.path, tuple(l.shape), str(l.dtype), l.is_batch)
-                     for l in traced.leaves]),
-               ):
-    h.update(part.encode())
-    h.update(b"\0")
   program_digest(traced.jaxpr, h)
-  return h.hexdigest()
+  option = getattr(method, "option", None)
+  options = "" if option is None else repr(tuple(
+      (f.name, getattr(option, f.name)) for f in dataclasses.fields(option)
+      if f.name not in ("verbose", "plan_cache")))
+  settings = repr(tuple((f.name, getattr(method, f.name))
+                        for f in dataclasses.fields(method)
+                        if f.name not in ("mesh", "plan", "option")))
+  return {
+      "autopar": __version__,
+      "format": str(PLAN_FORMAT),
+      "program": h.hexdigest()[:16],
+      "arguments": _sha(repr([(l.path, tuple(l.shape), str(l.dtype), l.is_batch,
+                               l.is_donated) for l in traced.leaves])),
+      "mesh": ", ".join(f"{a}={s}" for a, s in axis_sizes_of(mesh).items()),
+      "method": f"{type(method).__name__} {_sha(settings + options)}",
+      "micro_batches": str(method.micro_batches),
+      "batch_size": str(batch_size),
+  }
+
+
+# What must match for a saved plan to be used, with how to say it differs.
+_MUST_MATCH = {
+    "autopar": "it was made by autopar {saved}; this is autopar {now}",
+    "mesh": "it is for mesh ({saved}); the method's mesh is ({now})",
+    "micro_batches": "it is for num_micro_batches={saved}; the method has "
+                     "num_micro_batches={now}",
+    "batch_size": "it is for a batch of {saved} rows; the step was given {now}",
+    "arguments": "it does not match the arguments (their paths, shapes, dtypes, "
+                 "batch or donated leaves; digest {saved}, this step's {now})",
+    "program": "it was made for another program (digest {saved}; this step's is "
+               "{now}): another step function, model or remat setting",
+}
+
+
+def check_fingerprint(saved: Plan, now: Mapping[str, str], name: str,
+                      details: Mapping[str, str] | None = None) -> None:
+  """Raises :class:`PlanError` listing what ``saved`` was made for that
+  differs from this step's fingerprint ``now``; ``details``: a better way to
+  say that an entry differs, where the caller knows one."""
+  was = dict(saved.fingerprint)
+  details = details or {}
+  diffs = [details.get(k) or why.format(saved=was.get(k, "?"), now=now[k])
+           for k, why in _MUST_MATCH.items() if was.get(k) != now[k]]
+  if diffs:
+    raise PlanError(
+        f"{name}: the saved plan does not fit this step: " + "; ".join(diffs) +
+        ". Fix: plan again for this step and mesh (parallelize(step, "
+        "method=ShardParallel(mesh=...)).plan(*args)), or give the plan to the "
+        "step, mesh and arguments it was made for.")
+
+
+def plan_key(fp: Mapping[str, str]) -> str:
+  """The cache key of a plan with fingerprint ``fp``."""
+  return hashlib.sha256(repr(sorted(fp.items())).encode()).hexdigest()
+
+
+# A Python object's address in its repr (a callback's function): differs
+# from process to process, so left out of digests.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def program_digest(closed, h) -> None:
@@ -89,7 +157,8 @@ def program_digest(closed, h) -> None:
     if isinstance(value, (tuple, list)) and any(
         isinstance(x, (ClosedJaxpr, Jaxpr)) for x in value):
       return "(" + ",".join(param(x) for x in value) + ")"
-    return repr(value)
+    text = repr(value)
+    return _ADDRESS.sub("", text) if " at 0x" in text else text
 
   def jaxpr(j) -> None:
     h.update(("{" + " ".join([name(v) for v in (*j.constvars, *j.invars)]) + ";").encode())

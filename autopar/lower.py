@@ -46,7 +46,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar.method import auto_mesh
 from autopar.plan import Plan
-from autopar.planner import grad_stage_names, leaves_read_by_compute
+from autopar.errors import PlanError
+from autopar.planner import grad_stage_names, leaves_read_by_compute, sub_jaxprs
 from autopar.split import OutputKind, SplitStep
 
 __all__ = ["LoweredStep", "lower_step"]
@@ -146,6 +147,34 @@ def _constraints(plan: Plan, part: str) -> dict[str, dict]:
     if prefix == part:
       out.setdefault(i, {})[j if j.startswith("in") else int(j)] = v.spec
   return out
+
+
+def _check_pins(constraints: dict[str, dict], jaxpr, part: str) -> None:
+  """Every pin of the plan names a value of ``jaxpr`` of the spec's rank.
+
+  The plan's fingerprint already ties it to this program; this catches a
+  plan that disagrees with it anyway, so that no pin is dropped silently.
+  """
+  for path, pins in constraints.items():
+    eqn, where = None, jaxpr
+    for depth, idx in enumerate(path.split(".")):
+      if depth % 2 == 0:
+        eqns = where.eqns
+        eqn = eqns[int(idx)] if int(idx) < len(eqns) else None
+      else:
+        subs = sub_jaxprs(eqn) if eqn is not None else []
+        where = subs[int(idx)] if int(idx) < len(subs) else None
+      if eqn is None or where is None:
+        break
+    for j, spec in pins.items():
+      values = (eqn.invars if isinstance(j, str) else eqn.outvars) if eqn else ()
+      k = int(j[2:]) if isinstance(j, str) else j
+      value = values[k] if k < len(values) else None
+      if value is None or len(spec) > len(getattr(value.aval, "shape", ())):
+        raise PlanError(
+            f"autopar: the plan pins {part}/{path}/{j} to {spec}, but this "
+            f"program has no such value of rank >= {len(spec)}: the plan was made "
+            f"for another program. Fix: plan again for this step.")
 
 
 def _inside(constraints: dict[str, dict], prefix: str) -> dict[str, dict]:
@@ -273,6 +302,7 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
   # bare spec refers to its (partially manual) mesh.
   auto_axes = [a for a in plan.mesh_axis_names if a not in manual]
   constraints = _constraints(plan, "compute") if auto_axes else {}
+  _check_pins(constraints, compute, "compute")
   if manual:
     pin = lambda x, spec: lax.with_sharding_constraint(x, spec)
   else:
@@ -374,8 +404,7 @@ def _apply_stage(split: SplitStep, plan: Plan, amesh, user_mesh,
   apply_specs = [plan.outputs[j].spec for j, k in enumerate(split.out_kinds)
                  if k is OutputKind.APPLY]
   constraints = _constraints(plan, "apply")
-  if constraints and max(int(k.split(".")[0]) for k in constraints) >= len(jaxpr.eqns):
-    constraints = {}     # a plan made for another program: let XLA propagate
+  _check_pins(constraints, jaxpr, "apply")
   if plan.batch_axes:
     # The plan fixes only the planned axes here; dims it leaves unsplit stay
     # free for XLA to keep state split over the batch axes (ZeRO/FSDP).

@@ -23,7 +23,7 @@ from autopar.errors import PlanError
 __all__ = ["Plan", "ValuePlan", "CollectivePlan", "SolverStats",
            "spec_to_json", "spec_from_json", "format_bytes"]
 
-PLAN_FORMAT = 1
+PLAN_FORMAT = 2     # 2: plans carry their fingerprint
 
 
 def spec_to_json(spec: PartitionSpec | Sequence) -> list:
@@ -161,6 +161,10 @@ class Plan:
     memory_per_device: estimated bytes per device (state, gradients, batch).
     objective: the planner's estimated cost of one step (seconds, α-β model).
     solver: how the plan was found, or None for preset methods.
+    fingerprint: what the plan was made for (autopar version, digests of the
+      program, the arguments and the method's options, the mesh, the number
+      of micro-batches, the batch size), as (name, text) pairs; a saved plan
+      is used only for a step with the same (see ``autopar/cache.py``).
   """
   method: str
   mesh_axis_names: tuple[str, ...]
@@ -175,6 +179,7 @@ class Plan:
   memory_per_device: int = 0
   objective: float = 0.0
   solver: SolverStats | None = None
+  fingerprint: tuple[tuple[str, str], ...] = ()
   # Not serialized: the pytree structure of the inputs and the mesh object
   # the plan was made for. A loaded plan has neither until it is applied.
   in_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
@@ -235,6 +240,7 @@ class Plan:
         "memory_per_device": self.memory_per_device,
         "objective": self.objective,
         "solver": None if self.solver is None else self.solver.to_json(),
+        "fingerprint": dict(self.fingerprint),
     }
     return json.dumps(d, indent=indent)
 
@@ -246,6 +252,10 @@ class Plan:
     except json.JSONDecodeError as e:
       raise PlanError(f"Plan.from_json: not valid JSON ({e}). Fix: pass the "
                       f"string returned by Plan.to_json().") from e
+    if not isinstance(d, dict):
+      raise PlanError(f"Plan.from_json: expected a JSON object, got "
+                      f"{type(d).__name__}. Fix: pass the string returned by "
+                      f"Plan.to_json().")
     if d.get("format") != PLAN_FORMAT:
       raise PlanError(f"Plan.from_json: plan format {d.get('format')!r} is not "
                       f"supported (this autopar reads format {PLAN_FORMAT}). "
@@ -262,6 +272,15 @@ class Plan:
         out.append(ValuePlan.from_json(v, spec))
       return tuple(out)
 
+    try:
+      return cls._from_dict(d, values)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+      raise PlanError(f"Plan.from_json: the plan is incomplete or corrupt "
+                      f"({type(e).__name__}: {e}). Fix: make the plan again and "
+                      f"save Plan.to_json() unchanged.") from e
+
+  @classmethod
+  def _from_dict(cls, d: dict, values) -> "Plan":
     return cls(
         method=d["method"], mesh_axis_names=tuple(d["mesh_axis_names"]),
         mesh_shape=tuple(d["mesh_shape"]),
@@ -272,7 +291,8 @@ class Plan:
         collectives=tuple(map(CollectivePlan.from_json, d["collectives"])),
         memory_per_device=int(d["memory_per_device"]),
         objective=float(d["objective"]),
-        solver=None if d["solver"] is None else SolverStats.from_json(d["solver"]))
+        solver=None if d["solver"] is None else SolverStats.from_json(d["solver"]),
+        fingerprint=tuple(d["fingerprint"].items()))
 
   # -- reading -----------------------------------------------------------------
 
