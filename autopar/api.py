@@ -15,20 +15,22 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
+from jax._src import core as jax_core
 from jax.sharding import AbstractMesh, Mesh
 
 from autopar import cache as plan_cache
 from autopar import cluster as plan_cluster
 from autopar.errors import InputError, MarkerError, PlanError
 from autopar.executor import Executable
+from autopar.hints import check_hints
 from autopar.lower import lower_step
 from autopar.method import (ParallelMethod, ShardParallel, axis_sizes_of,
                             resolve_mesh)
 from autopar.plan import Plan
 from autopar.remat import remat_mode
 from autopar.planner import Progress, batch_axes_for, plan_auto, plan_preset
-from autopar.split import (OutputKind, SplitStep, instantiate_split, outputs_at,
-                            split_step)
+from autopar.split import (OutputKind, SplitStep, annotate, apply_at,
+                            instantiate_split, outputs_at, split_step)
 from autopar.trace import (ArgFlags, LeafInfo, abstract_leaves, arg_names,
                            check_batch_leaves, classify_args, trace_step,
                            trace_step_any_batch)
@@ -117,6 +119,8 @@ class ParallelizedFunction:
     self._plans: dict[Any, tuple[Plan, int]] = {}    # key -> (plan, micro-batch size)
     self._splits: dict[Any, SplitStep] = {}
     self._any_split: dict[Any, SplitStep | None] = {}   # symbolic-batch split
+    # Without a symbolic split: one concrete trace to compare others with.
+    self._reference: dict[Any, SplitStep] = {}
     self._lock = threading.Lock()
     functools.update_wrapper(self, fun)
 
@@ -196,11 +200,8 @@ class ParallelizedFunction:
     # The planner chooses ShardParallel's batch axes among those that divide
     # the micro-batch; the presets split over theirs, which must divide it.
     solving = isinstance(method, ShardParallel) and method.plan is None
-    batch_axes = () if solving else batch_axes_for(method, mesh)
-    data_size = math.prod(sizes[a] for a in batch_axes)
-    batch_size = check_batch_leaves(prep.leaves, num_micro_batches=n,
-                                    data_axes=batch_axes, data_size=data_size,
-                                    fn_name=self._name)
+    batch_size = check_batch_leaves(prep.leaves, num_micro_batches=n, data_axes=(),
+                                    data_size=1, fn_name=self._name)
     progress = Progress(self._name, getattr(getattr(method, "option", None),
                                             "verbose", False))
     micro = batch_size // n if batch_size else 0
@@ -211,6 +212,13 @@ class ParallelizedFunction:
     split = self._traced(prep, micro)
     progress.add("trace", time.perf_counter() - t0,
                  f"{len(split.traced.jaxpr.jaxpr.eqns)} equations")
+    # The presets split over their batch axes (by default every axis that no
+    # sharding hint needs elsewhere), which must divide the micro-batch.
+    if not solving:
+      batch_axes = batch_axes_for(method, mesh, split.hints)
+      check_batch_leaves(prep.leaves, num_micro_batches=n, data_axes=batch_axes,
+                         data_size=math.prod(sizes[a] for a in batch_axes),
+                         fn_name=self._name)
     fingerprint = plan_cache.fingerprint(split, method, mesh, batch_size)
     if not split.has_marker and n > 1:
       raise MarkerError(
@@ -230,27 +238,37 @@ class ParallelizedFunction:
       else:
         plan = plan_auto(split, method, mesh, batch_size=batch_size,
                          trace_local=lambda rows: self._split(prep, rows),
+                         outputs=self._outputs(prep, split, batch_size),
                          progress=progress, any_batch=self._any_split.get(prep.key))
         plan = dataclasses.replace(plan, fingerprint=tuple(fingerprint.items()))
         if key:
           plan_cache.store(key, plan)
     else:
-      plan = plan_preset(self._split(prep, micro), method, mesh, batch_size=batch_size)
+      plan = plan_preset(self._split(prep, micro), method, mesh, batch_size=batch_size,
+                         outputs=self._outputs(prep, split, batch_size))
       plan = dataclasses.replace(plan, fingerprint=tuple(fingerprint.items()))
     data_size = math.prod(sizes[a] for a in plan.batch_axes)
     if split.has_marker and n * data_size > 1:
-      outputs = outputs_at(split, micro)
-      for path, kind, aval in zip(split.traced.out_paths, outputs.kinds, outputs.avals,
-                                  strict=True):
+      for path, kind, aval in zip(split.traced.out_paths, split.out_kinds,
+                                  self._outputs(prep, split, micro).avals, strict=True):
         if kind is OutputKind.OTHER:
           raise InputError(
-              f"{self._name}: output {path} (shape {tuple(aval.shape)}) is computed "
-              f"from the batch before the gradient marker, but it is neither a "
-              f"scalar nor per-example (leading axis = micro-batch size {micro}), "
-              f"so it cannot be combined over {n} micro-batch(es) x {data_size} "
-              f"device(s). Fix: return a scalar mean, an integer count, or "
-              f"per-example values.")
+              f"{self._name}: output {path} (shape {tuple(aval.shape)} for a "
+              f"micro-batch of {micro} rows) is computed from the batch before the "
+              f"gradient marker, but autopar cannot combine it over {n} "
+              f"micro-batch(es) x {data_size} device(s): it is a mean or count "
+              f"(no dimension grows with the batch) of a dtype that is neither float "
+              f"nor integer, or its shape grows with the batch other than as rows "
+              f"in one dimension. Fix: return float means, integer counts, or "
+              f"per-example values with the batch's rows in one dimension.")
     return plan, micro
+
+  def _outputs(self, prep: _Prepared, split: SplitStep, rows: int):
+    """The step's outputs and gradients at a batch of ``rows`` rows."""
+    if split.traced.micro_batch_size == rows or split.rows_known and \
+        jax_core.is_symbolic_dim(split.traced.micro_batch_size):
+      return outputs_at(split, rows)
+    return outputs_at(self._split(prep, rows), rows)
 
   def _traced(self, prep: _Prepared, micro_batch_size: int) -> SplitStep:
     """The step split at a symbolic batch size if it can be traced so, else
@@ -281,13 +299,33 @@ class ParallelizedFunction:
       if any_split is not None:
         split = instantiate_split(any_split, micro_batch_size)
       else:
-        with remat_mode(self.method.remat):
-          traced = trace_step(self.fun, self._args_for_trace(prep), prep.flags,
-                              prep.leaves, prep.in_tree,
-                              micro_batch_size=micro_batch_size)
-        split = split_step(traced, fn_name=self._name)
+        split = self._annotated(prep, self._concrete(prep, micro_batch_size))
       self._splits[key] = split
     return self._splits[key]
+
+  def _concrete(self, prep: _Prepared, rows: int) -> SplitStep:
+    """The step traced at ``rows`` rows and split, as it is (uncached)."""
+    with remat_mode(self.method.remat):
+      traced = trace_step(self.fun, self._args_for_trace(prep), prep.flags,
+                          prep.leaves, prep.in_tree, micro_batch_size=rows)
+    return split_step(traced, fn_name=self._name)
+
+  def _annotated(self, prep: _Prepared, split: SplitStep) -> SplitStep:
+    """A step traced at one concrete size, with which of its dimensions
+    hold rows read against a trace at another size (``rows.py``): needed
+    wherever the batch is split, over micro-batches or devices."""
+    rows = split.traced.micro_batch_size
+    mesh = resolve_mesh(self.method)
+    if not rows or (self.method.micro_batches == 1 and math.prod(mesh.axis_sizes) == 1):
+      return split
+    known = [self._reference.get(prep.key), *(
+        s for (k, _), s in self._splits.items() if k == prep.key)]
+    ref = next((s for s in known
+                if s is not None and s.traced.micro_batch_size != rows), None)
+    if ref is None:
+      ref = self._concrete(prep, 2 * rows)
+      self._reference.setdefault(prep.key, ref)
+    return annotate(split, ref, fn_name=self._name)
 
   def _args_for_trace(self, prep: _Prepared) -> list:
     statics = dict(prep.key[1])
@@ -311,10 +349,22 @@ class ParallelizedFunction:
       split_local = split
       data_size = math.prod(plan.axis_sizes[a] for a in plan.batch_axes)
       if split.has_marker and data_size > 1:
-        local = split.traced.micro_batch_size // data_size
-        split_local = self._split(prep, local)
-        split_local = _check_local_split(split, split_local, self._name)
-      lowered = lower_step(split, split_local, plan, mesh)
+        split_local = self._split(prep, split.traced.micro_batch_size // data_size)
+      # apply_grad runs once per step, on the whole batch's shapes (an output
+      # such as jnp.arange(batch.shape[0]) has the whole batch's length).
+      whole = micro * plan.num_micro_batches
+      if whole == micro:
+        apply = split.apply
+      elif self._symbolic(prep) is not None:
+        apply = apply_at(self._symbolic(prep), whole)
+      else:
+        apply = self._split(prep, whole).apply
+      # autopar's stages compute on meshes of their own: a mesh the caller
+      # set (jax.set_mesh) applies to the step's own code, not to them.
+      with jax.set_mesh(None):
+        lowered = lower_step(dataclasses.replace(split, apply=apply), split_local,
+                             plan, mesh,
+                             accumulate=self.method.grad_accumulation_dtype)
       exe = Executable(plan=plan, lowered=lowered, split=split,
                        static_argnums=prep.flags.static)
       self._executables[prep.key] = exe
@@ -340,22 +390,6 @@ def _gc_paused():
     gc.enable()
 
 
-def _check_local_split(split: SplitStep, local: SplitStep, name: str) -> SplitStep:
-  """The per-device trace must be the same program at a smaller batch."""
-  if (local.num_grads != split.num_grads or
-      [k is OutputKind.APPLY for k in local.out_kinds] !=
-      [k is OutputKind.APPLY for k in split.out_kinds]):
-    raise MarkerError(
-        f"{name}: tracing the step at the per-device micro-batch size "
-        f"({local.traced.micro_batch_size} rows) gave a different program than at "
-        f"the full micro-batch size ({split.traced.micro_batch_size} rows). autopar "
-        f"needs a step whose structure does not depend on the batch size. Fix: "
-        f"avoid Python branches on batch shapes.")
-  # Which outputs are per-example is decided at the full micro-batch size.
-  return dataclasses.replace(local, out_kinds=split.out_kinds,
-                             out_index=split.out_index)
-
-
 def _bind_saved_plan(saved: Plan, split: SplitStep, mesh, fingerprint, name: str
                      ) -> Plan:
   """Checks a saved plan against this step and mesh (its fingerprint), and
@@ -374,4 +408,6 @@ def _bind_saved_plan(saved: Plan, split: SplitStep, mesh, fingerprint, name: str
                               f"{len(saved.inputs)} inputs but the step has "
                               f"{len(leaves)}")
   plan_cache.check_fingerprint(saved, fingerprint, name, details)
+  check_hints({h.path: h for h in split.hints}, tuple(mesh.axis_names),
+              saved.batch_axes, f"the saved plan (batch axes {saved.batch_axes})")
   return dataclasses.replace(saved, in_tree=split.traced.in_tree, mesh=mesh)

@@ -60,6 +60,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from autopar.cost_model import MeshCost, itemsize
 from autopar.errors import PlanError
+from autopar.method import accumulation_dtype
 from autopar.strategies import (RuleContext, Spec, Strategy, enumerate_specs,
                                 grad_sync_costs, local_bytes, strategies_for)
 from autopar.refine import refine_colors
@@ -185,7 +186,8 @@ class ShardingProblem:
                cost: MeshCost, seconds_per_flop: float,
                allow_all_gather: bool = True, allow_all_to_all: bool = True,
                memory_budget: float | None = None, read_by_compute=(),
-               share_layers: bool = True):
+               share_layers: bool = True, pins: Mapping[int, Spec] | None = None,
+               leaf_names: Sequence[str] = (), accumulate: str | None = "float32"):
     self.compute = compute
     self.apply = apply
     self.num_consts = num_consts
@@ -202,6 +204,9 @@ class ShardingProblem:
     self.allow_all_to_all = allow_all_to_all
     self.memory_budget = memory_budget
     self.read_by_compute = set(read_by_compute)
+    self.pins = dict(pins or {})
+    self.accumulate = accumulate
+    self.leaf_names = list(leaf_names)
     self.nodes: list[_Node] = []
     self.prob = pulp.LpProblem("autopar_sharding", pulp.LpMinimize)
     self.objective: dict = {}       # variable -> cost coefficient (seconds)
@@ -233,7 +238,7 @@ class ShardingProblem:
     by_key = {}      # leaves of one shape and role (the layers') share their choices
     for k, aval in enumerate(self.leaf_avals):
       key = ("leaf", tuple(aval.shape), aval.dtype, self.batch_leaves[k],
-             k in self.read_by_compute)
+             k in self.read_by_compute, self.pins.get(k))
       if key not in by_key:
         by_key[key] = self._leaf_choices(k, aval)
       choices, specs, costs, mem = by_key[key]
@@ -285,7 +290,32 @@ class ShardingProblem:
         # micro-batch; ZeRO-2 (optimizer state): the update is gathered once.
         reps = self.n if k in self.read_by_compute else 1
         costs.append(reps * self.cost.all_gather(shard, self.S))
+    if k in self.pins:
+      return self._pinned(k, aval, choices, specs, costs, mem)
     return choices, specs, costs, mem
+
+  def _pinned(self, k, aval, choices, specs, costs, mem):
+    """Leaf ``k``'s choices that give it its pinned spec (over all axes: the
+    batch axes ahead of the planned ones where both split a dimension)."""
+    pin = self.pins[k]
+    pin = tuple(pin) + ((),) * (len(aval.shape) - len(pin))
+    keep = []
+    for c, (spec, dim) in enumerate(choices):
+      batch_dim = 0 if self.batch_leaves[k] else dim
+      full = tuple((tuple(self.S) if d == batch_dim and self.S else ()) + tuple(e)
+                   for d, e in enumerate(spec))
+      if full == pin:
+        keep.append(c)
+    if not keep:
+      name = self.leaf_names[k] if k < len(self.leaf_names) else f"leaf {k}"
+      raise PlanError(
+          f"autopar: the pin of {name} to {pin} cannot be met with the batch split "
+          f"over {self.S or 'no axes'}: the batch axes split "
+          f"{'this batch leaf on dimension 0' if self.batch_leaves[k] else 'a state leaf on one dimension, ahead of the planned axes, or not at all'}. "
+          f"Fix: pin it over the planned axes {self.A}, or put the batch axes "
+          f"first in the pinned dimension.")
+    return ([choices[c] for c in keep], [specs[c] for c in keep],
+            [costs[c] for c in keep], [mem[c] for c in keep])
 
   @property
   def _batch_size_devices(self) -> int:
@@ -629,8 +659,12 @@ class ShardingProblem:
     if getattr(self, "_mem_items", None) is None:
       state = [(self.leaf_nodes[k], 0, aval, 1) for k, aval in enumerate(self.leaf_avals)]
       # The un-reduced partial sums and the reduced gradients.
-      state += [(node, 0, self.compute.jaxpr.outvars[g].aval, 2)
-                for g, node in enumerate(self.grad_nodes)]
+      # (The partial sums are in the accumulation dtype: float32 for bfloat16.)
+      grads = [self.compute.jaxpr.outvars[g].aval for g in range(len(self.grad_nodes))]
+      state += [(node, 0, aval, 1 + itemsize(accumulation_dtype(aval.dtype,
+                                                                self.accumulate))
+                 / itemsize(aval.dtype))
+                for node, aval in zip(self.grad_nodes, grads, strict=True)]
       peaks = [[(*self.compute_val[v], v.aval, 1) for v in live if v in self.compute_val]
                for live in _liveness_peaks(self.compute.jaxpr, self.num_consts, k=3)]
       self._mem_items = (state, peaks)

@@ -44,10 +44,13 @@ from jax._src import core as jax_core
 from jax.extend.core import Literal
 from jax.sharding import NamedSharding, PartitionSpec
 
-from autopar.method import auto_mesh
-from autopar.plan import Plan
+from autopar import rng
 from autopar.errors import PlanError
-from autopar.planner import grad_stage_names, leaves_read_by_compute, sub_jaxprs
+from autopar.hints import HINT_PRIMITIVES, in_stage, spec_of
+from autopar.method import accumulation_dtype, auto_mesh
+from autopar.plan import Plan
+from autopar.planner import batch_spec, grad_stage_names, leaves_read_by_compute
+from autopar.trace import eqns_by_path, region_jaxprs
 from autopar.split import OutputKind, SplitStep
 
 __all__ = ["LoweredStep", "lower_step"]
@@ -162,7 +165,7 @@ def _check_pins(constraints: dict[str, dict], jaxpr, part: str) -> None:
         eqns = where.eqns
         eqn = eqns[int(idx)] if int(idx) < len(eqns) else None
       else:
-        subs = sub_jaxprs(eqn) if eqn is not None else []
+        subs = region_jaxprs(eqn) if eqn is not None else []
         where = subs[int(idx)] if int(idx) < len(subs) else None
       if eqn is None or where is None:
         break
@@ -177,16 +180,49 @@ def _check_pins(constraints: dict[str, dict], jaxpr, part: str) -> None:
             f"for another program. Fix: plan again for this step.")
 
 
-def _inside(constraints: dict[str, dict], prefix: str) -> dict[str, dict]:
-  """The constraints of one sub-jaxpr, with ``prefix`` taken off their paths."""
+def _inside(table: dict[str, Any], prefix: str) -> dict[str, Any]:
+  """The entries of one sub-jaxpr, with ``prefix`` taken off their paths."""
   n = len(prefix)
-  return {k[n:]: v for k, v in constraints.items() if k.startswith(prefix)}
+  return {k[n:]: v for k, v in table.items() if k.startswith(prefix)}
 
 
-def _eval_jaxpr(jaxpr, consts, args, constraints, constrain, constvals=()):
-  """``eval_jaxpr`` that pins the values the plan decided to their specs,
-  inside scan / while / cond / checkpoint bodies too."""
-  if not constraints:
+@dataclasses.dataclass(frozen=True)
+class _Rules:
+  """What :func:`_eval_jaxpr` changes in a jaxpr, by equation path.
+
+  Attributes:
+    pins: path -> {output index or ``"in<k>"``: spec}: values the plan
+      decided, pinned with ``pin(value, spec)``.
+    draws: path -> ``rng.RowDraw``: random draws that must give this
+      device and micro-batch its rows of the whole batch's draw; ``rows`` is
+      ``(first_row, total_rows)`` then (``rng.draw``).
+    once_axes: manual mesh axes over which ``jax.debug.print`` /
+      ``jax.debug.callback`` run on the first device only, so that they run
+      once per micro-batch, as on one device, not once per device.
+    hint: applies a user's sharding hint (a ``sharding_constraint`` or
+      ``reshard`` equation) in this stage: ``hint(value, spec)``; None when
+      the jaxpr has no hint.
+  """
+  pins: dict = dataclasses.field(default_factory=dict)
+  pin: Callable | None = None
+  draws: dict = dataclasses.field(default_factory=dict)
+  rows: tuple | None = None
+  once_axes: tuple[str, ...] = ()
+  hint: Callable | None = None
+
+  def __bool__(self) -> bool:
+    return bool(self.pins or self.draws or self.once_axes or self.hint)
+
+  def inside(self, prefix: str) -> "_Rules":
+    return dataclasses.replace(self, pins=_inside(self.pins, prefix),
+                               draws=_inside(self.draws, prefix))
+
+
+def _eval_jaxpr(jaxpr, consts, args, rules: _Rules, constvals=()):
+  """``eval_jaxpr`` that applies ``rules``: pins the values the plan decided
+  to their specs and gives random draws their rows of the whole batch's
+  draw, inside scan / while / cond / checkpoint bodies too."""
+  if not rules:
     return jax_core.eval_jaxpr(jaxpr, constvals, *consts, *args)
   env = {}
 
@@ -198,76 +234,95 @@ def _eval_jaxpr(jaxpr, consts, args, constraints, constrain, constvals=()):
   for v, x in zip(jaxpr.invars, [*consts, *args], strict=True):
     env[v] = x
   for i, eqn in enumerate(jaxpr.eqns):
-    pinned = constraints.get(str(i), {})
+    path = str(i)
+    pinned = rules.pins.get(path, {})
     args = [read(a) for a in eqn.invars]
-    args = [constrain(x, pinned[f"in{k}"]) if f"in{k}" in pinned else x
+    args = [rules.pin(x, pinned[f"in{k}"]) if f"in{k}" in pinned else x
             for k, x in enumerate(args)]
-    inner = _inside(constraints, f"{i}.")
-    if inner and eqn.primitive.name in _REGION_EVAL:
-      outs = _REGION_EVAL[eqn.primitive.name](eqn, args, inner, constrain)
+    name = eqn.primitive.name
+    inner = rules.inside(f"{i}.") if name in _REGION_EVAL else None
+    if inner:
+      outs = _REGION_EVAL[name](eqn, args, inner)
+    elif path in rules.draws:
+      outs = rng.draw(eqn, path, rules.draws[path], args[0], *rules.rows)
+    elif name == "debug_callback" and rules.once_axes:
+      outs = _on_first_device(eqn, args, rules.once_axes)
+    elif name in HINT_PRIMITIVES and rules.hint is not None:
+      outs = [rules.hint(args[0], spec_of(eqn))]
     else:
       params = eqn.primitive.get_bind_params(eqn.params)
       with eqn.ctx.manager:
         ans = eqn.primitive.bind(*args, **params)
       outs = ans if eqn.primitive.multiple_results else [ans]
     if pinned:
-      outs = [constrain(x, pinned[j]) if j in pinned else x
+      outs = [rules.pin(x, pinned[j]) if j in pinned else x
               for j, x in enumerate(outs)]
     for v, x in zip(eqn.outvars, outs, strict=True):
       env[v] = x
   return [read(a) for a in jaxpr.outvars]
 
 
-def _eval_closed(closed, args, constraints, constrain):
-  return _eval_jaxpr(closed.jaxpr, (), args, constraints, constrain,
-                     constvals=closed.consts)
+def _on_first_device(eqn, args, axes):
+  """Runs a debug callback on the first device along ``axes`` only."""
+  params = eqn.primitive.get_bind_params(eqn.params)
+
+  def run(*xs):
+    with eqn.ctx.manager:
+      eqn.primitive.bind(*xs, **params)
+    return ()
+  lax.cond(lax.axis_index(axes) == 0, run, lambda *xs: (), *args)
+  return []
 
 
-def _scan(eqn, args, constraints, constrain):
+def _eval_closed(closed, args, rules: _Rules):
+  return _eval_jaxpr(closed.jaxpr, (), args, rules, constvals=closed.consts)
+
+
+def _scan(eqn, args, rules: _Rules):
   p = eqn.params
   nc, ncar = p["num_consts"], p["num_carry"]
   consts, init, xs = args[:nc], args[nc:nc + ncar], args[nc + ncar:]
-  body = _inside(constraints, "0.")
+  body = rules.inside("0.")
 
   def step(carry, x):
-    outs = _eval_closed(p["jaxpr"], [*consts, *carry, *x], body, constrain)
+    outs = _eval_closed(p["jaxpr"], [*consts, *carry, *x], body)
     return outs[:ncar], outs[ncar:]
   carry, ys = lax.scan(step, list(init), list(xs), length=p["length"],
                        reverse=p["reverse"], unroll=p["unroll"])
   return [*carry, *ys]
 
 
-def _while(eqn, args, constraints, constrain):
+def _while(eqn, args, rules: _Rules):
   p = eqn.params
   cn, bn = p["cond_nconsts"], p["body_nconsts"]
   cconsts, bconsts, init = args[:cn], args[cn:cn + bn], args[cn + bn:]
-  body = _inside(constraints, "1.")
+  body = rules.inside("1.")
 
   def cond(carry):
     return jax_core.eval_jaxpr(p["cond_jaxpr"].jaxpr, p["cond_jaxpr"].consts,
                                *cconsts, *carry)[0]
 
   def step(carry):
-    return _eval_closed(p["body_jaxpr"], [*bconsts, *carry], body, constrain)
+    return _eval_closed(p["body_jaxpr"], [*bconsts, *carry], body)
   return list(lax.while_loop(cond, step, list(init)))
 
 
-def _cond(eqn, args, constraints, constrain):
+def _cond(eqn, args, rules: _Rules):
   index, ops = args[0], args[1:]
   def branch(b, closed):
-    inner = _inside(constraints, f"{b}.")
-    return lambda *xs: _eval_closed(closed, list(xs), inner, constrain)
+    inner = rules.inside(f"{b}.")
+    return lambda *xs: _eval_closed(closed, list(xs), inner)
   return list(lax.switch(index, [branch(b, c) for b, c in
                                  enumerate(eqn.params["branches"])], *ops))
 
 
-def _checkpoint(eqn, args, constraints, constrain):
-  """The remat body under the plan's constraints, re-bound as the same
-  ``checkpoint`` primitive (same policy, same ``differentiated`` flag)."""
+def _checkpoint(eqn, args, rules: _Rules):
+  """The remat body under the rules, re-bound as the same ``checkpoint``
+  primitive (same policy, same ``differentiated`` flag)."""
   from jax._src.interpreters import partial_eval as pe
-  body = _inside(constraints, "0.")
+  body = rules.inside("0.")
   jaxpr = eqn.params["jaxpr"]
-  closed = jax.make_jaxpr(lambda *xs: _eval_jaxpr(jaxpr, (), xs, body, constrain))(
+  closed = jax.make_jaxpr(lambda *xs: _eval_jaxpr(jaxpr, (), xs, body))(
       *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars])
   new = pe.convert_constvars_jaxpr(closed.jaxpr)
   params = dict(eqn.params, jaxpr=new)
@@ -282,17 +337,23 @@ _REGION_EVAL = {"scan": _scan, "while": _while, "cond": _cond,
 # -- stages -------------------------------------------------------------------
 
 def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
-                sync: bool, micro_rows: int):
+                sync: bool, micro_rows: int, accumulate: str | None):
   """A jitted gradient stage (see LoweredStep for its signature)."""
   manual = tuple(plan.batch_axes)
   sizes = plan.axis_sizes
-  groups = plan.num_micro_batches * math.prod(sizes[a] for a in manual)
+  n = plan.num_micro_batches
+  devices = math.prod(sizes[a] for a in manual)
+  groups = n * devices
   leaves = split.traced.leaves
   num_grads = split.num_grads
   compute = split.compute.jaxpr
   consts = split.consts
   read = leaves_read_by_compute(split)
+  grad_vars = compute.outvars[:num_grads]
+  acc_dtypes = [accumulation_dtype(v.aval.dtype, accumulate) for v in grad_vars]
   kinds = [k for k in split.out_kinds if k is not OutputKind.APPLY]
+  row_dims = [d for k, d in zip(split.out_kinds, split.out_dims, strict=True)
+              if k is not OutputKind.APPLY]
   in_specs = [v.spec for v in plan.inputs]
   grad_specs = [g.spec for g in plan.grads]
   batch_entry = _make_entry(manual)
@@ -307,6 +368,12 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
     pin = lambda x, spec: lax.with_sharding_constraint(x, spec)
   else:
     pin = lambda x, spec: lax.with_sharding_constraint(x, NamedSharding(amesh, spec))
+  if split.draws is None and groups > 1:
+    raise AssertionError("the step's random draws were not found (split not annotated)")
+  # With one device and one micro-batch every draw is already the whole batch's.
+  draws = dict(split.draws or {}) if groups > 1 else {}
+  callbacks = any(e.primitive.name == "debug_callback" for _, e in eqns_by_path(compute))
+  hinted = any(h.part == "compute" for h in split.hints)
 
   def body(leaf_vals, i, acc):
     args = []
@@ -316,8 +383,17 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
       elif k in read:
         x = _gather_manual(x, in_specs[k], manual)
       args.append(x)
-    outs = _eval_jaxpr(compute, consts, args, constraints, pin)
+    # This device holds rows [d*n*m, (d+1)*n*m) of the batch, and micro-batch
+    # i is its rows [i*m, (i+1)*m) (see the module docstring).
+    device = lax.axis_index(manual) if manual else 0
+    first_row = (device * n + i) * micro_rows
+    rules = _Rules(pins=constraints, pin=pin, draws=draws,
+                   rows=(first_row, groups * micro_rows),
+                   once_axes=manual if callbacks else (),
+                   hint=(lambda x, spec: pin(x, in_stage(spec, manual))) if hinted else None)
+    outs = _eval_jaxpr(compute, consts, args, rules)
     grads, micro = outs[:num_grads], outs[num_grads:]
+    grads = [g.astype(t) for g, t in zip(grads, acc_dtypes, strict=True)]
     if first:
       acc_g = [g[None] for g in grads]
     else:
@@ -325,20 +401,22 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
     acc_m = []
     for j, (kind, val) in enumerate(zip(kinds, micro, strict=True)):
       if kind is OutputKind.CONCAT:
-        if plan.num_micro_batches == 1:
+        if n == 1:
           acc_m.append(val)
           continue
-        buf = (jnp.zeros((plan.num_micro_batches * micro_rows, *val.shape[1:]),
-                         val.dtype) if first else acc[1][j])
-        acc_m.append(lax.dynamic_update_slice_in_dim(buf, val, i * micro_rows, 0))
+        dim = row_dims[j].dim
+        size = val.shape[dim]              # factor x rows of one micro-batch
+        buf = (jnp.zeros((*val.shape[:dim], n * size, *val.shape[dim + 1:]), val.dtype)
+               if first else acc[1][j])
+        acc_m.append(lax.dynamic_update_slice_in_dim(buf, val, i * size, dim))
       elif kind in (OutputKind.MEAN, OutputKind.SUM):
         acc_m.append(val[None] if first else acc[1][j] + val[None])
       else:  # OTHER: only possible with one micro-batch on one device
         acc_m.append(val)
     if not sync:
       return acc_g, acc_m
-    red_g = [_reduce_manual(a[0], s, manual) / groups
-             for a, s in zip(acc_g, grad_specs, strict=True)]
+    red_g = [(_reduce_manual(a[0], s, manual) / groups).astype(v.aval.dtype)
+             for a, s, v in zip(acc_g, grad_specs, grad_vars, strict=True)]
     red_m = []
     for kind, a in zip(kinds, acc_m, strict=True):
       if kind is OutputKind.MEAN:
@@ -349,18 +427,24 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
         red_m.append(a)
     return red_g, red_m
 
-  def local_spec(kind):
-    return (PartitionSpec(batch_entry) if kind in (OutputKind.CONCAT, OutputKind.MEAN,
-                                                   OutputKind.SUM)
-            else PartitionSpec())
+  def rows_spec(j, kind):
+    """Where output j's rows (CONCAT) or its per-device stack (MEAN, SUM) are."""
+    if kind is OutputKind.CONCAT:
+      return batch_spec(len(micro_avals[j].shape), row_dims[j].dim, batch_entry)
+    if kind in (OutputKind.MEAN, OutputKind.SUM):
+      return PartitionSpec(batch_entry)
+    return PartitionSpec()
 
+  micro_avals = [v.aval for k, v in zip(split.out_kinds, split.traced.jaxpr.jaxpr.outvars)
+                 if k is not OutputKind.APPLY]
   leaf_specs_manual = [PartitionSpec(batch_entry) if l.is_batch else
                        _manual(s, manual) for l, s in zip(leaves, in_specs)]
-  acc_specs = ([PartitionSpec(batch_entry)] * num_grads, [local_spec(k) for k in kinds])
+  acc_specs = ([PartitionSpec(batch_entry)] * num_grads,
+               [rows_spec(j, k) for j, k in enumerate(kinds)])
   if sync:
     out_specs = ([_manual(s, manual) for s in grad_specs],
-                 [PartitionSpec(batch_entry) if k is OutputKind.CONCAT else
-                  PartitionSpec() for k in kinds])
+                 [rows_spec(j, k) if k is OutputKind.CONCAT else PartitionSpec()
+                  for j, k in enumerate(kinds)])
   else:
     out_specs = acc_specs
 
@@ -383,8 +467,7 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
   ns = lambda s, m=amesh: NamedSharding(m, s)
   leaf_shardings = [ns(s) for s in in_specs]
   acc_shardings = ([ns(_stacked(s, manual)) for s in grad_specs],
-                   [ns(PartitionSpec(batch_entry)) if k is not OutputKind.OTHER
-                    else ns(PartitionSpec()) for k in kinds])
+                   [ns(rows_spec(j, k)) for j, k in enumerate(kinds)])
   if sync:
     out_shardings = ([ns(s) for s in grad_specs],
                      [ns(s, user_mesh) for s in micro_out_specs])
@@ -411,6 +494,8 @@ def _apply_stage(split: SplitStep, plan: Plan, amesh, user_mesh,
     constraints = {i: {j: _unconstrained_where_unsplit(sp) for j, sp in outs.items()}
                    for i, outs in constraints.items()}
   pin = lambda x, spec: lax.with_sharding_constraint(x, NamedSharding(amesh, spec))
+  rules = _Rules(pins=constraints, pin=pin,
+                 hint=pin if any(h.part == "apply" for h in split.hints) else None)
 
   def fn(donated_vals, kept_vals, grads):
     vals: list[Any] = [None] * len(leaves)   # batch leaves are never read here
@@ -418,7 +503,7 @@ def _apply_stage(split: SplitStep, plan: Plan, amesh, user_mesh,
       vals[k] = x
     for k, x in zip(kept, kept_vals, strict=True):
       vals[k] = x
-    return _eval_jaxpr(jaxpr, consts, [*vals, *grads], constraints, pin)
+    return _eval_jaxpr(jaxpr, consts, [*vals, *grads], rules)
 
   ns = lambda s, m=amesh: NamedSharding(m, s)
   in_shardings = ([ns(plan.inputs[k].spec) for k in donated],
@@ -440,12 +525,16 @@ def _whole_step(split: SplitStep, plan: Plan, amesh, user_mesh,
   jaxpr = split.apply.jaxpr
   consts = split.consts
 
+  # Only the user's hints apply: the whole step runs under XLA's partitioner.
+  pin = lambda x, spec: lax.with_sharding_constraint(x, NamedSharding(amesh, spec))
+  rules = _Rules(hint=pin if split.hints else None)
+
   def fn(donated_vals, kept_vals, batch_vals):
     vals: list[Any] = [None] * len(leaves)
     for idx, group in ((donated, donated_vals), (kept, kept_vals), (batch, batch_vals)):
       for k, x in zip(idx, group, strict=True):
         vals[k] = x
-    return jax_core.eval_jaxpr(jaxpr, (), *consts, *vals)
+    return _eval_jaxpr(jaxpr, consts, vals, rules)
 
   ns = lambda s, m=amesh: NamedSharding(m, s)
   in_shardings = tuple([ns(plan.inputs[k].spec) for k in idx]
@@ -513,13 +602,14 @@ def _known_option(name: str, value: Any, device) -> bool:
   return _KNOWN[key]
 
 
-def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh
-               ) -> LoweredStep:
+def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
+               accumulate: str | None = "float32") -> LoweredStep:
   """Compiles every stage of ``split`` under ``plan`` on the concrete ``mesh``.
 
   ``split`` is the step traced at the global micro-batch size; ``split_local``
   the same step traced at the rows one device holds of a micro-batch (they
-  are the same object when the batch axes hold one device).
+  are the same object when the batch axes hold one device). ``accumulate``:
+  the method's ``grad_accumulation_dtype``.
   """
   amesh = auto_mesh(mesh)
   leaves = split.traced.leaves
@@ -546,13 +636,13 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh
     else:
       rows = split_local.traced.micro_batch_size
       names = grad_stage_names(n)
-      acc_avals = _acc_avals(split, plan)
+      acc_avals = _acc_avals(split, plan, accumulate)
       for pos, name in enumerate(names):
         if name in stages:
           continue
         first, sync = pos == 0, pos == n - 1
         fn = _grad_stage(split_local, plan, amesh, mesh, first=first, sync=sync,
-                         micro_rows=rows)
+                         micro_rows=rows, accumulate=accumulate)
         if first:
           lowered = fn.lower(leaf_avals)
         else:
@@ -570,20 +660,23 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh
                      micro_batch_index=index, donated=donated, kept=kept, batch=batch)
 
 
-def _acc_avals(split: SplitStep, plan: Plan):
+def _acc_avals(split: SplitStep, plan: Plan, accumulate: str | None):
   sizes = plan.axis_sizes
   d = math.prod(sizes[a] for a in plan.batch_axes)
-  grads = [_abstract((d, *a.shape), a.dtype) for a in split.grad_avals]
+  grads = [_abstract((d, *a.shape), accumulation_dtype(a.dtype, accumulate))
+           for a in split.grad_avals]
   micro = []
   outvars = split.traced.jaxpr.jaxpr.outvars
   batch_size = split.traced.micro_batch_size * plan.num_micro_batches
-  for kind, v in zip(split.out_kinds, outvars, strict=True):
+  for kind, v, rows in zip(split.out_kinds, outvars, split.out_dims, strict=True):
+    shape = tuple(v.aval.shape)
     if kind is OutputKind.APPLY:
       continue
     if kind is OutputKind.CONCAT:
-      micro.append(_abstract((batch_size, *v.aval.shape[1:]), v.aval.dtype))
+      shape = (*shape[:rows.dim], rows.factor * batch_size, *shape[rows.dim + 1:])
+      micro.append(_abstract(shape, v.aval.dtype))
     elif kind in (OutputKind.MEAN, OutputKind.SUM):
-      micro.append(_abstract((d,), v.aval.dtype))
+      micro.append(_abstract((d, *shape), v.aval.dtype))
     else:
-      micro.append(_abstract(v.aval.shape, v.aval.dtype))
+      micro.append(_abstract(shape, v.aval.dtype))
   return grads, micro

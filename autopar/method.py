@@ -19,8 +19,9 @@ import dataclasses
 from typing import Any, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AbstractMesh, AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 
 from autopar.errors import InputError, MeshError
 from autopar.remat import check_remat
@@ -44,6 +45,29 @@ def _as_items(mapping: Mapping[str, float] | None, what: str
                        f"mesh axis name mapped to a non-negative float.")
     out.append((k, float(v)))
   return tuple(sorted(out))
+
+
+def _as_pins(pins) -> tuple[tuple[str, PartitionSpec], ...] | None:
+  if pins is None or isinstance(pins, tuple) and all(
+      isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], PartitionSpec)
+      for p in pins):
+    return pins or None
+  if not isinstance(pins, Mapping):
+    raise InputError(f"AutoShardingOption: pins must be a mapping from an argument "
+                     f"leaf's pytree path to a PartitionSpec, got "
+                     f"{type(pins).__name__}.")
+  out = []
+  for path, spec in pins.items():
+    if not isinstance(path, str):
+      raise InputError(f"AutoShardingOption: pins key {path!r} is not a pytree path "
+                       f"string (e.g. \"state.params['Dense_0']['kernel']\").")
+    if isinstance(spec, (tuple, list)):
+      spec = PartitionSpec(*spec)
+    if not isinstance(spec, PartitionSpec):
+      raise InputError(f"AutoShardingOption: pins[{path!r}] = {spec!r}; expected a "
+                       f"jax.sharding.PartitionSpec.")
+    out.append((path, spec))
+  return tuple(sorted(out, key=lambda p: p[0])) or None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,6 +102,11 @@ class AutoShardingOption:
       these options, so the same step is not solved twice.
     verbose: print each planning stage and its time to stderr. None: only
       once planning has taken more than 2 seconds.
+    pins: argument leaf path -> ``PartitionSpec`` (over any mesh axes) that
+      the plan must give that leaf, e.g. ``{"state.params['embed']['embedding']":
+      P(None, "model")}``; paths as ``plan.inputs`` names them. The rest is
+      planned around them. The new state returned in place of a pinned
+      donated leaf gets the same spec.
 
   Example::
 
@@ -96,8 +125,10 @@ class AutoShardingOption:
   share_layers: bool = True
   plan_cache: bool = True
   verbose: bool | None = None
+  pins: Any = None
 
   def __post_init__(self):
+    object.__setattr__(self, "pins", _as_pins(self.pins))
     object.__setattr__(self, "mesh_alpha", _as_items(self.mesh_alpha, "mesh_alpha"))
     object.__setattr__(self, "mesh_beta", _as_items(self.mesh_beta, "mesh_beta"))
     f = self.force_batch_dim_to_mesh_dim
@@ -110,6 +141,10 @@ class AutoShardingOption:
     if b is not None and (not isinstance(b, (int, float)) or b <= 0):
       raise InputError(f"AutoShardingOption: memory_budget_per_device={b!r}; "
                        f"expected a positive number of bytes or None.")
+
+  @property
+  def pin_map(self) -> dict[str, PartitionSpec]:
+    return dict(self.pins or ())
 
   @property
   def alpha(self) -> dict[str, float]:
@@ -135,13 +170,23 @@ class ParallelMethod:
       one ``lax.scan`` with ``jax.checkpoint`` on its body, so the backward
       pass recomputes one layer at a time (see ``autopar/remat.py``); or a
       ``jax.checkpoint_policies`` policy: the same, saving what it names.
+    grad_accumulation_dtype: ``"float32"`` (default): bfloat16 and float16
+      gradients are summed over micro-batches and devices in float32 and
+      handed to the update in their own dtype; None: summed in their own
+      dtype (half the buffer, more rounding).
   """
   mesh: Mesh | AbstractMesh | None = None
   num_micro_batches: int | None = None
   remat: Any = dataclasses.field(default="none", kw_only=True)
+  grad_accumulation_dtype: str | None = dataclasses.field(default="float32",
+                                                          kw_only=True)
 
   def __post_init__(self):
     check_remat(self.remat, type(self).__name__)
+    if self.grad_accumulation_dtype not in ("float32", None):
+      raise InputError(f"{type(self).__name__}: grad_accumulation_dtype="
+                       f"{self.grad_accumulation_dtype!r}; expected 'float32' or None "
+                       f"(sum each gradient in its own dtype).")
     n = self.num_micro_batches
     if n is not None and (not isinstance(n, (int, np.integer)) or isinstance(n, bool)
                           or n < 1):
@@ -215,6 +260,15 @@ class ShardParallel(ParallelMethod):
   option: AutoShardingOption = dataclasses.field(
       default_factory=AutoShardingOption, kw_only=True)
   plan: Any = dataclasses.field(default=None, kw_only=True)
+
+
+def accumulation_dtype(dtype, setting: str | None):
+  """The dtype a gradient of ``dtype`` is summed in over micro-batches and
+  devices, under a method's ``grad_accumulation_dtype``."""
+  dtype = np.dtype(dtype)
+  if setting == "float32" and dtype in (np.dtype(jnp.bfloat16), np.dtype(np.float16)):
+    return np.dtype(np.float32)
+  return dtype
 
 
 # -- meshes -------------------------------------------------------------------

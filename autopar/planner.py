@@ -36,20 +36,22 @@ from jax.extend.core import Var
 from jax.sharding import PartitionSpec
 
 from autopar.cost_model import MeshCost, dtype_name, num_bytes
-from autopar.errors import PlanError
+from autopar.errors import InputError, PlanError
+from autopar.hints import check_hints, check_pins, entry_axes, model_axes
 # Imported here, not where it is used: importing PuLP keeps the tracebacks of
 # the solver libraries it fails to import, and through them every frame on
 # the stack at the time; from inside plan_auto that would keep its problem
 # and traced step alive for the rest of the process.
 from autopar.ilp import ShardingProblem
-from autopar.method import (ParallelMethod, ShardParallel,
+from autopar.method import (ParallelMethod, ShardParallel, accumulation_dtype,
                             Zero2Parallel, Zero3Parallel, axis_names_of,
                             axis_sizes_of, check_axes)
 from autopar.plan import CollectivePlan, Plan, ValuePlan
-from autopar.split import OutputKind, SplitStep, depends_on, outputs_at, reads
+from autopar.split import (OutputKind, SizedOutputs, SplitStep, depends_on,
+                           outputs_at, reads)
 from autopar.strategies import grad_sync_costs, local_bytes
 from autopar.strategies.dot import dot_flops
-from autopar.trace import TracedStep
+from autopar.trace import TracedStep, eqns_by_path, region_jaxprs
 
 __all__ = ["plan_preset", "donation_pairs", "leaves_read_by_compute",
            "batch_axes_for", "shard_first_divisible", "grad_stage_names"]
@@ -69,16 +71,24 @@ def grad_stage_names(n: int) -> list[str]:
   return names
 
 
-def batch_axes_for(method: ParallelMethod, mesh) -> tuple[str, ...]:
+def batch_axes_for(method: ParallelMethod, mesh, hints=()) -> tuple[str, ...]:
+  """The mesh axes a preset method splits the batch over: its ``batch_axes``,
+  by default every axis that no sharding hint of the gradient computation
+  needs for a dimension other than the rows (``hints.model_axes``)."""
   axes = getattr(method, "batch_axes", None)
   if isinstance(method, ShardParallel):
     axes = method.option.force_batch_dim_to_mesh_dim
     if isinstance(axes, str):
       axes = (axes,)
   if axes is None:
-    return axis_names_of(mesh)
+    taken = model_axes({h.path: h for h in hints if h.part == "compute"})
+    return tuple(a for a in axis_names_of(mesh) if a not in taken)
   check_axes(axes, mesh, f"{method.name}: batch axes")
   return tuple(axes)
+
+
+def _spec_axes(spec) -> tuple[tuple[str, ...], ...]:
+  return tuple(entry_axes(e) for e in spec)
 
 
 def shard_first_divisible(shape: Sequence[int], axes: Sequence[str],
@@ -139,17 +149,28 @@ def donation_pairs(traced: TracedStep, out_avals=None) -> dict[int, int]:
   return pairs
 
 
+def batch_spec(rank: int, dim: int, entry) -> PartitionSpec:
+  """A spec splitting dimension ``dim`` of a rank-``rank`` value over the
+  batch axes (``entry``) and nothing else."""
+  return PartitionSpec(*([None] * dim), entry, *([None] * (rank - dim - 1)))
+
+
 def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
-                batch_size: int) -> Plan:
-  """The plan of a preset method (see the module docstring)."""
+                batch_size: int, outputs: SizedOutputs | None = None) -> Plan:
+  """The plan of a preset method (see the module docstring).
+
+  ``outputs``: the step's outputs at the whole batch (default: ``split``'s).
+  """
   traced = split.traced
   sizes = axis_sizes_of(mesh)
-  batch_axes = batch_axes_for(method, mesh)
+  batch_axes = batch_axes_for(method, mesh, split.hints)
   if isinstance(method, ShardParallel) and not method.option.force_batch_dim_to_mesh_dim:
     # The largest set of axes that divides the batch (all of them if it can).
     micro = batch_size // method.micro_batches if batch_size else 0
-    batch_axes = max(candidate_batch_axes(method, mesh, micro),
+    batch_axes = max(candidate_batch_axes(method, mesh, micro, split.hints),
                      key=lambda axes: math.prod(sizes[a] for a in axes))
+  check_hints({h.path: h for h in split.hints}, axis_names_of(mesh), batch_axes,
+              f"{method.name} (batch axes {batch_axes})")
   zero = 3 if isinstance(method, Zero3Parallel) else \
       2 if isinstance(method, Zero2Parallel) else 0
   n = method.micro_batches
@@ -157,6 +178,9 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
                  batch_axes[0] if len(batch_axes) == 1 else tuple(batch_axes))
   params = leaves_read_by_compute(split)
 
+  pins = {}
+  if isinstance(method, ShardParallel) and method.option.pins:
+    pins = check_pins(method.option.pin_map, traced.leaves, sizes)
   in_specs = []
   for k, l in enumerate(traced.leaves):
     if l.is_batch:
@@ -165,6 +189,15 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
       spec = shard_first_divisible(l.shape, batch_axes, sizes)
     else:
       spec = PartitionSpec()
+    if k in pins and _spec_axes(pins[k]) != _spec_axes(spec):
+      if l.is_batch or any(a in batch_axes for e in pins[k] for a in entry_axes(e)):
+        raise InputError(
+            f"AutoShardingOption(pins=...): {l.path} is pinned to {pins[k]}, but "
+            f"{method.name} without the solver splits the batch over {batch_axes} "
+            f"(the step has no grad marker, or force_data_parallel is set), which "
+            f"{'gives this batch leaf' if l.is_batch else 'the pin also uses; it gives'} "
+            f"{spec}. Fix: pin over the other mesh axes, or let the solver plan.")
+      spec = pins[k]
     in_specs.append(spec)
 
   grad_specs = []
@@ -177,14 +210,16 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
   jaxpr = traced.jaxpr.jaxpr
   on_batch = depends_on(jaxpr, [v for v, l in zip(jaxpr.invars, traced.leaves)
                                 if l.is_batch])
+  out_avals = (outputs.avals if outputs is not None
+               else [v.aval for v in jaxpr.outvars])
   out_specs = []
-  for j, (kind, v) in enumerate(zip(split.out_kinds, jaxpr.outvars)):
+  for j, (kind, v, rows) in enumerate(zip(split.out_kinds, jaxpr.outvars,
+                                          split.out_dims, strict=True)):
     if j in pairs:
       out_specs.append(in_specs[pairs[j]])
-    elif kind is OutputKind.CONCAT or (
-        not split.has_marker and batch_size and v.aval.ndim
-        and v.aval.shape[0] == batch_size and isinstance(v, Var) and v in on_batch):
-      out_specs.append(PartitionSpec(batch_entry))
+    elif rows is not None and (kind is OutputKind.CONCAT or (
+        not split.has_marker and isinstance(v, Var) and v in on_batch)):
+      out_specs.append(batch_spec(len(v.aval.shape), rows.dim, batch_entry))
     else:
       out_specs.append(PartitionSpec())
 
@@ -193,25 +228,28 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
   grads = tuple(ValuePlan(name, tuple(a.shape), dtype_name(a.dtype), s)
                 for name, a, s in zip(split.grad_names, split.grad_avals
                                       if split.has_marker else [], grad_specs))
-  outputs = tuple(ValuePlan(p, tuple(v.aval.shape), dtype_name(v.aval.dtype), s)
-                  for p, v, s in zip(traced.out_paths, traced.jaxpr.jaxpr.outvars,
-                                     out_specs, strict=True))
+  planned_outputs = tuple(ValuePlan(p, tuple(a.shape), dtype_name(a.dtype), s)
+                          for p, a, s in zip(traced.out_paths, out_avals, out_specs,
+                                             strict=True))
 
   collectives = _preset_collectives(split, inputs, grads, params, batch_axes,
-                                    sizes, n, zero)
+                                    sizes, n, zero, out_avals)
   option = method.option if isinstance(method, ShardParallel) else None
   cost = MeshCost(sizes, option.alpha if option else {}, option.beta if option else {})
   objective = sum(cost.collective(c.kind, c.bytes, c.axes) * c.per_step
                   for c in collectives)
-  memory = _memory_estimate(inputs, grads, sizes, batch_axes, n)
+  memory = _memory_estimate(inputs, grads, sizes, batch_axes, n,
+                            method.grad_accumulation_dtype)
   return Plan(method=method.name, mesh_axis_names=axis_names_of(mesh),
               mesh_shape=tuple(sizes.values()), num_micro_batches=n,
-              batch_axes=batch_axes, inputs=inputs, grads=grads, outputs=outputs,
-              collectives=tuple(collectives), memory_per_device=memory,
+              batch_axes=batch_axes, inputs=inputs, grads=grads,
+              outputs=planned_outputs, collectives=tuple(collectives),
+              memory_per_device=memory,
               objective=float(objective), in_tree=traced.in_tree, mesh=mesh)
 
 
-def _preset_collectives(split, inputs, grads, params, batch_axes, sizes, n, zero):
+def _preset_collectives(split, inputs, grads, params, batch_axes, sizes, n, zero,
+                        out_avals):
   if not split.has_marker or not batch_axes or \
       math.prod(sizes[a] for a in batch_axes) == 1:
     return []
@@ -221,11 +259,13 @@ def _preset_collectives(split, inputs, grads, params, batch_axes, sizes, n, zero
                         kind="reduce-scatter" if zero else "all-reduce",
                         axes=batch_axes, bytes=grad_bytes, per_step=1,
                         what="gradients")]
-  scalars = [k for k in split.out_kinds if k in (OutputKind.MEAN, OutputKind.SUM)]
-  if scalars:
+  reduced = [a for k, a in zip(split.out_kinds, out_avals)
+             if k in (OutputKind.MEAN, OutputKind.SUM)]
+  if reduced:
     out.append(CollectivePlan(stage=sync, kind="all-reduce", axes=batch_axes,
-                              bytes=4 * len(scalars), per_step=1,
-                              what="per-micro-batch scalars (loss, metrics)"))
+                              bytes=sum(num_bytes(a.shape, a.dtype) for a in reduced),
+                              per_step=1, what="per-micro-batch means and counts "
+                              "(loss, metrics)"))
   sharded_params = [inputs[k] for k in sorted(params)
                     if any(inputs[k].spec) and not split.traced.leaves[k].is_batch]
   if zero == 3 and sharded_params:
@@ -245,26 +285,29 @@ def _preset_collectives(split, inputs, grads, params, batch_axes, sizes, n, zero
   return out
 
 
-def _memory_estimate(inputs, grads, sizes, batch_axes, n) -> int:
+def _memory_estimate(inputs, grads, sizes, batch_axes, n, accumulate) -> int:
   state = sum(v.bytes_per_device(sizes) for v in inputs)
   reduced = sum(g.bytes_per_device(sizes) for g in grads)
-  # Un-reduced partial sums: one full gradient per device while accumulating.
-  partial = sum(num_bytes(g.shape, g.dtype) for g in grads) if batch_axes else 0
+  # Un-reduced partial sums: one full gradient per device while accumulating,
+  # in the accumulation dtype.
+  partial = sum(num_bytes(g.shape, accumulation_dtype(g.dtype, accumulate))
+                for g in grads) if batch_axes else 0
   return int(state + reduced + partial)
 
 
 # -- ShardParallel: the ILP ---------------------------------------------------------
 
-def candidate_batch_axes(method: ShardParallel, mesh, micro_batch_size: int
-                         ) -> list[tuple[str, ...]]:
+def candidate_batch_axes(method: ShardParallel, mesh, micro_batch_size: int,
+                         hints=()) -> list[tuple[str, ...]]:
   """Choices of batch axes to try: every subset of the mesh axes that divides
-  the micro-batch and leaves at most ``option.max_model_axes`` axes to plan
-  (or the forced one)."""
+  the micro-batch, leaves at most ``option.max_model_axes`` axes to plan and
+  none that a sharding hint needs away from the rows (or the forced one)."""
   names = axis_names_of(mesh)
   sizes = axis_sizes_of(mesh)
   option = method.option
+  taken = model_axes({h.path: h for h in hints if h.part == "compute"})
   if option.force_data_parallel:
-    return [names]
+    return [tuple(a for a in names if a not in taken)]
   forced = option.force_batch_dim_to_mesh_dim
   if forced is not None:
     forced = (forced,) if isinstance(forced, str) else tuple(forced)
@@ -273,7 +316,9 @@ def candidate_batch_axes(method: ShardParallel, mesh, micro_batch_size: int
   out = []
   for mask in range(1 << len(names)):
     axes = tuple(a for i, a in enumerate(names) if mask >> i & 1)
-    if len(names) - len(axes) > option.max_model_axes:
+    if set(axes) & taken:
+      continue
+    if len(names) - len(axes) > max(option.max_model_axes, len(taken)):
       continue
     p = math.prod(sizes[a] for a in axes)
     if micro_batch_size and micro_batch_size % p == 0:
@@ -307,13 +352,16 @@ class Progress:
 
 
 def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
-              trace_local, progress: Progress | None = None,
+              trace_local, outputs: SizedOutputs | None = None,
+              progress: Progress | None = None,
               any_batch: SplitStep | None = None) -> Plan:
   """Plans ``split`` with the ILP, trying every choice of batch axes.
 
   ``split``: the step split at ``batch_size`` rows, or at a symbolic batch
   size (``any_batch``); each choice is planned on the step at its rows per
   device, which ``trace_local(rows)`` returns.
+  ``outputs``: the step's outputs at the whole batch (default: ``split``'s
+  at ``batch_size``).
   ``any_batch``: the step split at a symbolic batch size, if it could be
   traced so; it bounds the cost of a choice before its problem is built.
   """
@@ -347,8 +395,11 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
   # Each problem is solved on a worker thread while the next one is built:
   # HiGHS runs without holding the GIL, so building and solving overlap.
   with concurrent.futures.ThreadPoolExecutor(max_workers=1) as solver:
-    for S in _distinct_up_to_axis_names(candidate_batch_axes(method, mesh, micro),
-                                        names, sizes, option):
+    hints = {h.path: h for h in split.hints}
+    pins = check_pins(option.pin_map, split.traced.leaves, sizes) if option.pins else {}
+    for S in _distinct_up_to_axis_names(
+        candidate_batch_axes(method, mesh, micro, split.hints), names, sizes, option):
+      check_hints(hints, names, S, f"the plan with batch axes {S}")
       A = tuple(a for a in names if a not in S)
       d = math.prod(sizes[a] for a in S)
       bound = _cost_lower_bound(split, matmul_flops, S, A, sizes, cost, option, n,
@@ -381,7 +432,15 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
           allow_all_to_all=option.allow_all_to_all,
           memory_budget=option.memory_budget_per_device,
           read_by_compute=leaves_read_by_compute(local),
-          share_layers=option.share_layers).build()
+          share_layers=option.share_layers,
+          pins={k: _spec_axes(spec) for k, spec in pins.items()},
+          accumulate=method.grad_accumulation_dtype,
+          leaf_names=[l.path for l in traced.leaves])
+      try:
+        problem.build()
+      except PlanError as e:        # a pin no sharding with these batch axes meets
+        errors.append((None, e))
+        continue
       where = f"batch over {S or 'no axes'}"
       progress.add("strategies", problem.timings["strategies"],
                    f"{where}: {len(problem.nodes)} nodes")
@@ -392,8 +451,10 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
     settle()
   if best is None and option.memory_budget_per_device is None:
     raise errors[0][1]
+  if best is None and all(p is None for p, _ in errors):
+    raise errors[0][1]
   if best is None:
-    need = min(p.min_memory() for p, _ in errors) if errors else 0
+    need = min(p.min_memory() for p, _ in errors if p is not None)
     raise PlanError(
         f"autopar: no sharding of the step fits memory_budget_per_device="
         f"{option.memory_budget_per_device} bytes on mesh {sizes} with any choice "
@@ -404,8 +465,8 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
   sol = problem.solution()
   stats = dict(num_equations=len(local.compute.jaxpr.eqns) + len(local.apply.jaxpr.eqns),
                num_nodes=len(problem.nodes), num_classes=problem.num_classes)
-  plan = _plan_from_solution(split, outputs_at(split, micro), local, method, mesh, S,
-                             sol, stats, progress)
+  plan = _plan_from_solution(split, outputs or outputs_at(split, batch_size), local,
+                             method, mesh, S, sol, stats, progress)
   return plan
 
 
@@ -493,34 +554,6 @@ def _distinct_up_to_axis_names(candidates, names, sizes, option):
   return out
 
 
-def sub_jaxprs(eqn) -> list:
-  """The planned sub-jaxprs of a control-flow equation, by index: a scan's
-  body (0); a while's cond (0) and body (1); a cond's branches; a
-  checkpoint's body (0)."""
-  p = eqn.params
-  name = eqn.primitive.name
-  if name == "scan":
-    return [p["jaxpr"].jaxpr]
-  if name == "while":
-    return [p["cond_jaxpr"].jaxpr, p["body_jaxpr"].jaxpr]
-  if name == "cond":
-    return [b.jaxpr for b in p["branches"]]
-  if name == "remat2":            # jax.checkpoint / remat
-    return [p["jaxpr"]]
-  return []
-
-
-def _eqns_by_path(jaxpr, prefix: str = ""):
-  """(path, equation) of every equation in path order: an equation, then
-  the equations of its bodies (``"12.0.5"`` is equation 5 of body 0 of
-  equation 12)."""
-  for idx, eqn in enumerate(jaxpr.eqns):
-    path = f"{prefix}{idx}"
-    yield path, eqn
-    for k, sub in enumerate(sub_jaxprs(eqn)):
-      yield from _eqns_by_path(sub, f"{path}.{k}.")
-
-
 def _divisible_dim(shape, spec, d_batch, sizes) -> int | None:
   """First dim that can also be split over the batch axes, if any."""
   for dim, n in enumerate(shape):
@@ -541,7 +574,7 @@ def _plan_from_solution(split, outputs, local, method, mesh, S, sol, stats,
   """The :class:`Plan` of the solution ``sol`` with batch axes ``S``.
 
   ``split``: the step, possibly at a symbolic batch size; ``outputs``: its
-  outputs and gradients at the full micro-batch size (``outputs_at``);
+  outputs and gradients at the whole batch (``outputs_at``);
   ``local``: the step at the rows per device it was planned at."""
   from autopar.strategies import to_partition_spec
 
@@ -597,7 +630,7 @@ def _plan_from_solution(split, outputs, local, method, mesh, S, sol, stats,
       s = sol.apply_out_specs[idx]
       spec = to_partition_spec(s) if s is not None else PartitionSpec()
     elif kind is OutputKind.CONCAT:
-      spec = batch_entry
+      spec = batch_spec(len(aval.shape), split.out_dims[j].dim, batch_entry[0])
     else:
       spec = PartitionSpec()
     planned_outputs.append(ValuePlan(path, tuple(aval.shape), dtype_name(aval.dtype),
@@ -611,7 +644,7 @@ def _plan_from_solution(split, outputs, local, method, mesh, S, sol, stats,
     # The spec every value is produced in, to find where the plan reshards.
     produced = {v: s for v, s in zip(jaxpr.invars[nconst:], sol.leaf_specs)}
     produced.update(zip(jaxpr.invars[nconst + len(sol.leaf_specs):], sol.grad_specs))
-    eqns = [(i, eqn, specs[i]) for i, eqn in _eqns_by_path(jaxpr) if i in specs]
+    eqns = [(i, eqn, specs[i]) for i, eqn in eqns_by_path(jaxpr) if i in specs]
     for _, eqn, outs in eqns:
       produced.update(zip(eqn.outvars, outs))
     for i, eqn, outs in eqns:

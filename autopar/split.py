@@ -24,16 +24,29 @@ Before / after, for ``loss, g = value_and_grad(f)(w); return w - g, loss``::
         w2 = sub w g                           w2 = sub w g   in (w2,) }
       in (w2, l) }
 
-How per-micro-batch outputs are combined (``OutputKind``):
+How per-micro-batch outputs are combined (``OutputKind``), read from the
+program's shapes, never from a size that happens to match (``rows.py``):
 
-* ``MEAN``: a floating-point scalar (a loss, an accuracy) is averaged over
-  micro-batches and data-parallel devices. This assumes it is a mean over
-  the examples of the batch, as losses almost always are.
-* ``SUM``: an integer scalar (a count of correct predictions) is summed.
-* ``CONCAT``: an array whose leading axis is the micro-batch axis (per-
-  example values) is concatenated back into batch order.
-* ``OTHER``: anything else cannot be combined; it is an error when there is
-  more than one micro-batch or data-parallel device.
+* ``CONCAT``: an output with a dimension that holds the batch's rows (per-
+  example values; ``out_dims`` says which) is concatenated back into batch
+  order along it.
+* ``MEAN``: a floating-point output without such a dimension (a loss, an
+  accuracy, a per-feature mean) is averaged over micro-batches and
+  data-parallel devices. This assumes it is a mean over the examples of the
+  batch, as losses almost always are.
+* ``SUM``: an integer output without such a dimension (a count of correct
+  predictions) is summed.
+* ``OTHER``: anything else (rows in two dimensions, a shape that depends on
+  the batch size in another way, a boolean) cannot be combined; it is an
+  error when there is more than one micro-batch or data-parallel device.
+
+An output that depends on the batch's shape but not its values (say
+``jnp.arange(batch.shape[0])``) is an ``apply_grad`` output, computed once
+per step on the whole batch's shapes.
+
+Effects (``jax.debug.print``, callbacks) stay where the user wrote them: one
+before the marker runs with the gradient computation (once per micro-batch),
+one after it with the update (once per step), never in both.
 """
 
 from __future__ import annotations
@@ -42,16 +55,23 @@ import dataclasses
 import enum
 from typing import NamedTuple
 
+import jax
 import numpy as np
 from jax._src.interpreters import partial_eval as pe
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
+from jax._src import core as jax_core
+
 from autopar.errors import MarkerError
+from autopar.hints import HINT_PRIMITIVES, Hint, find_hints
 from autopar.marker import grad_marker_p
-from autopar.trace import TracedStep, count_markers, instantiate, instantiator
+from autopar.rng import DRAW_PRIMITIVES, RowDraw, find_draws
+from autopar.rows import RowDim, Rows
+from autopar.trace import (TracedStep, count_markers, eqns_by_path, instantiate,
+                           instantiator)
 
 __all__ = ["OutputKind", "SplitStep", "split_step", "instantiate_split",
-           "outputs_at", "reads", "depends_on"]
+           "outputs_at", "reads", "depends_on", "annotate", "apply_at"]
 
 
 class OutputKind(enum.Enum):
@@ -77,6 +97,18 @@ class SplitStep:
     out_kinds: per output leaf, how it is produced and combined.
     out_index: per output leaf, its position among the compute outputs after
       the grads (for MEAN/SUM/CONCAT/OTHER) or among the apply outputs.
+    out_dims: per output leaf, the dimension that holds the batch's rows
+      (``rows.RowDim``), or None; CONCAT outputs are concatenated along it.
+    draws: random draws of ``compute`` whose shape holds the batch's rows,
+      by equation path (``rng.py``); None when not known yet (a step traced
+      at concrete sizes only, before :func:`annotate`).
+    hints: the user's sharding hints in ``compute`` and ``apply``
+      (``hints.py``).
+    rows_known: whether ``out_kinds``, ``out_dims``, ``draws`` and the
+      hints' row dimensions were read
+      from a symbolic trace or two traces (:func:`annotate`); a step traced
+      at one concrete size has provisional ones, right only for one device
+      and one micro-batch.
   """
   traced: TracedStep
   compute: ClosedJaxpr | None
@@ -85,6 +117,10 @@ class SplitStep:
   grad_names: tuple[str, ...]
   out_kinds: tuple[OutputKind, ...]
   out_index: tuple[int, ...]
+  out_dims: tuple[RowDim | None, ...] = ()
+  draws: dict[str, RowDraw] | None = None
+  hints: tuple[Hint, ...] = ()
+  rows_known: bool = False
 
   @property
   def has_marker(self) -> bool:
@@ -110,16 +146,26 @@ class SplitStep:
     return "\n".join(parts)
 
 
-def _kind_of(aval, micro_batch_size: int) -> OutputKind:
-  if aval.shape == ():
-    if np.issubdtype(aval.dtype, np.floating):
-      return OutputKind.MEAN
-    if np.issubdtype(aval.dtype, np.integer):
-      return OutputKind.SUM
-    return OutputKind.OTHER
-  if micro_batch_size and aval.shape[0] == micro_batch_size:
-    return OutputKind.CONCAT
-  return OutputKind.OTHER
+def _kind_and_dim(aval, rows: Rows | None, other=None) -> tuple[OutputKind, RowDim | None]:
+  """How a per-micro-batch output of ``aval`` is combined, and its row
+  dimension; ``other``: its aval in the second trace (``rows.sizes``).
+  ``rows`` None: the trace says nothing about rows (one concrete trace)."""
+  shape = tuple(aval.shape)
+  other_shape = None if other is None else tuple(other.shape)
+  dims = rows.dims(shape, other_shape) if rows is not None else []
+  if len(dims) == 1:
+    return OutputKind.CONCAT, dims[0]
+  if dims or (rows is not None and rows.varies(shape, other_shape)):
+    return OutputKind.OTHER, None
+  if jax.dtypes.issubdtype(aval.dtype, np.floating):
+    return OutputKind.MEAN, None
+  if jax.dtypes.issubdtype(aval.dtype, np.integer):
+    return OutputKind.SUM, None
+  return OutputKind.OTHER, None
+
+
+def _rows_of(traced: TracedStep) -> Rows | None:
+  return Rows.symbolic() if jax_core.is_symbolic_dim(traced.micro_batch_size) else None
 
 
 def reads(jaxpr) -> set:
@@ -184,12 +230,17 @@ def split_step(traced: TracedStep, *, fn_name: str = "step") -> SplitStep:
         f"{total} times; autopar splits the step at exactly one grad marker. "
         f"Fix: compute all gradients with one call (e.g. differentiate with "
         f"respect to a tuple of parameters) and use jax.grad for the others.")
+  rows = _rows_of(traced)
+  out_dims = tuple(_kind_and_dim(v.aval, rows)[1] for v in jaxpr.outvars)
   if total == 0:
     return SplitStep(traced=traced, compute=None,
                      apply=ClosedJaxpr(jaxpr, ()), consts=tuple(closed.consts),
                      grad_names=(), out_kinds=(OutputKind.APPLY,) * len(jaxpr.outvars),
-                     out_index=tuple(range(len(jaxpr.outvars))))
-  marker = jaxpr.eqns[markers[0]]
+                     out_index=tuple(range(len(jaxpr.outvars))), out_dims=out_dims,
+                     draws={}, hints=_hints(None, jaxpr, rows),
+                     rows_known=rows is not None)
+  at = markers[0]
+  marker = jaxpr.eqns[at]
 
   # Forward dependence on the batch and on the (marked) gradients.
   on_batch = depends_on(jaxpr, batch_vars, stop=marker)
@@ -201,7 +252,7 @@ def split_step(traced: TracedStep, *, fn_name: str = "step") -> SplitStep:
     if isinstance(v, Var) and v in on_grads and v in on_batch:
       raise _batch_after_marker_error(fn_name, path, traced)
     if isinstance(v, Var) and v in on_batch and v not in on_grads:
-      kinds.append(_kind_of(v.aval, traced.micro_batch_size))
+      kinds.append(_kind_and_dim(v.aval, rows)[0])
       index.append(len(micro_outs))
       micro_outs.append(v)
     else:
@@ -209,19 +260,98 @@ def split_step(traced: TracedStep, *, fn_name: str = "step") -> SplitStep:
       index.append(len(apply_outs))
       apply_outs.append(v)
 
-  compute = _dce(jaxpr.replace(outvars=[*marker.invars, *micro_outs]))
+  # An effect runs in the stage on its side of the marker, once.
+  effects = [i for i, e in enumerate(jaxpr.eqns) if e.effects and pe.has_effects(e)]
+  after = {i for i in effects if i > at}
+  compute = _dce(jaxpr.replace(outvars=[*marker.invars, *micro_outs],
+                               eqns=[e for i, e in enumerate(jaxpr.eqns) if i not in after]))
   apply = _dce(jaxpr.replace(invars=[*jaxpr.invars, *marker.outvars], outvars=apply_outs,
-                             eqns=[e for e in jaxpr.eqns if e is not marker]))
+                             eqns=[e for i, e in enumerate(jaxpr.eqns)
+                                   if e is not marker and (i > at or i not in effects)]))
   used_batch = batch_vars & reads(apply)
   if used_batch:
     raise _batch_after_marker_error(fn_name, None, traced)
 
   names = tuple(marker.params.get("names") or
                 (f"grad[{i}]" for i in range(len(marker.invars))))
+  draws = None
+  if rows is not None:
+    draws = find_draws(((p, e, None) for p, e in eqns_by_path(compute)), rows)
   return SplitStep(traced=traced, compute=ClosedJaxpr(compute, ()),
                    apply=ClosedJaxpr(apply, ()), consts=tuple(closed.consts),
                    grad_names=names, out_kinds=tuple(kinds),
-                   out_index=tuple(index))
+                   out_index=tuple(index), out_dims=out_dims, draws=draws,
+                   hints=_hints(compute, apply, rows), rows_known=rows is not None)
+
+
+def _hints(compute, apply, rows: Rows | None, other_compute=None) -> tuple[Hint, ...]:
+  """The sharding hints of both parts; those of ``compute`` with their row
+  dimensions (``other_compute``: its jaxpr traced at a second size, when
+  ``rows`` compares two)."""
+  out = []
+  if compute is not None:
+    pairs = None
+    if rows is not None and rows.sizes is None:
+      pairs = [(p, e, None) for p, e in eqns_by_path(compute)]
+    elif other_compute is not None:
+      pairs = _in_order(compute, other_compute, HINT_PRIMITIVES)
+    if pairs is None:            # row dimensions unknown
+      pairs, rows = [(p, e, None) for p, e in eqns_by_path(compute)], None
+    out.extend(find_hints("compute", pairs, rows).values())
+  if apply is not None:
+    out.extend(find_hints("apply", ((p, e, None) for p, e in eqns_by_path(apply)),
+                          None).values())
+  return tuple(out)
+
+
+def annotate(split: SplitStep, other: SplitStep, *, fn_name: str = "step") -> SplitStep:
+  """``split`` (traced at one concrete batch size) with its outputs' kinds
+  and row dimensions, its draws and its hints' row dimensions read by
+  comparing it with ``other``, the same step traced at another size
+  (``rows.py``). Draws and hints are matched in program order (a step whose
+  structure depends on the batch size, such as a chunked loss, still has
+  the same draws and hints).
+
+  Raises MarkerError if the two do not split alike.
+  """
+  a, b = split.traced.micro_batch_size, other.traced.micro_batch_size
+  if (split.has_marker != other.has_marker or split.num_grads != other.num_grads or
+      [k is OutputKind.APPLY for k in split.out_kinds] !=
+      [k is OutputKind.APPLY for k in other.out_kinds]):
+    raise MarkerError(
+        f"{fn_name}: tracing the step at {a} and at {b} rows gave different programs. "
+        f"autopar needs a step whose structure does not depend on the batch size. "
+        f"Fix: avoid Python branches on batch shapes.")
+  rows = Rows.pair(a, b)
+  outs = [v.aval for v in split.traced.jaxpr.jaxpr.outvars]
+  outs_b = [v.aval for v in other.traced.jaxpr.jaxpr.outvars]
+  found = [_kind_and_dim(x, rows, y) for x, y in zip(outs, outs_b, strict=True)]
+  kinds = tuple(k if k is OutputKind.APPLY else f[0]
+                for k, f in zip(split.out_kinds, found, strict=True))
+  draws = {}
+  if split.has_marker:
+    pairs = _in_order(split.compute.jaxpr, other.compute.jaxpr, DRAW_PRIMITIVES)
+    if pairs is None:
+      why = ("the step's structure depends on the batch size, so its draws could "
+             "not be matched between two traces")
+      draws = {p: RowDraw(None, why) for p, e in eqns_by_path(split.compute.jaxpr)
+               if e.primitive.name in DRAW_PRIMITIVES}
+    else:
+      draws = find_draws(pairs, rows)
+  hints = _hints(split.compute and split.compute.jaxpr, split.apply.jaxpr, rows,
+                 other.compute and other.compute.jaxpr)
+  return dataclasses.replace(split, out_kinds=kinds, out_dims=tuple(f[1] for f in found),
+                             draws=draws, hints=hints, rows_known=True)
+
+
+def _in_order(a, b, primitives) -> list | None:
+  """(path, equation of ``a``, the same-numbered one of ``b``) for the
+  equations of ``primitives``, or None if the two have not the same ones."""
+  ea = [(p, e) for p, e in eqns_by_path(a) if e.primitive.name in primitives]
+  eb = [e for _, e in eqns_by_path(b) if e.primitive.name in primitives]
+  if [e.primitive for _, e in ea] != [e.primitive for e in eb]:
+    return None
+  return [(p, e, f) for (p, e), f in zip(ea, eb)]
 
 
 def instantiate_split(split: SplitStep, micro_batch_size: int) -> SplitStep:
@@ -237,9 +367,16 @@ def instantiate_split(split: SplitStep, micro_batch_size: int) -> SplitStep:
   def write(closed):
     return None if closed is None else ClosedJaxpr(inst.jaxpr(closed.jaxpr), ())
   compute, apply = write(split.compute), write(split.apply)
-  avals = [v.aval for v in traced.jaxpr.jaxpr.outvars]
-  return dataclasses.replace(split, traced=traced, compute=compute, apply=apply,
-                             out_kinds=_kinds_at(split, avals, micro_batch_size))
+  return dataclasses.replace(split, traced=traced, compute=compute, apply=apply)
+
+
+def apply_at(split: SplitStep, rows: int) -> ClosedJaxpr:
+  """``split.apply`` (from a symbolic-batch trace) written out at ``rows``
+  (the whole batch's: apply_grad runs once per step, on its shapes)."""
+  if not jax_core.is_symbolic_dim(split.traced.micro_batch_size):
+    assert split.traced.micro_batch_size == rows, (split.traced.micro_batch_size, rows)
+    return split.apply
+  return ClosedJaxpr(instantiator(rows).jaxpr(split.apply.jaxpr), ())
 
 
 class SizedOutputs(NamedTuple):
@@ -259,16 +396,8 @@ def outputs_at(split: SplitStep, micro_batch_size: int) -> SizedOutputs:
   if split.traced.micro_batch_size == micro_batch_size:
     return SizedOutputs([v.aval for v in outvars], split.out_kinds, grads)
   inst = instantiator(micro_batch_size)
-  avals = [inst.aval(v.aval) for v in outvars]
-  return SizedOutputs(avals, _kinds_at(split, avals, micro_batch_size),
+  return SizedOutputs([inst.aval(v.aval) for v in outvars], split.out_kinds,
                       [inst.aval(a) for a in grads])
-
-
-def _kinds_at(split: SplitStep, avals, micro_batch_size: int) -> tuple:
-  """``split.out_kinds`` for outputs of avals ``avals``: whether an output
-  is per-example depends on the size."""
-  return tuple(kind if kind is OutputKind.APPLY else _kind_of(aval, micro_batch_size)
-               for kind, aval in zip(split.out_kinds, avals, strict=True))
 
 
 def _batch_after_marker_error(fn_name: str, path: str | None,

@@ -25,13 +25,17 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 from jax._src import core as jax_core
+from jax._src import mesh as jax_mesh
+from jax._src.pjit import sharding_constraint_p
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal, Var
+from jax.sharding import NamedSharding
 
 from autopar.errors import InputError, MarkerError
 from autopar.marker import grad_marker_p
 
 __all__ = ["ArgFlags", "LeafInfo", "TracedStep", "classify_args",
-           "abstract_leaves", "trace_step", "check_batch_leaves"]
+           "abstract_leaves", "trace_step", "check_batch_leaves", "eqns_by_path",
+           "region_jaxprs"]
 
 
 # -- argument classification --------------------------------------------------
@@ -274,6 +278,7 @@ def trace_step(fn: Callable, args: Sequence[Any], flags: ArgFlags,
   out_kp, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
   out_paths = tuple("out" + jax.tree_util.keystr(kp) for kp, _ in out_kp)
   closed = _inline_marked_calls(closed, fn_name=getattr(fn, "__name__", "step"))
+  closed = _without_meshes(closed)
   return TracedStep(jaxpr=closed, leaves=tuple(leaves), in_tree=in_tree,
                     out_tree=out_tree, out_paths=out_paths,
                     micro_batch_size=micro_batch_size)
@@ -447,6 +452,159 @@ class _Instantiator:
                  jaxpr.debug_info)
 
 
+# -- equations by path ----------------------------------------------------------
+
+def region_jaxprs(eqn) -> list:
+  """The planned sub-jaxprs of a control-flow equation, by index: a scan's
+  body (0); a while's cond (0) and body (1); a cond's branches; a
+  checkpoint's body (0)."""
+  p = eqn.params
+  name = eqn.primitive.name
+  if name == "scan":
+    return [p["jaxpr"].jaxpr]
+  if name == "while":
+    return [p["cond_jaxpr"].jaxpr, p["body_jaxpr"].jaxpr]
+  if name == "cond":
+    return [b.jaxpr for b in p["branches"]]
+  if name == "remat2":            # jax.checkpoint / remat
+    return [p["jaxpr"]]
+  return []
+
+
+def eqns_by_path(jaxpr, prefix: str = ""):
+  """(path, equation) of every equation in path order: an equation, then
+  the equations of its bodies (``"12.0.5"`` is equation 5 of body 0 of
+  equation 12)."""
+  for idx, eqn in enumerate(jaxpr.eqns):
+    path = f"{prefix}{idx}"
+    yield path, eqn
+    for k, sub in enumerate(region_jaxprs(eqn)):
+      yield from eqns_by_path(sub, f"{path}.{k}.")
+
+
+# -- meshes in types ------------------------------------------------------------
+
+# Equations whose sharding params are the user's hints (hints.py): kept.
+_HINTS = ("sharding_constraint", "reshard")
+
+
+def _mesh_of(aval):
+  sharding = getattr(aval, "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  return None if mesh is None or not getattr(mesh, "axis_names", ()) else mesh
+
+
+def _literal_mesh(literal):
+  """The mesh in the type of a literal's value (a constant folded while a
+  mesh was in context), if any."""
+  aval = getattr(literal.val, "aval", None)
+  if aval is None and isinstance(literal.val, jax.Array):
+    aval = jax.typeof(literal.val)
+  return None if aval is None else _mesh_of(aval)
+
+
+def _meshless(val):
+  """A literal's value with no mesh in its type."""
+  if isinstance(val, np.ndarray) and hasattr(val, "aval"):      # a TypedNdArray
+    return type(val)(val.view(np.ndarray), val.aval.update(sharding=None))
+  return np.asarray(val) if isinstance(val, jax.Array) else val
+
+
+def _without_meshes(closed: ClosedJaxpr) -> ClosedJaxpr:
+  """``closed`` with no mesh in its types or in its equations' sharding
+  params, other than in the user's hints.
+
+  A sharding constraint (or a ``jax.set_mesh`` context) while the step is
+  traced puts its mesh into the types of every value downstream, and JAX
+  records it in params such as ``broadcast_in_dim[sharding=...]``. autopar
+  evaluates the step again on its own meshes (with the batch axes manual in
+  the gradient stages), where such a mesh would clash; what the user asked
+  for stays in the hints. A step traced without a mesh is returned as it is.
+  """
+  if not _carries_mesh(closed.jaxpr, set()):
+    return closed
+  return ClosedJaxpr(_MeshStripper().jaxpr(closed.jaxpr), closed.consts)
+
+
+def _carries_mesh(jaxpr, seen: set) -> bool:
+  if id(jaxpr) in seen:
+    return False
+  seen.add(id(jaxpr))
+  for eqn in jaxpr.eqns:
+    if any(_mesh_of(v.aval) is not None for v in eqn.outvars):
+      return True
+    if any(isinstance(v, Literal) and _literal_mesh(v) is not None for v in eqn.invars):
+      return True
+    if getattr(eqn.ctx.cur_abstract_mesh, "axis_names", ()):
+      return True
+    if eqn.primitive.name not in _HINTS and any(
+        isinstance(v, NamedSharding) for v in eqn.params.values()):
+      return True
+    if any(_carries_mesh(sub, seen) for sub in _sub_jaxprs(eqn)):
+      return True
+  return False
+
+
+class _MeshStripper:
+  """Rewrites a jaxpr (and its sub-jaxprs) without meshes in its types."""
+
+  def __init__(self):
+    self.vars: dict = {}
+    self.jaxprs: dict = {}
+
+  def aval(self, aval):
+    return aval.update(sharding=None) if _mesh_of(aval) is not None else aval
+
+  def var(self, v):
+    if isinstance(v, Literal):
+      aval = self.aval(v.aval)
+      return v if aval is v.aval and _literal_mesh(v) is None else \
+          Literal(_meshless(v.val), aval)
+    w = self.vars.get(v)
+    if w is None:
+      aval = self.aval(v.aval)
+      w = v if aval is v.aval else DropVar(aval) if isinstance(v, DropVar) else Var(aval)
+      self.vars[v] = w
+    return w
+
+  def context(self, ctx):
+    """``ctx`` (the config an equation was traced under) without its mesh."""
+    if not getattr(ctx.cur_abstract_mesh, "axis_names", ()):
+      return ctx
+    metadata = ctx.xla_metadata
+    return jax_core.JaxprEqnContext._create(
+        ctx.compute_type, ctx.threefry_partitionable, jax_mesh.empty_abstract_mesh,
+        ctx.remove_size_one_mesh_axis,
+        None if metadata is None else tuple(sorted(metadata.items())))
+
+  def param(self, hint: bool, value):
+    if isinstance(value, NamedSharding):
+      return value if hint else None
+    if isinstance(value, ClosedJaxpr):
+      return ClosedJaxpr(self.jaxpr(value.jaxpr), value.consts)
+    if isinstance(value, Jaxpr):
+      return self.jaxpr(value)
+    if isinstance(value, tuple) and any(isinstance(x, (ClosedJaxpr, Jaxpr)) for x in value):
+      return tuple(self.param(hint, x) for x in value)
+    return value
+
+  def jaxpr(self, jaxpr: Jaxpr) -> Jaxpr:
+    done = self.jaxprs.get(id(jaxpr))
+    if done is not None:
+      return done[0]
+    eqns = []
+    for eqn in jaxpr.eqns:
+      hint = eqn.primitive.name in _HINTS
+      params = {k: self.param(hint, v) for k, v in eqn.params.items()}
+      eqns.append(eqn.replace(invars=[self.var(v) for v in eqn.invars],
+                              outvars=[self.var(v) for v in eqn.outvars], params=params,
+                              ctx=self.context(eqn.ctx)))
+    out = Jaxpr([self.var(v) for v in jaxpr.constvars], [self.var(v) for v in jaxpr.invars],
+                [self.var(v) for v in jaxpr.outvars], eqns, jaxpr.effects, jaxpr.debug_info)
+    self.jaxprs[id(jaxpr)] = (out, jaxpr)
+    return out
+
+
 # -- markers inside nested calls ---------------------------------------------
 
 # Calls that are planned through: their bodies are inlined into the step. The
@@ -542,16 +700,34 @@ def _inline(top: Jaxpr, top_consts: list, fn_name: str) -> tuple[Jaxpr, list]:
         inner[cv] = Var(cv.aval)
         constvars.append(inner[cv])
         consts.append(c)
+      # A nested jit's in/out shardings are the user's sharding hints: they
+      # stay in the program as sharding constraints (see hints.py).
+      ins = eqn.params.get("in_shardings") or (None,) * len(invars)
+      invars = [_hint(eqns, x, s, eqn) for x, s in zip(invars, ins, strict=True)]
       inner.update(zip(sub_jaxpr.invars, invars, strict=True))
       inline(sub_jaxpr, inner, True)
-      for v, r in zip(eqn.outvars, sub_jaxpr.outvars, strict=True):
+      outs = eqn.params.get("out_shardings") or (None,) * len(eqn.outvars)
+      for v, r, s in zip(eqn.outvars, sub_jaxpr.outvars, outs, strict=True):
         if not isinstance(v, DropVar):
-          env[v] = r if isinstance(r, Literal) else inner.get(r, r)
+          env[v] = _hint(eqns, r if isinstance(r, Literal) else inner.get(r, r), s, eqn)
 
   env: dict = {}
   inline(top, env, False)
   outvars = [a if isinstance(a, Literal) else env.get(a, a) for a in top.outvars]
   return Jaxpr(constvars, top.invars, outvars, eqns, top.effects, top.debug_info), consts
+
+
+def _hint(eqns: list, x, sharding, call):
+  """``x`` passed through a sharding constraint to ``sharding`` (appended to
+  ``eqns``), if it is a NamedSharding; else ``x``."""
+  if isinstance(x, Literal) or not isinstance(sharding, NamedSharding):
+    return x
+  out = Var(x.aval)
+  params = dict(sharding=sharding, layout=None, context_mesh=sharding.mesh,
+                unconstrained_dims=frozenset())
+  eqns.append(jax_core.new_jaxpr_eqn([x], [out], sharding_constraint_p, params,
+                                     jax_core.no_effects, call.source_info, call.ctx))
+  return out
 
 
 def _inline_params(eqn, fn_name: str) -> dict:

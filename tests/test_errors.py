@@ -115,12 +115,14 @@ def test_output_that_cannot_be_combined():
   def step(state, batch):
     def loss_fn(p):
       pred = state.apply_fn(p, batch["x"])
-      return jnp.mean(pred ** 2), pred.mean(axis=0)   # shape (4,): not per-example
-    (loss, col_means), grads = autopar.value_and_grad(loss_fn, has_aux=True)(
+      # Rows in two dimensions: neither per-example nor a mean or a count.
+      return jnp.mean(pred ** 2), pred @ pred.T
+    (loss, gram), grads = autopar.value_and_grad(loss_fn, has_aux=True)(
         state.params)
-    return state.apply_gradients(grads=grads), col_means
+    return state.apply_gradients(grads=grads), gram
 
-  with pytest.raises(autopar.InputError, match=r"out\[1\] \(shape \(4,\)\)"):
+  with pytest.raises(autopar.InputError, match=r"out\[1\] \(shape \(\d+, \d+\) for a "
+                     r"micro-batch.*rows in one dimension"):
     run(step)(make_state(), batch)
 
 

@@ -6,7 +6,7 @@ import numpy as np
 
 import autopar
 from autopar.marker import grad_marker_p
-from autopar.split import OutputKind, split_step
+from autopar.split import OutputKind, annotate, split_step
 from autopar.trace import abstract_leaves, arg_names, classify_args, trace_step
 
 
@@ -48,8 +48,11 @@ def _split(step, *args, batch_argnums=(1,)):
   flags = classify_args(args, static_argnums="auto", batch_argnums=batch_argnums,
                         donate_argnums=(), fn_name="step")
   leaves, tree, _ = abstract_leaves(args, flags, arg_names(step, len(args)))
-  traced = trace_step(step, args, flags, leaves, tree, micro_batch_size=2)
-  return split_step(traced)
+  # Two sizes tell which dimensions hold rows (as for a step that cannot be
+  # traced at a symbolic batch size).
+  at = lambda rows: split_step(trace_step(step, args, flags, leaves, tree,
+                                          micro_batch_size=rows))
+  return annotate(at(2), at(4))
 
 
 def test_split_puts_forward_backward_in_compute_and_update_in_apply():

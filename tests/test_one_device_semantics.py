@@ -3,12 +3,16 @@ outputs that depend on the batch's shape, saved plans tied to their program,
 the user's sharding hints, accumulation precision."""
 
 import json
+import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax.training import train_state
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import autopar
 from models import assert_trees_close, mlp_setup, single_device
@@ -61,3 +65,286 @@ def test_a_corrupt_plan_is_a_plan_error():
   del d["inputs"]
   with pytest.raises(autopar.PlanError, match="incomplete or corrupt"):
     autopar.Plan.from_json(json.dumps(d))
+
+
+# -- random draws --------------------------------------------------------------
+
+class DropoutMLP(nn.Module):
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = nn.relu(nn.Dense(32)(x))
+    x = nn.Dropout(0.1, deterministic=not train)(x)
+    x = nn.relu(nn.Dense(32)(x))
+    x = nn.Dropout(0.1, deterministic=not train)(x)
+    return nn.Dense(4)(x)
+
+
+class KeyedState(train_state.TrainState):
+  key: jax.Array
+
+
+def dropout_setup(batch=32):
+  model = DropoutMLP()
+  rng = np.random.RandomState(0)
+  x = rng.randn(batch, 8).astype(np.float32)
+  y = rng.randn(batch, 4).astype(np.float32)
+  params = model.init(jax.random.key(0), x[:1], train=False)
+
+  def make_state():
+    return KeyedState.create(apply_fn=model.apply, params=jax.tree.map(jnp.array, params),
+                             tx=SGD, key=jax.random.key(1))
+
+  def step(state, batch):
+    dropout_key = jax.random.fold_in(state.key, state.step)
+
+    def loss_fn(p):
+      pred = state.apply_fn(p, batch["x"], rngs={"dropout": dropout_key})
+      return jnp.mean((pred - batch["y"]) ** 2)
+    loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  return make_state, step, {"x": x, "y": y}
+
+
+METHODS = {"dp": autopar.DataParallel, "zero3": autopar.Zero3Parallel,
+           "shard": autopar.ShardParallel}
+
+
+@pytest.mark.parametrize("shape", [(8,), (2, 4)])
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_dropout_equals_one_device(method, shape):
+  make_state, step, batch = dropout_setup()
+  ref = single_device(step)
+  ref_state, ref_losses = make_state(), []
+  for _ in range(2):
+    ref_state, loss = ref(ref_state, batch)
+    ref_losses.append(float(loss))
+  for n in (1, 2, 4):
+    p = autopar.parallelize(step, method=METHODS[method](mesh=mesh_of(shape),
+                                                         num_micro_batches=n))
+    state, losses = make_state(), []
+    for _ in range(2):
+      state, loss = p(state, batch)
+      losses.append(float(loss))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=f"n={n}")
+    assert_trees_close(state.params, ref_state.params)
+
+
+def test_every_row_gets_its_row_of_the_whole_batch_draw():
+  """Masks, per-example keys, and draws with the rows in another dimension
+  or flattened with other dimensions: all as on one device."""
+  def step(w, batch, key):
+    def loss_fn(w):
+      x = batch
+      mask = jax.random.bernoulli(key, 0.5, x.shape)                    # rows first
+      noise = jax.random.normal(jax.random.fold_in(key, 1), (3, x.shape[0]))
+      flat = jax.random.uniform(jax.random.fold_in(key, 2), (x.shape[0] * 4,))
+      keys = jax.random.split(jax.random.fold_in(key, 3), x.shape[0])   # per example
+      per = jax.vmap(lambda k: jax.random.normal(k, (2,)))(keys)
+      h = jnp.where(mask, x, 0.0) @ w
+      loss = (jnp.mean(h ** 2) + jnp.mean(noise) + jnp.mean(flat) + jnp.mean(per))
+      return loss, (mask, noise.T, flat.reshape(-1, 4), per)
+    (loss, draws), g = autopar.value_and_grad(loss_fn, has_aux=True)(w)
+    return w - 0.1 * g, loss, draws
+
+  x = np.random.RandomState(0).randn(16, 4).astype(np.float32)
+  w, key = jnp.ones((4, 3)), jax.random.key(3)
+  ref = single_device(step)(w, x, key)
+  for shape, n in (((8,), 2), ((2, 4), 1), ((4,), 4)):
+    mesh = jax.make_mesh(shape, ("data", "model")[:len(shape)],
+                         devices=jax.devices()[:int(np.prod(shape))])
+    out = autopar.parallelize(step, method=autopar.DataParallel(
+        mesh=mesh, num_micro_batches=n))(w, x, key)
+    assert_trees_close(out, ref)
+
+
+def test_a_draw_that_cannot_be_cut_into_rows_is_independent_and_warned():
+  def step(w, batch, key):
+    def loss_fn(w):
+      mask = jax.random.bernoulli(key, 0.5, batch.shape)
+      return jnp.mean((jnp.where(mask, batch, 0.0) @ w) ** 2), mask
+    (loss, mask), g = autopar.value_and_grad(loss_fn, has_aux=True)(w)
+    return w - 0.1 * g, mask
+
+  x = np.ones((16, 4), np.float32)
+  p = autopar.parallelize(step, method=autopar.DataParallel(
+      mesh=mesh_of((8,)), num_micro_batches=2))
+  with pytest.warns(UserWarning, match="random draw random_bits.*'rbg'"):
+    _, mask = p(jnp.ones((4, 3)), x, jax.random.key(0, impl="rbg"))
+  rows = {np.asarray(mask[i]).tobytes() for i in range(0, 16, 2)}
+  assert len(rows) > 1             # not one mask for every device and micro-batch
+
+
+# -- outputs ---------------------------------------------------------------------
+
+def test_outputs_are_classified_by_what_they_depend_on():
+  """A per-example output, a batch-shaped output that reads no batch value
+  (whole batch's length), and a per-feature mean whose width equals the
+  micro-batch's rows (averaged, not concatenated)."""
+  def step(w, batch):
+    def loss_fn(w):
+      h = batch @ w
+      return jnp.mean(h ** 2), (jnp.sum(h ** 2, axis=1), jnp.mean(h, axis=0))
+    (loss, (per_example, feature_mean)), g = autopar.value_and_grad(
+        loss_fn, has_aux=True)(w)
+    return w - 0.1 * g, loss, per_example, feature_mean, jnp.arange(batch.shape[0])
+
+  x = np.random.RandomState(0).randn(32, 6).astype(np.float32)
+  w = jnp.ones((6, 8)) / 8
+  ref = single_device(step)(w, x)
+  for shape, n in (((8,), 4), ((4,), 1), ((2, 4), 2)):
+    mesh = jax.make_mesh(shape, ("data", "model")[:len(shape)],
+                         devices=jax.devices()[:int(np.prod(shape))])
+    for method in (autopar.DataParallel, autopar.ShardParallel):
+      out = autopar.parallelize(step, method=method(mesh=mesh, num_micro_batches=n))(w, x)
+      assert [o.shape for o in out] == [r.shape for r in ref]
+      assert_trees_close(out, ref)
+
+
+def test_effects_run_once_per_micro_batch_where_written():
+  calls = {"forward": 0, "update": 0}
+
+  def count(name):
+    return lambda: calls.__setitem__(name, calls[name] + 1)
+
+  def step(w, batch):
+    def loss_fn(w):
+      jax.debug.callback(count("forward"))
+      return jnp.mean((batch @ w) ** 2)
+    loss, g = autopar.value_and_grad(loss_fn)(w)
+    jax.debug.callback(count("update"))
+    return w - 0.1 * g, loss
+
+  x = np.ones((32, 4), np.float32)
+  for n in (1, 2, 4):
+    calls.update(forward=0, update=0)
+    p = autopar.parallelize(step, method=autopar.DataParallel(
+        mesh=mesh_of((8,)), num_micro_batches=n))
+    jax.block_until_ready(p(jnp.ones((4, 2)), x))
+    jax.effects_barrier()
+    assert calls == {"forward": n, "update": 1}, (n, calls)
+
+
+# -- sharding hints and pins ----------------------------------------------------------
+
+def _hinted_step(hint):
+  """A two-layer step whose hidden activation carries ``hint`` (or none)."""
+  def step(w, x):
+    def loss_fn(w):
+      h = hint(x @ w["a"])
+      return jnp.mean((jnp.tanh(h) @ w["b"]) ** 2)
+    loss, g = autopar.value_and_grad(loss_fn)(w)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, w, g), loss
+  return step
+
+
+def _hinted_args():
+  rng = np.random.RandomState(0)
+  w = {"a": jnp.asarray(rng.randn(8, 16), jnp.float32),
+       "b": jnp.asarray(rng.randn(16, 4), jnp.float32)}
+  return w, rng.randn(32, 8).astype(np.float32)
+
+
+def auto_mesh():
+  """Auto axes: the kind of mesh with_sharding_constraint takes bare specs on."""
+  return Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+
+
+@pytest.mark.parametrize("kind", ["with_sharding_constraint", "nested jit"])
+@pytest.mark.parametrize("method", ["dp", "shard"])
+def test_sharding_hints_are_kept(kind, method):
+  mesh = auto_mesh()
+  hinted = NamedSharding(mesh, P("data", "model"))
+  if kind == "with_sharding_constraint":
+    hint = lambda h: jax.lax.with_sharding_constraint(h, P("data", "model"))
+  else:
+    hint = jax.jit(lambda h: h, in_shardings=hinted,
+                   out_shardings=NamedSharding(mesh, P(None, "model")))
+  w, x = _hinted_args()
+  ref = single_device(_hinted_step(lambda h: h))(w, x)
+  for n in (1, 2):
+    p = autopar.parallelize(_hinted_step(hint), method=METHODS[method](
+        mesh=mesh, num_micro_batches=n), donate_argnums=())
+    with jax.set_mesh(mesh):        # bare specs in the step need a mesh in context
+      out = p(w, x)
+      exe = p.get_executable(w, x)
+    assert_trees_close(out, ref)
+    # The batch is split over "data" only: "model" splits the hidden units,
+    # as the hint says (each device's tanh sees a quarter of them).
+    assert exe.plan.batch_axes == ("data",)
+    rows = 32 // n // 2
+    text = exe.as_text()[exe.schedule[-2]]
+    assert re.search(rf"f32\[{rows},4\]\S* tanh\(", text), text
+
+
+def test_a_hint_on_a_batch_axis_or_an_unknown_axis_is_an_input_error():
+  mesh = auto_mesh()
+  w, x = _hinted_args()
+  step = _hinted_step(lambda h: jax.lax.with_sharding_constraint(h, P("data", "model")))
+  with pytest.raises(autopar.InputError, match="splits dimension 1 over mesh axis "
+                     "'model'.*batch_axes"):
+    with jax.set_mesh(mesh):
+      autopar.parallelize(step, method=autopar.DataParallel(
+          mesh=mesh, batch_axes=("data", "model")), donate_argnums=())(w, x)
+  other = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "tensor"))
+  step = _hinted_step(lambda h: jax.lax.with_sharding_constraint(
+      h, NamedSharding(other, P("data", "tensor"))))
+  with pytest.raises(autopar.InputError, match="names mesh axis 'tensor'"):
+    autopar.parallelize(step, method=autopar.ShardParallel(mesh=mesh),
+                        donate_argnums=())(w, x)
+
+
+def test_user_pins_by_path():
+  make_state, step, batch = mlp_setup(tx=SGD)
+  kernel = "state.params['params']['Dense_0']['kernel']"
+  ref_state, _ = single_device(step)(make_state(), batch)
+  for pin in (P(None, "model"), P(("data", "model"), None)):
+    option = autopar.AutoShardingOption(pins={kernel: pin})
+    p = autopar.parallelize(step, method=autopar.ShardParallel(
+        mesh=auto_mesh(), num_micro_batches=2, option=option))
+    state, _ = p(make_state(), batch)
+    assert_trees_close(state.params, ref_state.params)
+    plan = p.get_executable(make_state(), batch).plan
+    assert {v.name: v.spec for v in plan.inputs}[kernel] == pin
+    assert {v.name: v.spec for v in plan.outputs}[
+        "out[0].params['params']['Dense_0']['kernel']"] == pin
+  option = autopar.AutoShardingOption(pins={kernel.replace("kernel", "kernal"): P()})
+  with pytest.raises(autopar.InputError, match="names no argument leaf.*Did you mean"):
+    autopar.parallelize(step, method=autopar.ShardParallel(
+        mesh=auto_mesh(), option=option))(make_state(), batch)
+  option = autopar.AutoShardingOption(pins={kernel: P("tensor")})
+  with pytest.raises(autopar.InputError, match="names mesh axis 'tensor'"):
+    autopar.parallelize(step, method=autopar.ShardParallel(
+        mesh=auto_mesh(), option=option))(make_state(), batch)
+
+
+# -- accumulation precision -------------------------------------------------------------
+
+def test_bfloat16_gradients_are_accumulated_in_float32():
+  """Summed over 8 micro-batches x 8 devices in float32 (the buffers say so),
+  the mean of the 64 bfloat16 gradients is off by one bfloat16 rounding at
+  most; summed in bfloat16 (grad_accumulation_dtype=None) it is further off."""
+  rng = np.random.RandomState(0)
+  w = jnp.asarray(rng.randn(16, 8), jnp.bfloat16)
+  x = rng.randn(256, 16).astype(np.float32)
+
+  def step(w, x):
+    g = autopar.grad(lambda w: jnp.mean(jnp.tanh(x.astype(w.dtype) @ w) ** 2))(w)
+    return g
+
+  # Each device's gradient on each micro-batch (4 rows), averaged exactly.
+  chunks = [np.asarray(jax.jit(step)(w, x[i:i + 4]), np.float64) for i in range(0, 256, 4)]
+  exact = np.mean(chunks, axis=0)
+  errors = {}
+  for setting in ("float32", None):
+    p = autopar.parallelize(step, method=autopar.DataParallel(
+        mesh=mesh_of((8,)), num_micro_batches=8, grad_accumulation_dtype=setting))
+    g = p(w, x)
+    assert g.dtype == jnp.bfloat16
+    errors[setting] = np.abs(np.asarray(g, np.float64) - exact)
+    text = p.get_executable(w, x).as_text()["accumulate_grad"]
+    layout = re.search(r"entry_computation_layout=\{\((.*?)\)->", text).group(1)
+    # The partial sums the stage takes in (and updates in place): one per device.
+    assert ("f32[1,16,8]" if setting else "bf16[1,16,8]") in layout.split(", ")[-1:][0]
+  assert errors["float32"].max() < errors[None].max()
+  assert np.all(errors["float32"] <= np.abs(exact) * 2 ** -8 * 1.01 + 1e-12)

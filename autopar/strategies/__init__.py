@@ -170,5 +170,5 @@ def strategies_for(eqn, ctx: RuleContext) -> list[Strategy]:
 
 
 # Register the rule modules (they only call `register`).
-from autopar.strategies import (dot, elementwise, indexing, reductions,  # noqa: E402,F401
-                                shape_ops)
+from autopar.strategies import (constraints, dot, elementwise,  # noqa: E402,F401
+                                indexing, reductions, shape_ops)

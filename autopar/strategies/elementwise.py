@@ -26,6 +26,15 @@ def is_elementwise(eqn) -> bool:
   return eqn.primitive.name in ELEMENTWISE
 
 
+@register("bitcast_convert_type")
+def bitcast(eqn, ctx: RuleContext) -> list[Strategy]:
+  """Elementwise between types of one width (uint32 -> float32 in a random
+  draw); between widths the shape changes: kept replicated."""
+  if tuple(eqn.invars[0].aval.shape) != tuple(eqn.outvars[0].aval.shape):
+    return []
+  return elementwise(eqn, ctx)
+
+
 @register(*ELEMENTWISE)
 def elementwise(eqn, ctx: RuleContext) -> list[Strategy]:
   out = eqn.outvars[0].aval

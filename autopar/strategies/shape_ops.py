@@ -148,7 +148,8 @@ def expand_dims(eqn, ctx):
 
 
 @register("iota", "empty2", "full", "rng_bit_generator", "random_bits",
-          "random_seed", "random_wrap", "random_unwrap", "threefry2x32")
+          "random_seed", "random_wrap", "random_unwrap", "random_split",
+          "random_fold_in", "threefry2x32")
 def _generated(eqn, ctx):
   # iota, and empty2 (an uninitialised buffer JAX makes for a cond's
   # residuals): any sharding of the output.
