@@ -152,6 +152,21 @@ def _constraints(plan: Plan, part: str) -> dict[str, dict]:
   return out
 
 
+def _eqn_at(jaxpr, path: str):
+  """The equation at ``path`` (``trace.eqns_by_path``), or None."""
+  eqn, where = None, jaxpr
+  for depth, idx in enumerate(path.split(".")):
+    if depth % 2 == 0:
+      eqns = where.eqns
+      eqn = eqns[int(idx)] if int(idx) < len(eqns) else None
+    else:
+      subs = region_jaxprs(eqn) if eqn is not None else []
+      where = subs[int(idx)] if int(idx) < len(subs) else None
+    if eqn is None or where is None:
+      return None
+  return eqn
+
+
 def _check_pins(constraints: dict[str, dict], jaxpr, part: str) -> None:
   """Every pin of the plan names a value of ``jaxpr`` of the spec's rank.
 
@@ -159,16 +174,7 @@ def _check_pins(constraints: dict[str, dict], jaxpr, part: str) -> None:
   plan that disagrees with it anyway, so that no pin is dropped silently.
   """
   for path, pins in constraints.items():
-    eqn, where = None, jaxpr
-    for depth, idx in enumerate(path.split(".")):
-      if depth % 2 == 0:
-        eqns = where.eqns
-        eqn = eqns[int(idx)] if int(idx) < len(eqns) else None
-      else:
-        subs = region_jaxprs(eqn) if eqn is not None else []
-        where = subs[int(idx)] if int(idx) < len(subs) else None
-      if eqn is None or where is None:
-        break
+    eqn = _eqn_at(jaxpr, path)
     for j, spec in pins.items():
       values = (eqn.invars if isinstance(j, str) else eqn.outvars) if eqn else ()
       k = int(j[2:]) if isinstance(j, str) else j
@@ -372,6 +378,9 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
     raise AssertionError("the step's random draws were not found (split not annotated)")
   # With one device and one micro-batch every draw is already the whole batch's.
   draws = dict(split.draws or {}) if groups > 1 else {}
+  for path in draws:
+    eqn = _eqn_at(compute, path)
+    assert eqn is not None and eqn.primitive.name in rng.DRAW_PRIMITIVES, path
   callbacks = any(e.primitive.name == "debug_callback" for _, e in eqns_by_path(compute))
   hinted = any(h.part == "compute" for h in split.hints)
 

@@ -367,7 +367,30 @@ def instantiate_split(split: SplitStep, micro_batch_size: int) -> SplitStep:
   def write(closed):
     return None if closed is None else ClosedJaxpr(inst.jaxpr(closed.jaxpr), ())
   compute, apply = write(split.compute), write(split.apply)
-  return dataclasses.replace(split, traced=traced, compute=compute, apply=apply)
+  # Writing out drops the symbolic equations (dim_as_value), which renumbers
+  # the ones after them: the draws and hints are found again by their order.
+  draws = split.draws
+  if draws and compute is not None:
+    draws = {new: draws[old] for old, new in _renumbered(
+        split.compute.jaxpr, compute.jaxpr, DRAW_PRIMITIVES) if old in draws}
+  hints = []
+  for part, old_j, new_j in (("compute", split.compute, compute),
+                             ("apply", split.apply, apply)):
+    mine = {h.path: h for h in split.hints if h.part == part}
+    if mine:
+      hints += [dataclasses.replace(mine[old], path=new) for old, new in
+                _renumbered(old_j.jaxpr, new_j.jaxpr, HINT_PRIMITIVES) if old in mine]
+  return dataclasses.replace(split, traced=traced, compute=compute, apply=apply,
+                             draws=draws, hints=tuple(hints))
+
+
+def _renumbered(old, new, primitives) -> list[tuple[str, str]]:
+  """(path in ``old``, path in ``new``) of the equations of ``primitives``,
+  matched in order (``new`` is ``old`` written out at a concrete size)."""
+  pairs = _in_order(old, new, primitives)
+  assert pairs is not None, "writing a jaxpr out changed its equations"
+  index = {id(e): p for p, e in eqns_by_path(new) if e.primitive.name in primitives}
+  return [(p, index[id(f)]) for p, _, f in pairs]
 
 
 def apply_at(split: SplitStep, rows: int) -> ClosedJaxpr:

@@ -15,7 +15,7 @@ from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import autopar
-from models import assert_trees_close, mlp_setup, single_device
+from models import assert_trees_close, lm_setup, mlp_setup, single_device
 
 SGD = optax.sgd(0.1, momentum=0.9)
 
@@ -128,6 +128,53 @@ def test_dropout_equals_one_device(method, shape):
       losses.append(float(loss))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=f"n={n}")
     assert_trees_close(state.params, ref_state.params)
+
+
+class DropoutBlock(nn.Module):
+  d: int
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(4 * self.d)(nn.LayerNorm()(x))
+    h = nn.Dropout(0.1, deterministic=False)(nn.gelu(h))
+    return x + nn.Dense(self.d)(h)
+
+
+class DropoutLM(nn.Module):
+  vocab: int = 32
+  d: int = 32
+  layers: int = 4
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(self.vocab, self.d)(tokens)
+    for _ in range(self.layers):
+      x = DropoutBlock(self.d)(x)
+    return nn.Dense(self.vocab)(x)
+
+
+def test_dropout_in_layers_rolled_by_remat():
+  """The backward pass recomputes each layer's mask (remat="layers" rolls
+  the blocks into a checkpointed scan): the same rows as the forward's."""
+  make_state, step, batch = lm_setup(DropoutLM(), tx=SGD)
+  key = jax.random.key(5)
+
+  def keyed(state, batch, key):
+    def loss_fn(p):
+      logits = state.apply_fn(p, batch["tokens"][:, :-1],
+                              rngs={"dropout": jax.random.fold_in(key, state.step)})
+      return optax.softmax_cross_entropy_with_integer_labels(
+          logits, batch["tokens"][:, 1:]).mean()
+    loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  ref_state, ref_loss = single_device(keyed)(make_state(), batch, key)
+  p = autopar.parallelize(keyed, method=autopar.DataParallel(
+      mesh=mesh_of((2, 4)), num_micro_batches=2, remat="layers"))
+  state, loss = p(make_state(), batch, key)
+  assert " while(" in p.get_executable(make_state(), batch, key).as_text()["compute_grad"]
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(state.params, ref_state.params)
 
 
 def test_every_row_gets_its_row_of_the_whole_batch_draw():
