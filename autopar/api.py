@@ -24,8 +24,8 @@ from autopar.errors import InputError, MarkerError, PlanError
 from autopar.executor import Executable
 from autopar.hints import check_hints
 from autopar.lower import lower_step
-from autopar.method import (ParallelMethod, ShardParallel, axis_sizes_of,
-                            resolve_mesh)
+from autopar.method import (ParallelMethod, ShardParallel, auto_mesh,
+                            axis_sizes_of, resolve_mesh)
 from autopar.plan import Plan
 from autopar.remat import remat_mode
 from autopar.planner import Progress, batch_axes_for, plan_auto, plan_preset
@@ -282,7 +282,8 @@ class ParallelizedFunction:
     if prep.key not in self._any_split:
       with remat_mode(self.method.remat):
         traced = trace_step_any_batch(self.fun, self._args_for_trace(prep),
-                                      prep.flags, prep.leaves, prep.in_tree)
+                                      prep.flags, prep.leaves, prep.in_tree,
+                                      mesh=auto_mesh(resolve_mesh(self.method)))
       self._any_split[prep.key] = (None if traced is None else
                                    split_step(traced, fn_name=self._name))
     return self._any_split[prep.key]
@@ -307,7 +308,8 @@ class ParallelizedFunction:
     """The step traced at ``rows`` rows and split, as it is (uncached)."""
     with remat_mode(self.method.remat):
       traced = trace_step(self.fun, self._args_for_trace(prep), prep.flags,
-                          prep.leaves, prep.in_tree, micro_batch_size=rows)
+                          prep.leaves, prep.in_tree, micro_batch_size=rows,
+                          mesh=auto_mesh(resolve_mesh(self.method)))
     return split_step(traced, fn_name=self._name)
 
   def _annotated(self, prep: _Prepared, split: SplitStep) -> SplitStep:

@@ -257,11 +257,14 @@ class TracedStep:
 
 def trace_step(fn: Callable, args: Sequence[Any], flags: ArgFlags,
                leaves: Sequence[LeafInfo], in_tree: Any, *,
-               micro_batch_size: int | Any) -> TracedStep:
+               micro_batch_size: int | Any, mesh=None) -> TracedStep:
   """Traces ``fn`` with batch leaves cut to ``micro_batch_size`` rows.
 
   ``micro_batch_size`` may be a symbolic dimension (``jax.export``), which
   traces the step once for every batch size; see :func:`instantiate`.
+  ``mesh``: the method's mesh (all axes Auto). A step whose sharding hints
+  are bare PartitionSpecs needs a mesh in context; where the caller set
+  none, they refer to this one.
   """
   static_vals = {i: args[i] for i in flags.static}
   nargs = len(args)
@@ -274,7 +277,14 @@ def trace_step(fn: Callable, args: Sequence[Any], flags: ArgFlags,
 
   abstract = [l.abstract((micro_batch_size, *l.shape[1:]) if l.is_batch else None)
               for l in leaves]
-  closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*abstract)
+  try:
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*abstract)
+  except RuntimeError as e:
+    if mesh is None or not jax_mesh.get_abstract_mesh().empty or \
+        "mesh in context" not in str(e):
+      raise
+    with _in_context(mesh):
+      closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*abstract)
   out_kp, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
   out_paths = tuple("out" + jax.tree_util.keystr(kp) for kp, _ in out_kp)
   closed = _inline_marked_calls(closed, fn_name=getattr(fn, "__name__", "step"))
@@ -284,10 +294,18 @@ def trace_step(fn: Callable, args: Sequence[Any], flags: ArgFlags,
                     micro_batch_size=micro_batch_size)
 
 
+def _in_context(mesh):
+  """``mesh`` as the context mesh while a step is traced."""
+  if isinstance(mesh, jax.sharding.AbstractMesh):
+    return jax.sharding.use_abstract_mesh(mesh)
+  return jax.set_mesh(mesh)
+
+
 # -- one trace for every batch size -------------------------------------------
 
 def trace_step_any_batch(fn: Callable, args: Sequence[Any], flags: ArgFlags,
-                         leaves: Sequence[LeafInfo], in_tree: Any) -> TracedStep | None:
+                         leaves: Sequence[LeafInfo], in_tree: Any, *,
+                         mesh=None) -> TracedStep | None:
   """Traces ``fn`` once with a symbolic micro-batch size, or None if it can't be.
 
   The planner needs the step at several per-device batch sizes (one per
@@ -300,7 +318,8 @@ def trace_step_any_batch(fn: Callable, args: Sequence[Any], flags: ArgFlags,
   from jax import export
   rows, = export.symbolic_shape("autopar_rows")
   try:
-    return trace_step(fn, args, flags, leaves, in_tree, micro_batch_size=rows)
+    return trace_step(fn, args, flags, leaves, in_tree, micro_batch_size=rows,
+                      mesh=mesh)
   except MarkerError:
     raise
   except Exception:   # noqa: BLE001 - any failure means: trace per batch size

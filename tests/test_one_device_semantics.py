@@ -324,6 +324,19 @@ def test_sharding_hints_are_kept(kind, method):
     assert re.search(rf"f32\[{rows},4\]\S* tanh\(", text), text
 
 
+def test_a_bare_spec_hint_refers_to_the_methods_mesh():
+  """No mesh in context (jax.jit would refuse a bare PartitionSpec): the
+  hint is on the method's mesh, here jax.make_mesh's Explicit one."""
+  w, x = _hinted_args()
+  ref = single_device(_hinted_step(lambda h: h))(w, x)
+  step = _hinted_step(lambda h: jax.lax.with_sharding_constraint(h, P("data", "model")))
+  for method in (autopar.DataParallel, autopar.ShardParallel):
+    p = autopar.parallelize(step, method=method(mesh=mesh_of((2, 4)), num_micro_batches=2),
+                            donate_argnums=())
+    assert_trees_close(p(w, x), ref)
+    assert p.get_executable(w, x).plan.batch_axes == ("data",)
+
+
 def test_a_hint_on_a_batch_axis_or_an_unknown_axis_is_an_input_error():
   mesh = auto_mesh()
   w, x = _hinted_args()
