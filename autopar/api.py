@@ -26,7 +26,8 @@ from autopar.hints import check_hints
 from autopar.lower import lower_step
 from autopar.method import (ParallelMethod, ShardParallel, auto_mesh,
                             axis_sizes_of, resolve_mesh)
-from autopar.plan import Plan
+from autopar.cost_model import dtype_name
+from autopar.plan import Plan, ValuePlan
 from autopar.remat import remat_mode
 from autopar.planner import Progress, batch_axes_for, plan_auto, plan_preset
 from autopar.split import (OutputKind, SplitStep, annotate, apply_at,
@@ -247,6 +248,10 @@ class ParallelizedFunction:
       plan = plan_preset(self._split(prep, micro), method, mesh, batch_size=batch_size,
                          outputs=self._outputs(prep, split, batch_size))
       plan = dataclasses.replace(plan, fingerprint=tuple(fingerprint.items()))
+    if not plan.hints and split.hints:
+      plan = dataclasses.replace(plan, hints=tuple(
+          ValuePlan(f"hint {h.part}/{h.path}", h.shape_at(micro), dtype_name(h.dtype),
+                    h.spec) for h in split.hints if h.axes()))
     data_size = math.prod(sizes[a] for a in plan.batch_axes)
     if split.has_marker and n * data_size > 1:
       for path, kind, aval in zip(split.traced.out_paths, split.out_kinds,

@@ -31,8 +31,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
+from jax._src import core as jax_core
 from jax.sharding import PartitionSpec
 
 from autopar.errors import InputError
@@ -72,11 +73,17 @@ class Hint:
   spec: PartitionSpec
   shape: tuple
   rows: RowDim | None = None
+  dtype: Any = None
 
   def where(self) -> str:
     shape = ", ".join(str(d).replace(ROWS_NAME, "rows") for d in self.shape)
     return (f"the sharding hint {self.spec} on a value of shape ({shape}) "
             f"({self.part} equation {self.path})")
+
+  def shape_at(self, rows: int) -> tuple[int, ...]:
+    """The value's shape for a micro-batch of ``rows`` rows."""
+    return tuple(int(d._evaluate({ROWS_NAME: rows})) if jax_core.is_symbolic_dim(d)
+                 else int(d) for d in self.shape)
 
   def axes(self) -> set[str]:
     return {a for e in self.spec for a in entry_axes(e)}
@@ -110,7 +117,8 @@ def find_hints(part: str, pairs, rows: Rows | None) -> dict[str, Hint]:
     if rows is not None:
       dims = rows.dims(shape, None if other is None else
                        tuple(other.outvars[0].aval.shape))
-    out[path] = Hint(part, path, spec_of(eqn), shape, dims[0] if len(dims) == 1 else None)
+    out[path] = Hint(part, path, spec_of(eqn), shape, dims[0] if len(dims) == 1 else None,
+                     eqn.outvars[0].aval.dtype)
   return out
 
 

@@ -157,6 +157,9 @@ class Plan:
     grads: one entry per gradient leaf, as the apply step receives it.
     outputs: one entry per output leaf, named ``out...`` by pytree path.
     intermediates: solver-decided shardings of values inside the step.
+    hints: the step's own sharding hints (``with_sharding_constraint``,
+      ``reshard``, nested ``jit`` shardings), named ``hint <part>/<equation>``,
+      each with the spec the plan keeps for it.
     collectives: the collectives the plan implies.
     memory_per_device: estimated bytes per device (state, gradients, batch).
     objective: the planner's estimated cost of one step (seconds, α-β model).
@@ -175,6 +178,7 @@ class Plan:
   grads: tuple[ValuePlan, ...]
   outputs: tuple[ValuePlan, ...]
   intermediates: tuple[ValuePlan, ...] = ()
+  hints: tuple[ValuePlan, ...] = ()
   collectives: tuple[CollectivePlan, ...] = ()
   memory_per_device: int = 0
   objective: float = 0.0
@@ -236,6 +240,7 @@ class Plan:
         "grads": values(self.grads),
         "outputs": values(self.outputs),
         "intermediates": values(self.intermediates),
+        "hints": values(self.hints),
         "collectives": [c.to_json() for c in self.collectives],
         "memory_per_device": self.memory_per_device,
         "objective": self.objective,
@@ -288,6 +293,7 @@ class Plan:
         batch_axes=tuple(d["batch_axes"]),
         inputs=values(d["inputs"]), grads=values(d["grads"]),
         outputs=values(d["outputs"]), intermediates=values(d["intermediates"]),
+        hints=values(d["hints"]),
         collectives=tuple(map(CollectivePlan.from_json, d["collectives"])),
         memory_per_device=int(d["memory_per_device"]),
         objective=float(d["objective"]),
@@ -317,7 +323,7 @@ class Plan:
         lines.append("planning time: " + ", ".join(
             f"{k} {v:.2f} s" for k, v in s.timings.items()))
     for title, values in (("inputs", self.inputs), ("gradients", self.grads),
-                          ("outputs", self.outputs)):
+                          ("outputs", self.outputs), ("sharding hints kept", self.hints)):
       if values:
         lines.append("")
         lines.extend(_table(title, values, sizes))

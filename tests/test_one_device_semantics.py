@@ -319,6 +319,8 @@ def test_sharding_hints_are_kept(kind, method):
     # The batch is split over "data" only: "model" splits the hidden units,
     # as the hint says (each device's tanh sees a quarter of them).
     assert exe.plan.batch_axes == ("data",)
+    assert P("data", "model") in {v.spec for v in exe.plan.hints}
+    assert "sharding hints kept" in exe.plan.summary()
     rows = 32 // n // 2
     text = exe.as_text()[exe.schedule[-2]]
     assert re.search(rf"f32\[{rows},4\]\S* tanh\(", text), text
