@@ -154,11 +154,17 @@ class RemoteArray:
   driver. Passing it to a parallelized step sends only its id.
   """
 
-  def __init__(self, cluster: "RayCluster", array_id: int, shape, dtype, value=None):
+  def __init__(self, cluster: "RayCluster", array_id: int, shape, dtype, value=None,
+               weak_type: bool = False, key_impl: str | None = None):
     self._cluster = cluster
     self.array_id = array_id
     self.shape = tuple(shape)
-    self.dtype = np.dtype(dtype)
+    # A PRNG key array (key_impl names its implementation) has a key dtype.
+    self.key_impl = key_impl
+    self.dtype = _key_dtype(key_impl) if key_impl else np.dtype(dtype)
+    # As the workers' array has it: the driver plans the program the workers
+    # trace (a weakly typed step counter traces to other equations).
+    self.weak_type = bool(weak_type)
     self._value = value
     self.deleted = False
     weakref.finalize(self, cluster._forget, array_id)
@@ -167,9 +173,18 @@ class RemoteArray:
   size = property(lambda self: int(math.prod(self.shape)))
 
   def __array__(self, dtype=None, copy=None):
+    if self.key_impl:
+      raise TypeError(f"{self!r} holds PRNG keys, which are no NumPy array. Fix: "
+                      f"x.fetch() gives them as a JAX key array on this process.")
     if self._value is None:
       self._value = self._cluster.fetch(self)
     return self._value if dtype is None else self._value.astype(dtype)
+
+  def fetch(self):
+    """The array on this process: a NumPy array, or a JAX PRNG key array."""
+    if self.key_impl:
+      return jax.random.wrap_key_data(self._cluster.fetch(self), impl=self.key_impl)
+    return np.asarray(self)
 
   def __float__(self):
     return float(np.asarray(self))
@@ -183,6 +198,16 @@ class RemoteArray:
   def __repr__(self):
     return (f"RemoteArray(shape={self.shape}, dtype={self.dtype}, id={self.array_id}"
             f"{', deleted' if self.deleted else ''})")
+
+
+def _key_dtype(impl: str):
+  """The dtype of PRNG keys of implementation ``impl`` (e.g. "threefry2x32")."""
+  return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
+
+
+def _is_key(x) -> bool:
+  return jax.dtypes.issubdtype(getattr(x, "dtype", None) or np.float32,
+                               jax.dtypes.prng_key)
 
 
 # -- shards --------------------------------------------------------------------------
@@ -467,9 +492,17 @@ class RayCluster:
 
   # -- arrays -------------------------------------------------------------------------
 
-  def _puts(self, array: np.ndarray, spec: PartitionSpec, mesh) -> tuple[int, list]:
-    """A new array id, and per host the ``put`` arguments of its shards."""
+  def _puts(self, array, spec: PartitionSpec, mesh) -> tuple[int, list]:
+    """A new array id, and per host the ``put`` arguments of its shards.
+
+    A PRNG key array travels as its key data (trailing dimensions unsplit)
+    and is wrapped again on the workers."""
     array_id = next(self._ids)
+    impl = None
+    if _is_key(array):
+      impl = str(jax.random.key_impl(array))
+      array = np.asarray(jax.random.key_data(array))
+    array = np.asarray(array)
     shape = tuple(array.shape)
     spec = PartitionSpec(*list(spec)[:len(shape)])   # (a scalar may carry P(None))
     shards = host_shards(shape, spec, tuple(mesh.axis_sizes), tuple(mesh.axis_names),
@@ -479,7 +512,7 @@ class RayCluster:
       blocks = {idx: _block(array, idx) for idx in shards.get(h, ())}
       self.bytes_sent += sum(b.nbytes for b in blocks.values())
       per_host.append((array_id, shape, array.dtype, tuple(mesh.axis_sizes),
-                       tuple(mesh.axis_names), spec, blocks))
+                       tuple(mesh.axis_names), spec, blocks, impl))
     return array_id, per_host
 
   def fetch(self, x: RemoteArray) -> np.ndarray:
@@ -487,9 +520,11 @@ class RayCluster:
       raise InputError(f"autopar: {x!r} was donated to a later step. Fix: use the "
                        f"state that step returned.")
     parts = self._call([w.fetch.remote(x.array_id) for w in self.workers], "fetch")
-    out = np.empty(x.shape, x.dtype)
+    out = None
     for shards in parts:
       for idx, block in shards.items():
+        if out is None:        # (a key array's data has trailing dimensions)
+          out = np.empty(x.shape + block.shape[len(x.shape):], block.dtype)
         out[tuple(slice(a, b) for a, b in idx)] = block
     return out
 
@@ -552,7 +587,7 @@ class RayCluster:
         next(specs)                # a Python scalar: the workers see the same
         shipped.append(x)
       else:
-        array_id, per_host = self._puts(np.asarray(x), next(specs), mesh)
+        array_id, per_host = self._puts(x, next(specs), mesh)
         for h, p in enumerate(per_host):
           puts[h].append(p)
         temporary.append(array_id)
@@ -582,8 +617,9 @@ class RayCluster:
     out_tree = self._trees.get(out_bytes)
     if out_tree is None:
       out_tree = self._trees[out_bytes] = cloudpickle.loads(out_bytes)
-    outs = [RemoteArray(self, i, shape, dtype, value)
-            for i, (shape, dtype, value) in zip(out_ids, results[0]["leaves"], strict=True)]
+    outs = [RemoteArray(self, i, shape, dtype, value, weak, impl)
+            for i, (shape, dtype, value, weak, impl) in zip(
+                out_ids, results[0]["leaves"], strict=True)]
     return jax.tree.unflatten(out_tree, outs)
 
   # -- checkpoints ----------------------------------------------------------------------
@@ -623,19 +659,21 @@ class RayCluster:
                        "cluster's mesh (plan.input_shardings[0]).")
     out_ids = [next(self._ids) for _ in entries]
     payload = cloudpickle.dumps((tree, entries))
-    self._call([w.restore_checkpoint.remote(os.path.abspath(path), payload,
-                                            tuple(mesh.axis_sizes), tuple(mesh.axis_names),
-                                            out_ids) for w in self.workers],
-               "restore_checkpoint")
-    return jax.tree.unflatten(tree, [RemoteArray(self, i, shape, dtype)
-                                     for i, (shape, dtype, _) in zip(out_ids, entries)])
+    weak = self._call([w.restore_checkpoint.remote(os.path.abspath(path), payload,
+                                                   tuple(mesh.axis_sizes),
+                                                   tuple(mesh.axis_names), out_ids)
+                       for w in self.workers], "restore_checkpoint")[0]
+    return jax.tree.unflatten(tree, [
+        RemoteArray(self, i, shape, dtype, weak_type=w)
+        for i, (shape, dtype, _), w in zip(out_ids, entries, weak, strict=True)])
 
 
 def abstractify(args):
   """``args`` with RemoteArray leaves as ``jax.ShapeDtypeStruct``s."""
   return jax.tree.map(
-      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if isinstance(a, RemoteArray)
-      else a, args, is_leaf=lambda a: isinstance(a, RemoteArray))
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
+      if isinstance(a, RemoteArray) else a, args,
+      is_leaf=lambda a: isinstance(a, RemoteArray))
 
 
 def _with_global_mesh(pf, c: RayCluster):

@@ -94,22 +94,27 @@ class HostWorker:
     return Mesh(devices, tuple(names), axis_types=(AxisType.Auto,) * len(names))
 
   def put(self, array_id: int, shape, dtype, mesh_shape, mesh_names, spec,
-          shards: dict) -> None:
-    """Builds a global array from this host's shards ({index: numpy block})."""
+          shards: dict, key_impl: str | None = None) -> None:
+    """Builds a global array from this host's shards ({index: numpy block});
+    with ``key_impl``, the blocks are key data, wrapped into PRNG keys."""
     import jax
     from jax.sharding import NamedSharding
     from autopar.cluster import normalize_index
     sharding = NamedSharding(self._mesh(mesh_shape, mesh_names), spec)
-    self.arrays[array_id] = jax.make_array_from_callback(
+    x = jax.make_array_from_callback(
         tuple(shape), sharding,
         lambda idx: shards[normalize_index(idx, shape)].astype(dtype, copy=False))
+    self.arrays[array_id] = jax.random.wrap_key_data(x, impl=key_impl) if key_impl else x
 
   def fetch(self, array_id: int) -> dict:
-    """This host's shards of an array: {index: numpy block}."""
+    """This host's shards of an array: {index: numpy block} (key data for a
+    PRNG key array)."""
+    import jax
     import numpy as np
     from autopar.cluster import normalize_index
     x = self._get(array_id)
-    return {normalize_index(s.index, x.shape): np.asarray(s.data)
+    data = (lambda d: jax.random.key_data(d)) if _is_key(x) else (lambda d: d)
+    return {normalize_index(s.index, x.shape): np.asarray(data(s.data))
             for s in x.addressable_shards}
 
   def delete(self, ids) -> None:
@@ -179,10 +184,13 @@ class HostWorker:
     info = []
     for i, x in zip(out_ids, leaves, strict=True):
       self.arrays[i] = x
-      value = None
-      if x.is_fully_replicated and x.nbytes <= small_bytes:
+      value, impl = None, None
+      if _is_key(x):
+        impl = str(jax.random.key_impl(x))
+      elif x.is_fully_replicated and x.nbytes <= small_bytes:
         value = np.asarray(x)
-      info.append((tuple(x.shape), str(x.dtype), value))
+      info.append((tuple(x.shape), str(x.dtype), value, bool(jax.typeof(x).weak_type),
+                   impl))
     # Donated inputs are gone; drop their ids.
     gone = [i for i, x in self.arrays.items() if x.is_deleted()]
     for i in gone:
@@ -201,9 +209,9 @@ class HostWorker:
     save_local(path, tree)
 
   def restore_checkpoint(self, path: str, target_bytes: bytes, mesh_shape, mesh_names,
-                         out_ids: list[int]) -> None:
+                         out_ids: list[int]) -> list[bool]:
     """Restores into global arrays (``target``: the tree and, per leaf,
-    (shape, dtype, spec))."""
+    (shape, dtype, spec)); returns whether each is weakly typed."""
     from ray import cloudpickle
     import jax
     from jax.sharding import NamedSharding
@@ -214,8 +222,16 @@ class HostWorker:
         jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
         for shape, dtype, spec in entries])
     restored = restore_local(path, abstract)
+    weak = []
     for i, x in zip(out_ids, jax.tree.leaves(restored), strict=True):
       self.arrays[i] = x
+      weak.append(bool(jax.typeof(x).weak_type))
+    return weak
+
+
+def _is_key(x) -> bool:
+  import jax
+  return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 class _Ref:

@@ -152,3 +152,41 @@ def lm_setup(model, batch=16, seq=8, seed=0, tx=None):
     return state.apply_gradients(grads=grads), loss
 
   return make_state, step, {"tokens": tokens}
+
+
+class DropoutMLP(nn.Module):
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = nn.relu(nn.Dense(32)(x))
+    x = nn.Dropout(0.1, deterministic=not train)(x)
+    x = nn.relu(nn.Dense(32)(x))
+    x = nn.Dropout(0.1, deterministic=not train)(x)
+    return nn.Dense(4)(x)
+
+
+class KeyedState(train_state.TrainState):
+  key: jax.Array
+
+
+def dropout_setup(batch=32, tx=None):
+  model = DropoutMLP()
+  rng = np.random.RandomState(0)
+  x = rng.randn(batch, 8).astype(np.float32)
+  y = rng.randn(batch, 4).astype(np.float32)
+  params = model.init(jax.random.key(0), x[:1], train=False)
+
+  def make_state():
+    return KeyedState.create(apply_fn=model.apply, params=jax.tree.map(jnp.array, params),
+                             tx=tx or optax.sgd(0.1, momentum=0.9),
+                             key=jax.random.key(1))
+
+  def step(state, batch):
+    dropout_key = jax.random.fold_in(state.key, state.step)
+
+    def loss_fn(p):
+      pred = state.apply_fn(p, batch["x"], rngs={"dropout": dropout_key})
+      return jnp.mean((pred - batch["y"]) ** 2)
+    loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  return make_state, step, {"x": x, "y": y}

@@ -15,7 +15,8 @@ from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import autopar
-from models import assert_trees_close, lm_setup, mlp_setup, single_device
+from models import (assert_trees_close, dropout_setup, lm_setup, mlp_setup,
+                    single_device)
 
 SGD = optax.sgd(0.1, momentum=0.9)
 
@@ -68,43 +69,6 @@ def test_a_corrupt_plan_is_a_plan_error():
 
 
 # -- random draws --------------------------------------------------------------
-
-class DropoutMLP(nn.Module):
-  @nn.compact
-  def __call__(self, x, train: bool = True):
-    x = nn.relu(nn.Dense(32)(x))
-    x = nn.Dropout(0.1, deterministic=not train)(x)
-    x = nn.relu(nn.Dense(32)(x))
-    x = nn.Dropout(0.1, deterministic=not train)(x)
-    return nn.Dense(4)(x)
-
-
-class KeyedState(train_state.TrainState):
-  key: jax.Array
-
-
-def dropout_setup(batch=32):
-  model = DropoutMLP()
-  rng = np.random.RandomState(0)
-  x = rng.randn(batch, 8).astype(np.float32)
-  y = rng.randn(batch, 4).astype(np.float32)
-  params = model.init(jax.random.key(0), x[:1], train=False)
-
-  def make_state():
-    return KeyedState.create(apply_fn=model.apply, params=jax.tree.map(jnp.array, params),
-                             tx=SGD, key=jax.random.key(1))
-
-  def step(state, batch):
-    dropout_key = jax.random.fold_in(state.key, state.step)
-
-    def loss_fn(p):
-      pred = state.apply_fn(p, batch["x"], rngs={"dropout": dropout_key})
-      return jnp.mean((pred - batch["y"]) ** 2)
-    loss, grads = autopar.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), loss
-
-  return make_state, step, {"x": x, "y": y}
-
 
 METHODS = {"dp": autopar.DataParallel, "zero3": autopar.Zero3Parallel,
            "shard": autopar.ShardParallel}

@@ -21,7 +21,8 @@ import pytest
 
 import autopar
 from autopar import cluster
-from models import assert_trees_close, mlp_setup, transformer_setup
+from models import (assert_trees_close, dropout_setup, mlp_setup,
+                    transformer_setup)
 
 SGD = optax.sgd(0.1, momentum=0.9)
 STEPS = 3
@@ -36,7 +37,9 @@ def methods(mesh):
 
 def setups():
   return {"mlp": mlp_setup(batch=32, tx=SGD),
-          "transformer": transformer_setup(batch=16, d=32, heads=4, tx=SGD)}
+          "transformer": transformer_setup(batch=16, d=32, heads=4, tx=SGD),
+          # Each host draws its rows of the whole batch's dropout masks.
+          "dropout": dropout_setup(batch=32, tx=SGD)}
 
 
 def train(step, make_state, batch, method, steps=STEPS, state=None):
@@ -122,7 +125,7 @@ def ray_cluster(references, ray_head):
   autopar.shutdown()
 
 
-@pytest.mark.parametrize("model", ["mlp", "transformer"])
+@pytest.mark.parametrize("model", ["mlp", "transformer", "dropout"])
 @pytest.mark.parametrize("mname", ["dp", "shard"])
 def test_two_hosts_equal_one_process(ray_cluster, references, model, mname):
   make_state, step, batch = setups()[model]
