@@ -26,5 +26,5 @@ __all__ = [
     "ShardParallel", "DataParallel", "Zero2Parallel", "Zero3Parallel",
     "AutoShardingOption", "Plan", "AutoparError", "InputError", "MarkerError",
     "MeshError", "PlanError", "ClusterError", "init", "shutdown", "global_mesh",
-    "RemoteArray", "save_checkpoint", "restore_checkpoint", "nn",
+    "RemoteArray", "save_checkpoint", "restore_checkpoint", "nn", "__version__",
 ]

@@ -270,8 +270,8 @@ class ParallelizedFunction:
 
   def _outputs(self, prep: _Prepared, split: SplitStep, rows: int):
     """The step's outputs and gradients at a batch of ``rows`` rows."""
-    if split.traced.micro_batch_size == rows or split.rows_known and \
-        jax_core.is_symbolic_dim(split.traced.micro_batch_size):
+    if jax_core.is_symbolic_dim(split.traced.micro_batch_size) or \
+        split.traced.micro_batch_size == rows:
       return outputs_at(split, rows)
     return outputs_at(self._split(prep, rows), rows)
 

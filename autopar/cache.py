@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Mapping
 
 from autopar.errors import PlanError
-from autopar.method import ParallelMethod, axis_names_of, axis_sizes_of
+from autopar.method import ParallelMethod, axis_sizes_of
 from autopar.plan import PLAN_FORMAT, Plan
 from autopar.version import __version__
 

@@ -374,8 +374,7 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
     pin = lambda x, spec: lax.with_sharding_constraint(x, spec)
   else:
     pin = lambda x, spec: lax.with_sharding_constraint(x, NamedSharding(amesh, spec))
-  if split.draws is None and groups > 1:
-    raise AssertionError("the step's random draws were not found (split not annotated)")
+  assert split.draws is not None or groups == 1, "draws not found (split not annotated)"
   # With one device and one micro-batch every draw is already the whole batch's.
   draws = dict(split.draws or {}) if groups > 1 else {}
   for path in draws:

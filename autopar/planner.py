@@ -51,7 +51,7 @@ from autopar.split import (OutputKind, SizedOutputs, SplitStep, depends_on,
                            outputs_at, reads)
 from autopar.strategies import grad_sync_costs, local_bytes
 from autopar.strategies.dot import dot_flops
-from autopar.trace import TracedStep, eqns_by_path, region_jaxprs
+from autopar.trace import TracedStep, eqns_by_path
 
 __all__ = ["plan_preset", "donation_pairs", "leaves_read_by_compute",
            "batch_axes_for", "shard_first_divisible", "grad_stage_names"]

@@ -94,7 +94,10 @@ class SplitStep:
       step has no marker, in which case it is the whole step).
     consts: values of the lifted consts, in order.
     grad_names: pytree path of each gradient (from the marker).
-    out_kinds: per output leaf, how it is produced and combined.
+    out_kinds: per output leaf, how it is produced and combined (read from
+      a symbolic trace, or from two traces by :func:`annotate`; a step
+      traced at one concrete size has provisional ones until then, right
+      for one device and one micro-batch only).
     out_index: per output leaf, its position among the compute outputs after
       the grads (for MEAN/SUM/CONCAT/OTHER) or among the apply outputs.
     out_dims: per output leaf, the dimension that holds the batch's rows
@@ -104,11 +107,6 @@ class SplitStep:
       at concrete sizes only, before :func:`annotate`).
     hints: the user's sharding hints in ``compute`` and ``apply``
       (``hints.py``).
-    rows_known: whether ``out_kinds``, ``out_dims``, ``draws`` and the
-      hints' row dimensions were read
-      from a symbolic trace or two traces (:func:`annotate`); a step traced
-      at one concrete size has provisional ones, right only for one device
-      and one micro-batch.
   """
   traced: TracedStep
   compute: ClosedJaxpr | None
@@ -120,7 +118,6 @@ class SplitStep:
   out_dims: tuple[RowDim | None, ...] = ()
   draws: dict[str, RowDraw] | None = None
   hints: tuple[Hint, ...] = ()
-  rows_known: bool = False
 
   @property
   def has_marker(self) -> bool:
@@ -237,8 +234,7 @@ def split_step(traced: TracedStep, *, fn_name: str = "step") -> SplitStep:
                      apply=ClosedJaxpr(jaxpr, ()), consts=tuple(closed.consts),
                      grad_names=(), out_kinds=(OutputKind.APPLY,) * len(jaxpr.outvars),
                      out_index=tuple(range(len(jaxpr.outvars))), out_dims=out_dims,
-                     draws={}, hints=_hints(None, jaxpr, rows),
-                     rows_known=rows is not None)
+                     draws={}, hints=_hints(None, jaxpr, rows))
   at = markers[0]
   marker = jaxpr.eqns[at]
 
@@ -281,7 +277,7 @@ def split_step(traced: TracedStep, *, fn_name: str = "step") -> SplitStep:
                    apply=ClosedJaxpr(apply, ()), consts=tuple(closed.consts),
                    grad_names=names, out_kinds=tuple(kinds),
                    out_index=tuple(index), out_dims=out_dims, draws=draws,
-                   hints=_hints(compute, apply, rows), rows_known=rows is not None)
+                   hints=_hints(compute, apply, rows))
 
 
 def _hints(compute, apply, rows: Rows | None, other_compute=None) -> tuple[Hint, ...]:
@@ -341,7 +337,7 @@ def annotate(split: SplitStep, other: SplitStep, *, fn_name: str = "step") -> Sp
   hints = _hints(split.compute and split.compute.jaxpr, split.apply.jaxpr, rows,
                  other.compute and other.compute.jaxpr)
   return dataclasses.replace(split, out_kinds=kinds, out_dims=tuple(f[1] for f in found),
-                             draws=draws, hints=hints, rows_known=True)
+                             draws=draws, hints=hints)
 
 
 def _in_order(a, b, primitives) -> list | None:

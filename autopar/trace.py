@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding
 
 from autopar.errors import InputError, MarkerError
 from autopar.marker import grad_marker_p
+from autopar.retype import Instantiator, jaxprs_in, without_meshes
 
 __all__ = ["ArgFlags", "LeafInfo", "TracedStep", "classify_args",
            "abstract_leaves", "trace_step", "check_batch_leaves", "eqns_by_path",
@@ -288,7 +289,7 @@ def trace_step(fn: Callable, args: Sequence[Any], flags: ArgFlags,
   out_kp, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
   out_paths = tuple("out" + jax.tree_util.keystr(kp) for kp, _ in out_kp)
   closed = _inline_marked_calls(closed, fn_name=getattr(fn, "__name__", "step"))
-  closed = _without_meshes(closed)
+  closed = without_meshes(closed)
   return TracedStep(jaxpr=closed, leaves=tuple(leaves), in_tree=in_tree,
                     out_tree=out_tree, out_paths=out_paths,
                     micro_batch_size=micro_batch_size)
@@ -327,148 +328,22 @@ def trace_step_any_batch(fn: Callable, args: Sequence[Any], flags: ArgFlags,
 
 
 def instantiate(traced: TracedStep, micro_batch_size: int,
-                instantiator: "_Instantiator | None" = None) -> TracedStep:
+                instantiator: "Instantiator | None" = None) -> TracedStep:
   """``traced`` (from :func:`trace_step_any_batch`) at a concrete batch size.
 
   ``instantiator``: one made by :func:`instantiator` for this size, to write
   out further jaxprs that share equations with this one (the split step's).
   """
-  inst = instantiator or _Instantiator({"autopar_rows": micro_batch_size})
+  inst = instantiator or Instantiator({"autopar_rows": micro_batch_size})
   jaxpr = inst.jaxpr(traced.jaxpr.jaxpr)
   return dataclasses.replace(traced, jaxpr=ClosedJaxpr(jaxpr, traced.jaxpr.consts),
                              micro_batch_size=micro_batch_size)
 
 
-def instantiator(micro_batch_size: int) -> "_Instantiator":
+def instantiator(micro_batch_size: int) -> "Instantiator":
   """Writes jaxprs from :func:`trace_step_any_batch` out at a batch size;
   variables and equations they share come out shared."""
-  return _Instantiator({"autopar_rows": micro_batch_size})
-
-
-def _is_symbolic(d) -> bool:
-  return jax_core.is_symbolic_dim(d)
-
-
-# What _Instantiator.value does with a param, by the param's type.
-_OPAQUE, _DIM, _JAXPR, _SEQ = range(4)
-_KINDS: dict[type, int] = {}
-
-
-def _kind(t: type) -> int:
-  k = _KINDS.get(t)
-  if k is None:
-    k = _KINDS[t] = (
-        _JAXPR if issubclass(t, (ClosedJaxpr, Jaxpr)) else
-        _SEQ if issubclass(t, (tuple, list)) else
-        _DIM if getattr(t, "dimension_as_value", None) is not None else  # see
-        _OPAQUE)                                             # is_symbolic_dim
-  return k
-
-
-class _Instantiator:
-  """Writes a symbolic-shape jaxpr out at concrete sizes (``env``).
-
-  It runs once per batch size over every equation of a large step, so it
-  looks each thing up once: a param's kind by its type, a variable's
-  replacement by the variable, an aval's by the aval.
-  """
-
-  def __init__(self, env):
-    self.env = env
-    self.vars: dict = {}         # old var -> new var, literal, or itself
-    self.jaxprs: dict = {}       # id(sub-jaxpr) -> instantiated
-    self.avals: dict = {}        # symbolic aval -> concrete aval
-    self.eqns: dict = {}         # id(equation) -> (instantiated, equation)
-
-  def value(self, v):
-    """A param (a shape, dimension numbers, a sub-jaxpr...) made concrete."""
-    k = _KINDS.get(type(v))
-    if k is None:
-      k = _kind(type(v))
-    if k == _OPAQUE:
-      return v
-    if k == _DIM:
-      return int(v._evaluate(self.env))
-    if k == _SEQ:
-      if all(_KINDS.get(t) == _OPAQUE for t in set(map(type, v))):
-        return v                         # e.g. a tuple of ints
-      items = [self.value(x) for x in v]
-      if all(a is b for a, b in zip(items, v)):
-        return v
-      if hasattr(v, "_fields"):          # a NamedTuple (dimension numbers)
-        return type(v)(*items)
-      return type(v)(items)
-    out = self.jaxprs.get(id(v))
-    if out is None:
-      out = (ClosedJaxpr(self.jaxpr(v.jaxpr), v.consts) if isinstance(v, ClosedJaxpr)
-             else self.jaxpr(v))
-      self.jaxprs[id(v)] = (out, v)       # keep v alive: its id stays unique
-      return out
-    return out[0]
-
-  def var(self, v):
-    if type(v) is Literal:
-      return v
-    w = self.vars.get(v)
-    if w is None:
-      aval = self.aval(v.aval)
-      w = v if aval is v.aval else DropVar(aval) if isinstance(v, DropVar) else Var(aval)
-      self.vars[v] = w
-    return w
-
-  def aval(self, aval):
-    """``aval`` at concrete sizes (itself if it has no symbolic dimension)."""
-    shape = getattr(aval, "shape", ())
-    if all(type(d) is int for d in shape):
-      return aval
-    new = self.avals.get(aval)       # equal avals: one evaluation
-    if new is None:
-      new = self.avals[aval] = (
-          aval.update(shape=tuple(self.value(d) for d in shape))
-          if any(_is_symbolic(d) for d in shape) else aval)
-    return new
-
-  def jaxpr(self, jaxpr: Jaxpr) -> Jaxpr:
-    var, value, known = self.var, self.value, self.vars.get
-    memo = self.eqns
-    eqns = []
-    for eqn in jaxpr.eqns:
-      done = memo.get(id(eqn))
-      if done is not None:
-        eqns.append(done[0])
-        continue
-      if eqn.primitive.name == "dim_as_value":
-        (out,) = eqn.outvars
-        self.vars[out] = Literal(np.array(value(eqn.params["dim"]), out.aval.dtype),
-                                 out.aval)
-        continue
-      params = eqn.params
-      new_params = None
-      for k, p in params.items():
-        q = value(p)
-        if q is not p:
-          if new_params is None:
-            new_params = dict(params)
-          new_params[k] = q
-      changed = new_params is not None
-      invars = []
-      for v in eqn.invars:
-        w = v if type(v) is Literal else known(v) or var(v)
-        changed = changed or w is not v
-        invars.append(w)
-      outvars = []
-      for v in eqn.outvars:
-        w = known(v) or var(v)
-        changed = changed or w is not v
-        outvars.append(w)
-      # Unchanged: nothing symbolic in it (e.g. the optimizer's equations).
-      new = eqn.replace(invars=invars, outvars=outvars,
-                        params=new_params or params) if changed else eqn
-      memo[id(eqn)] = (new, eqn)      # keep eqn alive: its id stays unique
-      eqns.append(new)
-    return Jaxpr([var(v) for v in jaxpr.constvars], [var(v) for v in jaxpr.invars],
-                 [var(v) for v in jaxpr.outvars], eqns, jaxpr.effects,
-                 jaxpr.debug_info)
+  return Instantiator({"autopar_rows": micro_batch_size})
 
 
 # -- equations by path ----------------------------------------------------------
@@ -501,129 +376,6 @@ def eqns_by_path(jaxpr, prefix: str = ""):
       yield from eqns_by_path(sub, f"{path}.{k}.")
 
 
-# -- meshes in types ------------------------------------------------------------
-
-# Equations whose sharding params are the user's hints (hints.py): kept.
-_HINTS = ("sharding_constraint", "reshard")
-
-
-def _mesh_of(aval):
-  sharding = getattr(aval, "sharding", None)
-  mesh = getattr(sharding, "mesh", None)
-  return None if mesh is None or not getattr(mesh, "axis_names", ()) else mesh
-
-
-def _literal_mesh(literal):
-  """The mesh in the type of a literal's value (a constant folded while a
-  mesh was in context), if any."""
-  aval = getattr(literal.val, "aval", None)
-  if aval is None and isinstance(literal.val, jax.Array):
-    aval = jax.typeof(literal.val)
-  return None if aval is None else _mesh_of(aval)
-
-
-def _meshless(val):
-  """A literal's value with no mesh in its type."""
-  if isinstance(val, np.ndarray) and hasattr(val, "aval"):      # a TypedNdArray
-    return type(val)(val.view(np.ndarray), val.aval.update(sharding=None))
-  return np.asarray(val) if isinstance(val, jax.Array) else val
-
-
-def _without_meshes(closed: ClosedJaxpr) -> ClosedJaxpr:
-  """``closed`` with no mesh in its types or in its equations' sharding
-  params, other than in the user's hints.
-
-  A sharding constraint (or a ``jax.set_mesh`` context) while the step is
-  traced puts its mesh into the types of every value downstream, and JAX
-  records it in params such as ``broadcast_in_dim[sharding=...]``. autopar
-  evaluates the step again on its own meshes (with the batch axes manual in
-  the gradient stages), where such a mesh would clash; what the user asked
-  for stays in the hints. A step traced without a mesh is returned as it is.
-  """
-  if not _carries_mesh(closed.jaxpr, set()):
-    return closed
-  return ClosedJaxpr(_MeshStripper().jaxpr(closed.jaxpr), closed.consts)
-
-
-def _carries_mesh(jaxpr, seen: set) -> bool:
-  if id(jaxpr) in seen:
-    return False
-  seen.add(id(jaxpr))
-  for eqn in jaxpr.eqns:
-    if any(_mesh_of(v.aval) is not None for v in eqn.outvars):
-      return True
-    if any(isinstance(v, Literal) and _literal_mesh(v) is not None for v in eqn.invars):
-      return True
-    if getattr(eqn.ctx.cur_abstract_mesh, "axis_names", ()):
-      return True
-    if eqn.primitive.name not in _HINTS and any(
-        isinstance(v, NamedSharding) for v in eqn.params.values()):
-      return True
-    if any(_carries_mesh(sub, seen) for sub in _sub_jaxprs(eqn)):
-      return True
-  return False
-
-
-class _MeshStripper:
-  """Rewrites a jaxpr (and its sub-jaxprs) without meshes in its types."""
-
-  def __init__(self):
-    self.vars: dict = {}
-    self.jaxprs: dict = {}
-
-  def aval(self, aval):
-    return aval.update(sharding=None) if _mesh_of(aval) is not None else aval
-
-  def var(self, v):
-    if isinstance(v, Literal):
-      aval = self.aval(v.aval)
-      return v if aval is v.aval and _literal_mesh(v) is None else \
-          Literal(_meshless(v.val), aval)
-    w = self.vars.get(v)
-    if w is None:
-      aval = self.aval(v.aval)
-      w = v if aval is v.aval else DropVar(aval) if isinstance(v, DropVar) else Var(aval)
-      self.vars[v] = w
-    return w
-
-  def context(self, ctx):
-    """``ctx`` (the config an equation was traced under) without its mesh."""
-    if not getattr(ctx.cur_abstract_mesh, "axis_names", ()):
-      return ctx
-    metadata = ctx.xla_metadata
-    return jax_core.JaxprEqnContext._create(
-        ctx.compute_type, ctx.threefry_partitionable, jax_mesh.empty_abstract_mesh,
-        ctx.remove_size_one_mesh_axis,
-        None if metadata is None else tuple(sorted(metadata.items())))
-
-  def param(self, hint: bool, value):
-    if isinstance(value, NamedSharding):
-      return value if hint else None
-    if isinstance(value, ClosedJaxpr):
-      return ClosedJaxpr(self.jaxpr(value.jaxpr), value.consts)
-    if isinstance(value, Jaxpr):
-      return self.jaxpr(value)
-    if isinstance(value, tuple) and any(isinstance(x, (ClosedJaxpr, Jaxpr)) for x in value):
-      return tuple(self.param(hint, x) for x in value)
-    return value
-
-  def jaxpr(self, jaxpr: Jaxpr) -> Jaxpr:
-    done = self.jaxprs.get(id(jaxpr))
-    if done is not None:
-      return done[0]
-    eqns = []
-    for eqn in jaxpr.eqns:
-      hint = eqn.primitive.name in _HINTS
-      params = {k: self.param(hint, v) for k, v in eqn.params.items()}
-      eqns.append(eqn.replace(invars=[self.var(v) for v in eqn.invars],
-                              outvars=[self.var(v) for v in eqn.outvars], params=params,
-                              ctx=self.context(eqn.ctx)))
-    out = Jaxpr([self.var(v) for v in jaxpr.constvars], [self.var(v) for v in jaxpr.invars],
-                [self.var(v) for v in jaxpr.outvars], eqns, jaxpr.effects, jaxpr.debug_info)
-    self.jaxprs[id(jaxpr)] = (out, jaxpr)
-    return out
-
-
 # -- markers inside nested calls ---------------------------------------------
 
 # Calls that are planned through: their bodies are inlined into the step. The
@@ -633,26 +385,13 @@ _INLINABLE = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call",
               "custom_vjp_call", "custom_vjp_call_jaxpr")
 
 
-def _sub_jaxprs(eqn) -> list:
-  """The jaxprs in ``eqn``'s params (as ``jaxprs_in_params``; this runs per
-  equation of a large step, so it checks types without a generator)."""
-  out = []
-  for val in eqn.params.values():
-    for v in (val if isinstance(val, tuple) else (val,)):
-      if isinstance(v, Jaxpr):
-        out.append(v)
-      elif isinstance(v, ClosedJaxpr):
-        out.append(v.jaxpr)
-  return out
-
-
 def count_markers(jaxpr) -> int:
   """Number of grad-marker equations in ``jaxpr``, nested ones included."""
   n = 0
   for eqn in jaxpr.eqns:
     if eqn.primitive is grad_marker_p:
       n += 1
-    for sub in _sub_jaxprs(eqn):
+    for sub in jaxprs_in(eqn):
       n += count_markers(sub)
   return n
 
@@ -676,7 +415,7 @@ def _inline_marked_calls(closed: ClosedJaxpr, *, fn_name: str) -> ClosedJaxpr:
 
 def _has_calls(jaxpr) -> bool:
   return any(e.primitive.name in _INLINABLE or
-             any(_has_calls(s) or count_markers(s) for s in _sub_jaxprs(e))
+             any(_has_calls(s) or count_markers(s) for s in jaxprs_in(e))
              for e in jaxpr.eqns)
 
 
@@ -693,7 +432,7 @@ def _inline(top: Jaxpr, top_consts: list, fn_name: str) -> tuple[Jaxpr, list]:
       invars = [read(a) for a in eqn.invars]
       name = eqn.primitive.name
       if name not in _INLINABLE:
-        if any(count_markers(s) for s in _sub_jaxprs(eqn)):
+        if any(count_markers(s) for s in jaxprs_in(eqn)):
           raise MarkerError(
               f"{fn_name}: the grad marker (autopar.grad / autopar.value_and_grad) "
               f"is inside a '{name}' equation. autopar splits the step at the "
@@ -752,7 +491,7 @@ def _hint(eqns: list, x, sharding, call):
 def _inline_params(eqn, fn_name: str) -> dict:
   """Params of a control-flow equation with calls in its bodies inlined."""
   params = eqn.params
-  if not any(_has_calls(s) for s in _sub_jaxprs(eqn)):
+  if not any(_has_calls(s) for s in jaxprs_in(eqn)):
     return params
 
   def closed(c):
