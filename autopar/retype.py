@@ -207,39 +207,33 @@ def _meshless(val):
   return np.asarray(val) if isinstance(val, jax.Array) else val
 
 
-def without_meshes(closed: ClosedJaxpr) -> ClosedJaxpr:
+def without_meshes(closed: ClosedJaxpr, *, in_context: bool = False) -> ClosedJaxpr:
   """``closed`` with no mesh in its types or in its equations' sharding
   params, other than in the user's hints.
 
-  A sharding constraint (or a ``jax.set_mesh`` context) while the step is
-  traced puts its mesh into the types of every value downstream, and JAX
-  records it in params such as ``broadcast_in_dim[sharding=...]``. autopar
-  evaluates the step again on its own meshes (with the batch axes manual in
-  the gradient stages), where such a mesh would clash; what the user asked
-  for stays in the hints. A step traced without a mesh is returned as it is.
+  A sharding constraint (or a ``jax.set_mesh`` context: ``in_context``)
+  while the step is traced puts its mesh into the types of every value
+  downstream, and JAX records it in params such as
+  ``broadcast_in_dim[sharding=...]``. autopar evaluates the step again on its
+  own meshes (with the batch axes manual in the gradient stages), where such
+  a mesh would clash; what the user asked for stays in the hints. A step
+  traced with neither is returned as it is (checked by equation name only:
+  this runs on every trace of a large step).
   """
-  if not _carries_mesh(closed.jaxpr, set()):
+  j = closed.jaxpr
+  if not (in_context or any(_mesh_of(v.aval) is not None for v in (*j.constvars, *j.invars))
+          or _has_hints(j, set())):
     return closed
-  return ClosedJaxpr(_MeshStripper().jaxpr(closed.jaxpr), closed.consts)
+  return ClosedJaxpr(_MeshStripper().jaxpr(j), closed.consts)
 
 
-def _carries_mesh(jaxpr, seen: set) -> bool:
+def _has_hints(jaxpr, seen: set) -> bool:
   if id(jaxpr) in seen:
     return False
   seen.add(id(jaxpr))
-  for eqn in jaxpr.eqns:
-    if any(_mesh_of(v.aval) is not None for v in eqn.outvars):
-      return True
-    if any(isinstance(v, Literal) and _literal_mesh(v) is not None for v in eqn.invars):
-      return True
-    if getattr(eqn.ctx.cur_abstract_mesh, "axis_names", ()):
-      return True
-    if eqn.primitive.name not in _HINTS and any(
-        isinstance(v, NamedSharding) for v in eqn.params.values()):
-      return True
-    if any(_carries_mesh(sub, seen) for sub in jaxprs_in(eqn)):
-      return True
-  return False
+  return any(eqn.primitive.name in _HINTS or
+             any(_has_hints(sub, seen) for sub in jaxprs_in(eqn))
+             for eqn in jaxpr.eqns)
 
 
 class _MeshStripper(_Retyper):

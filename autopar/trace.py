@@ -278,18 +278,19 @@ def trace_step(fn: Callable, args: Sequence[Any], flags: ArgFlags,
 
   abstract = [l.abstract((micro_batch_size, *l.shape[1:]) if l.is_batch else None)
               for l in leaves]
+  in_context = not jax_mesh.get_abstract_mesh().empty
   try:
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*abstract)
   except RuntimeError as e:
-    if mesh is None or not jax_mesh.get_abstract_mesh().empty or \
-        "mesh in context" not in str(e):
+    if mesh is None or in_context or "mesh in context" not in str(e):
       raise
     with _in_context(mesh):
       closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*abstract)
+    in_context = True
   out_kp, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
   out_paths = tuple("out" + jax.tree_util.keystr(kp) for kp, _ in out_kp)
   closed = _inline_marked_calls(closed, fn_name=getattr(fn, "__name__", "step"))
-  closed = without_meshes(closed)
+  closed = without_meshes(closed, in_context=in_context)
   return TracedStep(jaxpr=closed, leaves=tuple(leaves), in_tree=in_tree,
                     out_tree=out_tree, out_paths=out_paths,
                     micro_batch_size=micro_batch_size)
