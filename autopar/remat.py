@@ -16,7 +16,11 @@ so each layer's gradient comes back to its own leaf.
 How a stretch is found (:func:`find_layers`):
 
 1. Each equation gets a signature: primitive, parameters, input and output
-   types (literals by type: their values are checked in step 2). Candidate periods ``L`` are the distances
+   types (literals by type: their values are checked in step 2). A call
+   with custom derivative rules (``jax.nn.relu``, ``softmax``, a user's
+   ``custom_jvp`` / ``custom_vjp``) is keyed by what it computes, rules
+   included: the jaxpr of its VJP (each layer's call holds its rules in
+   Python objects of its own). Candidate periods ``L`` are the distances
    between equal signatures; for each, runs where ``sig[i] == sig[i + L]``
    give ``N = run // L + 1`` repetitions.
 2. A candidate (start, L, N) is checked for data flow. Equation ``j`` of
@@ -425,12 +429,54 @@ def _signatures(eqns) -> np.ndarray:
   memo: dict = {}
   out = np.empty(len(eqns), np.int64)
   for i, eqn in enumerate(eqns):
+    if eqn.primitive.name in _CUSTOM_DERIVATIVES:
+      params = (("rules", _derivative_key(eqn)),)
+    else:
+      params = tuple((k, _param_key(p, memo)) for k, p in sorted(eqn.params.items()))
     key = (eqn.primitive.name,
            tuple(_operand_key(v) for v in eqn.invars),
            tuple(_aval_key(v.aval) for v in eqn.outvars),
-           tuple((k, _param_key(p, memo)) for k, p in sorted(eqn.params.items())))
+           params)
     out[i] = ids.setdefault(key, len(ids))
   return out
+
+
+# Calls whose derivative is a rule of the user's (jax.nn.relu, softmax, ...).
+_CUSTOM_DERIVATIVES = ("custom_jvp_call", "custom_vjp_call")
+
+
+def _derivative_key(eqn) -> tuple:
+  """What a custom-derivative call computes, its rules included: the jaxpr
+  of its VJP (primal and backward pass), with the values of the constants it
+  closes over.
+
+  Each layer's call holds its rules in Python objects of its own (a relu in
+  every layer of a loop has its own JVP thunk), so comparing the objects
+  would tell every layer apart; comparing what the rules compute merges the
+  layers that compute alike and keeps apart those whose rules differ (say,
+  two custom_vjp functions, or one closing over another constant).
+  """
+  params = eqn.primitive.get_bind_params(eqn.params)
+
+  def call(*xs):
+    with eqn.ctx.manager:
+      out = eqn.primitive.bind(*xs, **params)
+    return out if eqn.primitive.multiple_results else [out]
+
+  def vjp(xs, cts):
+    out, back = jax.vjp(call, *xs)
+    return out, back(cts)
+
+  ins = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+  cts = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
+  try:
+    closed = jax.make_jaxpr(vjp)(ins, cts)
+  except Exception:   # noqa: BLE001 - a rule that cannot be traced alone: itself
+    return ("opaque", id(eqn))
+  consts = tuple((np.asarray(c).dtype.str, np.asarray(c).shape,
+                  np.asarray(c).tobytes()) if isinstance(c, (np.ndarray, jax.Array))
+                 else repr(c) for c in closed.consts)
+  return (str(closed.jaxpr), consts)
 
 
 def _aval_key(aval) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -27,6 +29,7 @@ class MLP(nn.Module):
 class Block(nn.Module):
   d: int
   heads: int
+  act: Callable = nn.gelu
 
   @nn.compact
   def __call__(self, x):
@@ -36,7 +39,7 @@ class Block(nn.Module):
     x = x + h
     h = nn.LayerNorm()(x)
     h = nn.Dense(4 * self.d)(h)
-    h = nn.gelu(h)
+    h = self.act(h)
     return x + nn.Dense(self.d)(h)
 
 
@@ -45,14 +48,19 @@ class Transformer(nn.Module):
   d: int = 32
   heads: int = 4
   layers: int = 2
+  act: Callable = nn.gelu
 
   @nn.compact
   def __call__(self, tokens):
     x = nn.Embed(self.vocab, self.d)(tokens)
     x = x + self.param("pos", nn.initializers.normal(0.02), (tokens.shape[1], self.d))
     for _ in range(self.layers):
-      x = Block(self.d, self.heads)(x)
+      x = Block(self.d, self.heads, self.act)(x)
     return nn.Dense(self.vocab)(nn.LayerNorm()(x))
+
+
+class ReluTransformer(Transformer):
+  act: Callable = nn.relu       # a custom_jvp function in every block
 
 
 def mlp_setup(batch=32, din=16, hidden=64, dout=4, tx=None, seed=0):

@@ -13,8 +13,8 @@ from flax.training import train_state
 import autopar
 from autopar import hlo, remat
 from autopar.lower import GPU_OVERLAP_OPTIONS, compiler_options
-from models import (ScanTransformer, assert_trees_close, lm_setup, single_device,
-                    transformer_setup)
+from models import (ReluTransformer, ScanTransformer, assert_trees_close, lm_setup,
+                    single_device, transformer_setup)
 
 
 # -- chunked cross-entropy --------------------------------------------------------
@@ -312,6 +312,70 @@ def test_remat_layers_with_dropout():
     fn = autopar.value_and_grad(loss)
     assert str(jax.make_jaxpr(fn)(params)).count("scan[") == 2
     v, g = jax.jit(fn)(params)
+  np.testing.assert_allclose(v, ref_v, rtol=1e-5)
+  assert_trees_close(g, ref_g)
+
+
+def test_remat_layers_rolls_layers_with_custom_derivatives():
+  """relu (a custom_jvp), a relu transformer, and a user custom_vjp: each layer
+  holds its rules in objects of its own, which compute alike; the layers roll
+  into one scan, with no warning, and the gradients are the loop's."""
+  import warnings
+
+  @jax.custom_vjp
+  def clipped(x):
+    return jnp.tanh(x)
+  clipped.defvjp(lambda x: (jnp.tanh(x), x),
+                 lambda x, ct: (jnp.clip(ct * (1 - jnp.tanh(x) ** 2), -1, 1),))
+
+  ws = [jax.random.normal(jax.random.PRNGKey(i), (8, 8)) * 0.5 for i in range(4)]
+  x = jax.random.normal(jax.random.PRNGKey(9), (5, 8))
+
+  def mlp(act):
+    def loss(ws):
+      h = x
+      for w in ws:
+        h = act(h @ w)
+      return jnp.sum(h ** 2)
+    return loss
+
+  make_state, _, batch = lm_setup(ReluTransformer(layers=3))
+  lm_loss, lm_params = _loss_of(make_state, batch)
+  for f, params in ((mlp(jax.nn.relu), ws), (mlp(clipped), ws), (lm_loss, lm_params)):
+    ref_v, ref_g = jax.value_and_grad(f)(params)
+    with remat.remat_mode("layers"), warnings.catch_warnings():
+      warnings.simplefilter("error")            # "found no repeated layers" fails
+      fn = autopar.value_and_grad(f)
+      assert str(jax.make_jaxpr(fn)(params)).count("scan[") == 2
+      v, g = jax.jit(fn)(params)
+    np.testing.assert_allclose(v, ref_v, rtol=1e-5)
+    assert_trees_close(g, ref_g)
+
+
+def test_remat_layers_keeps_apart_layers_whose_custom_rules_differ():
+  """Two custom_vjp functions with the same forward and different backward
+  rules, in alternate layers: rolled only as pairs, never as one layer."""
+  def make(scale):
+    @jax.custom_vjp
+    def f(x):
+      return jnp.sin(x)
+    f.defvjp(lambda x: (jnp.sin(x), x), lambda x, ct: (scale * ct * jnp.cos(x),))
+    return f
+  a, b = make(1.0), make(3.0)
+  ws = [jax.random.normal(jax.random.PRNGKey(i), (8, 8)) * 0.5 for i in range(6)]
+  x = jax.random.normal(jax.random.PRNGKey(9), (5, 8))
+
+  def loss(ws):
+    h = x
+    for i, w in enumerate(ws):
+      h = (a if i % 2 == 0 else b)(h @ w)
+    return jnp.sum(h ** 2)
+  ref_v, ref_g = jax.value_and_grad(loss)(ws)
+  with remat.remat_mode("layers"):
+    fn = autopar.value_and_grad(loss)
+    stacks = remat.find_layers(jax.make_jaxpr(loss)(ws).jaxpr)
+    v, g = jax.jit(fn)(ws)
+  assert [(s.length, s.count) for s in stacks] == [(4, 3)]     # a pair of layers, x3
   np.testing.assert_allclose(v, ref_v, rtol=1e-5)
   assert_trees_close(g, ref_g)
 
