@@ -13,7 +13,7 @@ from autopar.cluster import (ClusterError, RemoteArray, global_mesh, init,
 from autopar.errors import (AutoparError, InputError, MarkerError, MeshError,
                             PlanError)
 from autopar.executor import Executable
-from autopar.marker import grad, value_and_grad
+from autopar.marker import filter_grad, filter_value_and_grad, grad, value_and_grad
 from autopar.method import (AutoShardingOption, DataParallel, ShardParallel,
                             Zero2Parallel, Zero3Parallel)
 from autopar.plan import Plan
@@ -23,6 +23,7 @@ from autopar import nn  # noqa: E402  (autopar.nn: memory helpers)
 
 __all__ = [
     "parallelize", "ParallelizedFunction", "Executable", "grad", "value_and_grad",
+    "filter_grad", "filter_value_and_grad",
     "ShardParallel", "DataParallel", "Zero2Parallel", "Zero3Parallel",
     "AutoShardingOption", "Plan", "AutoparError", "InputError", "MarkerError",
     "MeshError", "PlanError", "ClusterError", "init", "shutdown", "global_mesh",

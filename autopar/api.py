@@ -28,20 +28,21 @@ from autopar.method import (ParallelMethod, ShardParallel, auto_mesh,
                             axis_sizes_of, resolve_mesh)
 from autopar.cost_model import dtype_name
 from autopar.plan import Plan, ValuePlan
+from autopar.pytrees import Partition
 from autopar.remat import remat_mode
 from autopar.planner import Progress, batch_axes_for, plan_auto, plan_preset
 from autopar.split import (OutputKind, SplitStep, annotate, apply_at,
                             instantiate_split, outputs_at, split_step)
 from autopar.trace import (ArgFlags, LeafInfo, abstract_leaves, arg_names,
-                           check_batch_leaves, classify_args, trace_step,
-                           trace_step_any_batch)
+                           check_batch_leaves, classify_args, split_updates,
+                           trace_step, trace_step_any_batch)
 
 __all__ = ["parallelize", "ParallelizedFunction"]
 
 
 def parallelize(fun: Callable | None = None, *, method: ParallelMethod | None = None,
                 donate_argnums: int | Sequence[int] | str = "auto",
-                batch_argnums: int | Sequence[int] = (1,),
+                batch_argnums: int | Sequence[int] | str = "auto",
                 static_argnums: int | Sequence[int] | str = "auto"):
   """Parallelizes a single-device training step over a device mesh.
 
@@ -58,8 +59,14 @@ def parallelize(fun: Callable | None = None, *, method: ParallelMethod | None = 
       ``TrainState``.
     batch_argnums: arguments holding the batch; every leaf has a leading
       batch axis that is split into micro-batches and over devices.
+      ``"auto"``: the arguments whose array leaves all share one leading
+      size, other than the model and optimizer state (``step(state, batch)``,
+      ``step(model, optimizer, batch)``, ``step(params, opt_state, x, y)``);
+      an error names the candidates when that is ambiguous.
     static_argnums: arguments compiled in as constants. ``"auto"`` treats
-      Python scalars, strings and non-array pytrees as static.
+      Python scalars, strings and None as static. Inside the other
+      arguments, array leaves are traced and every other leaf (a function, a
+      string) is static, as under ``equinox.filter_jit``.
 
   Returns:
     A :class:`ParallelizedFunction`: call it like ``fun``; results come back
@@ -88,9 +95,10 @@ def parallelize(fun: Callable | None = None, *, method: ParallelMethod | None = 
 class _Prepared:
   flags: ArgFlags
   leaves: tuple[LeafInfo, ...]
-  in_tree: Any
-  values: list
+  inputs: Partition            # of the tuple of non-static arguments
+  values: list                 # their traced leaves
   key: Any
+  names: tuple[str, ...]
 
 
 class ParallelizedFunction:
@@ -107,7 +115,8 @@ class ParallelizedFunction:
                        f"DataParallel, Zero2Parallel, Zero3Parallel; got "
                        f"{type(method).__name__}.")
     for name, val in (("donate_argnums", donate_argnums),
-                      ("static_argnums", static_argnums)):
+                      ("static_argnums", static_argnums),
+                      ("batch_argnums", batch_argnums)):
       if isinstance(val, str) and val != "auto":
         raise InputError(f"parallelize: {name}={val!r}; expected 'auto', an int "
                          f"or a tuple of ints.")
@@ -137,10 +146,16 @@ class ParallelizedFunction:
       # On the Ray cluster's host workers. A method given a concrete mesh of
       # this process's devices still runs here.
       return c.run(self, args)
+    exe, result = self._call_raw(*args)
+    return split_updates(exe.split.traced, result, args)
+
+  def _call_raw(self, *args):
+    """(the executable, the step's whole result: with the values of the
+    arguments it changed in place, not yet written back)."""
     prep = self._prepare(args)
     exe = self._executable(prep)
-    outs = exe.run(exe.place(prep.values))
-    return jax.tree_util.tree_unflatten(exe.split.traced.out_tree, outs)
+    _check_not_donated(prep, self._name)
+    return exe, exe.split.traced.outputs.merge(exe.run(exe.place(prep.values)))
 
   def get_executable(self, *args) -> Executable:
     """The compiled step for these arguments (compiled once per signature).
@@ -164,11 +179,12 @@ class ParallelizedFunction:
   # -- pipeline ----------------------------------------------------------------
 
   def _prepare(self, args: Sequence[Any]) -> _Prepared:
+    names = arg_names(self.fun, len(args))
     flags = classify_args(args, static_argnums=self.static_argnums,
                           batch_argnums=self.batch_argnums,
-                          donate_argnums=self.donate_argnums, fn_name=self._name)
-    names = arg_names(self.fun, len(args))
-    leaves, in_tree, values = abstract_leaves(args, flags, names)
+                          donate_argnums=self.donate_argnums, fn_name=self._name,
+                          names=names)
+    leaves, inputs, values = abstract_leaves(args, flags, names)
     statics = []
     for i in flags.static:
       try:
@@ -180,10 +196,10 @@ class ParallelizedFunction:
             f"compilation cache. Fix: make it hashable (e.g. a tuple or a frozen "
             f"dataclass), or pass it as arrays and set static_argnums.") from e
       statics.append((i, args[i]))
-    key = (flags, tuple(statics), in_tree,
+    key = (flags, tuple(statics), inputs.key,
            tuple((l.shape, l.dtype, l.weak_type) for l in leaves))
-    return _Prepared(flags=flags, leaves=tuple(leaves), in_tree=in_tree,
-                     values=values, key=key)
+    return _Prepared(flags=flags, leaves=tuple(leaves), inputs=inputs,
+                     values=values, key=key, names=tuple(names))
 
   def _plan(self, prep: _Prepared) -> tuple[Plan, int]:
     """The plan for these arguments, and the micro-batch size (rows)."""
@@ -287,8 +303,9 @@ class ParallelizedFunction:
     if prep.key not in self._any_split:
       with remat_mode(self.method.remat):
         traced = trace_step_any_batch(self.fun, self._args_for_trace(prep),
-                                      prep.flags, prep.leaves, prep.in_tree,
-                                      mesh=auto_mesh(resolve_mesh(self.method)))
+                                      prep.flags, prep.leaves, prep.inputs,
+                                      mesh=auto_mesh(resolve_mesh(self.method)),
+                                      names=prep.names)
       self._any_split[prep.key] = (None if traced is None else
                                    split_step(traced, fn_name=self._name))
     return self._any_split[prep.key]
@@ -313,8 +330,8 @@ class ParallelizedFunction:
     """The step traced at ``rows`` rows and split, as it is (uncached)."""
     with remat_mode(self.method.remat):
       traced = trace_step(self.fun, self._args_for_trace(prep), prep.flags,
-                          prep.leaves, prep.in_tree, micro_batch_size=rows,
-                          mesh=auto_mesh(resolve_mesh(self.method)))
+                          prep.leaves, prep.inputs, micro_batch_size=rows,
+                          mesh=auto_mesh(resolve_mesh(self.method)), names=prep.names)
     return split_step(traced, fn_name=self._name)
 
   def _annotated(self, prep: _Prepared, split: SplitStep) -> SplitStep:
@@ -336,8 +353,7 @@ class ParallelizedFunction:
 
   def _args_for_trace(self, prep: _Prepared) -> list:
     statics = dict(prep.key[1])
-    nargs = len(prep.flags.static) + len(prep.in_tree.children())
-    return [statics.get(i) for i in range(nargs)]
+    return [statics.get(i) for i in range(len(prep.names))]
 
   def _executable(self, prep: _Prepared) -> Executable:
     with self._lock:
@@ -376,6 +392,18 @@ class ParallelizedFunction:
                        static_argnums=prep.flags.static)
       self._executables[prep.key] = exe
       return exe
+
+
+def _check_not_donated(prep: _Prepared, name: str) -> None:
+  """A buffer donated to an earlier call is an autopar error, not JAX's
+  "Array has been deleted"."""
+  for leaf, x in zip(prep.leaves, prep.values, strict=True):
+    if isinstance(x, jax.Array) and x.is_deleted():
+      raise InputError(
+          f"{name}: argument leaf {leaf.path} (shape {leaf.shape}) was donated to "
+          f"an earlier call of this step, which reused its buffer for the state it "
+          f"returned. Fix: pass the state that call returned (state, loss = "
+          f"step(state, batch)), or keep the inputs with donate_argnums=().")
 
 
 @contextlib.contextmanager
@@ -417,4 +445,4 @@ def _bind_saved_plan(saved: Plan, split: SplitStep, mesh, fingerprint, name: str
   plan_cache.check_fingerprint(saved, fingerprint, name, details)
   check_hints({h.path: h for h in split.hints}, tuple(mesh.axis_names),
               saved.batch_axes, f"the saved plan (batch axes {saved.batch_axes})")
-  return dataclasses.replace(saved, in_tree=split.traced.in_tree, mesh=mesh)
+  return dataclasses.replace(saved, in_tree=split.traced.inputs, mesh=mesh)

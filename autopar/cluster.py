@@ -47,6 +47,8 @@ from jax.sharding import AbstractMesh, PartitionSpec
 
 from autopar.errors import AutoparError, InputError, MeshError
 from autopar.host_worker import pickled
+from autopar.pytrees import leaf_mask
+from autopar.trace import split_updates
 
 __all__ = ["init", "shutdown", "global_mesh", "current", "RemoteArray",
            "ClusterError", "host_shards", "normalize_index"]
@@ -563,13 +565,14 @@ class RayCluster:
 
     # Array leaves: already remote (by id) or sent now, each host its shards.
     from autopar.host_worker import _Ref
-    leaves, tree = jax.tree.flatten(list(args),
-                                    is_leaf=lambda a: isinstance(a, RemoteArray))
+    leaves, tree = jax.tree.flatten(list(args))
     # Which leaves are arguments of the program (in plan.inputs order) and
-    # which belong to static arguments (sent as Python values).
+    # which are static (sent as Python values): static arguments, and the
+    # leaves of the others that are not arrays (pytrees.partition).
     static = set(prep.flags.static)
-    traced = [i not in static for i, a in enumerate(args)
-              for _ in jax.tree.leaves(a, is_leaf=lambda x: isinstance(x, RemoteArray))]
+    arg_of = [i for i, child in enumerate(tree.children()) for _ in range(child.num_leaves)]
+    traced = [t and arg_of[k] not in static for k, t in
+              enumerate(leaf_mask(list(args), arrays=(RemoteArray,)))]
     specs = iter(v.spec for v in plan.inputs)
     temporary = []
     shipped = []
@@ -584,7 +587,7 @@ class RayCluster:
                            f"pass the state that step returned.")
         shipped.append(_Ref(x.array_id))
       elif not isinstance(x, (np.ndarray, np.generic, jax.Array)):
-        next(specs)                # a Python scalar: the workers see the same
+        next(specs)                # a traced Python number: the workers see the same
         shipped.append(x)
       else:
         array_id, per_host = self._puts(x, next(specs), mesh)
@@ -614,13 +617,14 @@ class RayCluster:
     # The same structure is the same object, so the next call's signature
     # (which includes a TrainState's apply_fn) is found in the caches.
     out_bytes = results[0]["tree"]
-    out_tree = self._trees.get(out_bytes)
-    if out_tree is None:
-      out_tree = self._trees[out_bytes] = cloudpickle.loads(out_bytes)
+    outputs = self._trees.get(out_bytes)
+    if outputs is None:
+      outputs = self._trees[out_bytes] = cloudpickle.loads(out_bytes)
     outs = [RemoteArray(self, i, shape, dtype, value, weak, impl)
             for i, (shape, dtype, value, weak, impl) in zip(
                 out_ids, results[0]["leaves"], strict=True)]
-    return jax.tree.unflatten(out_tree, outs)
+    # Arguments the step changed in place (Flax NNX) take their new values here.
+    return split_updates(pf._traced(prep, micro).traced, outputs.merge(outs), args)
 
   # -- checkpoints ----------------------------------------------------------------------
 

@@ -19,8 +19,11 @@ from typing import Any, Sequence
 
 import jax
 
+from autopar.errors import InputError
 from autopar.lower import LoweredStep
 from autopar.plan import Plan
+from autopar.pytrees import partition
+from autopar.trace import split_updates
 from autopar.split import OutputKind, SplitStep
 
 __all__ = ["Executable"]
@@ -96,12 +99,22 @@ class Executable:
       outs.append(apply_outs[idx] if kind is OutputKind.APPLY else micro_outs[idx])
     return outs
 
+  def results(self, outs: Sequence[Any], args: Sequence[Any]):
+    """The step's result from the flat outputs of :meth:`run`: static leaves
+    put back, and arguments the step changed in place (Flax NNX modules)
+    updated in ``args``."""
+    return split_updates(self.split.traced, self.split.traced.outputs.merge(outs), args)
+
   def __call__(self, *args):
     """Runs one step on the full positional arguments (static ones included)."""
     dynamic = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
-    leaves = jax.tree_util.tree_leaves(dynamic)
-    outs = self.run(self.place(leaves))
-    return jax.tree_util.tree_unflatten(self.split.traced.out_tree, outs)
+    leaves, part = partition(dynamic)
+    if part.key != self.split.traced.inputs.key:
+      raise InputError(
+          "Executable: these arguments have another structure or other static "
+          "leaves than the ones it was compiled for. Fix: call the parallelized "
+          "step itself (it compiles once per signature), or get_executable(*args).")
+    return self.results(self.run(self.place(leaves)), args)
 
 
 def _same_placement(x: jax.Array, s) -> bool:

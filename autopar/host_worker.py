@@ -151,6 +151,7 @@ class HostWorker:
     import jax
     import numpy as np
     import autopar
+    from autopar.pytrees import partition
     # One message per step: drop arrays the driver let go, take this call's
     # new input shards, run.
     self.delete(deletes)
@@ -177,8 +178,10 @@ class HostWorker:
     args = jax.tree.unflatten(self.trees[tree_key], [
         self._get(a.array_id) if isinstance(a, _Ref) else a for a in leaves])
     t0 = time.perf_counter()
-    outs = pf(*args)
-    leaves, tree = jax.tree.flatten(outs)
+    # The whole result: arguments changed in place go back to the driver,
+    # which holds the objects to update.
+    _, outs = pf._call_raw(*args)
+    leaves, tree = partition(outs)
     jax.block_until_ready(leaves)
     seconds = time.perf_counter() - t0
     info = []

@@ -22,15 +22,20 @@ Before / after, for ``grads = autopar.grad(loss)(w)``::
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from autopar.errors import MarkerError
 from autopar.remat import maybe_roll
 
-__all__ = ["grad", "value_and_grad", "grad_marker_p", "mark_gradients"]
+__all__ = ["grad", "value_and_grad", "filter_grad", "filter_value_and_grad",
+           "grad_marker_p", "mark_gradients"]
 
 
 # -- primitive ---------------------------------------------------------------
@@ -92,54 +97,143 @@ def mark_gradients(grads: Any) -> Any:
   return jax.tree_util.tree_unflatten(treedef, marked)
 
 
-def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
+def grad(fun: Callable, argnums: Any = 0, has_aux: bool = False,
          holomorphic: bool = False, allow_int: bool = False,
-         reduce_axes: Sequence[Any] = ()) -> Callable:
-  """``jax.grad`` that marks its gradients for autopar's splitter.
+         reduce_axes: Sequence[Any] = (), *, wrt: Any = None) -> Callable:
+  """``jax.grad`` that marks its gradients for autopar's splitter (Alpa's
+  ``alpa.grad``).
 
-  Same signature and results as ``jax.grad``. Inside a step decorated with
+  Same signature and results as ``jax.grad`` (for a Flax NNX module, as
+  ``nnx.grad``; see :func:`value_and_grad`). Inside a step decorated with
   ``@autopar.parallelize``, the returned gradients are where the step is cut
   into ``accumulate_grad`` (run per micro-batch) and ``apply_grad`` (run once
-  per step). Elsewhere it behaves exactly like ``jax.grad``.
+  per step), and averaged over micro-batches; an ``aux`` output is combined
+  over them too. Elsewhere it behaves exactly like ``jax.grad``.
 
   Example::
 
       grads = autopar.grad(loss_fn)(state.params)
   """
   del reduce_axes  # accepted for signature compatibility with older jax
-  grad_fn = jax.grad(maybe_roll(fun), argnums=argnums, has_aux=has_aux,
-                     holomorphic=holomorphic, allow_int=allow_int)
+  vg = value_and_grad(fun, argnums=argnums, has_aux=has_aux, holomorphic=holomorphic,
+                      allow_int=allow_int, wrt=wrt)
 
   def marked(*args, **kwargs):
-    out = grad_fn(*args, **kwargs)
-    if has_aux:
-      g, aux = out
-      return mark_gradients(g), aux
-    return mark_gradients(out)
+    value, g = vg(*args, **kwargs)
+    return (g, value[1]) if has_aux else g
 
   return marked
 
 
-def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0,
-                   has_aux: bool = False, holomorphic: bool = False,
-                   allow_int: bool = False,
-                   reduce_axes: Sequence[Any] = ()) -> Callable:
+def value_and_grad(fun: Callable, argnums: Any = 0, has_aux: bool = False,
+                   holomorphic: bool = False, allow_int: bool = False,
+                   reduce_axes: Sequence[Any] = (), *, wrt: Any = None) -> Callable:
   """``jax.value_and_grad`` that marks its gradients for autopar's splitter.
 
   Same signature and results as ``jax.value_and_grad``; only the gradients
   are marked (the value and any ``aux`` are ordinary outputs of the gradient
   computation, combined over micro-batches as described in ``docs/``).
 
+  Given a Flax NNX module (or another NNX graph node) to differentiate, it is
+  ``nnx.value_and_grad``: gradients for the module's ``nnx.Param`` variables
+  (``wrt``: another NNX filter, or ``argnums=nnx.DiffState(...)``), as an
+  ``nnx.State``, and the module's other changes (an RNG counter) kept.
+
   Example::
 
       loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+      loss, grads = autopar.value_and_grad(loss_fn)(model)     # an nnx.Module
   """
   del reduce_axes
-  vg_fn = jax.value_and_grad(maybe_roll(fun), argnums=argnums, has_aux=has_aux,
-                             holomorphic=holomorphic, allow_int=allow_int)
+  rolled = maybe_roll(fun)
+  vg_fn = None
 
   def marked(*args, **kwargs):
-    value, g = vg_fn(*args, **kwargs)
+    nonlocal vg_fn
+    nnx = _nnx_for(args, argnums)
+    if nnx is not None:
+      value, g = _nnx_value_and_grad(nnx, rolled, argnums, has_aux, holomorphic,
+                                     allow_int, wrt)(*args, **kwargs)
+    else:
+      if vg_fn is None:
+        vg_fn = jax.value_and_grad(rolled, argnums=argnums, has_aux=has_aux,
+                                   holomorphic=holomorphic, allow_int=allow_int)
+      value, g = vg_fn(*args, **kwargs)
     return value, mark_gradients(g)
+
+  return marked
+
+
+def _nnx_for(args, argnums):
+  """flax.nnx if an argument to differentiate is an NNX graph node, else None."""
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is None:
+    return None
+  nums = getattr(argnums, "argnum", argnums)
+  nums = (nums,) if isinstance(nums, int) else tuple(getattr(a, "argnum", a) for a in nums)
+  if any(n < len(args) and nnx.graphlib.is_graph_node(args[n]) for n in nums):
+    return nnx
+  return None
+
+
+def _nnx_value_and_grad(nnx, fun, argnums, has_aux, holomorphic, allow_int, wrt):
+  if wrt is not None:
+    if not isinstance(argnums, int):
+      raise MarkerError("autopar.value_and_grad: wrt= goes with one argnum; for "
+                        "several, pass argnums=(nnx.DiffState(i, filter), ...).")
+    argnums = nnx.DiffState(argnums, wrt)
+  return nnx.value_and_grad(fun, argnums=argnums, has_aux=has_aux,
+                            holomorphic=holomorphic, allow_int=allow_int)
+
+
+# -- Equinox's filtered gradients ------------------------------------------------
+
+def _is_inexact_array(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _filtered(tree, keep):
+  """(``tree`` with the leaves ``keep`` selects, None elsewhere; the rest)."""
+  return (jax.tree_util.tree_map(lambda x: x if keep(x) else None, tree),
+          jax.tree_util.tree_map(lambda x: None if keep(x) else x, tree))
+
+
+def _combined(a, b):
+  """The leaves of ``a``, and those of ``b`` where ``a`` has None."""
+  return jax.tree_util.tree_map(lambda x, y: y if x is None else x, a, b,
+                                is_leaf=lambda x: x is None)
+
+
+def filter_value_and_grad(fun: Callable, *, has_aux: bool = False) -> Callable:
+  """``equinox.filter_value_and_grad`` that marks its gradients for autopar.
+
+  Differentiates ``fun`` with respect to the floating-point array leaves of
+  its first argument (an Equinox module, say); its other leaves (integer
+  arrays, functions, Python numbers) are held fixed and get None in the
+  gradient, as under Equinox. The other arguments are not differentiated.
+
+  Example::
+
+      loss, grads = autopar.filter_value_and_grad(loss_fn)(model, x, y)
+  """
+  rolled = maybe_roll(fun)
+
+  def marked(x, *args, **kwargs):
+    diff, fixed = _filtered(x, _is_inexact_array)
+    value, g = jax.value_and_grad(
+        lambda d: rolled(_combined(d, fixed), *args, **kwargs), has_aux=has_aux)(diff)
+    return value, mark_gradients(g)
+
+  return marked
+
+
+def filter_grad(fun: Callable, *, has_aux: bool = False) -> Callable:
+  """``equinox.filter_grad`` that marks its gradients for autopar (see
+  :func:`filter_value_and_grad`); with ``has_aux``, returns ``(grads, aux)``."""
+  vg = filter_value_and_grad(fun, has_aux=has_aux)
+
+  def marked(*args, **kwargs):
+    value, g = vg(*args, **kwargs)
+    return (g, value[1]) if has_aux else g
 
   return marked

@@ -180,8 +180,16 @@ class ParallelMethod:
   remat: Any = dataclasses.field(default="none", kw_only=True)
   grad_accumulation_dtype: str | None = dataclasses.field(default="float32",
                                                           kw_only=True)
+  # Alpa's name for the mesh: a Mesh, or a sequence of devices (a 1-D
+  # "data" mesh over them). Not a field: it sets `mesh`.
+  devices: dataclasses.InitVar[Any] = dataclasses.field(default=None, kw_only=True)
 
-  def __post_init__(self):
+  def __post_init__(self, devices=None):
+    if devices is not None:
+      if self.mesh is not None:
+        raise InputError(f"{type(self).__name__}: both mesh= and devices= given; "
+                         f"devices= is Alpa's name for the mesh. Fix: give one.")
+      object.__setattr__(self, "mesh", _mesh_of_devices(devices, type(self).__name__))
     check_remat(self.remat, type(self).__name__)
     if self.grad_accumulation_dtype not in ("float32", None):
       raise InputError(f"{type(self).__name__}: grad_accumulation_dtype="
@@ -223,8 +231,8 @@ class DataParallel(ParallelMethod):
   batch_axes: tuple[str, ...] | str | None = dataclasses.field(
       default=None, kw_only=True)
 
-  def __post_init__(self):
-    super().__post_init__()
+  def __post_init__(self, devices=None):
+    super().__post_init__(devices)
     if isinstance(self.batch_axes, str):
       object.__setattr__(self, "batch_axes", (self.batch_axes,))
     elif self.batch_axes is not None:
@@ -260,6 +268,54 @@ class ShardParallel(ParallelMethod):
   option: AutoShardingOption = dataclasses.field(
       default_factory=AutoShardingOption, kw_only=True)
   plan: Any = dataclasses.field(default=None, kw_only=True)
+  # Alpa's name for `option`. Not a field: it sets `option`.
+  auto_sharding_option: dataclasses.InitVar[Any] = dataclasses.field(
+      default=None, kw_only=True)
+
+  def __post_init__(self, devices=None, auto_sharding_option=None):
+    super().__post_init__(devices)
+    if auto_sharding_option is not None:
+      if self.option != AutoShardingOption():
+        raise InputError("ShardParallel: both option= and auto_sharding_option= "
+                         "given; auto_sharding_option= is Alpa's name for option=. "
+                         "Fix: give one.")
+      object.__setattr__(self, "option", auto_sharding_option)
+    if not isinstance(self.option, AutoShardingOption):
+      raise InputError(f"ShardParallel: option must be an autopar.AutoShardingOption, "
+                       f"got {type(self.option).__name__}.")
+    if self.mesh is not None:
+      check_option_axes(self.option, self.mesh)
+
+
+def check_option_axes(option: AutoShardingOption, mesh) -> None:
+  """Every mesh axis an option names exists (a typo is an error, never
+  ignored)."""
+  names = axis_names_of(mesh)
+  for what, axes in (("mesh_alpha", [a for a, _ in option.mesh_alpha or ()]),
+                     ("mesh_beta", [a for a, _ in option.mesh_beta or ()]),
+                     ("force_batch_dim_to_mesh_dim",
+                      [option.force_batch_dim_to_mesh_dim]
+                      if isinstance(option.force_batch_dim_to_mesh_dim, str)
+                      else list(option.force_batch_dim_to_mesh_dim or ()))):
+    for a in axes:
+      if a not in names:
+        raise MeshError(f"AutoShardingOption({what}=...): mesh axis {a!r} does not "
+                        f"exist; the mesh has axes {names}. Fix: use one of {names}.")
+
+
+def _mesh_of_devices(devices, where: str):
+  """Alpa's ``devices=``: a mesh as it is, or a 1-D "data" mesh over a
+  sequence of devices."""
+  if isinstance(devices, (Mesh, AbstractMesh)):
+    return devices
+  try:
+    devs = np.asarray(list(devices), dtype=object).reshape(-1)
+  except TypeError:
+    devs = None
+  if devs is None or not len(devs) or not all(isinstance(d, jax.Device) for d in devs):
+    raise MeshError(f"{where}: devices={devices!r}; expected a jax.sharding.Mesh or a "
+                    f"sequence of jax devices (e.g. jax.devices()).")
+  return Mesh(devs, ("data",), axis_types=(AxisType.Auto,))
 
 
 def accumulation_dtype(dtype, setting: str | None):

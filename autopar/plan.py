@@ -184,8 +184,9 @@ class Plan:
   objective: float = 0.0
   solver: SolverStats | None = None
   fingerprint: tuple[tuple[str, str], ...] = ()
-  # Not serialized: the pytree structure of the inputs and the mesh object
-  # the plan was made for. A loaded plan has neither until it is applied.
+  # Not serialized: the structure of the inputs (a ``pytrees.Partition`` of
+  # the non-static arguments) and the mesh object the plan was made for. A
+  # loaded plan has neither until it is applied.
   in_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
   mesh: Any = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -202,7 +203,8 @@ class Plan:
 
   @property
   def input_shardings(self) -> Any:
-    """The inputs' ``NamedSharding``s, shaped like the non-static arguments.
+    """The inputs' ``NamedSharding``s, shaped like the non-static arguments
+    (None where an argument holds a static leaf, such as a function).
 
     For a plan loaded from JSON (which has no pytree structure), a dict from
     pytree path to ``NamedSharding``.
@@ -211,7 +213,8 @@ class Plan:
     leaves = [NamedSharding(mesh, v.spec) for v in self.inputs]
     if self.in_tree is None:
       return {v.name: s for v, s in zip(self.inputs, leaves, strict=True)}
-    return jax.tree_util.tree_unflatten(self.in_tree, leaves)
+    part = self.in_tree
+    return dataclasses.replace(part, statics=(None,) * len(part.statics)).merge(leaves)
 
   # -- JSON --------------------------------------------------------------------
 

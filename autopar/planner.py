@@ -114,36 +114,56 @@ def leaves_read_by_compute(split: SplitStep) -> set[int]:
 
 
 def donation_pairs(traced: TracedStep, out_avals=None) -> dict[int, int]:
-  """Output leaf index -> donated input leaf index it replaces.
+  """Output leaf index -> donated input leaf index it replaces (traced
+  leaves both).
 
-  A donated argument is paired with the whole output, or with one top-level
-  element of it, that has the same pytree structure, shapes and dtypes (the
-  new state returned in place of the old). ``out_avals``: the outputs' avals,
-  if not those of ``traced``'s jaxpr (which may have a symbolic batch size).
+  A donated argument is paired with the whole result, an element of it, or
+  an element of one (``(new_state, loss)``; an argument updated in place),
+  that has the same pytree structure, the same static leaves' places, and
+  the same shapes and dtypes (the new state returned in place of the old).
+  ``out_avals``: the outputs' avals, if not those of ``traced``'s jaxpr
+  (which may have a symbolic batch size).
   """
   leaves = traced.leaves
-  arg_children = traced.in_tree.children()
+  ins, outs = traced.inputs, traced.outputs
   out_avals = [(tuple(a.shape), a.dtype) for a in (
       out_avals or [v.aval for v in traced.jaxpr.jaxpr.outvars])]
-  candidates = [(0, traced.out_tree)]
-  if traced.out_tree.num_nodes > 1 and traced.out_tree.children():
-    off = 0
-    for child in traced.out_tree.children():
-      candidates.append((off, child))
-      off += child.num_leaves
+
+  def traced_index(mask):
+    """Per leaf, its index among the traced leaves (None: static)."""
+    out, k = [], 0
+    for d in mask:
+      out.append(k if d else None)
+      k += d
+    return out
+  in_index, out_index = traced_index(ins.dynamic), traced_index(outs.dynamic)
+
+  candidates = []                # (first leaf, treedef) of the result's subtrees
+
+  def walk(td, first, depth):
+    candidates.append((first, td))
+    if depth < 2:
+      for child in td.children():
+        walk(child, first, depth + 1)
+        first += child.num_leaves
+  walk(outs.treedef, 0, 0)
+
   pairs: dict[int, int] = {}
   start = 0
-  for td in arg_children:
+  for td in ins.treedef.children():      # one per non-static argument
     count = td.num_leaves
-    arg_leaves = leaves[start:start + count]
-    if count and arg_leaves[0].is_donated:
-      for off, out_td in candidates:
-        if out_td != td:
+    mine = [in_index[start + j] for j in range(count)]
+    if any(k is not None and leaves[k].is_donated for k in mine):
+      for first, out_td in candidates:
+        if out_td != td or outs.dynamic[first:first + count] != \
+            ins.dynamic[start:start + count]:
           continue
-        outs = out_avals[off:off + count]
-        if all(o == (l.shape, l.dtype) for o, l in zip(outs, arg_leaves)):
-          for i in range(count):
-            pairs.setdefault(off + i, start + i)
+        theirs = [out_index[first + j] for j in range(count)]
+        if all(k is None or out_avals[o] == (leaves[k].shape, leaves[k].dtype)
+               for k, o in zip(mine, theirs)):
+          for k, o in zip(mine, theirs):
+            if k is not None:
+              pairs.setdefault(o, k)
           break
     start += count
   return pairs
@@ -245,7 +265,7 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
               batch_axes=batch_axes, inputs=inputs, grads=grads,
               outputs=planned_outputs, collectives=tuple(collectives),
               memory_per_device=memory,
-              objective=float(objective), in_tree=traced.in_tree, mesh=mesh)
+              objective=float(objective), in_tree=traced.inputs, mesh=mesh)
 
 
 def _preset_collectives(split, inputs, grads, params, batch_axes, sizes, n, zero,
@@ -687,4 +707,4 @@ def _plan_from_solution(split, outputs, local, method, mesh, S, sol, stats,
               outputs=tuple(planned_outputs),
               intermediates=tuple(inter), collectives=tuple(collectives),
               memory_per_device=memory, objective=sol.objective, solver=solver,
-              in_tree=traced.in_tree, mesh=mesh)
+              in_tree=traced.inputs, mesh=mesh)

@@ -6,20 +6,26 @@ and outputs (pytree paths, which leaves are batch data or donated state).
 
 Arguments are classified once per call, by :func:`classify_args`:
 
-* static: listed in ``static_argnums``, or with ``"auto"`` any argument that
-  is a Python scalar or string, or holds a leaf that is not an array
-  (compiled in as a constant; a new value recompiles);
-* batch: listed in ``batch_argnums``; every leaf has a leading batch axis
-  that is split into micro-batches and over the data mesh axes;
+* static: listed in ``static_argnums``, or with ``"auto"`` an argument that
+  is a Python scalar, a string or None (compiled in as a constant; a new
+  value recompiles). Inside the other arguments, leaves that are not arrays
+  are static too (``pytrees.partition``: Equinox's rule);
+* batch: listed in ``batch_argnums``, or with ``"auto"`` found from the
+  arguments' leading dimensions (:func:`find_batch`); every leaf has a
+  leading batch axis that is split into micro-batches and over the data
+  mesh axes;
 * donated: listed in ``donate_argnums``, or with ``"auto"`` a first argument
   that looks like a flax ``TrainState`` (has ``params`` and ``opt_state`` or
-  ``apply_gradients``).
+  ``apply_gradients``);
+* updated: arguments holding Flax NNX variables, which the step may change
+  in place (``pytrees.mutable_args``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 from typing import Any, Callable, Sequence
 
 import jax
@@ -32,6 +38,7 @@ from jax.sharding import NamedSharding
 
 from autopar.errors import InputError, MarkerError
 from autopar.marker import grad_marker_p
+from autopar.pytrees import Partition, mutable_args, partition, write_back
 from autopar.retype import Instantiator, jaxprs_in, without_meshes
 
 __all__ = ["ArgFlags", "LeafInfo", "TracedStep", "classify_args",
@@ -43,30 +50,75 @@ __all__ = ["ArgFlags", "LeafInfo", "TracedStep", "classify_args",
 
 @dataclasses.dataclass(frozen=True)
 class ArgFlags:
-  """Which positional arguments are static, batch data, donated."""
+  """Which positional arguments are static, batch data, donated, updated in
+  place."""
   static: tuple[int, ...]
   batch: tuple[int, ...]
   donate: tuple[int, ...]
+  update: tuple[int, ...] = ()
 
 
 _SCALAR_TYPES = (bool, int, float, complex, str, type(None))
 
 
-def _is_array_leaf(x: Any) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct,
-                        int, float, bool, complex))
-
-
-def _is_auto_static(arg: Any) -> bool:
-  if isinstance(arg, _SCALAR_TYPES):
-    return True
-  leaves = jax.tree_util.tree_leaves(arg)
-  return any(not _is_array_leaf(x) for x in leaves)
-
-
 def _looks_like_train_state(arg: Any) -> bool:
   return hasattr(arg, "params") and (hasattr(arg, "opt_state")
                                      or hasattr(arg, "apply_gradients"))
+
+
+def _holds_state(arg: Any) -> bool:
+  """A model or optimizer state (never the batch): a TrainState, an
+  Equinox module or an optax state anywhere in it."""
+  if _looks_like_train_state(arg):
+    return True
+  eqx = sys.modules.get("equinox")
+  def state_node(x):
+    return ((eqx is not None and isinstance(x, eqx.Module)) or
+            type(x).__module__.split(".")[0] == "optax")
+  return any(state_node(x) for x in jax.tree_util.tree_leaves(arg, is_leaf=state_node))
+
+
+def _leading_size(arg: Any) -> int | None:
+  """The leading size all of ``arg``'s array leaves share, if they do."""
+  arrays, _ = partition(arg)
+  shapes = [tuple(getattr(x, "shape", ())) for x in arrays
+            if not isinstance(x, (int, float, complex))]
+  if not shapes or any(not s for s in shapes) or len({s[0] for s in shapes}) != 1:
+    return None
+  return shapes[0][0]
+
+
+def find_batch(args: Sequence[Any], exclude, names: Sequence[str], fn_name: str
+               ) -> tuple[int, ...]:
+  """The batch arguments when ``batch_argnums="auto"``: those whose array
+  leaves all share one leading size, leaving out ``exclude`` (static
+  arguments) and model or optimizer states. Arguments of one
+  leading size are the batch together (``x, y``); where sizes differ, the
+  group with argument 1 (the classic ``step(state, batch)``) is chosen, and
+  anything else is ambiguous."""
+  groups: dict[int, list[int]] = {}
+  others = []                     # arrays, but no one leading size
+  for i, a in enumerate(args):
+    if i in exclude or _holds_state(a):
+      continue
+    size = _leading_size(a)
+    if size is not None:
+      groups.setdefault(size, []).append(i)
+    elif partition(a)[0]:
+      others.append(i)
+  if not groups and 1 in others:
+    return (1,)       # as step(state, batch) has it; its leaves' check says what is off
+  if len(groups) <= 1:
+    return tuple(next(iter(groups.values()), ()))
+  with_one = [g for g in groups.values() if 1 in g]
+  if with_one:
+    return tuple(with_one[0])
+  listed = ", ".join(f"{names[i]} (argument {i}, leading size {size})"
+                     for size, g in groups.items() for i in g)
+  raise InputError(
+      f"{fn_name}: cannot tell which argument is the batch: {listed} could each "
+      f"be split into micro-batches. Fix: pass batch_argnums= naming the batch "
+      f"argument(s), e.g. parallelize(step, batch_argnums=({max(groups.values(), key=len)[0]},)).")
 
 
 def _normalize_argnums(argnums: int | Sequence[int], nargs: int, what: str,
@@ -85,20 +137,25 @@ def _normalize_argnums(argnums: int | Sequence[int], nargs: int, what: str,
 
 
 def classify_args(args: Sequence[Any], *, static_argnums, batch_argnums,
-                  donate_argnums, fn_name: str) -> ArgFlags:
+                  donate_argnums, fn_name: str,
+                  names: Sequence[str] | None = None) -> ArgFlags:
   """Resolves ``"auto"`` argnums against concrete (or abstract) arguments."""
   nargs = len(args)
-  batch = _normalize_argnums(batch_argnums, nargs, "batch_argnums", fn_name)
+  names = names or [f"args[{i}]" for i in range(nargs)]
+  explicit_batch = () if batch_argnums == "auto" else _normalize_argnums(
+      batch_argnums, nargs, "batch_argnums", fn_name)
   if static_argnums == "auto":
     static = tuple(i for i, a in enumerate(args)
-                   if i not in batch and _is_auto_static(a))
+                   if i not in explicit_batch and isinstance(a, _SCALAR_TYPES))
   else:
     static = _normalize_argnums(static_argnums, nargs, "static_argnums", fn_name)
   if donate_argnums == "auto":
-    donate = (0,) if nargs and 0 not in batch and 0 not in static and \
+    donate = (0,) if nargs and 0 not in explicit_batch and 0 not in static and \
         _looks_like_train_state(args[0]) else ()
   else:
     donate = _normalize_argnums(donate_argnums, nargs, "donate_argnums", fn_name)
+  batch = explicit_batch if batch_argnums != "auto" else find_batch(
+      args, set(static), names, fn_name)
   for name, nums in (("static_argnums", static), ("donate_argnums", donate)):
     both = sorted(set(nums) & set(batch))
     if both:
@@ -111,7 +168,8 @@ def classify_args(args: Sequence[Any], *, static_argnums, batch_argnums,
     raise InputError(
         f"{fn_name}: argument {both[0]} is both static and donated. Fix: only "
         f"array arguments can be donated; remove it from donate_argnums.")
-  return ArgFlags(static=static, batch=batch, donate=donate)
+  update = tuple(i for i in mutable_args(args) if i not in static and i not in batch)
+  return ArgFlags(static=static, batch=batch, donate=donate, update=update)
 
 
 # -- leaves -------------------------------------------------------------------
@@ -151,40 +209,43 @@ def _leaf_aval(x: Any) -> tuple[tuple[int, ...], Any, bool]:
 
 
 def abstract_leaves(args: Sequence[Any], flags: ArgFlags, names: Sequence[str]
-                    ) -> tuple[list[LeafInfo], Any, list[Any]]:
-  """Flattens the non-static args. Returns (leaf infos, treedef, leaves)."""
+                    ) -> tuple[list[LeafInfo], Partition, list[Any]]:
+  """Splits the non-static args into traced leaves and static ones.
+
+  Returns (an info per traced leaf, the partition of the tuple of non-static
+  args, the traced leaves).
+  """
   dynamic = [i for i in range(len(args)) if i not in flags.static]
-  infos, leaves = [], []
-  for i in dynamic:
-    xs, keys = _leaves_and_keys(args[i])
-    for x, key in zip(xs, keys, strict=True):
-      shape, dtype, weak = _leaf_aval(x)
-      infos.append(LeafInfo(
-          path=names[i] + key, shape=shape, dtype=dtype,
-          weak_type=weak, argnum=i, is_batch=i in flags.batch,
-          is_donated=i in flags.donate))
-    leaves.extend(xs)
-  treedef = jax.tree_util.tree_structure(tuple(args[i] for i in dynamic))
-  return infos, treedef, leaves
+  leaves, part = partition(tuple(args[i] for i in dynamic))
+  keys = _keys(part, tuple(args[i] for i in dynamic))
+  infos = []
+  for x, (pos, key) in zip(leaves, keys, strict=True):
+    shape, dtype, weak = _leaf_aval(x)
+    i = dynamic[pos]
+    infos.append(LeafInfo(path=names[i] + key, shape=shape, dtype=dtype,
+                          weak_type=weak, argnum=i, is_batch=i in flags.batch,
+                          is_donated=i in flags.donate))
+  return infos, part, leaves
 
 
-# Pytree structure -> the key path of each of its leaves ("['params']['w']").
-# Every call of a step flattens its arguments; spelling out the paths of a
-# large train state is slow (0.1 s for 3000 leaves), so it is done once per
+# Pytree structure -> (argument position, key path) of each traced leaf. Every
+# call of a step flattens its arguments; spelling out the paths of a large
+# train state is slow (0.1 s for 3000 leaves), so it is done once per
 # structure.
 _KEYS: dict = {}
 
 
-def _leaves_and_keys(tree) -> tuple[list, tuple[str, ...]]:
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  keys = _KEYS.get(treedef)
+def _keys(part: Partition, args: tuple) -> tuple[tuple[int, str], ...]:
+  key = (part.treedef, part.dynamic)
+  keys = _KEYS.get(key)
   if keys is None:
-    keys = tuple(jax.tree_util.keystr(kp)
-                 for kp, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
+    paths = jax.tree_util.tree_flatten_with_path(args)[0]
+    keys = tuple((kp[0].idx, jax.tree_util.keystr(kp[1:]))
+                 for (kp, _), d in zip(paths, part.dynamic, strict=True) if d)
     if len(_KEYS) >= 1024:
       _KEYS.clear()
-    _KEYS[treedef] = keys
-  return leaves, keys
+    _KEYS[key] = keys
+  return keys
 
 
 def check_batch_leaves(leaves: Sequence[LeafInfo], *, num_micro_batches: int,
@@ -211,7 +272,8 @@ def check_batch_leaves(leaves: Sequence[LeafInfo], *, num_micro_batches: int,
           f"but every leaf of a batch argument needs a leading batch axis to "
           f"split into micro-batches. Fix: give it a batch axis, or move it "
           f"out of the batch argument (e.g. into its own argument, which is "
-          f"replicated).")
+          f"replicated); if this argument is not the batch, name the batch "
+          f"with batch_argnums=.")
   first = batch_leaves[0]
   size = first.shape[0]
   for l in batch_leaves[1:]:
@@ -220,7 +282,8 @@ def check_batch_leaves(leaves: Sequence[LeafInfo], *, num_micro_batches: int,
           f"{fn_name}: batch leaves disagree on the batch size: {first.path} "
           f"has shape {first.shape} but {l.path} has shape {l.shape}. Fix: "
           f"every leaf of a batch argument must have the same leading "
-          f"(batch) dimension.")
+          f"(batch) dimension; if this argument is not the batch, name the "
+          f"batch with batch_argnums=.")
   divisor = num_micro_batches * data_size
   if size % divisor:
     axes = ", ".join(f"'{a}'" for a in data_axes) or "none"
@@ -240,41 +303,59 @@ def check_batch_leaves(leaves: Sequence[LeafInfo], *, num_micro_batches: int,
 
 @dataclasses.dataclass(frozen=True)
 class TracedStep:
-  """The step as a closed jaxpr over its flattened non-static arguments.
+  """The step as a closed jaxpr over the traced leaves of its arguments.
 
   ``jaxpr.jaxpr.invars[k]`` is ``leaves[k]`` (at micro-batch shape for batch
   leaves); ``jaxpr.jaxpr.outvars[k]`` has pytree path ``out_paths[k]``.
+
+  Attributes:
+    inputs: the partition of the tuple of non-static arguments (its traced
+      leaves are ``leaves``; ``pytrees.Partition``).
+    outputs: the partition of the step's result, as the caller gets it back:
+      the step's own result, or with arguments updated in place
+      ``(result, (updated argument, ...))`` (``updated``).
+    updated: the arguments (positions) whose values after the step are
+      results too (Flax NNX modules, changed in place).
   """
   jaxpr: ClosedJaxpr
   leaves: tuple[LeafInfo, ...]
-  in_tree: Any
-  out_tree: Any
+  inputs: Partition
+  outputs: Partition
   out_paths: tuple[str, ...]
   micro_batch_size: int          # 0 when the step has no batch argument
+  updated: tuple[int, ...] = ()
 
   def __str__(self) -> str:
     return str(self.jaxpr)
 
 
 def trace_step(fn: Callable, args: Sequence[Any], flags: ArgFlags,
-               leaves: Sequence[LeafInfo], in_tree: Any, *,
-               micro_batch_size: int | Any, mesh=None) -> TracedStep:
+               leaves: Sequence[LeafInfo], inputs: Partition, *,
+               micro_batch_size: int | Any, mesh=None,
+               names: Sequence[str] | None = None) -> TracedStep:
   """Traces ``fn`` with batch leaves cut to ``micro_batch_size`` rows.
 
   ``micro_batch_size`` may be a symbolic dimension (``jax.export``), which
   traces the step once for every batch size; see :func:`instantiate`.
   ``mesh``: the method's mesh (all axes Auto). A step whose sharding hints
   are bare PartitionSpecs needs a mesh in context; where the caller set
-  none, they refer to this one.
+  none, they refer to this one. ``names``: the arguments' names, for the
+  paths of arguments updated in place.
   """
   static_vals = {i: args[i] for i in flags.static}
   nargs = len(args)
+  names = names or [f"args[{i}]" for i in range(nargs)]
+  results = []       # the partition and key paths of the result (per trace)
 
   def flat_fn(*flat):
-    dyn = jax.tree_util.tree_unflatten(in_tree, flat)
-    it = iter(dyn)
+    it = iter(inputs.merge(flat))
     full = [static_vals[i] if i in static_vals else next(it) for i in range(nargs)]
-    return fn(*full)
+    out = fn(*full)
+    if flags.update:          # changed in place: their values after the step
+      out = (out, tuple(full[i] for i in flags.update))
+    dyn, part = partition(out)
+    results.append((part, jax.tree_util.tree_flatten_with_path(out)[0]))
+    return dyn
 
   abstract = [l.abstract((micro_batch_size, *l.shape[1:]) if l.is_batch else None)
               for l in leaves]
@@ -287,13 +368,35 @@ def trace_step(fn: Callable, args: Sequence[Any], flags: ArgFlags,
     with _in_context(mesh):
       closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*abstract)
     in_context = True
-  out_kp, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
-  out_paths = tuple("out" + jax.tree_util.keystr(kp) for kp, _ in out_kp)
+  outputs, paths = results[-1]
+  out_paths = tuple(_out_path(kp, flags.update, names)
+                    for (kp, _), d in zip(paths, outputs.dynamic, strict=True) if d)
   closed = _inline_marked_calls(closed, fn_name=getattr(fn, "__name__", "step"))
   closed = without_meshes(closed, in_context=in_context)
-  return TracedStep(jaxpr=closed, leaves=tuple(leaves), in_tree=in_tree,
-                    out_tree=out_tree, out_paths=out_paths,
-                    micro_batch_size=micro_batch_size)
+  return TracedStep(jaxpr=closed, leaves=tuple(leaves), inputs=inputs,
+                    outputs=outputs, out_paths=out_paths,
+                    micro_batch_size=micro_batch_size, updated=flags.update)
+
+
+def split_updates(traced: TracedStep, result, args: Sequence[Any]):
+  """The step's own result from ``result`` (the whole of ``traced.outputs``),
+  after writing the values of arguments changed in place into ``args``."""
+  if not traced.updated:
+    return result
+  out, updated = result
+  for i, new in zip(traced.updated, updated, strict=True):
+    write_back(args[i], new)
+  return out
+
+
+def _out_path(kp, updated: Sequence[int], names: Sequence[str]) -> str:
+  """A result leaf's path: ``out...``, or for an argument updated in place
+  its own path (``model['layers'][0]...``)."""
+  if not updated:
+    return "out" + jax.tree_util.keystr(kp)
+  if kp[0].idx == 0:
+    return "out" + jax.tree_util.keystr(kp[1:])
+  return names[updated[kp[1].idx]] + jax.tree_util.keystr(kp[2:])
 
 
 def _in_context(mesh):
@@ -306,8 +409,9 @@ def _in_context(mesh):
 # -- one trace for every batch size -------------------------------------------
 
 def trace_step_any_batch(fn: Callable, args: Sequence[Any], flags: ArgFlags,
-                         leaves: Sequence[LeafInfo], in_tree: Any, *,
-                         mesh=None) -> TracedStep | None:
+                         leaves: Sequence[LeafInfo], inputs: Partition, *,
+                         mesh=None, names: Sequence[str] | None = None
+                         ) -> TracedStep | None:
   """Traces ``fn`` once with a symbolic micro-batch size, or None if it can't be.
 
   The planner needs the step at several per-device batch sizes (one per
@@ -320,8 +424,8 @@ def trace_step_any_batch(fn: Callable, args: Sequence[Any], flags: ArgFlags,
   from jax import export
   rows, = export.symbolic_shape("autopar_rows")
   try:
-    return trace_step(fn, args, flags, leaves, in_tree, micro_batch_size=rows,
-                      mesh=mesh)
+    return trace_step(fn, args, flags, leaves, inputs, micro_batch_size=rows,
+                      mesh=mesh, names=names)
   except MarkerError:
     raise
   except Exception:   # noqa: BLE001 - any failure means: trace per batch size
