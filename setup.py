@@ -22,7 +22,7 @@ setup(
         "orbax-checkpoint",
     ],
     extras_require={
-        "test": ["pytest", "hypothesis", "flax", "optax", "orbax-checkpoint"],
-        "dev": ["pytest", "hypothesis", "flax", "optax", "orbax-checkpoint"],
+        "test": ["pytest", "hypothesis", "flax", "optax", "orbax-checkpoint", "equinox"],
+        "dev": ["pytest", "hypothesis", "flax", "optax", "orbax-checkpoint", "equinox"],
     },
 )

@@ -12,7 +12,7 @@ import gc
 import math
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 from jax._src import core as jax_core
@@ -31,8 +31,8 @@ from autopar.plan import Plan, ValuePlan
 from autopar.pytrees import Partition
 from autopar.remat import remat_mode
 from autopar.planner import Progress, batch_axes_for, plan_auto, plan_preset
-from autopar.split import (OutputKind, SplitStep, annotate, apply_at,
-                            instantiate_split, outputs_at, split_step)
+from autopar.split import (OutputKind, SplitStep, apply_at, instantiate_split,
+                            outputs_at, split_step)
 from autopar.trace import (ArgFlags, LeafInfo, abstract_leaves, arg_names,
                            check_batch_leaves, classify_args, split_updates,
                            trace_step, trace_step_any_batch)
@@ -43,7 +43,8 @@ __all__ = ["parallelize", "ParallelizedFunction"]
 def parallelize(fun: Callable | None = None, *, method: ParallelMethod | None = None,
                 donate_argnums: int | Sequence[int] | str = "auto",
                 batch_argnums: int | Sequence[int] | str = "auto",
-                static_argnums: int | Sequence[int] | str = "auto"):
+                static_argnums: int | Sequence[int] | str = "auto",
+                output_reductions: Mapping[str, str] | None = None):
   """Parallelizes a single-device training step over a device mesh.
 
   Use as ``@parallelize`` or ``@parallelize(method=..., ...)``.
@@ -67,6 +68,11 @@ def parallelize(fun: Callable | None = None, *, method: ParallelMethod | None = 
       Python scalars, strings and None as static. Inside the other
       arguments, array leaves are traced and every other leaf (a function, a
       string) is static, as under ``equinox.filter_jit``.
+    output_reductions: output path (as ``plan.outputs`` names it, or a glob)
+      -> ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``: how to combine an
+      output over micro-batches and devices where the program does not say
+      (autopar derives it for sums, means, maxes and mins over the batch's
+      rows and what is computed from them; see docs/gradient_accumulation.md).
 
   Returns:
     A :class:`ParallelizedFunction`: call it like ``fun``; results come back
@@ -85,7 +91,8 @@ def parallelize(fun: Callable | None = None, *, method: ParallelMethod | None = 
     return ParallelizedFunction(f, method=method or ShardParallel(),
                                 donate_argnums=donate_argnums,
                                 batch_argnums=batch_argnums,
-                                static_argnums=static_argnums)
+                                static_argnums=static_argnums,
+                                output_reductions=output_reductions)
   if fun is None:
     return wrap
   return wrap(fun)
@@ -109,7 +116,7 @@ class ParallelizedFunction:
   """
 
   def __init__(self, fun: Callable, *, method: ParallelMethod, donate_argnums,
-               batch_argnums, static_argnums):
+               batch_argnums, static_argnums, output_reductions=None):
     if not isinstance(method, ParallelMethod):
       raise InputError(f"parallelize: method must be one of ShardParallel, "
                        f"DataParallel, Zero2Parallel, Zero3Parallel; got "
@@ -125,12 +132,17 @@ class ParallelizedFunction:
     self.donate_argnums = donate_argnums
     self.batch_argnums = batch_argnums
     self.static_argnums = static_argnums
+    if output_reductions is not None and not isinstance(output_reductions, Mapping):
+      raise InputError(f"parallelize: output_reductions must map output paths to "
+                       f"'sum', 'mean', 'max' or 'min', got "
+                       f"{type(output_reductions).__name__}.")
+    self.output_reductions = dict(output_reductions or {})
     self._executables: dict[Any, Executable] = {}
     self._plans: dict[Any, tuple[Plan, int]] = {}    # key -> (plan, micro-batch size)
     self._splits: dict[Any, SplitStep] = {}
     self._any_split: dict[Any, SplitStep | None] = {}   # symbolic-batch split
     # Without a symbolic split: one concrete trace to compare others with.
-    self._reference: dict[Any, SplitStep] = {}
+    self._reference: dict[Any, Any] = {}      # key -> TracedStep
     self._lock = threading.Lock()
     functools.update_wrapper(self, fun)
 
@@ -270,18 +282,20 @@ class ParallelizedFunction:
                     h.spec) for h in split.hints if h.axes()))
     data_size = math.prod(sizes[a] for a in plan.batch_axes)
     if split.has_marker and n * data_size > 1:
-      for path, kind, aval in zip(split.traced.out_paths, split.out_kinds,
-                                  self._outputs(prep, split, micro).avals, strict=True):
+      for j, (path, kind, aval) in enumerate(zip(
+          split.traced.out_paths, split.out_kinds,
+          self._outputs(prep, split, micro).avals, strict=True)):
         if kind is OutputKind.OTHER:
+          why = split.why.get(j, "its shape depends on the batch size other than as "
+                              "rows in one dimension")
           raise InputError(
               f"{self._name}: output {path} (shape {tuple(aval.shape)} for a "
               f"micro-batch of {micro} rows) is computed from the batch before the "
-              f"gradient marker, but autopar cannot combine it over {n} "
-              f"micro-batch(es) x {data_size} device(s): it is a mean or count "
-              f"(no dimension grows with the batch) of a dtype that is neither float "
-              f"nor integer, or its shape grows with the batch other than as rows "
-              f"in one dimension. Fix: return float means, integer counts, or "
-              f"per-example values with the batch's rows in one dimension.")
+              f"gradient marker, and autopar cannot tell how to combine it over {n} "
+              f"micro-batch(es) x {data_size} device(s): {why}. Fix: compute it from "
+              f"sums, means, maxes or mins over the batch's rows, return it per "
+              f"example, or say how to combine it: parallelize(..., "
+              f"output_reductions={{{path!r}: 'mean'}}) (or 'sum', 'max', 'min').")
     return plan, micro
 
   def _outputs(self, prep: _Prepared, split: SplitStep, rows: int):
@@ -306,8 +320,8 @@ class ParallelizedFunction:
                                       prep.flags, prep.leaves, prep.inputs,
                                       mesh=auto_mesh(resolve_mesh(self.method)),
                                       names=prep.names)
-      self._any_split[prep.key] = (None if traced is None else
-                                   split_step(traced, fn_name=self._name))
+      self._any_split[prep.key] = (None if traced is None else split_step(
+          traced, fn_name=self._name, output_reductions=self.output_reductions))
     return self._any_split[prep.key]
 
   def _split(self, prep: _Prepared, micro_batch_size: int) -> SplitStep:
@@ -322,34 +336,33 @@ class ParallelizedFunction:
       if any_split is not None:
         split = instantiate_split(any_split, micro_batch_size)
       else:
-        split = self._annotated(prep, self._concrete(prep, micro_batch_size))
+        split = self._concrete(prep, micro_batch_size)
       self._splits[key] = split
     return self._splits[key]
 
   def _concrete(self, prep: _Prepared, rows: int) -> SplitStep:
-    """The step traced at ``rows`` rows and split, as it is (uncached)."""
-    with remat_mode(self.method.remat):
-      traced = trace_step(self.fun, self._args_for_trace(prep), prep.flags,
-                          prep.leaves, prep.inputs, micro_batch_size=rows,
-                          mesh=auto_mesh(resolve_mesh(self.method)), names=prep.names)
-    return split_step(traced, fn_name=self._name)
-
-  def _annotated(self, prep: _Prepared, split: SplitStep) -> SplitStep:
-    """A step traced at one concrete size, with which of its dimensions
-    hold rows read against a trace at another size (``rows.py``): needed
-    wherever the batch is split, over micro-batches or devices."""
-    rows = split.traced.micro_batch_size
+    """The step traced at ``rows`` rows and split; where the batch is split
+    (over micro-batches or devices), which of its dimensions hold rows is
+    read against a trace at another size (``rows.py``)."""
+    traced = self._trace_at(prep, rows)
     mesh = resolve_mesh(self.method)
-    if not rows or (self.method.micro_batches == 1 and math.prod(mesh.axis_sizes) == 1):
-      return split
-    known = [self._reference.get(prep.key), *(
-        s for (k, _), s in self._splits.items() if k == prep.key)]
-    ref = next((s for s in known
-                if s is not None and s.traced.micro_batch_size != rows), None)
-    if ref is None:
-      ref = self._concrete(prep, 2 * rows)
-      self._reference.setdefault(prep.key, ref)
-    return annotate(split, ref, fn_name=self._name)
+    reference = None
+    if rows and (self.method.micro_batches > 1 or math.prod(mesh.axis_sizes) > 1):
+      known = [self._reference.get(prep.key), *(
+          s.traced for (k, _), s in self._splits.items() if k == prep.key)]
+      reference = next((t for t in known
+                        if t is not None and t.micro_batch_size != rows), None)
+      if reference is None:
+        reference = self._reference.setdefault(prep.key, self._trace_at(prep, 2 * rows))
+    return split_step(traced, fn_name=self._name, reference=reference,
+                      output_reductions=self.output_reductions)
+
+  def _trace_at(self, prep: _Prepared, rows: int):
+    """The step traced at ``rows`` rows (uncached)."""
+    with remat_mode(self.method.remat):
+      return trace_step(self.fun, self._args_for_trace(prep), prep.flags,
+                        prep.leaves, prep.inputs, micro_batch_size=rows,
+                        mesh=auto_mesh(resolve_mesh(self.method)), names=prep.names)
 
   def _args_for_trace(self, prep: _Prepared) -> list:
     statics = dict(prep.key[1])

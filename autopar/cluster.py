@@ -549,7 +549,8 @@ class RayCluster:
     if fn_id is None:
       fn_id = self._functions[pf.fun] = next(self._ids)
       kwargs = dict(donate_argnums=pf.donate_argnums, batch_argnums=pf.batch_argnums,
-                    static_argnums=pf.static_argnums)
+                    static_argnums=pf.static_argnums,
+                    output_reductions=pf.output_reductions)
       payload = cloudpickle.dumps((pf.fun, kwargs))
       self._call([w.register.remote(fn_id, payload) for w in self.workers], "register")
     method = {f.name: getattr(pf.method, f.name) for f in dataclasses.fields(pf.method)
@@ -698,7 +699,8 @@ def _with_global_mesh(pf, c: RayCluster):
   variant = ParallelizedFunction(pf.fun, method=dataclasses.replace(pf.method, mesh=mesh),
                                  donate_argnums=pf.donate_argnums,
                                  batch_argnums=pf.batch_argnums,
-                                 static_argnums=pf.static_argnums)
+                                 static_argnums=pf.static_argnums,
+                                 output_reductions=pf.output_reductions)
   pf._ray_variant = variant
   return variant
 

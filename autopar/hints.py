@@ -37,7 +37,7 @@ from jax._src import core as jax_core
 from jax.sharding import PartitionSpec
 
 from autopar.errors import InputError
-from autopar.rows import ROWS_NAME, RowDim, Rows
+from autopar.rows import ROWS_NAME, RowDim
 
 __all__ = ["Hint", "HINT_PRIMITIVES", "find_hints", "model_axes", "check_hints",
            "in_stage", "check_pins", "entry_axes", "spec_of"]
@@ -102,23 +102,21 @@ def spec_of(eqn) -> PartitionSpec:
   return PartitionSpec(*spec)
 
 
-def find_hints(part: str, pairs, rows: Rows | None) -> dict[str, Hint]:
+def find_hints(part: str, eqns, oracle=None) -> dict[str, Hint]:
   """The hints of one part of the step, by path.
 
-  ``pairs``: ``(path, equation, the same in a second trace or None)``;
-  ``rows``: how to read row dimensions (None: not known).
+  ``eqns``: ``(path, equation)`` (``trace.eqns_by_path``); ``oracle``: a
+  ``rows.RowOracle`` for the row dimensions of the hinted values (None: not
+  known, or not needed).
   """
   out = {}
-  for path, eqn, other in pairs:
+  for path, eqn in eqns:
     if eqn.primitive.name not in HINT_PRIMITIVES:
       continue
-    shape = tuple(eqn.outvars[0].aval.shape)
-    dims = []
-    if rows is not None:
-      dims = rows.dims(shape, None if other is None else
-                       tuple(other.outvars[0].aval.shape))
-    out[path] = Hint(part, path, spec_of(eqn), shape, dims[0] if len(dims) == 1 else None,
-                     eqn.outvars[0].aval.dtype)
+    v = eqn.outvars[0]
+    dims = (oracle.dims(v) if oracle is not None else None) or []
+    out[path] = Hint(part, path, spec_of(eqn), tuple(v.aval.shape),
+                     dims[0] if len(dims) == 1 else None, v.aval.dtype)
   return out
 
 

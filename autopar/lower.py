@@ -342,6 +342,24 @@ _REGION_EVAL = {"scan": _scan, "while": _while, "cond": _cond,
 
 # -- stages -------------------------------------------------------------------
 
+# How values are combined over micro-batches (elementwise) ...
+_COMBINE = {"sum": jnp.add, "mean": jnp.add, "max": jnp.maximum, "min": jnp.minimum}
+# ... and which combination the outputs the caller said how to combine take.
+_BY_DEVICE = {OutputKind.MEAN: "mean", OutputKind.SUM: "sum", OutputKind.MAX: "max",
+              OutputKind.MIN: "min"}
+
+
+def _across(x, op: str, manual: Sequence[str], groups: int):
+  """``x`` (one device's combination of its micro-batches) combined over the
+  manual (batch) axes: summed, averaged over all ``groups``, maxed, mined."""
+  if op in ("sum", "mean"):
+    x = lax.psum(x, manual) if manual else x
+    return x / groups if op == "mean" else x
+  if not manual:
+    return x
+  return lax.pmax(x, manual) if op == "max" else lax.pmin(x, manual)
+
+
 def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
                 sync: bool, micro_rows: int, accumulate: str | None):
   """A jitted gradient stage (see LoweredStep for its signature)."""
@@ -357,6 +375,10 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
   read = leaves_read_by_compute(split)
   grad_vars = compute.outvars[:num_grads]
   acc_dtypes = [accumulation_dtype(v.aval.dtype, accumulate) for v in grad_vars]
+  # Reductions over the rows that apply_grad computes outputs from
+  # (combine.py): accumulated beside the gradients, each as it combines.
+  reduced = split.reduced
+  num_acc = num_grads + len(reduced)
   kinds = [k for k in split.out_kinds if k is not OutputKind.APPLY]
   row_dims = [d for k, d in zip(split.out_kinds, split.out_dims, strict=True)
               if k is not OutputKind.APPLY]
@@ -400,12 +422,14 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
                    once_axes=manual if callbacks else (),
                    hint=(lambda x, spec: pin(x, in_stage(spec, manual))) if hinted else None)
     outs = _eval_jaxpr(compute, consts, args, rules)
-    grads, micro = outs[:num_grads], outs[num_grads:]
+    grads, sums, micro = outs[:num_grads], outs[num_grads:num_acc], outs[num_acc:]
     grads = [g.astype(t) for g, t in zip(grads, acc_dtypes, strict=True)]
     if first:
-      acc_g = [g[None] for g in grads]
+      acc_g = [g[None] for g in (*grads, *sums)]
     else:
-      acc_g = [a + g[None] for a, g in zip(acc[0], grads, strict=True)]
+      acc_g = [a + g[None] for a, g in zip(acc[0][:num_grads], grads, strict=True)]
+      acc_g += [_COMBINE[op](a, r[None]) for a, r, op in
+                zip(acc[0][num_grads:], sums, reduced, strict=True)]
     acc_m = []
     for j, (kind, val) in enumerate(zip(kinds, micro, strict=True)):
       if kind is OutputKind.CONCAT:
@@ -417,29 +441,26 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
         buf = (jnp.zeros((*val.shape[:dim], n * size, *val.shape[dim + 1:]), val.dtype)
                if first else acc[1][j])
         acc_m.append(lax.dynamic_update_slice_in_dim(buf, val, i * size, dim))
-      elif kind in (OutputKind.MEAN, OutputKind.SUM):
-        acc_m.append(val[None] if first else acc[1][j] + val[None])
+      elif kind in _BY_DEVICE:
+        op = _BY_DEVICE[kind]
+        acc_m.append(val[None] if first else _COMBINE[op](acc[1][j], val[None]))
       else:  # OTHER: only possible with one micro-batch on one device
         acc_m.append(val)
     if not sync:
       return acc_g, acc_m
     red_g = [(_reduce_manual(a[0], s, manual) / groups).astype(v.aval.dtype)
-             for a, s, v in zip(acc_g, grad_specs, grad_vars, strict=True)]
-    red_m = []
-    for kind, a in zip(kinds, acc_m, strict=True):
-      if kind is OutputKind.MEAN:
-        red_m.append(lax.psum(a[0], manual) / groups if manual else a[0] / groups)
-      elif kind is OutputKind.SUM:
-        red_m.append(lax.psum(a[0], manual) if manual else a[0])
-      else:
-        red_m.append(a)
+             for a, s, v in zip(acc_g[:num_grads], grad_specs, grad_vars, strict=True)]
+    red_g += [_across(a[0], op, manual, groups)
+              for a, op in zip(acc_g[num_grads:], reduced, strict=True)]
+    red_m = [_across(a[0], _BY_DEVICE[kind], manual, groups) if kind in _BY_DEVICE else a
+             for kind, a in zip(kinds, acc_m, strict=True)]
     return red_g, red_m
 
   def rows_spec(j, kind):
-    """Where output j's rows (CONCAT) or its per-device stack (MEAN, SUM) are."""
+    """Where output j's rows (CONCAT) or its per-device stack (MEAN, ...) are."""
     if kind is OutputKind.CONCAT:
       return batch_spec(len(micro_avals[j].shape), row_dims[j].dim, batch_entry)
-    if kind in (OutputKind.MEAN, OutputKind.SUM):
+    if kind in _BY_DEVICE:
       return PartitionSpec(batch_entry)
     return PartitionSpec()
 
@@ -447,10 +468,10 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
                  if k is not OutputKind.APPLY]
   leaf_specs_manual = [PartitionSpec(batch_entry) if l.is_batch else
                        _manual(s, manual) for l, s in zip(leaves, in_specs)]
-  acc_specs = ([PartitionSpec(batch_entry)] * num_grads,
+  acc_specs = ([PartitionSpec(batch_entry)] * num_acc,
                [rows_spec(j, k) for j, k in enumerate(kinds)])
   if sync:
-    out_specs = ([_manual(s, manual) for s in grad_specs],
+    out_specs = ([_manual(s, manual) for s in grad_specs] + [PartitionSpec()] * len(reduced),
                  [rows_spec(j, k) if k is OutputKind.CONCAT else PartitionSpec()
                   for j, k in enumerate(kinds)])
   else:
@@ -474,10 +495,11 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
 
   ns = lambda s, m=amesh: NamedSharding(m, s)
   leaf_shardings = [ns(s) for s in in_specs]
-  acc_shardings = ([ns(_stacked(s, manual)) for s in grad_specs],
+  acc_shardings = ([ns(_stacked(s, manual)) for s in grad_specs] +
+                   [ns(PartitionSpec(batch_entry))] * len(reduced),
                    [ns(rows_spec(j, k)) for j, k in enumerate(kinds)])
   if sync:
-    out_shardings = ([ns(s) for s in grad_specs],
+    out_shardings = ([ns(s) for s in grad_specs] + [ns(PartitionSpec())] * len(reduced),
                      [ns(s, user_mesh) for s in micro_out_specs])
   else:
     out_shardings = acc_shardings
@@ -516,7 +538,8 @@ def _apply_stage(split: SplitStep, plan: Plan, amesh, user_mesh,
   ns = lambda s, m=amesh: NamedSharding(m, s)
   in_shardings = ([ns(plan.inputs[k].spec) for k in donated],
                   [ns(plan.inputs[k].spec) for k in kept],
-                  [ns(g.spec) for g in plan.grads])
+                  [ns(g.spec) for g in plan.grads] +
+                  [ns(PartitionSpec())] * len(split.reduced))
   out_shardings = [ns(s, user_mesh) for s in apply_specs]
   return jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
                  donate_argnums=(0,) if donated else ())
@@ -657,7 +680,8 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
           lowered = fn.lower(leaf_avals, _abstract((), np.int32), acc_avals)
         stages[name] = lowered.compile(options)
       fn = _apply_stage(split, plan, amesh, mesh, donated, kept)
-      grad_avals = [_abstract(a.shape, a.dtype) for a in split.grad_avals]
+      grad_avals = [_abstract(a.shape, a.dtype)
+                    for a in (*split.grad_avals, *split.reduced_avals)]
       stages["apply_grad"] = fn.lower([leaf_avals[k] for k in donated],
                                       [leaf_avals[k] for k in kept],
                                       grad_avals).compile(options)
@@ -673,6 +697,7 @@ def _acc_avals(split: SplitStep, plan: Plan, accumulate: str | None):
   d = math.prod(sizes[a] for a in plan.batch_axes)
   grads = [_abstract((d, *a.shape), accumulation_dtype(a.dtype, accumulate))
            for a in split.grad_avals]
+  grads += [_abstract((d, *a.shape), a.dtype) for a in split.reduced_avals]
   micro = []
   outvars = split.traced.jaxpr.jaxpr.outvars
   batch_size = split.traced.micro_batch_size * plan.num_micro_batches
@@ -683,7 +708,7 @@ def _acc_avals(split: SplitStep, plan: Plan, accumulate: str | None):
     if kind is OutputKind.CONCAT:
       shape = (*shape[:rows.dim], rows.factor * batch_size, *shape[rows.dim + 1:])
       micro.append(_abstract(shape, v.aval.dtype))
-    elif kind in (OutputKind.MEAN, OutputKind.SUM):
+    elif kind in _BY_DEVICE:
       micro.append(_abstract((d, *shape), v.aval.dtype))
     else:
       micro.append(_abstract(shape, v.aval.dtype))

@@ -35,7 +35,7 @@ from autopar.errors import MarkerError
 from autopar.remat import maybe_roll
 
 __all__ = ["grad", "value_and_grad", "filter_grad", "filter_value_and_grad",
-           "grad_marker_p", "mark_gradients"]
+           "grad_marker_p", "value_marker_p", "mark_gradients"]
 
 
 # -- primitive ---------------------------------------------------------------
@@ -83,6 +83,25 @@ def _batch(args, dims, *, names):
 ad.primitive_jvps[grad_marker_p] = _jvp
 ad.primitive_transposes[grad_marker_p] = _transpose
 batching.primitive_batchers[grad_marker_p] = _batch
+
+
+# The value of autopar.value_and_grad (the loss): an identity, so that the
+# splitter knows which value is the mean over the batch's rows that the
+# gradient's averaging assumes (see combine.py).
+value_marker_p = Primitive("autopar_value")
+value_marker_p.def_impl(lambda x: x)
+value_marker_p.def_abstract_eval(lambda aval: aval)
+mlir.register_lowering(value_marker_p, mlir.lower_fun(lambda x: x, multiple_results=False))
+ad.deflinear2(value_marker_p, lambda ct, _: [ct])
+batching.defvectorized(value_marker_p)
+
+
+def _mark_value(value, has_aux: bool):
+  """The loss (``value``, or its first element with ``has_aux``) marked."""
+  if has_aux:
+    loss, aux = value
+    return value_marker_p.bind(loss), aux
+  return value_marker_p.bind(value)
 
 
 # -- API ---------------------------------------------------------------------
@@ -159,7 +178,7 @@ def value_and_grad(fun: Callable, argnums: Any = 0, has_aux: bool = False,
         vg_fn = jax.value_and_grad(rolled, argnums=argnums, has_aux=has_aux,
                                    holomorphic=holomorphic, allow_int=allow_int)
       value, g = vg_fn(*args, **kwargs)
-    return value, mark_gradients(g)
+    return _mark_value(value, has_aux), mark_gradients(g)
 
   return marked
 
@@ -222,7 +241,7 @@ def filter_value_and_grad(fun: Callable, *, has_aux: bool = False) -> Callable:
     diff, fixed = _filtered(x, _is_inexact_array)
     value, g = jax.value_and_grad(
         lambda d: rolled(_combined(d, fixed), *args, **kwargs), has_aux=has_aux)(diff)
-    return value, mark_gradients(g)
+    return _mark_value(value, has_aux), mark_gradients(g)
 
   return marked
 

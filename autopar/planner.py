@@ -279,13 +279,14 @@ def _preset_collectives(split, inputs, grads, params, batch_axes, sizes, n, zero
                         kind="reduce-scatter" if zero else "all-reduce",
                         axes=batch_axes, bytes=grad_bytes, per_step=1,
                         what="gradients")]
-  reduced = [a for k, a in zip(split.out_kinds, out_avals)
-             if k in (OutputKind.MEAN, OutputKind.SUM)]
-  if reduced:
+  combined = [a for k, a in zip(split.out_kinds, out_avals)
+              if k in (OutputKind.MEAN, OutputKind.SUM, OutputKind.MAX, OutputKind.MIN)]
+  combined += split.reduced_avals
+  if combined:
     out.append(CollectivePlan(stage=sync, kind="all-reduce", axes=batch_axes,
-                              bytes=sum(num_bytes(a.shape, a.dtype) for a in reduced),
-                              per_step=1, what="per-micro-batch means and counts "
-                              "(loss, metrics)"))
+                              bytes=sum(num_bytes(a.shape, a.dtype) for a in combined),
+                              per_step=1, what="sums over the batch's rows (loss, "
+                              "metrics)"))
   sharded_params = [inputs[k] for k in sorted(params)
                     if any(inputs[k].spec) and not split.traced.leaves[k].is_batch]
   if zero == 3 and sharded_params:
@@ -417,8 +418,12 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
   with concurrent.futures.ThreadPoolExecutor(max_workers=1) as solver:
     hints = {h.path: h for h in split.hints}
     pins = check_pins(option.pin_map, split.traced.leaves, sizes) if option.pins else {}
-    for S in _distinct_up_to_axis_names(
-        candidate_batch_axes(method, mesh, micro, split.hints), names, sizes, option):
+    # Larger batch splits first: of plans that cost the same, the one that
+    # splits the batch over more devices wins (its gradients cross devices
+    # once a step, whatever the number of micro-batches).
+    candidates = sorted(candidate_batch_axes(method, mesh, micro, split.hints),
+                        key=lambda S: -math.prod(sizes[a] for a in S))
+    for S in _distinct_up_to_axis_names(candidates, names, sizes, option):
       check_hints(hints, names, S, f"the plan with batch axes {S}")
       A = tuple(a for a in names if a not in S)
       d = math.prod(sizes[a] for a in S)
@@ -617,7 +622,10 @@ def _plan_from_solution(split, outputs, local, method, mesh, S, sol, stats,
     return to_partition_spec(tuple(spec))
 
   leaf_dims = list(sol.leaf_batch_dims)
-  grad_dims = [None] * len(sol.grad_specs)
+  # The ILP plans the reductions over the rows apply_grad takes (combine.py)
+  # as it plans gradients; the plan's gradients are the gradients.
+  grad_specs = sol.grad_specs[:split.num_grads]
+  grad_dims = [None] * len(grad_specs)
   d_batch = math.prod(sizes[a] for a in S)
   if method.option.prefer_reduce_scatter and d_batch > 1:
     # ZeRO-2: gradients reduce-scattered over the batch axes and the optimizer
@@ -627,7 +635,7 @@ def _plan_from_solution(split, outputs, local, method, mesh, S, sol, stats,
     for k, (l, spec) in enumerate(zip(traced.leaves, sol.leaf_specs)):
       if leaf_dims[k] is None and not l.is_batch and k not in read:
         leaf_dims[k] = _divisible_dim(l.shape, spec, d_batch, sizes)
-    for g, (a, spec) in enumerate(zip(grad_avals, sol.grad_specs)):
+    for g, (a, spec) in enumerate(zip(grad_avals, grad_specs)):
       grad_dims[g] = _divisible_dim(a.shape, spec, d_batch, sizes)
 
   in_specs = [with_batch(s) if l.is_batch else with_batch_dim(s, dim)
@@ -638,7 +646,7 @@ def _plan_from_solution(split, outputs, local, method, mesh, S, sol, stats,
   grads = tuple(ValuePlan(name, tuple(a.shape), dtype_name(a.dtype),
                           with_batch_dim(s, dim))
                 for name, a, s, dim in zip(split.grad_names, grad_avals,
-                                           sol.grad_specs, grad_dims, strict=True))
+                                           grad_specs, grad_dims, strict=True))
   pairs = donation_pairs(traced, out_avals)
   batch_entry = PartitionSpec(None if not S else S[0] if len(S) == 1 else tuple(S))
   planned_outputs = []
@@ -689,7 +697,7 @@ def _plan_from_solution(split, outputs, local, method, mesh, S, sol, stats,
                  for k, b in colls.items()]
   if d_batch > 1 and split.has_marker:
     # Operand bytes: the gradient as each device holds it before the sync.
-    gb = sum(to_bytes(a, s) for a, s in zip(grad_avals, sol.grad_specs))
+    gb = sum(to_bytes(a, s) for a, s in zip(grad_avals, grad_specs))
     scattered = any(dim is not None for dim in grad_dims)
     collectives.append(CollectivePlan(
         stage=grad_stage_names(n)[-1],

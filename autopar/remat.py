@@ -63,6 +63,7 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from autopar.errors import InputError
+from autopar.pytrees import leaf_mask
 
 __all__ = ["remat_mode", "check_remat", "maybe_roll", "find_layers", "Stack"]
 
@@ -132,8 +133,7 @@ class Stack:
 
 def _rolled_call(fun, policy, args, kwargs):
   flat, tree = jax.tree.flatten((args, kwargs))
-  is_array = [isinstance(x, (jax.Array, np.ndarray, np.generic, float, int, complex))
-              and not isinstance(x, bool) for x in flat]
+  is_array = leaf_mask((args, kwargs))      # traced as autopar traces the step
   out_tree = []
 
   constant_outs = []          # outputs that do not depend on the inputs (an aux int)

@@ -48,7 +48,7 @@ from jax._src.interpreters import mlir
 from jax._src.lib.mlir import ir
 from jax.extend.core import Primitive
 
-from autopar.rows import RowDim, Rows
+from autopar.rows import RowDim
 
 __all__ = ["RowDraw", "DRAW_PRIMITIVES", "find_draws", "draw"]
 
@@ -67,21 +67,28 @@ class RowDraw:
   why: str = ""
 
 
-def find_draws(pairs, rows: Rows) -> dict[str, RowDraw]:
+def find_draws(eqns, oracle) -> dict[str, RowDraw]:
   """The draws that hold rows, by equation path.
 
-  ``pairs``: ``(path, equation, same equation in the second trace or None)``
-  for every equation of the gradient computation (see ``rows.py``).
+  ``eqns``: ``(path, equation)`` of the gradient computation
+  (``trace.eqns_by_path``); ``oracle``: a ``rows.RowOracle`` for its values.
   """
   out = {}
-  for path, eqn, other in pairs:
+  for path, eqn in eqns:
     if eqn.primitive.name not in DRAW_PRIMITIVES:
       continue
-    shape = eqn.params["shape"]
-    other_shape = None if other is None else other.params["shape"]
-    if not rows.varies(shape, other_shape):
+    shapes = oracle.shapes(eqn.outvars[0])
+    if shapes is None:
+      out[path] = RowDraw(None, "autopar cannot tell which of its dimensions hold "
+                          "the batch's rows (the step's program differs from batch "
+                          "size to batch size)")
+      continue
+    # The draw's own shape follows its keys' (a draw per key).
+    k = len(eqn.invars[0].aval.shape)
+    shape, other = shapes[0][k:], None if shapes[1] is None else shapes[1][k:]
+    if not oracle.rows.varies(shape, other):
       continue                 # drawn alike on every device: as on one device
-    dims = rows.dims(shape, other_shape)
+    dims = oracle.rows.dims(shape, other)
     if len(dims) == 1:
       out[path] = RowDraw(dims[0])
     else:

@@ -22,8 +22,9 @@ import dataclasses
 from typing import Sequence
 
 from jax._src import core as jax_core
+from jax.extend.core import Literal
 
-__all__ = ["RowDim", "Rows", "ROWS_NAME"]
+__all__ = ["RowDim", "Rows", "RowOracle", "ROWS_NAME"]
 
 ROWS_NAME = "autopar_rows"    # the symbolic batch dimension (trace.py)
 
@@ -92,3 +93,63 @@ class Rows:
     if self.sizes is None:
       return any(jax_core.is_symbolic_dim(d) for d in shape)
     return other is not None and tuple(shape) != tuple(other)
+
+
+class RowOracle:
+  """Which dimensions of each value of one program hold the batch's rows.
+
+  For a program traced at a symbolic batch size (:meth:`symbolic`) it reads
+  each value's shape; for one traced at a concrete size (:meth:`paired`) it
+  compares each value's shape with the same value's in the program traced at
+  another size, matched by position (where the two programs differ in
+  structure, as a chunked loss's can, only the top level, or nothing, is
+  matched; the rest is not known).
+  """
+
+  def __init__(self, rows: Rows, other: dict | None = None):
+    self.rows = rows
+    self.other = other           # variable -> its shape in the second trace
+
+  @classmethod
+  def symbolic(cls) -> "RowOracle":
+    return cls(Rows.symbolic())
+
+  @classmethod
+  def paired(cls, a, b, rows_a: int, rows_b: int) -> "RowOracle":
+    """From jaxprs ``a`` (traced at ``rows_a`` rows) and ``b`` (``rows_b``)."""
+    from autopar.trace import eqns_by_path
+    other: dict = {}
+
+    def match(vs, ws):
+      for v, w in zip(vs, ws):
+        if hasattr(v, "aval") and not isinstance(v, Literal):
+          other[v] = tuple(getattr(w.aval, "shape", ()))
+    if len(a.invars) == len(b.invars):
+      match(a.invars, b.invars)
+    ea, eb = list(eqns_by_path(a)), list(eqns_by_path(b))
+    if [(p, e.primitive) for p, e in ea] != [(p, e.primitive) for p, e in eb]:
+      ea = list(enumerate(a.eqns))          # the top level alone, if it matches
+      eb = list(enumerate(b.eqns))
+      if [e.primitive for _, e in ea] != [e.primitive for _, e in eb]:
+        ea, eb = [], []
+    for (_, e), (_, f) in zip(ea, eb):
+      match(e.outvars, f.outvars)
+    return cls(Rows.pair(rows_a, rows_b), other)
+
+  def shapes(self, v) -> tuple[tuple, tuple | None] | None:
+    """(``v``'s shape, its shape in the second trace or None), or None where
+    that is not known."""
+    shape = tuple(getattr(v.aval, "shape", ()))
+    if self.other is None:
+      return shape, None
+    if isinstance(v, Literal):
+      return shape, shape
+    b = self.other.get(v)
+    return None if b is None else (shape, b)
+
+  def dims(self, v) -> list[RowDim] | None:
+    """The dimensions of ``v`` that hold rows, or None if not known."""
+    if isinstance(v, Literal):
+      return []
+    s = self.shapes(v)
+    return None if s is None else self.rows.dims(*s)

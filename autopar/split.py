@@ -24,21 +24,23 @@ Before / after, for ``loss, g = value_and_grad(f)(w); return w - g, loss``::
         w2 = sub w g                           w2 = sub w g   in (w2,) }
       in (w2, l) }
 
-How per-micro-batch outputs are combined (``OutputKind``), read from the
-program's shapes, never from a size that happens to match (``rows.py``):
+How outputs computed before the marker are combined over micro-batches and
+devices (``OutputKind``), read from the program, never from a size that
+happens to match (``rows.py``, ``combine.py``):
 
 * ``CONCAT``: an output with a dimension that holds the batch's rows (per-
   example values; ``out_dims`` says which) is concatenated back into batch
   order along it.
-* ``MEAN``: a floating-point output without such a dimension (a loss, an
-  accuracy, a per-feature mean) is averaged over micro-batches and
-  data-parallel devices. This assumes it is a mean over the examples of the
-  batch, as losses almost always are.
-* ``SUM``: an integer output without such a dimension (a count of correct
-  predictions) is summed.
-* ``OTHER``: anything else (rows in two dimensions, a shape that depends on
-  the batch size in another way, a boolean) cannot be combined; it is an
-  error when there is more than one micro-batch or data-parallel device.
+* An output computed from reductions over the rows (a loss, an accuracy, a
+  metric's running total) becomes an ``APPLY`` output: the reductions are
+  accumulated like the gradients (``reduced``, after the gradients among
+  compute_grad's results and apply_grad's inputs) and the output is
+  computed from them once per step (``combine.py``).
+* ``MEAN`` / ``SUM`` / ``MAX`` / ``MIN``: an output the caller said how to
+  combine (``output_reductions``), combined so from its per-micro-batch
+  values.
+* ``OTHER``: anything else cannot be combined; it is an error when there is
+  more than one micro-batch or data-parallel device (``why`` says what).
 
 An output that depends on the batch's shape but not its values (say
 ``jnp.arange(batch.shape[0])``) is an ``apply_grad`` output, computed once
@@ -55,31 +57,38 @@ import dataclasses
 import enum
 from typing import NamedTuple
 
-import jax
-import numpy as np
+import fnmatch
+from typing import Mapping
+
+from jax._src import core as jax_core
 from jax._src.interpreters import partial_eval as pe
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
-from jax._src import core as jax_core
-
-from autopar.errors import MarkerError
+from autopar.combine import derive
+from autopar.errors import InputError, MarkerError
 from autopar.hints import HINT_PRIMITIVES, Hint, find_hints
-from autopar.marker import grad_marker_p
+from autopar.marker import grad_marker_p, value_marker_p
 from autopar.rng import DRAW_PRIMITIVES, RowDraw, find_draws
-from autopar.rows import RowDim, Rows
+from autopar.rows import RowDim, RowOracle
 from autopar.trace import (TracedStep, count_markers, eqns_by_path, instantiate,
                            instantiator)
 
 __all__ = ["OutputKind", "SplitStep", "split_step", "instantiate_split",
-           "outputs_at", "reads", "depends_on", "annotate", "apply_at"]
+           "outputs_at", "reads", "depends_on", "apply_at"]
 
 
 class OutputKind(enum.Enum):
   MEAN = "mean"
   SUM = "sum"
+  MAX = "max"
+  MIN = "min"
   CONCAT = "concat"
   OTHER = "other"
   APPLY = "apply"
+
+
+_BY_USER = {"mean": OutputKind.MEAN, "sum": OutputKind.SUM, "max": OutputKind.MAX,
+            "min": OutputKind.MIN}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,18 +104,20 @@ class SplitStep:
     consts: values of the lifted consts, in order.
     grad_names: pytree path of each gradient (from the marker).
     out_kinds: per output leaf, how it is produced and combined (read from
-      a symbolic trace, or from two traces by :func:`annotate`; a step
-      traced at one concrete size has provisional ones until then, right
-      for one device and one micro-batch only).
+      a symbolic trace, or from two traces: ``split_step(reference=...)``).
     out_index: per output leaf, its position among the compute outputs after
       the grads (for MEAN/SUM/CONCAT/OTHER) or among the apply outputs.
     out_dims: per output leaf, the dimension that holds the batch's rows
       (``rows.RowDim``), or None; CONCAT outputs are concatenated along it.
     draws: random draws of ``compute`` whose shape holds the batch's rows,
-      by equation path (``rng.py``); None when not known yet (a step traced
-      at concrete sizes only, before :func:`annotate`).
+      by equation path (``rng.py``); None when not known (a step traced at
+      one concrete size, with no reference).
     hints: the user's sharding hints in ``compute`` and ``apply``
       (``hints.py``).
+    reduced: how each reduction over the rows that ``apply`` computes
+      outputs from is combined ("sum", "mean", "max", "min"); they follow the
+      gradients among ``compute``'s results and ``apply``'s inputs.
+    why: per output that cannot be combined (``OTHER``), the reason.
   """
   traced: TracedStep
   compute: ClosedJaxpr | None
@@ -118,6 +129,8 @@ class SplitStep:
   out_dims: tuple[RowDim | None, ...] = ()
   draws: dict[str, RowDraw] | None = None
   hints: tuple[Hint, ...] = ()
+  reduced: tuple[str, ...] = ()
+  why: Mapping[int, str] = dataclasses.field(default_factory=dict)
 
   @property
   def has_marker(self) -> bool:
@@ -132,6 +145,11 @@ class SplitStep:
     return [v.aval for v in self.compute.jaxpr.outvars[:self.num_grads]]
 
   @property
+  def reduced_avals(self) -> list:
+    n = self.num_grads
+    return [v.aval for v in self.compute.jaxpr.outvars[n:n + len(self.reduced)]]
+
+  @property
   def num_micro_batch_outs(self) -> int:
     return sum(k is not OutputKind.APPLY for k in self.out_kinds)
 
@@ -141,28 +159,6 @@ class SplitStep:
       parts.append(f"compute_grad:\n{self.compute}")
     parts.append(f"apply_grad:\n{self.apply}")
     return "\n".join(parts)
-
-
-def _kind_and_dim(aval, rows: Rows | None, other=None) -> tuple[OutputKind, RowDim | None]:
-  """How a per-micro-batch output of ``aval`` is combined, and its row
-  dimension; ``other``: its aval in the second trace (``rows.sizes``).
-  ``rows`` None: the trace says nothing about rows (one concrete trace)."""
-  shape = tuple(aval.shape)
-  other_shape = None if other is None else tuple(other.shape)
-  dims = rows.dims(shape, other_shape) if rows is not None else []
-  if len(dims) == 1:
-    return OutputKind.CONCAT, dims[0]
-  if dims or (rows is not None and rows.varies(shape, other_shape)):
-    return OutputKind.OTHER, None
-  if jax.dtypes.issubdtype(aval.dtype, np.floating):
-    return OutputKind.MEAN, None
-  if jax.dtypes.issubdtype(aval.dtype, np.integer):
-    return OutputKind.SUM, None
-  return OutputKind.OTHER, None
-
-
-def _rows_of(traced: TracedStep) -> Rows | None:
-  return Rows.symbolic() if jax_core.is_symbolic_dim(traced.micro_batch_size) else None
 
 
 def reads(jaxpr) -> set:
@@ -210,8 +206,18 @@ def _dce(jaxpr: Jaxpr) -> Jaxpr:
       jaxpr.constvars, jaxpr.invars, jaxpr.outvars, kept))
 
 
-def split_step(traced: TracedStep, *, fn_name: str = "step") -> SplitStep:
-  """Cuts ``traced`` at its grad marker (see the module docstring)."""
+def split_step(traced: TracedStep, *, fn_name: str = "step",
+               reference: TracedStep | None = None,
+               output_reductions: Mapping[str, str] | None = None) -> SplitStep:
+  """Cuts ``traced`` at its grad marker (see the module docstring).
+
+  Which dimensions hold rows is read from ``traced`` itself when it was
+  traced at a symbolic batch size, else by comparing it with ``reference``,
+  the step traced at another size; with neither (one device, one
+  micro-batch, where it does not matter) outputs without rows are ``OTHER``.
+  ``output_reductions``: output path (or glob) -> "sum" / "mean" / "max" /
+  "min", for outputs the program does not say how to combine.
+  """
   closed = traced.jaxpr
   jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
   nconst = len(closed.consts)
@@ -227,14 +233,17 @@ def split_step(traced: TracedStep, *, fn_name: str = "step") -> SplitStep:
         f"{total} times; autopar splits the step at exactly one grad marker. "
         f"Fix: compute all gradients with one call (e.g. differentiate with "
         f"respect to a tuple of parameters) and use jax.grad for the others.")
-  rows = _rows_of(traced)
-  out_dims = tuple(_kind_and_dim(v.aval, rows)[1] for v in jaxpr.outvars)
+  oracle = _oracle(traced, jaxpr, reference)
+  known = oracle is not None
+  def dims(v):
+    return oracle.dims(v) if known else None
+  out_dims = tuple(_one(dims(v)) for v in jaxpr.outvars)
   if total == 0:
     return SplitStep(traced=traced, compute=None,
                      apply=ClosedJaxpr(jaxpr, ()), consts=tuple(closed.consts),
                      grad_names=(), out_kinds=(OutputKind.APPLY,) * len(jaxpr.outvars),
                      out_index=tuple(range(len(jaxpr.outvars))), out_dims=out_dims,
-                     draws={}, hints=_hints(None, jaxpr, rows))
+                     draws={}, hints=_hints(None, jaxpr, oracle))
   at = markers[0]
   marker = jaxpr.eqns[at]
 
@@ -242,102 +251,113 @@ def split_step(traced: TracedStep, *, fn_name: str = "step") -> SplitStep:
   on_batch = depends_on(jaxpr, batch_vars, stop=marker)
   on_grads = depends_on(jaxpr, marker.outvars, stop=marker)
 
-  kinds, index = [], []
-  micro_outs, apply_outs = [], []
-  for path, v in zip(traced.out_paths, jaxpr.outvars, strict=True):
+  by_user = _by_user(output_reductions, traced.out_paths)
+  kinds: list = []
+  why: dict[int, str] = {}
+  candidates = []                 # outputs to derive from reductions over the rows
+  for j, (path, v) in enumerate(zip(traced.out_paths, jaxpr.outvars, strict=True)):
     if isinstance(v, Var) and v in on_grads and v in on_batch:
       raise _batch_after_marker_error(fn_name, path, traced)
-    if isinstance(v, Var) and v in on_batch and v not in on_grads:
-      kinds.append(_kind_and_dim(v.aval, rows)[0])
-      index.append(len(micro_outs))
-      micro_outs.append(v)
-    else:
+    d = dims(v)
+    if not (isinstance(v, Var) and v in on_batch and v not in on_grads):
       kinds.append(OutputKind.APPLY)
+    elif out_dims[j] is not None:
+      kinds.append(OutputKind.CONCAT)
+    elif j in by_user:
+      kinds.append(by_user[j])
+    elif d is not None and len(d) > 1:
+      kinds.append(OutputKind.OTHER)
+      why[j] = "it holds the batch's rows in more than one dimension"
+    else:
+      kinds.append(None)
+      candidates.append(j)
+  means = {v for e in jaxpr.eqns if e.primitive is value_marker_p for v in e.outvars}
+  derivation = derive(jaxpr, candidates, on_batch, dims, means)
+  why.update(derivation.failures)
+  for j in candidates:
+    kinds[j] = OutputKind.APPLY if j in derivation.derived else OutputKind.OTHER
+  reduced = [v for v, _ in derivation.reduced]
+  made = set(reduced)
+  makers = {id(e) for e in jaxpr.eqns if any(v in made for v in e.outvars)}
+
+  index, micro_outs, apply_outs = [], [], []
+  for kind, v in zip(kinds, jaxpr.outvars, strict=True):
+    if kind is OutputKind.APPLY:
       index.append(len(apply_outs))
       apply_outs.append(v)
+    else:
+      index.append(len(micro_outs))
+      micro_outs.append(v)
 
   # An effect runs in the stage on its side of the marker, once.
   effects = [i for i, e in enumerate(jaxpr.eqns) if e.effects and pe.has_effects(e)]
   after = {i for i in effects if i > at}
-  compute = _dce(jaxpr.replace(outvars=[*marker.invars, *micro_outs],
+  compute = _dce(jaxpr.replace(outvars=[*marker.invars, *reduced, *micro_outs],
                                eqns=[e for i, e in enumerate(jaxpr.eqns) if i not in after]))
-  apply = _dce(jaxpr.replace(invars=[*jaxpr.invars, *marker.outvars], outvars=apply_outs,
-                             eqns=[e for i, e in enumerate(jaxpr.eqns)
-                                   if e is not marker and (i > at or i not in effects)]))
+  # apply_grad takes the reductions as inputs, as it takes the gradients:
+  # what made them (over the rows) is not in it.
+  apply = _dce(jaxpr.replace(
+      invars=[*jaxpr.invars, *marker.outvars, *reduced], outvars=apply_outs,
+      eqns=[e for i, e in enumerate(jaxpr.eqns)
+            if e is not marker and id(e) not in makers and (i > at or i not in effects)]))
   used_batch = batch_vars & reads(apply)
   if used_batch:
     raise _batch_after_marker_error(fn_name, None, traced)
 
   names = tuple(marker.params.get("names") or
                 (f"grad[{i}]" for i in range(len(marker.invars))))
-  draws = None
-  if rows is not None:
-    draws = find_draws(((p, e, None) for p, e in eqns_by_path(compute)), rows)
+  draws = find_draws(eqns_by_path(compute), oracle) if known else None
   return SplitStep(traced=traced, compute=ClosedJaxpr(compute, ()),
                    apply=ClosedJaxpr(apply, ()), consts=tuple(closed.consts),
                    grad_names=names, out_kinds=tuple(kinds),
                    out_index=tuple(index), out_dims=out_dims, draws=draws,
-                   hints=_hints(compute, apply, rows))
+                   hints=_hints(compute, apply, oracle),
+                   reduced=tuple(op for _, op in derivation.reduced), why=why)
 
 
-def _hints(compute, apply, rows: Rows | None, other_compute=None) -> tuple[Hint, ...]:
-  """The sharding hints of both parts; those of ``compute`` with their row
-  dimensions (``other_compute``: its jaxpr traced at a second size, when
-  ``rows`` compares two)."""
+def _one(dims):
+  """The one row dimension, or None (none, several, or not known)."""
+  return dims[0] if dims is not None and len(dims) == 1 else None
+
+
+def _oracle(traced: TracedStep, jaxpr, reference: TracedStep | None):
+  """How to tell the row dimensions of ``jaxpr``'s values (``rows.py``)."""
+  if jax_core.is_symbolic_dim(traced.micro_batch_size):
+    return RowOracle.symbolic()
+  if reference is None:
+    return None
+  if reference.micro_batch_size == traced.micro_batch_size:
+    raise ValueError("the reference trace must be at another batch size")
+  return RowOracle.paired(jaxpr, pe.convert_constvars_jaxpr(reference.jaxpr.jaxpr),
+                          traced.micro_batch_size, reference.micro_batch_size)
+
+
+def _by_user(output_reductions, out_paths) -> dict[int, OutputKind]:
+  """Output position -> the kind ``output_reductions`` gives it."""
+  out = {}
+  for pattern, how in (output_reductions or {}).items():
+    if how not in _BY_USER:
+      raise InputError(f"output_reductions[{pattern!r}] = {how!r}; expected one of "
+                       f"{tuple(_BY_USER)}.")
+    hits = [j for j, p in enumerate(out_paths) if p == pattern or
+            fnmatch.fnmatchcase(p, pattern)]
+    if not hits:
+      raise InputError(f"output_reductions: {pattern!r} names no output of the step; "
+                       f"its outputs are {', '.join(out_paths)}.")
+    for j in hits:
+      out[j] = _BY_USER[how]
+  return out
+
+
+def _hints(compute, apply, oracle) -> tuple[Hint, ...]:
+  """The sharding hints of both parts, those of ``compute`` with their row
+  dimensions."""
   out = []
   if compute is not None:
-    pairs = None
-    if rows is not None and rows.sizes is None:
-      pairs = [(p, e, None) for p, e in eqns_by_path(compute)]
-    elif other_compute is not None:
-      pairs = _in_order(compute, other_compute, HINT_PRIMITIVES)
-    if pairs is None:            # row dimensions unknown
-      pairs, rows = [(p, e, None) for p, e in eqns_by_path(compute)], None
-    out.extend(find_hints("compute", pairs, rows).values())
+    out.extend(find_hints("compute", eqns_by_path(compute), oracle).values())
   if apply is not None:
-    out.extend(find_hints("apply", ((p, e, None) for p, e in eqns_by_path(apply)),
-                          None).values())
+    out.extend(find_hints("apply", eqns_by_path(apply)).values())
   return tuple(out)
-
-
-def annotate(split: SplitStep, other: SplitStep, *, fn_name: str = "step") -> SplitStep:
-  """``split`` (traced at one concrete batch size) with its outputs' kinds
-  and row dimensions, its draws and its hints' row dimensions read by
-  comparing it with ``other``, the same step traced at another size
-  (``rows.py``). Draws and hints are matched in program order (a step whose
-  structure depends on the batch size, such as a chunked loss, still has
-  the same draws and hints).
-
-  Raises MarkerError if the two do not split alike.
-  """
-  a, b = split.traced.micro_batch_size, other.traced.micro_batch_size
-  if (split.has_marker != other.has_marker or split.num_grads != other.num_grads or
-      [k is OutputKind.APPLY for k in split.out_kinds] !=
-      [k is OutputKind.APPLY for k in other.out_kinds]):
-    raise MarkerError(
-        f"{fn_name}: tracing the step at {a} and at {b} rows gave different programs. "
-        f"autopar needs a step whose structure does not depend on the batch size. "
-        f"Fix: avoid Python branches on batch shapes.")
-  rows = Rows.pair(a, b)
-  outs = [v.aval for v in split.traced.jaxpr.jaxpr.outvars]
-  outs_b = [v.aval for v in other.traced.jaxpr.jaxpr.outvars]
-  found = [_kind_and_dim(x, rows, y) for x, y in zip(outs, outs_b, strict=True)]
-  kinds = tuple(k if k is OutputKind.APPLY else f[0]
-                for k, f in zip(split.out_kinds, found, strict=True))
-  draws = {}
-  if split.has_marker:
-    pairs = _in_order(split.compute.jaxpr, other.compute.jaxpr, DRAW_PRIMITIVES)
-    if pairs is None:
-      why = ("the step's structure depends on the batch size, so its draws could "
-             "not be matched between two traces")
-      draws = {p: RowDraw(None, why) for p, e in eqns_by_path(split.compute.jaxpr)
-               if e.primitive.name in DRAW_PRIMITIVES}
-    else:
-      draws = find_draws(pairs, rows)
-  hints = _hints(split.compute and split.compute.jaxpr, split.apply.jaxpr, rows,
-                 other.compute and other.compute.jaxpr)
-  return dataclasses.replace(split, out_kinds=kinds, out_dims=tuple(f[1] for f in found),
-                             draws=draws, hints=hints)
 
 
 def _in_order(a, b, primitives) -> list | None:

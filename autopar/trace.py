@@ -36,7 +36,7 @@ from jax._src.pjit import sharding_constraint_p
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal, Var
 from jax.sharding import NamedSharding
 
-from autopar.errors import InputError, MarkerError
+from autopar.errors import AutoparError, InputError, MarkerError
 from autopar.marker import grad_marker_p
 from autopar.pytrees import Partition, mutable_args, partition, write_back
 from autopar.retype import Instantiator, jaxprs_in, without_meshes
@@ -94,8 +94,9 @@ def find_batch(args: Sequence[Any], exclude, names: Sequence[str], fn_name: str
   leaves all share one leading size, leaving out ``exclude`` (static
   arguments) and model or optimizer states. Arguments of one
   leading size are the batch together (``x, y``); where sizes differ, the
-  group with argument 1 (the classic ``step(state, batch)``) is chosen, and
-  anything else is ambiguous."""
+  group with argument 1 (the classic ``step(state, batch)``) is chosen if its
+  size is the largest, and anything else is ambiguous (an error naming the
+  candidates: a wrong guess would split a weight into micro-batches)."""
   groups: dict[int, list[int]] = {}
   others = []                     # arrays, but no one leading size
   for i, a in enumerate(args):
@@ -110,15 +111,16 @@ def find_batch(args: Sequence[Any], exclude, names: Sequence[str], fn_name: str
     return (1,)       # as step(state, batch) has it; its leaves' check says what is off
   if len(groups) <= 1:
     return tuple(next(iter(groups.values()), ()))
-  with_one = [g for g in groups.values() if 1 in g]
-  if with_one:
-    return tuple(with_one[0])
+  with_one = [size for size, g in groups.items() if 1 in g]
+  if with_one and with_one[0] == max(groups):
+    return tuple(groups[with_one[0]])
   listed = ", ".join(f"{names[i]} (argument {i}, leading size {size})"
                      for size, g in groups.items() for i in g)
+  last = max(groups.values(), key=max)           # the batch usually comes last
   raise InputError(
       f"{fn_name}: cannot tell which argument is the batch: {listed} could each "
       f"be split into micro-batches. Fix: pass batch_argnums= naming the batch "
-      f"argument(s), e.g. parallelize(step, batch_argnums=({max(groups.values(), key=len)[0]},)).")
+      f"argument(s), e.g. parallelize(step, batch_argnums={tuple(last)}).")
 
 
 def _normalize_argnums(argnums: int | Sequence[int], nargs: int, what: str,
@@ -361,13 +363,27 @@ def trace_step(fn: Callable, args: Sequence[Any], flags: ArgFlags,
               for l in leaves]
   in_context = not jax_mesh.get_abstract_mesh().empty
   try:
-    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*abstract)
-  except RuntimeError as e:
-    if mesh is None or in_context or "mesh in context" not in str(e):
-      raise
-    with _in_context(mesh):
+    try:
       closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*abstract)
-    in_context = True
+    except RuntimeError as e:
+      if mesh is None or in_context or "mesh in context" not in str(e):
+        raise
+      with _in_context(mesh):
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*abstract)
+      in_context = True
+  except AutoparError:
+    raise
+  except Exception as e:   # noqa: BLE001 - the step's own error, said with the batch
+    batch = sorted({names[l.argnum] for l in leaves if l.is_batch})
+    if not batch or jax_core.is_symbolic_dim(micro_batch_size):
+      raise
+    raise InputError(
+        f"{getattr(fn, '__name__', 'step')}: the step failed when traced with its "
+        f"batch argument(s) {', '.join(batch)} cut to {micro_batch_size} rows (a "
+        f"micro-batch on one device): {type(e).__name__}: {e}\nFix: if "
+        f"{' and '.join(batch)} {'is' if len(batch) == 1 else 'are'} not the batch, "
+        f"name the batch with batch_argnums=; otherwise the step must work on any "
+        f"number of rows.") from e
   outputs, paths = results[-1]
   out_paths = tuple(_out_path(kp, flags.update, names)
                     for (kp, _), d in zip(paths, outputs.dynamic, strict=True) if d)

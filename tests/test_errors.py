@@ -122,7 +122,7 @@ def test_output_that_cannot_be_combined():
     return state.apply_gradients(grads=grads), gram
 
   with pytest.raises(autopar.InputError, match=r"out\[1\] \(shape \(\d+, \d+\) for a "
-                     r"micro-batch.*rows in one dimension"):
+                     r"micro-batch.*rows in more than one dimension.*output_reductions"):
     run(step)(make_state(), batch)
 
 

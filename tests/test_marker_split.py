@@ -6,7 +6,7 @@ import numpy as np
 
 import autopar
 from autopar.marker import grad_marker_p
-from autopar.split import OutputKind, annotate, split_step
+from autopar.split import OutputKind, split_step
 from autopar.trace import abstract_leaves, arg_names, classify_args, trace_step
 
 
@@ -50,9 +50,8 @@ def _split(step, *args, batch_argnums=(1,)):
   leaves, tree, _ = abstract_leaves(args, flags, arg_names(step, len(args)))
   # Two sizes tell which dimensions hold rows (as for a step that cannot be
   # traced at a symbolic batch size).
-  at = lambda rows: split_step(trace_step(step, args, flags, leaves, tree,
-                                          micro_batch_size=rows))
-  return annotate(at(2), at(4))
+  at = lambda rows: trace_step(step, args, flags, leaves, tree, micro_batch_size=rows)
+  return split_step(at(2), reference=at(4))
 
 
 def test_split_puts_forward_backward_in_compute_and_update_in_apply():
@@ -62,15 +61,19 @@ def test_split_puts_forward_backward_in_compute_and_update_in_apply():
 
   s = _split(step, W, X)
   assert s.has_marker and s.num_grads == 1
-  assert s.out_kinds == (OutputKind.APPLY, OutputKind.MEAN, OutputKind.CONCAT,
+  # The loss (a mean over the rows) is accumulated beside the gradient and
+  # handed to apply_grad; the per-example sums are concatenated.
+  assert s.out_kinds == (OutputKind.APPLY, OutputKind.APPLY, OutputKind.CONCAT,
                          OutputKind.APPLY)
+  assert s.reduced == ("mean",)
   compute_prims = {e.primitive.name for e in s.compute.jaxpr.eqns}
   apply_prims = {e.primitive.name for e in s.apply.jaxpr.eqns}
   assert "dot_general" in compute_prims and "tanh" in compute_prims
   assert "dot_general" not in apply_prims and "tanh" not in apply_prims
   assert grad_marker_p.name not in compute_prims | apply_prims
-  # compute_grad returns the gradient first, then the per-micro-batch outputs.
-  assert len(s.compute.jaxpr.outvars) == 1 + 2
+  # compute_grad returns the gradient first, then the reductions, then the
+  # per-micro-batch outputs.
+  assert len(s.compute.jaxpr.outvars) == 1 + 1 + 1
 
 
 def test_marker_inside_jit_is_inlined():
@@ -83,7 +86,8 @@ def test_marker_inside_jit_is_inlined():
     return w - g, loss
 
   s = _split(step, W, X)
-  assert s.has_marker and s.out_kinds == (OutputKind.APPLY, OutputKind.MEAN)
+  assert s.has_marker and s.out_kinds == (OutputKind.APPLY, OutputKind.APPLY)
+  assert s.reduced == ("mean",)
 
 
 def test_step_without_marker_is_one_apply_part():

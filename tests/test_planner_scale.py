@@ -235,14 +235,17 @@ def test_symbolic_trace_gives_the_same_program_as_a_concrete_one():
         [tuple(v.aval.shape) for v in concrete.jaxpr.jaxpr.outvars]
     # Split once symbolically, then written out: the same two stages.
     got_split = instantiate_split(split_step(sym), rows)
-    ref_split = split_step(concrete)
+    other = trace_step(step, [None, None], flags, leaves, tree, micro_batch_size=rows + 2)
+    ref_split = split_step(concrete, reference=other)
+    assert got_split.reduced == ref_split.reduced == ("mean",)     # the loss
     assert got_split.out_kinds == ref_split.out_kinds
     assert got_split.out_index == ref_split.out_index
     for part in ("compute", "apply"):
       g, r = getattr(got_split, part), getattr(ref_split, part)
       assert [v.aval for v in g.jaxpr.invars] == [v.aval for v in r.jaxpr.invars]
       assert [v.aval for v in g.jaxpr.outvars] == [v.aval for v in r.jaxpr.outvars]
-    grads = [np.ones(a.shape, a.dtype) for a in ref_split.grad_avals]
+    grads = [np.ones(a.shape, a.dtype)
+             for a in (*ref_split.grad_avals, *ref_split.reduced_avals)]
     consts = list(ref_split.consts)
     assert_trees_close(jax.extend.core.jaxpr_as_fun(got_split.compute)(*consts, *flat),
                        jax.extend.core.jaxpr_as_fun(ref_split.compute)(*consts, *flat))
