@@ -78,7 +78,8 @@ class AutoShardingOption:
     force_data_parallel: plan pure data parallelism (batch split over every
       mesh axis, everything else replicated) without solving.
     force_batch_dim_to_mesh_dim: mesh axis name (or tuple of names) the batch
-      dimension must be split over.
+      dimension must be split over; a mesh dimension's index, as in Alpa,
+      means that dimension's axis.
     prefer_reduce_scatter: when the batch is split over more than one device,
       reduce-scatter the gradients over the batch axes and split the optimizer
       state over them (ZeRO-2): the same bytes as an all-reduce plus the
@@ -113,7 +114,7 @@ class AutoShardingOption:
       AutoShardingOption(mesh_beta={"data": 1e-9, "model": 1e-11})
   """
   force_data_parallel: bool = False
-  force_batch_dim_to_mesh_dim: str | tuple[str, ...] | None = None
+  force_batch_dim_to_mesh_dim: str | int | tuple[str | int, ...] | None = None
   prefer_reduce_scatter: bool = False
   allow_all_gather: bool = True
   allow_all_to_all: bool = True
@@ -141,6 +142,24 @@ class AutoShardingOption:
     if b is not None and (not isinstance(b, (int, float)) or b <= 0):
       raise InputError(f"AutoShardingOption: memory_budget_per_device={b!r}; "
                        f"expected a positive number of bytes or None.")
+
+  def forced_batch_axes(self, mesh) -> tuple[str, ...] | None:
+    """``force_batch_dim_to_mesh_dim`` as mesh axis names (None: not set)."""
+    f = self.force_batch_dim_to_mesh_dim
+    if f is None:
+      return None
+    names = axis_names_of(mesh)
+    out = []
+    for a in ((f,) if isinstance(f, (str, int)) else f):
+      if isinstance(a, int) and not isinstance(a, bool):
+        if not 0 <= a < len(names):
+          raise MeshError(f"AutoShardingOption(force_batch_dim_to_mesh_dim={f!r}): "
+                          f"mesh dimension {a} does not exist; the mesh has "
+                          f"{len(names)} axes {names}.")
+        a = names[a]
+      out.append(a)
+    check_axes(out, mesh, "AutoShardingOption(force_batch_dim_to_mesh_dim=...)")
+    return tuple(out)
 
   @property
   def pin_map(self) -> dict[str, PartitionSpec]:
@@ -293,10 +312,7 @@ def check_option_axes(option: AutoShardingOption, mesh) -> None:
   names = axis_names_of(mesh)
   for what, axes in (("mesh_alpha", [a for a, _ in option.mesh_alpha or ()]),
                      ("mesh_beta", [a for a, _ in option.mesh_beta or ()]),
-                     ("force_batch_dim_to_mesh_dim",
-                      [option.force_batch_dim_to_mesh_dim]
-                      if isinstance(option.force_batch_dim_to_mesh_dim, str)
-                      else list(option.force_batch_dim_to_mesh_dim or ()))):
+                     ("force_batch_dim_to_mesh_dim", option.forced_batch_axes(mesh) or ())):
     for a in axes:
       if a not in names:
         raise MeshError(f"AutoShardingOption({what}=...): mesh axis {a!r} does not "

@@ -14,7 +14,6 @@ import dataclasses
 import json
 from typing import Any, Mapping, Sequence
 
-import jax
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from autopar.cost_model import bytes_per_device

@@ -77,9 +77,7 @@ def batch_axes_for(method: ParallelMethod, mesh, hints=()) -> tuple[str, ...]:
   needs for a dimension other than the rows (``hints.model_axes``)."""
   axes = getattr(method, "batch_axes", None)
   if isinstance(method, ShardParallel):
-    axes = method.option.force_batch_dim_to_mesh_dim
-    if isinstance(axes, str):
-      axes = (axes,)
+    axes = method.option.forced_batch_axes(mesh)
   if axes is None:
     taken = model_axes({h.path: h for h in hints if h.part == "compute"})
     return tuple(a for a in axis_names_of(mesh) if a not in taken)
@@ -329,10 +327,8 @@ def candidate_batch_axes(method: ShardParallel, mesh, micro_batch_size: int,
   taken = model_axes({h.path: h for h in hints if h.part == "compute"})
   if option.force_data_parallel:
     return [tuple(a for a in names if a not in taken)]
-  forced = option.force_batch_dim_to_mesh_dim
+  forced = option.forced_batch_axes(mesh)
   if forced is not None:
-    forced = (forced,) if isinstance(forced, str) else tuple(forced)
-    check_axes(forced, mesh, "AutoShardingOption(force_batch_dim_to_mesh_dim=...)")
     return [forced]
   out = []
   for mask in range(1 << len(names)):

@@ -29,7 +29,6 @@ import sys
 from typing import Any, Callable, Sequence
 
 import jax
-import numpy as np
 from jax._src import core as jax_core
 from jax._src import mesh as jax_mesh
 from jax._src.pjit import sharding_constraint_p

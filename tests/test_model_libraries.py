@@ -403,3 +403,7 @@ def test_alpa_names_and_option_axes():
   a = autopar.parallelize(step, method=alpa).plan(w, x)
   b = autopar.parallelize(step, method=ours).plan(w, x)
   assert a.inputs == b.inputs and a.objective == b.objective
+  # Alpa's force_batch_dim_to_mesh_dim is a mesh dimension's index.
+  forced = autopar.ShardParallel(devices=mesh, auto_sharding_option=autopar.AutoShardingOption(
+      force_batch_dim_to_mesh_dim=1))
+  assert autopar.parallelize(step, method=forced).plan(w, x).batch_axes == ("model",)
