@@ -15,6 +15,7 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -179,6 +180,38 @@ def test_a_killed_worker_is_named_and_a_checkpoint_resumes(ray_cluster, ray_head
   ref_params, ref_losses = references["mlp", "dp"]
   np.testing.assert_allclose(losses + more, ref_losses, rtol=1e-5)
   assert_trees_close(jax.device_get(state.params), ref_params)
+
+
+def test_nnx_modules_changed_in_place_on_the_workers(ray_cluster):
+  """An nnx.jit-style step (model and optimizer changed in place): their
+  variables take the workers' new values (RemoteArrays) after each step."""
+  import warnings
+  from flax import nnx
+  warnings.simplefilter("ignore", DeprecationWarning)
+  rng = np.random.RandomState(0)
+  batch = {"x": rng.randn(32, 8).astype(np.float32), "y": rng.randn(32, 4).astype(np.float32)}
+
+  def make():
+    model = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+    return model, nnx.Optimizer(model, SGD, wrt=nnx.Param)
+
+  def step(model, optimizer, batch):
+    loss, grads = autopar.value_and_grad(
+        lambda m: jnp.mean((m(batch["x"]) - batch["y"]) ** 2))(model)
+    optimizer.update(model, grads)
+    return loss
+
+  ref_model, ref_opt = make()
+  ref = nnx.jit(step)
+  ref_losses = [float(ref(ref_model, ref_opt, batch)) for _ in range(2)]
+  model, opt = make()
+  p = autopar.parallelize(step, method=autopar.DataParallel(
+      mesh=autopar.global_mesh((8,), ("data",))))
+  losses = [float(p(model, opt, batch)) for _ in range(2)]
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  assert isinstance(model.kernel.get_value(), autopar.RemoteArray)
+  np.testing.assert_allclose(np.asarray(model.kernel.get_value()), ref_model.kernel[...],
+                             rtol=1e-5, atol=1e-6)
 
 
 def test_static_argument_and_plan_on_remote_state(ray_cluster):
