@@ -114,11 +114,11 @@ def test_nnx_split_and_merge_style(nnx_reference):
     optimizer.update(model, grads)
     return nnx.split((model, optimizer))[1], loss
 
-  for method in ("dp", "shard"):
+  for method, n in (("dp", 1), ("zero3", 2), ("shard", 2)):
     # (The state holds NNX variables, which a step changes in place, as
     # nnx.jit does: each run starts from a fresh one.)
     graphdef, state = nnx.split(nnx_make())
-    p = autopar.parallelize(train_step, method=methods()[method](2))
+    p = autopar.parallelize(train_step, method=methods()[method](n))
     s, losses = state, []
     for _ in range(2):
       s, loss = p(graphdef, s, tokens())
@@ -207,6 +207,30 @@ def test_nnx_multimetric_equals_nnx_jit(method):
     got = metrics.compute()
     for k in want:
       np.testing.assert_allclose(got[k], want[k], rtol=1e-5, err_msg=f"{k}, n={n}")
+
+
+def test_nnx_metrics_made_and_returned_by_the_step():
+  rng = np.random.RandomState(1)
+  batch = {"x": rng.randn(32, 8).astype(np.float32),
+           "label": rng.randint(0, 4, 32).astype(np.int32)}
+
+  def make_step(value_and_grad):
+    def train_step(model, optimizer, batch):
+      metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(),
+                                loss=nnx.metrics.Average("loss"))
+      inner = metric_step(value_and_grad)
+      inner(model, optimizer, metrics, batch)
+      return metrics.compute(), metrics
+    return train_step
+
+  model, opt, _ = metric_make()
+  want, want_metrics = nnx.jit(make_step(nnx.value_and_grad))(model, opt, batch)
+  for n in (2, 4):
+    model, opt, _ = metric_make()
+    got, got_metrics = autopar.parallelize(make_step(autopar.value_and_grad),
+                                           method=methods()["zero3"](n))(model, opt, batch)
+    assert_trees_close(got, want)
+    assert int(got_metrics.accuracy.count[...]) == 32    # the whole batch's count
 
 
 def test_outputs_combined_as_the_program_computes_them():
