@@ -779,6 +779,45 @@ class ShardingProblem:
     node, pos = val_map[v]
     return self.nodes[node].specs[self._chosen(node)][pos]
 
+  def cost_by_part(self) -> dict[str, float]:
+    """The solution's objective (seconds) split by where it is spent:
+    ``"compute"`` (compute_grad, all micro-batches), ``"apply"``,
+    ``"sync"`` (the gradients' reduction over the batch axes) and
+    ``"state"`` (gathering state split over the batch axes, ZeRO). The
+    parts add up to the objective."""
+    self._chosen_memo = getattr(self, "_chosen_memo", {})
+    out = {"compute": 0.0, "apply": 0.0, "sync": 0.0, "state": 0.0}
+    grads = set(self.grad_nodes)
+    leaves = set(self.leaf_nodes)
+    for idx, node in enumerate(self.nodes):
+      c = node.costs[self._chosen(idx)] * node.mult
+      part = ("sync" if idx in grads else "state" if idx in leaves else
+              "apply" if node.name.startswith("apply/") else "compute")
+      out[part] += c
+    edges = [(src, self.nodes[dst].choices[self._chosen(dst)].in_specs[pos], aval,
+              mult, part) for src, dst, pos, aval, mult, part in self._pending_edges]
+    edges += [(src, self.nodes[dst[0]].specs[self._chosen(dst[0])][dst[1]], aval,
+               mult, part) for src, dst, aval, mult, part in self._follow_edges]
+    for g, node in enumerate(self.grad_nodes):
+      v = self.compute.jaxpr.outvars[g]
+      if isinstance(v, Var) and v in self.compute_val:
+        edges.append((self.compute_val[v], self.nodes[node].specs[self._chosen(node)][0],
+                      v.aval, self.n, "compute"))
+    for (src, pos), r, aval, mult, part in edges:
+      if r is None:
+        continue
+      p = self.nodes[src].specs[self._chosen(src)][pos]
+      out["apply" if part == "apply" else "compute"] += mult * self._reshard(aval, p, r)
+    return out
+
+  def memory_at_solution(self) -> tuple[float, float]:
+    """(state and gradient bytes, activation bytes at the peak) per device."""
+    def total(items):
+      return sum(f * self._bytes(node, pos, aval, self._chosen(node))
+                 for node, pos, aval, f in items)
+    state, peaks = self._memory_items()
+    return float(total(state)), float(max((total(p) for p in peaks), default=0.0))
+
   def _chosen_reshards(self):
     """(part, kind, axes, bytes, per step) of every resharding the plan does."""
     out = []
@@ -802,11 +841,7 @@ class ShardingProblem:
     return out
 
   def _memory_at_solution(self) -> float:
-    def total(items):
-      return sum(f * self._bytes(node, pos, aval, self._chosen(node))
-                 for node, pos, aval, f in items)
-    state, peaks = self._memory_items()
-    return float(total(state) + max((total(p) for p in peaks), default=0.0))
+    return sum(self.memory_at_solution())
 
   def _read_solution(self, status, solver_name, seconds) -> Solution:
     self._chosen_memo = {}

@@ -32,6 +32,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from autopar.errors import MarkerError
+from autopar.pipeline.capture import captured, capturing
 from autopar.remat import maybe_roll
 
 __all__ = ["grad", "value_and_grad", "filter_grad", "filter_value_and_grad",
@@ -164,7 +165,7 @@ def value_and_grad(fun: Callable, argnums: Any = 0, has_aux: bool = False,
       loss, grads = autopar.value_and_grad(loss_fn)(model)     # an nnx.Module
   """
   del reduce_axes
-  rolled = maybe_roll(fun)
+  rolled = _differentiated(fun)
   vg_fn = None
 
   def marked(*args, **kwargs):
@@ -181,6 +182,17 @@ def value_and_grad(fun: Callable, argnums: Any = 0, has_aux: bool = False,
     return _mark_value(value, has_aux), mark_gradients(g)
 
   return marked
+
+
+def _differentiated(fun: Callable) -> Callable:
+  """``fun`` as autopar differentiates it: with its repeated layers rolled
+  under ``remat="layers"`` (``remat.py``), or as one call that a pipeline
+  cuts into stages (``pipeline/capture.py``)."""
+  rolled, capture = maybe_roll(fun), captured(fun)
+
+  def call(*args, **kwargs):
+    return (capture if capturing() else rolled)(*args, **kwargs)
+  return call
 
 
 def _nnx_for(args, argnums):
@@ -235,7 +247,7 @@ def filter_value_and_grad(fun: Callable, *, has_aux: bool = False) -> Callable:
 
       loss, grads = autopar.filter_value_and_grad(loss_fn)(model, x, y)
   """
-  rolled = maybe_roll(fun)
+  rolled = _differentiated(fun)
 
   def marked(x, *args, **kwargs):
     diff, fixed = _filtered(x, _is_inexact_array)
