@@ -14,8 +14,9 @@ from autopar.errors import (AutoparError, InputError, MarkerError, MeshError,
                             PlanError)
 from autopar.executor import Executable
 from autopar.marker import filter_grad, filter_value_and_grad, grad, value_and_grad
-from autopar.method import (AutoShardingOption, DataParallel, ShardParallel,
-                            Zero2Parallel, Zero3Parallel)
+from autopar.method import (AutoShardingOption, DataParallel, PipeshardParallel,
+                            ShardParallel, Zero2Parallel, Zero3Parallel)
+from autopar.pipeline import mark_pipeline_boundary
 from autopar.plan import Plan
 from autopar.version import __version__
 from autopar import nn  # noqa: E402  (autopar.nn: memory helpers)
@@ -25,6 +26,7 @@ __all__ = [
     "parallelize", "ParallelizedFunction", "Executable", "grad", "value_and_grad",
     "filter_grad", "filter_value_and_grad",
     "ShardParallel", "DataParallel", "Zero2Parallel", "Zero3Parallel",
+    "PipeshardParallel", "mark_pipeline_boundary",
     "AutoShardingOption", "Plan", "AutoparError", "InputError", "MarkerError",
     "MeshError", "PlanError", "ClusterError", "init", "shutdown", "global_mesh",
     "RemoteArray", "save_checkpoint", "restore_checkpoint", "nn", "__version__",

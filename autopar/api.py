@@ -22,9 +22,11 @@ from autopar import cache as plan_cache
 from autopar import cluster as plan_cluster
 from autopar.errors import InputError, MarkerError, PlanError
 from autopar.executor import Executable
+from autopar.pipeline import compile as pipeline_compile
+from autopar.pipeline.runtime import PipelineExecutable
 from autopar.hints import check_hints
 from autopar.lower import lower_step
-from autopar.method import (ParallelMethod, ShardParallel, auto_mesh,
+from autopar.method import (ParallelMethod, PipeshardParallel, ShardParallel, auto_mesh,
                             axis_sizes_of, resolve_mesh)
 from autopar.cost_model import dtype_name
 from autopar.plan import Plan, ValuePlan
@@ -140,6 +142,7 @@ class ParallelizedFunction:
     self._executables: dict[Any, Executable] = {}
     self._plans: dict[Any, tuple[Plan, int]] = {}    # key -> (plan, micro-batch size)
     self._splits: dict[Any, SplitStep] = {}
+    self._pipelines: dict[Any, Any] = {}
     self._any_split: dict[Any, SplitStep | None] = {}   # symbolic-batch split
     # Without a symbolic split: one concrete trace to compare others with.
     self._reference: dict[Any, Any] = {}      # key -> TracedStep
@@ -221,8 +224,22 @@ class ParallelizedFunction:
       self._plans[prep.key] = self._plan_uncached(prep)
     return self._plans[prep.key]
 
+  def _pipeline(self, prep: _Prepared):
+    """(prepared trace, plan, (cut, choices)) of a PipeshardParallel step."""
+    if prep.key not in self._pipelines:
+      method = self.method
+      mesh = resolve_mesh(method)
+      with _gc_paused():
+        pre = pipeline_compile.prepare(self, prep, method)
+        plan, chosen = pipeline_compile.plan_pipeline(pre, method, mesh)
+      self._pipelines[prep.key] = (pre, plan, chosen)
+    return self._pipelines[prep.key]
+
   def _plan_uncached(self, prep: _Prepared) -> tuple[Plan, int]:
     method = self.method
+    if isinstance(method, PipeshardParallel):
+      pre, plan, _ = self._pipeline(prep)
+      return plan, pre.ctx.micro
     mesh = resolve_mesh(method)
     n = method.micro_batches
     sizes = axis_sizes_of(mesh)
@@ -372,6 +389,14 @@ class ParallelizedFunction:
     with self._lock:
       exe = self._executables.get(prep.key)
       if exe is not None:
+        return exe
+      if isinstance(self.method, PipeshardParallel):
+        pre, plan, (cut, choices) = self._pipeline(prep)
+        with jax.set_mesh(None):
+          step = pipeline_compile.compile_pipeline(pre, self.method,
+                                                   resolve_mesh(self.method), cut, choices)
+        exe = PipelineExecutable(plan=plan, step=step, static_argnums=prep.flags.static)
+        self._executables[prep.key] = exe
         return exe
       plan, micro = self._plan(prep)
       with _gc_paused():

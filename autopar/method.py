@@ -24,10 +24,12 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 
 from autopar.errors import InputError, MeshError
+from autopar.pipeline.submesh import tile
 from autopar.remat import check_remat
 
 __all__ = ["AutoShardingOption", "ParallelMethod", "ShardParallel",
-           "DataParallel", "Zero2Parallel", "Zero3Parallel", "resolve_mesh",
+           "DataParallel", "Zero2Parallel", "Zero3Parallel", "PipeshardParallel",
+           "resolve_mesh",
            "axis_names_of", "axis_sizes_of"]
 
 
@@ -302,6 +304,80 @@ class ShardParallel(ParallelMethod):
     if not isinstance(self.option, AutoShardingOption):
       raise InputError(f"ShardParallel: option must be an autopar.AutoShardingOption, "
                        f"got {type(self.option).__name__}.")
+    if self.mesh is not None:
+      check_option_axes(self.option, self.mesh)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipeshardParallel(ParallelMethod):
+  """Pipeline stages, each on its own submesh with its own sharding plan.
+
+  The forward pass of the function given to ``autopar.value_and_grad`` is
+  cut into layers, consecutive layers are grouped into stages, each stage
+  gets a sub-block of the mesh and a plan of its own (the ILP), and
+  micro-batches stream through the stages under ``schedule``. Gradients
+  are accumulated on each stage's submesh and synchronised once, after the
+  last micro-batch; each stage updates its own state. See
+  ``docs/pipeline.md``.
+
+  Args:
+    mesh, num_micro_batches: see :class:`ParallelMethod`.
+    num_stages: an int, or ``"auto"``: the stage search picks it (1, the
+      whole mesh as one stage, when pipelining does not pay).
+    stage_mesh_shapes: ``"auto"``, or one submesh shape per stage (each of
+      the mesh's rank, e.g. ``[(1, 4), (1, 4)]`` of a ``(2, 4)`` mesh); they
+      tile the mesh in row-major order.
+    schedule: ``"1f1b"`` (stage ``s`` of ``S`` holds ``S - s`` micro-batches'
+      activations) or ``"gpipe"`` (all forwards, then all backwards).
+    layers: ``"auto"`` (the repeated blocks, else cuts of balanced flops) or
+      ``"manual"`` (where the loss function calls
+      ``autopar.mark_pipeline_boundary()``).
+    option: the solver's knobs (:class:`AutoShardingOption`), for every stage.
+    plan: a saved pipeline :class:`autopar.Plan` to run without solving.
+
+  Example::
+
+      method = autopar.PipeshardParallel(mesh=jax.make_mesh((2, 4), ("data", "model")),
+                                         num_micro_batches=8, num_stages=2)
+  """
+  num_stages: int | str = dataclasses.field(default="auto", kw_only=True)
+  stage_mesh_shapes: Any = dataclasses.field(default="auto", kw_only=True)
+  schedule: str = dataclasses.field(default="1f1b", kw_only=True)
+  layers: str = dataclasses.field(default="auto", kw_only=True)
+  option: AutoShardingOption = dataclasses.field(
+      default_factory=AutoShardingOption, kw_only=True)
+  plan: Any = dataclasses.field(default=None, kw_only=True)
+
+  def __post_init__(self, devices=None):
+    super().__post_init__(devices)
+    name = "PipeshardParallel"
+    k = self.num_stages
+    if k != "auto" and (not isinstance(k, (int, np.integer)) or isinstance(k, bool)
+                        or k < 1):
+      raise InputError(f"{name}: num_stages={k!r}; expected 'auto' or a positive int.")
+    if self.schedule not in ("1f1b", "gpipe"):
+      raise InputError(f"{name}: schedule={self.schedule!r}; expected '1f1b' or "
+                       f"'gpipe'.")
+    if self.layers not in ("auto", "manual"):
+      raise InputError(f"{name}: layers={self.layers!r}; expected 'auto' or 'manual' "
+                       f"(boundaries marked with autopar.mark_pipeline_boundary()).")
+    if not isinstance(self.option, AutoShardingOption):
+      raise InputError(f"{name}: option must be an autopar.AutoShardingOption, got "
+                       f"{type(self.option).__name__}.")
+    shapes = self.stage_mesh_shapes
+    if shapes != "auto":
+      try:
+        shapes = tuple(tuple(int(d) for d in s) for s in shapes)
+      except TypeError:
+        raise InputError(f"{name}: stage_mesh_shapes={self.stage_mesh_shapes!r}; "
+                         f"expected 'auto' or one shape (a tuple of ints) per "
+                         f"stage.") from None
+      object.__setattr__(self, "stage_mesh_shapes", shapes)
+      if k != "auto" and len(shapes) != k:
+        raise InputError(f"{name}: num_stages={k} but {len(shapes)} "
+                         f"stage_mesh_shapes given. Fix: give one shape per stage.")
+      if self.mesh is not None:
+        tile(tuple(axis_sizes_of(self.mesh).values()), shapes)
     if self.mesh is not None:
       check_option_axes(self.option, self.mesh)
 

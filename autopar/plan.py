@@ -19,7 +19,7 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 from autopar.cost_model import bytes_per_device
 from autopar.errors import PlanError
 
-__all__ = ["Plan", "ValuePlan", "CollectivePlan", "SolverStats",
+__all__ = ["Plan", "ValuePlan", "CollectivePlan", "SolverStats", "StagePlan",
            "spec_to_json", "spec_from_json", "format_bytes"]
 
 PLAN_FORMAT = 2     # 2: plans carry their fingerprint
@@ -142,6 +142,63 @@ class SolverStats:
 
 
 @dataclasses.dataclass(frozen=True)
+class StagePlan:
+  """One pipeline stage of a ``PipeshardParallel`` plan.
+
+  Attributes:
+    index: the stage's number (0 first).
+    layers: the first and one past the last layer it runs (of the layers the
+      forward pass was cut into).
+    params: the argument leaves (parameters) its layers read, by path.
+    submesh_offset, submesh_shape: its sub-block of the mesh (the flattened
+      index of its first device, and its shape).
+    batch_axes: the submesh axes its micro-batches' rows are split over.
+    inputs: the leaves it holds, with their specs on its submesh.
+    time_per_micro_batch: predicted forward + backward time of one
+      micro-batch (s); time_per_step: predicted gradient sync and update (s).
+    memory_per_device: predicted bytes per device (state, gradients, the
+      activations of the micro-batches it holds under the schedule).
+    in_flight: how many micro-batches' activations it holds at most.
+    bytes_to_next: bytes of activations it sends per micro-batch (all
+      devices), and send_seconds the predicted time to send them.
+  """
+  index: int
+  layers: tuple[int, int]
+  params: tuple[str, ...]
+  submesh_offset: int
+  submesh_shape: tuple[int, ...]
+  batch_axes: tuple[str, ...]
+  inputs: tuple[ValuePlan, ...]
+  time_per_micro_batch: float
+  time_per_step: float
+  memory_per_device: int
+  in_flight: int
+  bytes_to_next: int
+  send_seconds: float = 0.0
+
+  def to_json(self) -> dict:
+    d = dataclasses.asdict(self)
+    d["layers"] = list(self.layers)
+    d["params"] = list(self.params)
+    d["submesh_shape"] = list(self.submesh_shape)
+    d["batch_axes"] = list(self.batch_axes)
+    d["inputs"] = [v.to_json() for v in self.inputs]
+    return d
+
+  @classmethod
+  def from_json(cls, d: Mapping) -> "StagePlan":
+    return cls(index=int(d["index"]), layers=tuple(d["layers"]), params=tuple(d["params"]),
+               submesh_offset=int(d["submesh_offset"]),
+               submesh_shape=tuple(d["submesh_shape"]), batch_axes=tuple(d["batch_axes"]),
+               inputs=tuple(ValuePlan.from_json(v) for v in d["inputs"]),
+               time_per_micro_batch=float(d["time_per_micro_batch"]),
+               time_per_step=float(d["time_per_step"]),
+               memory_per_device=int(d["memory_per_device"]), in_flight=int(d["in_flight"]),
+               bytes_to_next=int(d["bytes_to_next"]),
+               send_seconds=float(d.get("send_seconds", 0.0)))
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
   """How one training step is sharded over one mesh.
 
@@ -167,6 +224,9 @@ class Plan:
       program, the arguments and the method's options, the mesh, the number
       of micro-batches, the batch size), as (name, text) pairs; a saved plan
       is used only for a step with the same (see ``autopar/cache.py``).
+    stages: for a pipeline (``PipeshardParallel``), its stages, each with
+      its own submesh and plan; empty otherwise.
+    schedule: the pipeline's schedule ("1f1b", "gpipe"), or None.
   """
   method: str
   mesh_axis_names: tuple[str, ...]
@@ -183,6 +243,8 @@ class Plan:
   objective: float = 0.0
   solver: SolverStats | None = None
   fingerprint: tuple[tuple[str, str], ...] = ()
+  stages: tuple[StagePlan, ...] = ()
+  schedule: str | None = None
   # Not serialized: the structure of the inputs (a ``pytrees.Partition`` of
   # the non-static arguments) and the mesh object the plan was made for. A
   # loaded plan has neither until it is applied.
@@ -249,6 +311,9 @@ class Plan:
         "solver": None if self.solver is None else self.solver.to_json(),
         "fingerprint": dict(self.fingerprint),
     }
+    if self.stages:
+      d["stages"] = [st.to_json() for st in self.stages]
+      d["schedule"] = self.schedule
     return json.dumps(d, indent=indent)
 
   @classmethod
@@ -300,7 +365,9 @@ class Plan:
         memory_per_device=int(d["memory_per_device"]),
         objective=float(d["objective"]),
         solver=None if d["solver"] is None else SolverStats.from_json(d["solver"]),
-        fingerprint=tuple(d["fingerprint"].items()))
+        fingerprint=tuple(d["fingerprint"].items()),
+        stages=tuple(StagePlan.from_json(st) for st in d.get("stages", ())),
+        schedule=d.get("schedule"))
 
   # -- reading -----------------------------------------------------------------
 
@@ -308,7 +375,8 @@ class Plan:
     """A table a person reads: shardings, bytes per device, collectives, memory."""
     sizes = self.axis_sizes
     mesh = " x ".join(f"{n}={s}" for n, s in sizes.items())
-    lines = [
+    lines = _stage_table(self) if self.stages else []
+    lines += [
         f"autopar plan: {self.method} on mesh ({mesh}), "
         f"{self.num_micro_batches} micro-batch(es), batch split over "
         f"{_axes_str(self.batch_axes)}",
@@ -348,6 +416,32 @@ class Plan:
 
   def __str__(self) -> str:
     return self.summary()
+
+
+def _stage_table(plan: "Plan") -> list[str]:
+  """The pipeline's stages, one row each, and its schedule."""
+  n = plan.num_micro_batches
+  S = len(plan.stages)
+  lines = [f"pipeline: {S} stage(s), schedule {plan.schedule}, {n} micro-batch(es)"]
+  rows = [("stage", "layers", "submesh", "batch axes", "t/micro-batch", "t/step",
+           "memory/device", "in flight", "sends/micro-batch", "params")]
+  for st in plan.stages:
+    shape = "x".join(map(str, st.submesh_shape))
+    params = ", ".join(st.params[:2]) + (f", ... ({len(st.params)})"
+                                         if len(st.params) > 2 else "")
+    rows.append((str(st.index), f"{st.layers[0]}-{st.layers[1] - 1}",
+                 f"{shape} @{st.submesh_offset}", _axes_str(st.batch_axes),
+                 f"{st.time_per_micro_batch:.3g} s", f"{st.time_per_step:.3g} s",
+                 format_bytes(st.memory_per_device), str(st.in_flight),
+                 format_bytes(st.bytes_to_next) if st.index < S - 1 else "-", params))
+  lines.extend(_format_rows(rows))
+  if plan.stages:
+    t = [st.time_per_micro_batch for st in plan.stages]
+    lines.append(f"predicted step time: {plan.objective:.6g} s = sum of stage times "
+                 f"{sum(t):.3g} s + ({n} - 1) x slowest {max(t):.3g} s + sends and "
+                 f"updates")
+  lines.append("")
+  return lines
 
 
 def _axes_str(axes: Sequence[str]) -> str:

@@ -34,7 +34,7 @@ with two stages::
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+from typing import Mapping
 
 from jax.extend.core import Jaxpr, Literal, Var
 

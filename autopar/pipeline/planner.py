@@ -30,9 +30,8 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
-from jax.sharding import PartitionSpec
 
-from autopar.cost_model import MeshCost, dtype_name, num_bytes
+from autopar.cost_model import MeshCost, num_bytes
 from autopar.errors import PlanError
 from autopar.hints import check_pins, entry_axes
 from autopar.ilp import ShardingProblem
@@ -40,8 +39,6 @@ from autopar.pipeline.apply import ApplyPartition, partition_apply
 from autopar.pipeline.program import Analysis, Program
 from autopar.pipeline.stages import (StageFunctions, StageProgram, forward_backward,
                                      instantiate_stage, stage_program)
-from autopar.plan import Plan, ValuePlan
-from autopar.strategies import local_bytes, to_partition_spec
 
 __all__ = ["Context", "Cut", "cut", "StageIO", "StageSolution", "solve_stage",
            "stage_batch_axes"]
@@ -505,7 +502,6 @@ def solve_stage(ctx: Context, cut_: Cut, s: int, sizes: dict[str, int],
   num_consts = len(joint.invars) - (1 + nr + na + nl) - sum(io.kinds.count(k) for k in (
       "cotangent", "seed"))
   # Put the update inputs among the joint program's leaves (it does not read them).
-  n_update = io.kinds.count("update")
   main = joint.invars[num_consts:num_consts + 1 + nr + na + nl]
   cts = joint.invars[num_consts + 1 + nr + na + nl:]
   update_vars = [Var(_local_aval(v)) for v, _ in extra]

@@ -44,7 +44,7 @@ from jax._src.lax import lax as lax_internal
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from autopar.cost_model import itemsize
-from autopar.errors import InputError, MarkerError, PlanError
+from autopar.errors import InputError, MarkerError
 from autopar.pipeline.capture import backward_p, boundary_p, forward_p
 from autopar.remat import find_layers
 from autopar.rows import RowOracle

@@ -33,7 +33,6 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
-from jax._src import core as jax_core
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from autopar.errors import PlanError

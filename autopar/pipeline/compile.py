@@ -1,0 +1,310 @@
+"""From a traced step to a planned and compiled pipeline.
+
+:func:`prepare` traces the step with the loss function captured
+(``capture.py``) and builds ``P`` and its layers; :func:`plan_pipeline`
+picks the stages, their submeshes and their plans (``search.py``,
+``planner.py``) and returns the :class:`~autopar.Plan`;
+:func:`compile_pipeline` compiles each stage on its submesh
+(``executables.py``) and the update's segments, and returns the runnable
+:class:`~autopar.pipeline.runtime.PipelineStep`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import Var
+from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
+
+from autopar.cost_model import dtype_name
+from autopar.errors import InputError, MarkerError, PlanError
+from autopar.lower import _BY_DEVICE, _Rules, _eval_jaxpr
+from autopar.method import PipeshardParallel, auto_mesh, axis_sizes_of, resolve_mesh
+from autopar.pipeline.capture import capture_mode
+from autopar.pipeline.executables import StageLayout, build_stage
+from autopar.pipeline.planner import Context
+from autopar.pipeline.program import build_program, layer_starts
+from autopar.pipeline.runtime import ApplySegment, FinalInfo, PipelineStep
+from autopar.pipeline.schedule import dispatch_order, stage_tasks
+from autopar.pipeline.submesh import tile
+from autopar.plan import Plan, StagePlan, ValuePlan
+from autopar.planner import donation_pairs
+from autopar.remat import remat_mode
+from autopar.rows import RowOracle
+from autopar.split import OutputKind, SplitStep, apply_at, split_step
+from autopar.trace import check_batch_leaves, trace_step_any_batch
+
+__all__ = ["Prepared", "prepare", "plan_pipeline", "compile_pipeline"]
+
+
+@dataclasses.dataclass
+class Prepared:
+  """A step traced for pipelining, and its context for planning."""
+  split: SplitStep
+  ctx: Context
+  batch: int
+  finals: dict
+
+
+def prepare(pf, prep, method: PipeshardParallel) -> Prepared:
+  """Traces the step (``pf``: the ``ParallelizedFunction``; ``prep``: its
+  prepared arguments) with the loss function captured, and builds ``P``."""
+  name = pf._name
+  mesh = resolve_mesh(method)
+  n = method.micro_batches
+  batch = check_batch_leaves(prep.leaves, num_micro_batches=n, data_axes=(),
+                             data_size=1, fn_name=name)
+  if not batch:
+    raise InputError(f"{name}: PipeshardParallel streams micro-batches through the "
+                     f"stages, but the step has no batch argument. Fix: say which "
+                     f"arguments hold the batch with batch_argnums=.")
+  micro = batch // n
+  with capture_mode(), remat_mode("none"):
+    traced = trace_step_any_batch(pf.fun, pf._args_for_trace(prep), prep.flags,
+                                  prep.leaves, prep.inputs, mesh=auto_mesh(mesh),
+                                  names=prep.names)
+  if traced is None:
+    raise InputError(
+        f"{name}: PipeshardParallel plans the step at a symbolic batch size, and this "
+        f"step cannot be traced so (its shapes depend on the batch size in a way "
+        f"autopar cannot follow). Fix: use ShardParallel, or keep the batch size "
+        f"out of the step's Python logic.")
+  split = split_step(traced, fn_name=name, output_reductions=pf.output_reductions)
+  if not split.has_marker:
+    raise MarkerError(f"{name}: PipeshardParallel needs the gradients from "
+                      f"autopar.value_and_grad / autopar.grad (the grad marker).")
+  program = build_program(split.compute, num_consts=len(split.consts),
+                          leaves=traced.leaves, num_grads=split.num_grads, fn_name=name)
+  analysis = program.analysis(RowOracle.symbolic())
+  total = math.prod(axis_sizes_of(mesh).values())
+  layers = layer_starts(program, analysis, method.layers, max_layers=max(2 * total, 8),
+                        rows=micro)
+  apply = apply_at(split, batch)
+  # Step outputs that replace donated leaves, by update output.
+  donation = {}
+  for o, leaf in donation_pairs(traced).items():
+    if split.out_kinds[o] is OutputKind.APPLY:
+      donation[split.out_index[o]] = leaf
+  ctx = Context(program=program, analysis=analysis, layers=tuple(layers), apply=apply,
+                num_consts=len(split.consts), consts=tuple(split.consts), micro=micro,
+                n=n, batch=batch, donation=donation, grad_names=split.grad_names,
+                leaf_names=tuple(l.path for l in traced.leaves), option=method.option,
+                accumulate=method.grad_accumulation_dtype, remat=method.remat)
+  return Prepared(split=split, ctx=ctx, batch=batch, finals=_finals(split, program, name))
+
+
+def _finals(split: SplitStep, program, name: str) -> dict[int, FinalInfo]:
+  """How each output of ``P`` is combined over micro-batches."""
+  out = {j: FinalInfo(None, None) for j in range(program.num_seeded)}
+  base = program.num_seeded
+  for r, op in enumerate(split.reduced):
+    out[base + r] = FinalInfo(op, None)
+  base += len(split.reduced)
+  for o, (kind, idx) in enumerate(zip(split.out_kinds, split.out_index, strict=True)):
+    if kind is OutputKind.APPLY:
+      continue
+    if kind is OutputKind.CONCAT:
+      out[base + idx] = FinalInfo(None, split.out_dims[o].dim)
+    elif kind in _BY_DEVICE:
+      out[base + idx] = FinalInfo(_BY_DEVICE[kind], None)
+    else:
+      why = split.why.get(o, "it cannot be combined over micro-batches")
+      raise InputError(
+          f"{name}: output {split.traced.out_paths[o]} is computed from the batch "
+          f"before the gradient marker and autopar cannot tell how to combine it "
+          f"over micro-batches and devices: {why}. Fix: say how with "
+          f"parallelize(..., output_reductions={{...: 'mean'}}).")
+  return out
+
+
+# -- the stages' layout --------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class StageChoice:
+  """What the stage search decided for one stage."""
+  layers: tuple[int, int]
+  offset: int
+  shape: tuple[int, ...]
+  batch_axes: tuple[str, ...]
+  root_specs: tuple            # per StageProgram root
+  leaf_specs: tuple            # per StageProgram leaf
+  pins: tuple = ({}, {})
+  time_per_micro_batch: float = 0.0
+  time_per_step: float = 0.0
+  memory: float = 0.0
+  send_bytes: float = 0.0
+  send_seconds: float = 0.0
+
+
+def submesh(mesh, offset: int, shape) -> Mesh | AbstractMesh:
+  """The sub-block of ``mesh`` of ``shape`` starting at flattened ``offset``,
+  with the mesh's axis names (Auto axes)."""
+  names = tuple(mesh.axis_names)
+  auto = (AxisType.Auto,) * len(names)
+  if isinstance(mesh, AbstractMesh):
+    return AbstractMesh(tuple(shape), names, axis_types=auto)
+  devices = np.asarray(mesh.devices).reshape(-1)[offset:offset + math.prod(shape)]
+  return Mesh(devices.reshape(shape), names, axis_types=auto)
+
+
+def _plan_of(pre: Prepared, method, mesh, cut_, choices) -> Plan:
+  """The pipeline's :class:`Plan`."""
+  ctx = pre.ctx
+  program = ctx.program
+  sizes = axis_sizes_of(mesh)
+  names = tuple(sizes)
+  leaves = program.leaves
+  stage_plans = []
+  home_spec: dict[int, PartitionSpec] = {}
+  S = cut_.num_stages
+  in_flight = _in_flight(method.schedule, S, ctx.n)
+  for s, (st, ch) in enumerate(zip(cut_.stages, choices, strict=True)):
+    values = []
+    params = []
+    for k, spec in zip(st.roots, ch.root_specs, strict=True):
+      leaf = program.roots[k].leaf
+      if leaf is None:
+        continue
+      params.append(ctx.leaf_names[leaf])
+      values.append(ValuePlan(ctx.leaf_names[leaf], tuple(leaves[leaf].shape),
+                              dtype_name(leaves[leaf].dtype), spec))
+      if cut_.leaf_home.get(leaf) == s:
+        home_spec.setdefault(leaf, spec)
+    for leaf, spec in zip(st.leaves, ch.leaf_specs, strict=True):
+      info = leaves[leaf]
+      if info.is_batch:
+        spec = PartitionSpec(ch.batch_axes or None)
+      values.append(ValuePlan(ctx.leaf_names[leaf], tuple(info.shape),
+                              dtype_name(info.dtype), spec))
+      if cut_.leaf_home.get(leaf) == s:
+        home_spec.setdefault(leaf, spec)
+    stage_plans.append(StagePlan(
+        index=s, layers=ch.layers, params=tuple(params), submesh_offset=ch.offset,
+        submesh_shape=tuple(ch.shape), batch_axes=tuple(ch.batch_axes),
+        inputs=tuple(values), time_per_micro_batch=float(ch.time_per_micro_batch),
+        time_per_step=float(ch.time_per_step), memory_per_device=int(ch.memory),
+        in_flight=in_flight[s], bytes_to_next=int(ch.send_bytes),
+        send_seconds=float(ch.send_seconds)))
+  inputs = tuple(ValuePlan(l.path, tuple(l.shape), dtype_name(l.dtype),
+                           home_spec.get(k, PartitionSpec())) for k, l in enumerate(leaves))
+  grads = []
+  for name, k, aval in zip(ctx.grad_names, program.grad_roots, pre.split.grad_avals,
+                           strict=True):
+    leaf = program.roots[k].leaf
+    grads.append(ValuePlan(name, tuple(aval.shape), dtype_name(aval.dtype),
+                           home_spec.get(leaf, PartitionSpec())))
+  grads = tuple(grads)
+  t = [c.time_per_micro_batch for c in choices]
+  objective = (sum(t) + (ctx.n - 1) * max(t) + sum(c.send_seconds for c in choices) +
+               max(c.time_per_step for c in choices))
+  return Plan(method="PipeshardParallel", mesh_axis_names=names,
+              mesh_shape=tuple(sizes.values()), num_micro_batches=ctx.n,
+              batch_axes=(), inputs=inputs, grads=grads, outputs=(),
+              memory_per_device=int(max(c.memory for c in choices)),
+              objective=float(objective), stages=tuple(stage_plans),
+              schedule=method.schedule)
+
+
+def _in_flight(schedule: str, S: int, n: int) -> list[int]:
+  return [min(n, S - s) if schedule == "1f1b" else n for s in range(S)]
+
+
+def choose(pre: Prepared, method: PipeshardParallel, mesh):
+  """The stages: their layers, submeshes and plans (``search.py``)."""
+  from autopar.pipeline.search import search
+  return search(pre, method, mesh)
+
+
+def plan_pipeline(pre: Prepared, method: PipeshardParallel, mesh) -> tuple[Plan, Any]:
+  """The pipeline's plan, and the cut and choices it was made from."""
+  cut_, choices = choose(pre, method, mesh)
+  return _plan_of(pre, method, mesh, cut_, choices), (cut_, choices)
+
+
+def compile_pipeline(pre: Prepared, method: PipeshardParallel, mesh, cut_,
+                     choices) -> PipelineStep:
+  """The runnable pipeline for the stages ``choices`` of ``cut_``."""
+  ctx = pre.ctx
+  program = ctx.program
+  split = pre.split
+  if isinstance(mesh, AbstractMesh):
+    raise PlanError("PipeshardParallel: the mesh is an AbstractMesh, which can be "
+                    "planned for but not run on. Fix: use .plan(*args) to plan, and "
+                    "run with a concrete mesh.")
+  tile(tuple(axis_sizes_of(mesh).values()), [c.shape for c in choices])
+  exes = []
+  for s, (st, ch) in enumerate(zip(cut_.stages, choices, strict=True)):
+    if st.hints:
+      raise InputError(
+          f"{program.fn_name}: the loss function has sharding hints "
+          f"(with_sharding_constraint) in pipeline stage {s}; PipeshardParallel does "
+          f"not carry hints into stages yet, and autopar does not drop them "
+          f"silently. Fix: remove the hints, or use ShardParallel.")
+    sub = submesh(mesh, ch.offset, ch.shape)
+    layout = StageLayout(
+        mesh=sub, batch_axes=tuple(ch.batch_axes), micro=ctx.micro, n=ctx.n,
+        root_specs=tuple(ch.root_specs), leaf_specs=tuple(ch.leaf_specs),
+        batch_leaf=tuple(program.leaves[k].is_batch for k in st.leaves),
+        final_rows=tuple(pre.finals[j].row_dim for j in st.finals),
+        pins=ch.pins, accumulate=ctx.accumulate)
+    from autopar.pipeline.planner import _functions
+    fns = _functions(ctx, st, layout.rows)
+    exes.append(build_stage(
+        st, fns, layout, step_consts=[ctx.consts[k] for k in st.step_consts],
+        fn_consts=[program.consts[k] for k in st.fn_consts], seeds=program.seeds))
+  # Where each leaf lives, and its spec there.
+  home_specs = {}
+  for s, (st, ch) in enumerate(zip(cut_.stages, choices, strict=True)):
+    for k, spec in zip(st.roots, ch.root_specs, strict=True):
+      leaf = program.roots[k].leaf
+      if leaf is not None and cut_.leaf_home.get(leaf) == s:
+        home_specs.setdefault(leaf, spec)
+    for leaf, spec in zip(st.leaves, ch.leaf_specs, strict=True):
+      if cut_.leaf_home.get(leaf) == s:
+        home_specs.setdefault(leaf, spec)
+  segments = _apply_segments(pre, cut_, exes, home_specs)
+  order = dispatch_order(stage_tasks(method.schedule, cut_.num_stages, ctx.n))
+  return PipelineStep(
+      split=dataclasses.replace(split, apply=ctx.apply), program=program,
+      stages=list(cut_.stages), exes=exes, segments=segments, order=order, n=ctx.n,
+      micro=ctx.micro, root_home=dict(cut_.root_home),
+      final_stage=dict(cut_.final_stage), finals=pre.finals,
+      apply_consts=tuple(ctx.consts), leaf_home=dict(cut_.leaf_home),
+      home_specs=home_specs)
+
+
+def _apply_segments(pre: Prepared, cut_, exes, home_specs) -> list[ApplySegment]:
+  """The update's segments, jitted on their stages' submeshes; a donated
+  leaf is donated to the last segment that reads it."""
+  ctx = pre.ctx
+  aj = ctx.apply.jaxpr
+  nc = ctx.num_consts
+  leaf_of = {aj.invars[nc + k]: k for k in range(len(ctx.program.leaves))}
+  last_reader = {}
+  for idx, seg in enumerate(cut_.apply.segments):
+    for v in seg.inputs:
+      last_reader[v] = idx
+  out_leaf = {aj.outvars[j]: leaf for j, leaf in ctx.donation.items()
+              if isinstance(aj.outvars[j], Var)}
+  out = []
+  for idx, seg in enumerate(cut_.apply.segments):
+    mesh = exes[seg.stage].layout.mesh
+    donate = tuple(p for p, v in enumerate(seg.inputs)
+                   if v in leaf_of and ctx.program.leaves[leaf_of[v]].is_donated
+                   and last_reader.get(v) == idx)
+    out_specs = tuple(home_specs.get(out_leaf[v], PartitionSpec()) if v in out_leaf
+                      else None for v in seg.outputs)
+    shardings = [None if sp is None else jax.sharding.NamedSharding(mesh, sp)
+                 for sp in out_specs]
+
+    def fn(*xs, seg=seg):
+      return _eval_jaxpr(seg.jaxpr, (), xs, _Rules())
+    out.append(ApplySegment(segment=seg, fn=jax.jit(fn, donate_argnums=donate,
+                                                    out_shardings=shardings),
+                            donate=donate, out_specs=out_specs))
+  return out
+

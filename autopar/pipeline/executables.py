@@ -1,0 +1,283 @@
+"""A stage's jitted functions on its submesh.
+
+Per stage, on its own submesh, with its batch axes ``B`` manual (a
+partial-manual ``jax.shard_map``, as ``lower.py`` does for one mesh) and
+the other axes under XLA's partitioner pinned to the stage's plan:
+
+* ``forward(i, roots, acts_in, leaves) -> (outputs, stored residuals)`` for
+  micro-batch ``i``. Batch leaves come whole, as ``[n, M, ...]`` with the
+  rows of a micro-batch split over ``B``; the stage takes micro-batch ``i``.
+  A device holds rows ``[i*M + d*m, i*M + (d+1)*m)`` of the whole batch
+  (``d``: its index over ``B``, ``m = M / |B|``), which is where its random
+  draws start.
+* ``backward(i, acc, roots, acts_in, leaves, outputs, stored, cotangents)
+  -> (acc, cotangents of the tangent acts_in)``: adds this device's
+  gradient of the stage's roots to ``acc`` (``[|B|, ...]``, one partial sum
+  per device, updated in place); no gradient crosses devices.
+* ``sync(acc) -> grads``: sums the partial sums over ``B`` and divides by
+  ``n``: the only gradient communication of a step, after the last
+  micro-batch.
+
+Values that are not split by rows (a device's loss, its partial sums, its
+residuals) leave the manual region stacked on a leading ``[|B|]`` axis.
+The loss's cotangent seed is divided by ``|B|`` of the stage that computes
+it: each device's loss is the mean over its rows, and the gradient of the
+micro-batch's mean is the sum of the devices' gradients over ``|B|``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from autopar.lower import (_Rules, _eval_jaxpr, _make_entry, _manual,
+                           _reduce_manual, _stacked)
+from autopar.method import accumulation_dtype
+from autopar.pipeline.stages import StageFunctions, StageProgram
+from autopar.planner import batch_spec
+
+__all__ = ["StageLayout", "StageExecutables", "build_stage"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageLayout:
+  """Where a stage runs and how its values are laid out.
+
+  Attributes:
+    mesh: the stage's submesh (Auto axes).
+    batch_axes: the axes its micro-batches' rows are split over.
+    micro: rows of one micro-batch (all devices); n: micro-batches.
+    root_specs, leaf_specs: per root / argument leaf the stage reads (in
+      ``StageProgram`` order), its spec on the submesh (batch leaves: unused).
+    batch_leaf: per argument leaf the stage reads, whether it is batch data.
+    final_rows: per final of the stage, its row dimension if it is
+      concatenated over micro-batches (per-example outputs), else None.
+    pins: ``(forward, backward)`` equation path -> {output: spec} from the
+      stage's plan, over the planned (non-batch) axes.
+    accumulate: the gradient accumulation dtype setting.
+  """
+  mesh: Mesh
+  batch_axes: tuple[str, ...]
+  micro: int
+  n: int
+  root_specs: tuple
+  leaf_specs: tuple
+  batch_leaf: tuple[bool, ...]
+  final_rows: tuple
+  pins: tuple = ({}, {})
+  accumulate: str | None = "float32"
+
+  @property
+  def devices(self) -> int:
+    sizes = dict(zip(self.mesh.axis_names, self.mesh.devices.shape))
+    return math.prod(sizes[a] for a in self.batch_axes)
+
+  @property
+  def rows(self) -> int:
+    return self.micro // self.devices
+
+  def sharding(self, spec: PartitionSpec) -> NamedSharding:
+    return NamedSharding(self.mesh, spec)
+
+  @property
+  def entry(self):
+    return _make_entry(self.batch_axes)
+
+  def rows_spec(self, rank: int, dim: int) -> PartitionSpec:
+    return batch_spec(rank, dim, self.entry)
+
+  def batch_leaf_spec(self) -> PartitionSpec:
+    """Of a batch leaf laid out as ``[n, M, ...]``."""
+    return PartitionSpec(None, self.entry)
+
+
+@dataclasses.dataclass
+class StageExecutables:
+  """A stage's jitted functions (see the module docstring), and the layout
+  of what they take and give."""
+  layout: StageLayout
+  forward: Any
+  backward: Any
+  sync: Any
+  init: Any
+  out_specs: tuple                 # per forward output
+  out_rows: tuple                  # per forward output: its row dim, or None (stacked)
+  act_in_specs: tuple
+  ct_out_specs: tuple              # per tangent act_in
+  grad_specs: tuple
+  act_out_specs: tuple             # per acts_out (their cotangents come back so)
+  fns_out_order: tuple             # G output of each forward output
+  ct_from_next: tuple              # acts_out whose cotangents the backward takes
+  num_stored: int
+  index: tuple                     # per micro-batch, its index on the submesh
+
+  def compiled(self, name: str, *avals):
+    return getattr(self, name).lower(*avals).compile()
+
+
+def _stack(x):
+  return x[None]
+
+
+def build_stage(st: StageProgram, fns: StageFunctions, layout: StageLayout, *,
+                step_consts: Sequence[Any], fn_consts: Sequence[Any],
+                seeds: Sequence[Any]) -> StageExecutables:
+  """The stage's jitted functions. ``step_consts``/``fn_consts``: the values
+  of the consts the stage reads (``StageProgram.step_consts``/``fn_consts``);
+  ``seeds``: the cotangent seed of each of ``P``'s seeded outputs."""
+  L = layout
+  manual = tuple(L.batch_axes)
+  D, m, M = L.devices, L.rows, L.micro
+  nr = len(st.roots)
+  fj, bj = fns.forward, fns.backward
+  n_out = fns.num_outputs
+  n_acts = len(st.acts_out)
+  consts = [*step_consts, *fn_consts]
+  fwd_pins, bwd_pins = L.pins
+  pin = lambda x, spec: lax.with_sharding_constraint(
+      x, spec if manual else NamedSharding(L.mesh, spec))
+
+  # Layout of the forward's outputs: rows split over B, or stacked [D, ...].
+  out_rows = []
+  for k in fns.out_order:
+    if k < n_acts:
+      out_rows.append(st.row_out[k])
+    else:
+      out_rows.append(L.final_rows[k - n_acts])
+  out_avals = [v.aval for v in fj.jaxpr.outvars]
+  out_specs = [L.rows_spec(len(a.shape), r) if r is not None else
+               PartitionSpec(L.entry) for a, r in zip(out_avals[:n_out], out_rows)]
+  stored_specs = [PartitionSpec(L.entry)] * (len(out_avals) - n_out)
+  act_in_specs = [L.rows_spec(len(v.aval.shape), r) for v, r in
+                  zip(st.acts_in, st.row_in, strict=True)]
+  tangent_in = [k for k, t in enumerate(st.tangent_in) if t]
+  ct_out_specs = [act_in_specs[k] for k in tangent_in]
+  root_in = [_manual(s, manual) for s in L.root_specs]
+  leaf_in = [PartitionSpec(None, L.entry) if b else _manual(s, manual)
+             for b, s in zip(L.batch_leaf, L.leaf_specs, strict=True)]
+  grad_specs = list(L.root_specs)
+  grad_avals = [bj.jaxpr.outvars[k].aval for k in range(nr)]
+  acc_dtypes = [accumulation_dtype(a.dtype, L.accumulate) for a in grad_avals]
+
+  def first_row(i):
+    d = lax.axis_index(manual) if manual else 0
+    return (i * M + d * m).astype(np.int32)
+
+  def local_inputs(i, roots, acts, leaves):
+    leaves = [lax.dynamic_index_in_dim(x, i, 0, keepdims=False) if b else x
+              for b, x in zip(L.batch_leaf, leaves, strict=True)]
+    return [first_row(i), *roots, *acts, *leaves, *consts]
+
+  def manual_region(f, in_specs, out_specs_):
+    if not manual:
+      return f
+    return jax.shard_map(f, mesh=L.mesh, in_specs=in_specs, out_specs=out_specs_,
+                         axis_names=set(manual), check_vma=False)
+
+  def fwd_body(i, roots, acts, leaves):
+    ins = local_inputs(i, roots, acts, leaves)
+    outs = _eval_jaxpr(fj.jaxpr, (), ins, _Rules(pins=fwd_pins, pin=pin),
+                       constvals=fj.consts)
+    main = [x if r is not None else _stack(x) for x, r in zip(outs[:n_out], out_rows)]
+    return main, [_stack(x) for x in outs[n_out:]]
+
+  def forward(i, roots, acts, leaves):
+    return manual_region(fwd_body, (PartitionSpec(), root_in, act_in_specs, leaf_in),
+                         (out_specs, stored_specs))(i, roots, acts, leaves)
+
+  # The cotangents the backward pass is given: the next stages' for the
+  # tangent acts_out, the seeds (over |B|) for the seeded finals.
+  diff_out = fns.out_order[:fns.num_diff_out]
+  ct_from_next = [k for k in diff_out if k < n_acts]
+  ct_specs = [L.rows_spec(len(st.acts_out[k].aval.shape), st.row_out[k])
+              for k in ct_from_next]
+
+  def bwd_body(i, acc, roots, acts, leaves, outs, stored, cts):
+    ins = local_inputs(i, roots, acts, leaves)
+    outs = [x if r is not None else x[0] for x, r in zip(outs, out_rows)]
+    stored = [x[0] for x in stored]
+    res = []
+    for (kind, k), v in zip(fns.residuals.sources, bj.jaxpr.invars):
+      if kind == "stored":
+        res.append(stored[k])
+      elif kind == "input":
+        res.append(ins[k])
+      elif kind == "output":
+        res.append(outs[k])
+      else:
+        res.append(jnp.asarray(k, v.aval.dtype))
+    ct_iter = iter(cts)
+    ct_all = []
+    for k, v in zip(diff_out, bj.jaxpr.invars[len(res):], strict=True):
+      if k < n_acts:
+        ct_all.append(next(ct_iter))
+      else:
+        j = st.finals[k - n_acts]
+        ct_all.append(jnp.full(v.aval.shape, np.asarray(seeds[j]) / D, v.aval.dtype))
+    r = _eval_jaxpr(bj.jaxpr, (), [*res, *ct_all], _Rules(pins=bwd_pins, pin=pin),
+                    constvals=bj.consts)
+    grads, ct_in = r[:nr], r[nr:]
+    acc = [a + g.astype(t)[None] for a, g, t in zip(acc, grads, acc_dtypes, strict=True)]
+    return acc, ct_in
+
+  acc_local = [PartitionSpec(L.entry)] * nr
+
+  def backward(i, acc, roots, acts, leaves, outs, stored, cts):
+    return manual_region(
+        bwd_body, (PartitionSpec(), acc_local, root_in, act_in_specs, leaf_in,
+                   out_specs, stored_specs, ct_specs),
+        (acc_local, ct_out_specs))(i, acc, roots, acts, leaves, outs, stored, cts)
+
+  n = L.n
+
+  def sync_body(acc):
+    return [(_reduce_manual(a[0], s, manual) / n).astype(v.dtype)
+            for a, s, v in zip(acc, grad_specs, grad_avals, strict=True)]
+
+  def sync(acc):
+    return manual_region(sync_body, (acc_local,),
+                         [_manual(s, manual) for s in grad_specs])(acc)
+
+  ns = L.sharding
+  acc_shardings = [ns(_stacked(s, manual)) for s in grad_specs]
+
+  def init():
+    return [jnp.zeros((D, *a.shape), t) for a, t in zip(grad_avals, acc_dtypes,
+                                                         strict=True)]
+  replicated = ns(PartitionSpec())
+  index = tuple(jax.device_put(np.int32(i), replicated) for i in range(n))
+  return StageExecutables(
+      layout=L,
+      forward=jax.jit(forward),
+      backward=jax.jit(backward, donate_argnums=(1,)),
+      sync=jax.jit(sync, out_shardings=[ns(s) for s in grad_specs], donate_argnums=(0,)),
+      init=jax.jit(init, out_shardings=acc_shardings),
+      out_specs=tuple(out_specs), out_rows=tuple(out_rows),
+      act_in_specs=tuple(act_in_specs), ct_out_specs=tuple(ct_out_specs),
+      grad_specs=tuple(grad_specs),
+      act_out_specs=tuple(L.rows_spec(len(v.aval.shape), r) for v, r in
+                          zip(st.acts_out, st.row_out, strict=True)),
+      fns_out_order=tuple(fns.out_order), ct_from_next=tuple(ct_from_next),
+      num_stored=len(stored_specs), index=index)
+
+
+def combine_final(values: Sequence[Any], op: str | None, row_dim: int | None,
+                  groups: int):
+  """One final over all micro-batches: per-device values stacked ``[D,
+  ...]`` combined by ``op`` (a mean over ``groups = n * D``), or row-split
+  values concatenated along ``row_dim``."""
+  if row_dim is not None:
+    return jnp.concatenate(values, axis=row_dim) if len(values) > 1 else values[0]
+  x = jnp.stack(values)                       # [n, D, ...]
+  if op in ("sum", "mean"):
+    total = jnp.sum(x, axis=(0, 1))
+    return total / groups if op == "mean" else total
+  return jnp.max(x, axis=(0, 1)) if op == "max" else jnp.min(x, axis=(0, 1))
+

@@ -1,0 +1,308 @@
+"""Running a pipelined step in one process.
+
+One call of :meth:`PipelineStep.run`:
+
+1. places each argument leaf on the submesh of every stage that reads it
+   (a parameter on its stage; a batch leaf, as ``[n, M, ...]``, on every
+   stage that reads the batch);
+2. dispatches the schedule's tasks (``schedule.dispatch_order``): a
+   forward sends the activations it makes to the stages that read them with
+   ``jax.device_put`` to their sharding there, a backward sends the
+   cotangents back the same way. Dispatch is asynchronous, so the stages'
+   submeshes work at the same time;
+3. syncs each stage's gradients once (``sync``) and adds the partial
+   gradients of parameters that several stages read (tied embeddings) on
+   the parameter's own stage;
+4. runs the update's segments (``apply.py``) in order, each on its stage's
+   submesh, moving the few values that cross stages (a global norm);
+5. combines the outputs over micro-batches (the loss, per-example outputs).
+
+``record`` keeps what ran, in order, with the micro-batches each stage held
+(for the schedule's invariants).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Var
+from jax.sharding import NamedSharding, PartitionSpec
+
+from autopar.pipeline.apply import Segment
+from autopar.pipeline.executables import StageExecutables, combine_final
+from autopar.pipeline.program import Program
+from autopar.pipeline.schedule import Task
+from autopar.pipeline.stages import StageProgram
+from autopar.split import OutputKind, SplitStep
+
+__all__ = ["PipelineStep", "ApplySegment", "FinalInfo"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ApplySegment:
+  """An update segment, jitted for its stage's submesh."""
+  segment: Segment
+  fn: Any
+  donate: tuple[int, ...]          # input positions donated
+  out_specs: tuple                 # per output: spec on the submesh, or None
+
+
+@dataclasses.dataclass(frozen=True)
+class FinalInfo:
+  """How one output of ``P`` is combined over micro-batches: ``op`` over
+  per-device values, or concatenated along ``row_dim``; ``None`` op and
+  row_dim: not a step output (a seeded loss that is not returned)."""
+  op: str | None
+  row_dim: int | None
+
+
+@dataclasses.dataclass(eq=False)
+class PipelineStep:
+  """A pipelined step compiled for one input signature (see the module
+  docstring)."""
+  split: SplitStep
+  program: Program
+  stages: list[StageProgram]
+  exes: list[StageExecutables]
+  segments: list[ApplySegment]
+  order: list[Task]
+  n: int
+  micro: int
+  root_home: dict
+  final_stage: dict
+  finals: dict                      # P output index -> FinalInfo
+  apply_consts: tuple
+  leaf_home: dict                   # argument leaf -> stage of its update
+  home_specs: dict                  # argument leaf -> spec on its home stage
+  record: list = dataclasses.field(default_factory=list)
+  recording: bool = False
+  _calls: dict = dataclasses.field(default_factory=dict)
+
+  @property
+  def num_stages(self) -> int:
+    return len(self.stages)
+
+  # -- placing -------------------------------------------------------------------
+
+  def _on(self, s: int, x, spec):
+    sharding = NamedSharding(self.exes[s].layout.mesh, spec)
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+      return x
+    return jax.device_put(x, sharding)
+
+  def place(self, leaves: Sequence[Any]):
+    """Per stage, its roots and leaves on its submesh; per leaf, its array on
+    its home stage."""
+    program = self.program
+    per_stage = []
+    home: dict[int, Any] = {}
+    for s, (st, ex) in enumerate(zip(self.stages, self.exes, strict=True)):
+      L = ex.layout
+      roots = []
+      for k, spec in zip(st.roots, L.root_specs, strict=True):
+        leaf = program.roots[k].leaf
+        if leaf is None:
+          aval = program.roots[k].var.aval
+          roots.append(self._on(s, np.zeros(aval.shape, aval.dtype), spec))
+        else:
+          x = self._on(s, leaves[leaf], spec)
+          roots.append(x)
+          if self.leaf_home.get(leaf) == s:
+            home.setdefault(leaf, x)
+      ls = []
+      for leaf, spec, b in zip(st.leaves, L.leaf_specs, L.batch_leaf, strict=True):
+        x = leaves[leaf]
+        if b:
+          x = jnp.reshape(x, (self.n, self.micro, *x.shape[1:]))
+          ls.append(self._on(s, x, L.batch_leaf_spec()))
+        else:
+          x = self._on(s, x, spec)
+          ls.append(x)
+          if self.leaf_home.get(leaf) == s:
+            home.setdefault(leaf, x)
+      per_stage.append((roots, ls))
+    return per_stage, home
+
+  # -- running -------------------------------------------------------------------
+
+  def _call(self, name: str, fn, *args):
+    if name not in self._calls:
+      self._calls[name] = (fn, jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+          if isinstance(x, jax.Array) else x, args))
+    return fn(*args)
+
+  def compiled(self) -> dict[str, jax.stages.Compiled]:
+    """Every function the last call ran, compiled (``exe.stages``)."""
+    return {name: fn.lower(*args).compile() for name, (fn, args) in self._calls.items()}
+
+  def run(self, leaves: Sequence[Any]) -> list[Any]:
+    """Runs one step; returns the flat outputs (as ``Executable.run``)."""
+    program, S, n = self.program, self.num_stages, self.n
+    per_stage, home = self.place(leaves)
+    consumers: dict[Var, list[int]] = {}
+    for s, st in enumerate(self.stages):
+      for v in st.acts_in:
+        consumers.setdefault(v, []).append(s)
+    producer_stage = {v: s for s, st in enumerate(self.stages) for v in st.acts_out}
+    acts: dict = {}          # (stage, micro-batch, var) -> array on that stage
+    cts: dict = {}           # (stage, micro-batch, var) -> cotangent on that stage
+    saved: dict = {}         # (stage, micro-batch) -> (outputs, stored)
+    finals: dict[int, list] = {}
+    acc = [ex.init() for ex in self.exes]
+    held = [0] * S
+    self.record = []
+    for t in self.order:
+      s, i = t.stage, t.micro_batch
+      st, ex = self.stages[s], self.exes[s]
+      roots, ls = per_stage[s]
+      a_in = [acts[(s, i, v)] for v in st.acts_in]
+      if t.kind == "F":
+        outs, stored = self._call(f"stage{s}/forward", ex.forward, ex.index[i], roots,
+                                  a_in, ls)
+        saved[(s, i)] = (outs, stored)
+        n_acts = len(st.acts_out)
+        g_out = [None] * len(ex.out_rows)
+        for pos, k in enumerate(ex.fns_out_order):
+          g_out[k] = outs[pos]
+        for k, v in enumerate(st.acts_out):
+          for c in consumers.get(v, ()):
+            spec = self.exes[c].act_in_specs[self.stages[c].acts_in.index(v)]
+            acts[(c, i, v)] = self._on(c, g_out[k], spec)
+        for j, x in zip(st.finals, g_out[n_acts:], strict=True):
+          finals.setdefault(j, []).append(x)
+        held[s] += 1
+      else:
+        outs, stored = saved.pop((s, i))
+        ct = []
+        for k in ex.ct_from_next:
+          v = st.acts_out[k]
+          x = cts.pop((s, i, v), None)
+          if x is None:        # no later stage differentiates it
+            x = jnp.zeros_like(outs[ex.fns_out_order.index(k)])
+          ct.append(x)
+        acc[s], ct_in = self._call(f"stage{s}/backward", ex.backward, ex.index[i],
+                                   acc[s], roots, a_in, ls, outs, stored, ct)
+        tangent = [v for v, tg in zip(st.acts_in, st.tangent_in) if tg]
+        for v, x in zip(tangent, ct_in, strict=True):
+          p = producer_stage[v]
+          spec = self.exes[p].act_out_specs[self.stages[p].acts_out.index(v)]
+          x = self._on(p, x, spec)
+          key = (p, i, v)
+          cts[key] = x if key not in cts else cts[key] + x
+        for v in st.acts_in:
+          acts.pop((s, i, v), None)
+        held[s] -= 1
+      if self.recording:
+        self.record.append((t, tuple(held)))
+    # Gradients: synced once per stage, partial sums added on the root's home.
+    root_grads: dict[int, Any] = {}
+    for s, (st, ex) in enumerate(zip(self.stages, self.exes, strict=True)):
+      grads = self._call(f"stage{s}/sync", ex.sync, acc[s])
+      for k, g in zip(st.roots, grads, strict=True):
+        h = self.root_home[k]
+        if h != s:
+          g = self._on(h, g, self.exes[h].grad_specs[self.stages[h].roots.index(k)])
+        root_grads[k] = g if k not in root_grads else root_grads[k] + g
+    del acc
+    # Outputs of P, combined over micro-batches.
+    combined = {}
+    for j, xs in finals.items():
+      info = self.finals[j]
+      if info.op is None and info.row_dim is None:
+        continue
+      s = self.final_stage[j]
+      groups = n * self.exes[s].layout.devices
+      combined[j] = combine_final(xs, info.op, info.row_dim, groups)
+    # The update, segment by segment.
+    aj = self.split.apply.jaxpr
+    nc, nl = len(self.apply_consts), len(program.leaves)
+    env: dict = {}
+    for v, x in zip(aj.invars[:nc], self.apply_consts, strict=True):
+      env[v] = (None, x)
+    for k in range(nl):
+      v = aj.invars[nc + k]
+      if k in home:
+        env[v] = (self.leaf_home[k], home[k])
+      elif not program.leaves[k].is_batch:
+        env[v] = (None, leaves[k])
+    ng = len(program.grad_roots)
+    for g, k in enumerate(program.grad_roots):
+      env[aj.invars[nc + nl + g]] = (self.root_home[k], root_grads[k])
+    base = program.num_seeded
+    for r, v in enumerate(aj.invars[nc + nl + ng:]):
+      j = base + r
+      env[v] = (self.final_stage[j], combined[j])
+    for a in self.segments:
+      seg = a.segment
+      s = seg.stage
+      args = []
+      for v in seg.inputs:
+        where, x = env[v]
+        if where is not None and where != s or where is None and isinstance(x, jax.Array):
+          x = self._on(s, x, PartitionSpec())
+        elif where is None:
+          x = self._on(s, np.asarray(x), PartitionSpec())
+        args.append(x)
+      outs = self._call(f"stage{s}/apply{self.segments.index(a)}", a.fn, *args)
+      for v, x in zip(seg.outputs, outs, strict=True):
+        env[v] = (s, x)
+    apply_outs = []
+    for v in aj.outvars:
+      if isinstance(v, Var):
+        apply_outs.append(env[v][1])
+      else:
+        apply_outs.append(np.asarray(v.val))
+    micro_base = base + len(self.split.reduced)
+    outs = []
+    for kind, idx in zip(self.split.out_kinds, self.split.out_index, strict=True):
+      outs.append(apply_outs[idx] if kind is OutputKind.APPLY
+                  else combined[micro_base + idx])
+    return outs
+
+
+@dataclasses.dataclass(eq=False)
+class PipelineExecutable:
+  """A pipelined step, with the interface of ``executor.Executable``.
+
+  Attributes:
+    plan: the pipeline's :class:`autopar.Plan` (``plan.stages``).
+    step: the runnable :class:`PipelineStep`.
+  """
+  plan: Any
+  step: PipelineStep
+  static_argnums: tuple[int, ...] = ()
+
+  @property
+  def split(self) -> SplitStep:
+    return self.step.split
+
+  @property
+  def stages(self) -> dict[str, jax.stages.Compiled]:
+    """``"stage<s>/forward"``, ``"stage<s>/backward"``, ``"stage<s>/sync"``,
+    ``"stage<s>/apply<k>"``: compiled as the last call ran them."""
+    return self.step.compiled()
+
+  @property
+  def schedule(self) -> list[str]:
+    """The tasks one call dispatches, in order (``F3@1``: micro-batch 3's
+    forward on stage 1), then each stage's sync and update."""
+    S = self.step.num_stages
+    return ([str(t) for t in self.step.order] + [f"sync@{s}" for s in range(S)] +
+            [f"apply{k}@{a.segment.stage}" for k, a in enumerate(self.step.segments)])
+
+  def memory_analysis(self) -> dict[str, Any]:
+    return {name: c.memory_analysis() for name, c in self.stages.items()}
+
+  def as_text(self) -> dict[str, str]:
+    return {name: c.as_text() for name, c in self.stages.items()}
+
+  def place(self, leaves: Sequence[Any]) -> list[Any]:
+    return list(leaves)
+
+  def run(self, leaves: Sequence[Any]) -> list[Any]:
+    return self.step.run(leaves)

@@ -1,0 +1,154 @@
+"""Pipeline schedules: which stage runs which micro-batch's forward or
+backward pass, and in what order.
+
+A schedule is a list of :class:`Task` per stage (the order that stage runs
+them in); :func:`dispatch_order` interleaves them into one order that
+respects the data dependencies, which is the order the driver dispatches
+them in (dispatch is asynchronous, so stages on different submeshes run at
+the same time).
+
+* ``"gpipe"``: every stage runs all forwards, then all backwards. Stage
+  ``s`` holds the activations of all ``n`` micro-batches at its peak.
+* ``"1f1b"`` (PipeDream-flush): stage ``s`` of ``S`` runs ``S - s - 1``
+  warm-up forwards, then alternates one forward and one backward, then
+  drains its backwards. It holds at most ``S - s`` micro-batches'
+  activations.
+
+:func:`simulate` replays a schedule on task durations (measured or
+modelled) and gives its step time and bubble, the fraction of stage time
+spent idle; for equal stage times the bubble is ``(S - 1) / (n + S - 1)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+__all__ = ["Task", "stage_tasks", "dispatch_order", "in_flight", "simulate",
+           "SCHEDULES"]
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """``kind`` ("F" or "B") of ``micro_batch`` on ``stage``."""
+  kind: str
+  stage: int
+  micro_batch: int
+
+  def __str__(self) -> str:
+    return f"{self.kind}{self.micro_batch}@{self.stage}"
+
+
+def stage_tasks(schedule: str, num_stages: int, n: int) -> list[list[Task]]:
+  """Per stage, the tasks it runs, in its order."""
+  out = []
+  for s in range(num_stages):
+    F = [Task("F", s, i) for i in range(n)]
+    B = [Task("B", s, i) for i in range(n)]
+    if schedule == "gpipe":
+      out.append(F + B)
+      continue
+    if schedule != "1f1b":
+      raise ValueError(schedule)
+    warm = min(num_stages - s - 1, n)
+    order = F[:warm]
+    f, b = warm, 0
+    while b < n:
+      if f < n:
+        order.append(F[f])
+        f += 1
+      order.append(B[b])
+      b += 1
+    out.append(order)
+  return out
+
+
+def _deps(t: Task, num_stages: int) -> list[Task]:
+  if t.kind == "F":
+    return [Task("F", t.stage - 1, t.micro_batch)] if t.stage > 0 else []
+  deps = [Task("F", t.stage, t.micro_batch)]
+  if t.stage < num_stages - 1:
+    deps.append(Task("B", t.stage + 1, t.micro_batch))
+  return deps
+
+
+def dispatch_order(per_stage: Sequence[Sequence[Task]]) -> list[Task]:
+  """One order of all tasks that keeps each stage's order and runs every
+  task after those it reads (a micro-batch's forward on the stage before,
+  its backward on the stage after and its own forward). Stages take turns,
+  so work for every stage is queued early."""
+  S = len(per_stage)
+  pos = [0] * S
+  done: set[Task] = set()
+  order: list[Task] = []
+  total = sum(len(p) for p in per_stage)
+  while len(order) < total:
+    progressed = False
+    for s in range(S):
+      if pos[s] < len(per_stage[s]):
+        t = per_stage[s][pos[s]]
+        if all(d in done for d in _deps(t, S)):
+          order.append(t)
+          done.add(t)
+          pos[s] += 1
+          progressed = True
+    if not progressed:
+      raise RuntimeError("pipeline schedule deadlocks: " +
+                         ", ".join(str(p[i]) for p, i in zip(per_stage, pos)
+                                   if i < len(p)))
+  return order
+
+
+def in_flight(order: Sequence[Task], num_stages: int) -> list[int]:
+  """Per stage, the most micro-batches whose forward it has run and whose
+  backward it has not (the activations it holds), in ``order``."""
+  held = [0] * num_stages
+  peak = [0] * num_stages
+  for t in order:
+    held[t.stage] += 1 if t.kind == "F" else -1
+    peak[t.stage] = max(peak[t.stage], held[t.stage])
+  return peak
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+  """A schedule replayed: per task its start and end (seconds)."""
+  start: dict
+  end: dict
+  num_stages: int
+
+  @property
+  def makespan(self) -> float:
+    return max(self.end.values(), default=0.0)
+
+  def busy(self, s: int) -> float:
+    return sum(self.end[t] - self.start[t] for t in self.end if t.stage == s)
+
+  @property
+  def bubble(self) -> float:
+    """Fraction of the stages' time spent waiting."""
+    span = self.makespan
+    if span <= 0:
+      return 0.0
+    return 1.0 - sum(self.busy(s) for s in range(self.num_stages)) / (
+        self.num_stages * span)
+
+
+def simulate(per_stage: Sequence[Sequence[Task]], duration: Callable[[Task], float],
+             transfer: Callable[[Task], float] = lambda t: 0.0) -> Timeline:
+  """Replays the schedule: each stage runs its tasks in order, each as soon
+  as the stage is free and its inputs have arrived (``transfer(t)``: the
+  time to send what ``t`` makes to the stage that reads it)."""
+  S = len(per_stage)
+  start, end = {}, {}
+  free = [0.0] * S
+  for t in dispatch_order(per_stage):
+    ready = free[t.stage]
+    for d in _deps(t, S):
+      ready = max(ready, end[d] + (transfer(d) if d.stage != t.stage else 0.0))
+    start[t] = ready
+    end[t] = ready + duration(t)
+    free[t.stage] = end[t]
+  return Timeline(start, end, S)
