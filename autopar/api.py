@@ -391,7 +391,7 @@ class ParallelizedFunction:
       if exe is not None:
         return exe
       if isinstance(self.method, PipeshardParallel):
-        pre, plan, (cut, choices) = self._pipeline(prep)
+        pre, plan, (cut, choices, _) = self._pipeline(prep)
         with jax.set_mesh(None):
           step = pipeline_compile.compile_pipeline(pre, self.method,
                                                    resolve_mesh(self.method), cut, choices)

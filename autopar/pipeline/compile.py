@@ -30,6 +30,7 @@ from autopar.pipeline.planner import Context
 from autopar.pipeline.program import build_program, layer_starts
 from autopar.pipeline.runtime import ApplySegment, FinalInfo, PipelineStep
 from autopar.pipeline.schedule import dispatch_order, stage_tasks
+from autopar.pipeline.search import search
 from autopar.pipeline.submesh import tile
 from autopar.plan import Plan, StagePlan, ValuePlan
 from autopar.planner import donation_pairs
@@ -132,6 +133,8 @@ class StageChoice:
   batch_axes: tuple[str, ...]
   root_specs: tuple            # per StageProgram root
   leaf_specs: tuple            # per StageProgram leaf
+  grad_specs: tuple = ()       # per root: its gradient's spec (default: the root's)
+  update_specs: dict = dataclasses.field(default_factory=dict)  # update-only leaves
   pins: tuple = ({}, {})
   time_per_micro_batch: float = 0.0
   time_per_step: float = 0.0
@@ -182,6 +185,12 @@ def _plan_of(pre: Prepared, method, mesh, cut_, choices) -> Plan:
                               dtype_name(info.dtype), spec))
       if cut_.leaf_home.get(leaf) == s:
         home_spec.setdefault(leaf, spec)
+    for leaf, spec in _update_leaf_specs(ctx, ch):
+      info = leaves[leaf]
+      values.append(ValuePlan(ctx.leaf_names[leaf], tuple(info.shape),
+                              dtype_name(info.dtype), spec))
+      if cut_.leaf_home.get(leaf) == s:
+        home_spec.setdefault(leaf, spec)
     stage_plans.append(StagePlan(
         index=s, layers=ch.layers, params=tuple(params), submesh_offset=ch.offset,
         submesh_shape=tuple(ch.shape), batch_axes=tuple(ch.batch_axes),
@@ -213,16 +222,11 @@ def _in_flight(schedule: str, S: int, n: int) -> list[int]:
   return [min(n, S - s) if schedule == "1f1b" else n for s in range(S)]
 
 
-def choose(pre: Prepared, method: PipeshardParallel, mesh):
-  """The stages: their layers, submeshes and plans (``search.py``)."""
-  from autopar.pipeline.search import search
-  return search(pre, method, mesh)
-
-
 def plan_pipeline(pre: Prepared, method: PipeshardParallel, mesh) -> tuple[Plan, Any]:
-  """The pipeline's plan, and the cut and choices it was made from."""
-  cut_, choices = choose(pre, method, mesh)
-  return _plan_of(pre, method, mesh, cut_, choices), (cut_, choices)
+  """The pipeline's plan, and the cut, choices and search result it was
+  made from (``search.py``)."""
+  cut_, choices, result = search(pre, method, mesh)
+  return _plan_of(pre, method, mesh, cut_, choices), (cut_, choices, result)
 
 
 def compile_pipeline(pre: Prepared, method: PipeshardParallel, mesh, cut_,
@@ -250,7 +254,7 @@ def compile_pipeline(pre: Prepared, method: PipeshardParallel, mesh, cut_,
         root_specs=tuple(ch.root_specs), leaf_specs=tuple(ch.leaf_specs),
         batch_leaf=tuple(program.leaves[k].is_batch for k in st.leaves),
         final_rows=tuple(pre.finals[j].row_dim for j in st.finals),
-        pins=ch.pins, accumulate=ctx.accumulate)
+        grad_specs=tuple(ch.grad_specs), pins=ch.pins, accumulate=ctx.accumulate)
     from autopar.pipeline.planner import _functions
     fns = _functions(ctx, st, layout.rows)
     exes.append(build_stage(
@@ -266,6 +270,9 @@ def compile_pipeline(pre: Prepared, method: PipeshardParallel, mesh, cut_,
     for leaf, spec in zip(st.leaves, ch.leaf_specs, strict=True):
       if cut_.leaf_home.get(leaf) == s:
         home_specs.setdefault(leaf, spec)
+    for leaf, spec in _update_leaf_specs(ctx, ch):
+      if cut_.leaf_home.get(leaf) == s:
+        home_specs.setdefault(leaf, spec)
   segments = _apply_segments(pre, cut_, exes, home_specs)
   order = dispatch_order(stage_tasks(method.schedule, cut_.num_stages, ctx.n))
   return PipelineStep(
@@ -275,6 +282,15 @@ def compile_pipeline(pre: Prepared, method: PipeshardParallel, mesh, cut_,
       final_stage=dict(cut_.final_stage), finals=pre.finals,
       apply_consts=tuple(ctx.consts), leaf_home=dict(cut_.leaf_home),
       home_specs=home_specs)
+
+
+def _update_leaf_specs(ctx, ch: StageChoice):
+  """(argument leaf, spec) of the leaves only the stage's update reads
+  (optimizer state), as its plan gives them."""
+  aj = ctx.apply.jaxpr
+  nc, nl = ctx.num_consts, len(ctx.program.leaves)
+  index = {v: k - nc for k, v in enumerate(aj.invars) if nc <= k < nc + nl}
+  return [(index[v], spec) for v, spec in ch.update_specs.items() if v in index]
 
 
 def _apply_segments(pre: Prepared, cut_, exes, home_specs) -> list[ApplySegment]:

@@ -56,6 +56,7 @@ class StageLayout:
     micro: rows of one micro-batch (all devices); n: micro-batches.
     root_specs, leaf_specs: per root / argument leaf the stage reads (in
       ``StageProgram`` order), its spec on the submesh (batch leaves: unused).
+    grad_specs: per root, the spec of its gradient (default: the root's).
     batch_leaf: per argument leaf the stage reads, whether it is batch data.
     final_rows: per final of the stage, its row dimension if it is
       concatenated over micro-batches (per-example outputs), else None.
@@ -71,6 +72,7 @@ class StageLayout:
   leaf_specs: tuple
   batch_leaf: tuple[bool, ...]
   final_rows: tuple
+  grad_specs: tuple = ()
   pins: tuple = ({}, {})
   accumulate: str | None = "float32"
 
@@ -162,7 +164,7 @@ def build_stage(st: StageProgram, fns: StageFunctions, layout: StageLayout, *,
   root_in = [_manual(s, manual) for s in L.root_specs]
   leaf_in = [PartitionSpec(None, L.entry) if b else _manual(s, manual)
              for b, s in zip(L.batch_leaf, L.leaf_specs, strict=True)]
-  grad_specs = list(L.root_specs)
+  grad_specs = list(L.grad_specs or L.root_specs)
   grad_avals = [bj.jaxpr.outvars[k].aval for k in range(nr)]
   acc_dtypes = [accumulation_dtype(a.dtype, L.accumulate) for a in grad_avals]
 

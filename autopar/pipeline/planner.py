@@ -229,8 +229,8 @@ def stage_batch_axes(sizes: dict[str, int], micro: int, option) -> list[tuple[st
   names = [a for a, s in sizes.items() if s > 1]
   if option.force_data_parallel:
     return [tuple(names)] if micro % math.prod(sizes[a] for a in names) == 0 else [()]
-  forced = option.forced_batch_axes_names if hasattr(option, "forced_batch_axes_names") \
-      else None
+  forced = option.forced_batch_axes(jax.sharding.AbstractMesh(
+      tuple(sizes.values()), tuple(sizes)))
   out = []
   for mask in range(1 << len(names)):
     axes = tuple(a for i, a in enumerate(names) if mask >> i & 1)
@@ -509,7 +509,7 @@ def solve_stage(ctx: Context, cut_: Cut, s: int, sizes: dict[str, int],
   assert len(joint.invars) - num_consts == len(io.kinds), (len(joint.invars), len(io.kinds))
   update, donation, offsets = _update_jaxpr(ctx, cut_, s, io, segments, grads, num_consts)
   names = tuple(sizes)
-  planned = tuple(a for a in names if a not in batch_axes)
+  planned = tuple(a for a in names if a not in batch_axes and sizes[a] > 1)
   option = ctx.option
   cost = cost or MeshCost(sizes, option.alpha, option.beta)
   leaf_avals = [v.aval for v in joint.invars[num_consts:]]

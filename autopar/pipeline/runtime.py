@@ -228,6 +228,9 @@ class PipelineStep:
       v = aj.invars[nc + k]
       if k in home:
         env[v] = (self.leaf_home[k], home[k])
+      elif k in self.home_specs and k in self.leaf_home:
+        h = self.leaf_home[k]
+        env[v] = (h, self._on(h, leaves[k], self.home_specs[k]))
       elif not program.leaves[k].is_batch:
         env[v] = (None, leaves[k])
     ng = len(program.grad_roots)

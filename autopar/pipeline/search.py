@@ -1,68 +1,322 @@
-"""Choosing the stages: layers per stage, submeshes, batch axes."""
+"""The stage search: how many stages, which layers, which submeshes.
+
+Alpa's two-level search, with the link between stages priced:
+
+1. **Layer costs.** Each layer is planned alone as a stage (``planner.
+   solve_stage``, the intra-stage ILP) on every submesh shape
+   (``submesh.block_shapes``) and every choice of batch axes there. Layers
+   that compute alike (same stage program, same update) are solved once.
+   Per layer, shape and batch axes: ``t`` (forward + backward of one
+   micro-batch), ``u`` (gradient sync and update, once per step) and its
+   memory (state, residuals per micro-batch held, peak).
+2. **Stages.** A stage is consecutive layers ``[a, b)`` on a block of
+   devices; its time per micro-batch is the sum of its layers' ``t`` (one
+   batch-axes choice for the whole stage) plus the time to send its
+   activations to the next stage and get their cotangents back, α + β ×
+   bytes / devices over the mesh axis the link between the two blocks
+   crosses (``submesh.link_axis``). A dynamic program over (first layer,
+   first device) minimises ``Σ t_s`` subject to ``t_s ≤ t_max`` for each
+   ``t_max`` on the grid of stage times, and the step time
+
+       T = Σ t_s + (n - 1) × max t_s + max u_s
+
+   picks the best; a stage whose memory (state + residuals × micro-batches
+   it holds under the schedule + peak) exceeds ``memory_budget_per_device``
+   is not a candidate.
+3. **Stage plans.** The chosen stages are planned whole by the ILP on their
+   submeshes (stages that compute alike solved once); their specs are the
+   plan.
+
+With ``num_stages=1`` or when one stage on the whole mesh is best, the
+result has one stage, which ``api.py`` runs as ``ShardParallel``.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+import time
 
 import numpy as np
-from jax.sharding import PartitionSpec
 
+from autopar.cost_model import DEFAULT_ALPHA, DEFAULT_BETA
+from autopar.errors import InputError, PlanError
 from autopar.method import axis_sizes_of
-from autopar.pipeline.planner import cut
-from autopar.pipeline.program import eqn_flops, sizer
-from autopar.pipeline.submesh import block_shape_of, tile
+from autopar.pipeline.planner import cut, solve_stage, stage_batch_axes
+from autopar.pipeline.program import sizer, value_bytes
+from autopar.pipeline.submesh import block_shapes, fits, link_axis, tile
+from autopar.strategies import to_partition_spec
+
+__all__ = ["search", "SearchResult", "Candidate"]
+
+MAX_DP_LAYERS = 32
 
 
-def _layer_flops(ctx):
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """A stage the dynamic program may pick."""
+  layers: tuple[int, int]
+  offset: int
+  shape: tuple[int, ...]
+  batch_axes: tuple[str, ...]
+  t: float                 # per micro-batch, sends included
+  u: float
+  memory: float
+  send_bytes: float
+  send_seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchResult:
+  """The stages picked, and the step time of the best plan per stage count."""
+  stages: tuple[Candidate, ...]
+  step_time: float
+  by_num_stages: dict          # S -> (step time, stages)
+  seconds: float
+
+
+def _groups(num_layers: int, k: int) -> list[int]:
+  """Starts of ``k`` (or fewer) groups of consecutive layers of about equal count."""
+  return sorted({round(i * num_layers / k) for i in range(k)})
+
+
+def _send(ctx, position: int) -> float:
+  """Bytes of the activations that cross ``position`` of ``P``, one
+  micro-batch, all devices."""
   size = sizer(ctx.micro)
-  flops = np.array([eqn_flops(e, size) for e in ctx.program.eqns], dtype=float)
-  cum = np.concatenate([[0.0], np.cumsum(flops)])
-  out = []
-  for a in range(ctx.num_layers):
-    lo, hi = ctx.layer_range(a, a + 1)
-    out.append(cum[hi] - cum[lo])
-  return out
+  return float(sum(value_bytes(v, size) for v in ctx.analysis.crossing(position)))
 
 
-def _groups(flops, S):
-  """S consecutive groups of about equal flops."""
-  L = len(flops)
-  cum = np.concatenate([[0.0], np.cumsum(flops)])
-  bounds = [0]
-  for j in range(1, S):
-    target = cum[-1] * j / S
-    lo = bounds[-1] + 1
-    hi = L - (S - j)
-    b = min(range(lo, hi + 1), key=lambda q: abs(cum[q] - target))
-    bounds.append(b)
-  bounds.append(L)
-  return [(bounds[i], bounds[i + 1]) for i in range(S)]
+def _solve_layers(ctx, groups, shapes, names, progress=None):
+  """costs[(g, shape, axes)] = (t, u, state, residual bytes, peak) per DP
+  layer group ``g`` (layers ``groups[g]..groups[g+1]``)."""
+  L = ctx.num_layers
+  bounds = [*groups, L]
+  memo: dict = {}
+  out: dict = {}
+  for g in range(len(groups)):
+    a, b = bounds[g], bounds[g + 1]
+    ranges = [r for r in [(0, a), (a, b), (b, L)] if r[0] < r[1]]
+    s = ranges.index((a, b))
+    c = cut(ctx, ranges)
+    st = c.stages[s]
+    key_prog = st.signature() + "|" + "|".join(str(seg.jaxpr) for seg in c.apply.of_stage(s))
+    for shape in shapes:
+      sizes = dict(zip(names, shape))
+      for axes in stage_batch_axes(sizes, ctx.micro, ctx.option):
+        key = (key_prog, shape, axes)
+        if key not in memo:
+          sol = solve_stage(ctx, c, s, sizes, axes)
+          memo[key] = (sol.per_micro_batch, sol.per_step, sol.state_bytes,
+                       sol.residual_bytes, sol.peak_bytes)
+        out[(g, shape, axes)] = memo[key]
+  return out, len(memo)
 
 
 def search(pre, method, mesh):
-  from autopar.pipeline.compile import StageChoice
+  """The stages for ``method`` on ``mesh`` (see the module docstring):
+  ``(cut, choices)`` for ``compile.py``."""
+  t0 = time.perf_counter()
   ctx = pre.ctx
   sizes = axis_sizes_of(mesh)
-  shape = tuple(sizes.values())
-  S = method.num_stages if method.num_stages != "auto" else 2
-  layers = _groups(_layer_flops(ctx), S)
-  if method.stage_mesh_shapes != "auto":
-    shapes = method.stage_mesh_shapes
-  else:
-    shapes = [block_shape_of(shape, math.prod(shape) // S)] * S
-  offsets = tile(shape, shapes)
+  names = tuple(sizes)
+  mesh_shape = tuple(sizes.values())
+  total = math.prod(mesh_shape)
+  L = ctx.num_layers
+  fixed_S = None if method.num_stages == "auto" else int(method.num_stages)
+  if fixed_S is not None and fixed_S > L:
+    raise InputError(
+        f"{ctx.program.fn_name}: num_stages={fixed_S} but the forward pass has only "
+        f"{L} layer(s) to group into stages ({_layer_note(method)}). Fix: use at most "
+        f"{L} stages, num_stages='auto', or mark more boundaries with "
+        f"autopar.mark_pipeline_boundary() and layers='manual'.")
+  fixed_shapes = None if method.stage_mesh_shapes == "auto" else \
+      [tuple(s) for s in method.stage_mesh_shapes]
+  if fixed_shapes is not None:
+    tile(mesh_shape, fixed_shapes)
+    fixed_S = len(fixed_shapes)
+    if fixed_S > L:
+      raise InputError(
+          f"{ctx.program.fn_name}: {fixed_S} stage_mesh_shapes but the forward pass "
+          f"has only {L} layer(s) ({_layer_note(method)}). Fix: give at most {L} "
+          f"shapes.")
+  groups = _groups(L, min(L, MAX_DP_LAYERS)) if L > MAX_DP_LAYERS else list(range(L))
+  G = len(groups)
+  shapes = sorted(set(fixed_shapes) if fixed_shapes else set(block_shapes(mesh_shape)),
+                  key=math.prod)
+  costs, solved = _solve_layers(ctx, groups, shapes, names)
+  bounds = [*groups, L]
+  n = ctx.n
+  budget = ctx.option.memory_budget_per_device
+  option = ctx.option
+  alpha, beta = option.alpha, option.beta
+  send_bytes = [_send(ctx, ctx.layers[bounds[g]]) if g < G else 0.0
+                for g in range(G + 1)]
+  # Prefix sums per (shape, axes) of t, u, state, residual; max of peak by range.
+  prefix = {}
+  for shape in shapes:
+    for axes in stage_batch_axes(dict(zip(names, shape)), ctx.micro, option):
+      rows = np.array([costs[(g, shape, axes)] for g in range(G)])
+      prefix[(shape, axes)] = (np.vstack([np.zeros(5), np.cumsum(rows, axis=0)]), rows)
+
+  def stage(a: int, b: int, offset: int, shape, S_total: int | None, s_index: int | None):
+    """The best candidate for layers [a, b) on a block, or None."""
+    best = None
+    devices = math.prod(shape)
+    end = offset + devices
+    axis = link_axis(mesh_shape, names, end) if b < G else None
+    for (sh, axes), (cum, rows) in prefix.items():
+      if sh != shape:
+        continue
+      t, u, state, resid = (cum[b, :4] - cum[a, :4])
+      peak = rows[a:b, 4].max()
+      sb = send_bytes[b] if b < G else 0.0
+      sec = 0.0
+      if axis is not None and sb:
+        sec = (alpha.get(axis, DEFAULT_ALPHA) +
+               beta.get(axis, DEFAULT_BETA) * sb / devices)
+      # In flight under the schedule: 1F1B holds S - s (unknown S: the worst, n).
+      if method.schedule == "gpipe" or s_index is None:
+        held = n if method.schedule == "gpipe" else min(n, G)
+      else:
+        held = min(n, S_total - s_index)
+      mem = state + held * resid + peak
+      if budget is not None and mem > budget:
+        continue
+      cand = Candidate(layers=(a, b), offset=offset, shape=shape, batch_axes=axes,
+                       t=t + 2 * sec, u=u, memory=mem, send_bytes=sb, send_seconds=sec)
+      if best is None or cand.t + cand.u / max(n, 1) < best.t + best.u / max(n, 1):
+        best = cand
+    return best
+
+  shape_list = shapes
+
+  def solve_dp(t_max: float, S_total: int | None):
+    """Min Σ t over stage sequences with every t ≤ t_max (and S_total stages
+    if given): the list of candidates, or None."""
+    @functools.lru_cache(maxsize=None)
+    def best(a: int, offset: int, k: int):
+      if a == G and offset == total:
+        return (0.0, ()) if S_total is None or k == S_total else None
+      if a == G or offset == total:
+        return None
+      if S_total is not None and k >= S_total:
+        return None
+      result = None
+      for shape in shape_list:
+        if fixed_shapes is not None and (k >= len(fixed_shapes) or
+                                         shape != fixed_shapes[k]):
+          continue
+        if not fits(mesh_shape, offset, shape):
+          continue
+        for b in range(a + 1, G + 1):
+          c = stage(a, b, offset, shape, S_total, k if S_total is not None else None)
+          if c is None or c.t > t_max * (1 + 1e-9):
+            continue
+          rest = best(b, offset + math.prod(shape), k + 1)
+          if rest is None:
+            continue
+          total_t = c.t + rest[0]
+          if result is None or total_t < result[0]:
+            result = (total_t, (c, *rest[1]))
+      return result
+    return best(0, 0, 0)
+
+  def step_time(cands) -> float:
+    ts = [c.t for c in cands]
+    return sum(ts) + (n - 1) * max(ts) + max(c.u for c in cands)
+
+  # t_max candidates: stage times of single-layer-group stages up to whole ranges.
+  grid = set()
+  for shape in shapes:
+    for (sh, axes), (cum, rows) in prefix.items():
+      if sh == shape:
+        for a in range(G):
+          for b in range(a + 1, G + 1):
+            grid.add(float(cum[b, 0] - cum[a, 0]))
+  grid = sorted(grid)
+  if len(grid) > 48:
+    grid = sorted(set(np.quantile(grid, np.linspace(0, 1, 48)).tolist()) | {grid[-1]})
+  # Sends make stages slower than their layers: widen the thresholds.
+  sends = max((send_bytes[g] for g in range(G)), default=0.0)
+  slack = max(alpha.values(), default=DEFAULT_ALPHA) * 2 + \
+      max(beta.values(), default=DEFAULT_BETA) * 2 * sends
+  by_S: dict[int, tuple[float, tuple]] = {}
+  counts = [fixed_S] if fixed_S is not None else [None]
+  for S_total in counts:
+    for t_max in grid:
+      r = solve_dp(t_max + slack, S_total)
+      if r is None:
+        continue
+      cands = r[1]
+      T = step_time(cands)
+      S = len(cands)
+      if S not in by_S or T < by_S[S][0]:
+        by_S[S] = (T, cands)
+  if not by_S:
+    raise PlanError(
+        f"{ctx.program.fn_name}: no pipeline of "
+        f"{fixed_S if fixed_S else 'any number of'} stage(s) fits "
+        f"memory_budget_per_device={budget} on the mesh {mesh_shape} with "
+        f"{n} micro-batch(es) under {method.schedule}. Fix: raise the budget, use "
+        f"more stages or more micro-batches with 1F1B, or remat.")
+  S_best = min(by_S, key=lambda S: by_S[S][0])
+  T, cands = by_S[S_best]
+  result = SearchResult(stages=tuple(cands), step_time=T, by_num_stages=by_S,
+                        seconds=time.perf_counter() - t0)
+  layers = [(bounds[c.layers[0]], bounds[c.layers[1]]) for c in cands]
   c = cut(ctx, layers)
   choices = []
-  for s, st in enumerate(c.stages):
-    sub = dict(zip(sizes, shapes[s]))
-    axes = []
-    d = 1
-    for a, k in sub.items():
-      if k > 1 and ctx.micro % (d * k) == 0:
-        axes.append(a)
-        d *= k
-    choices.append(StageChoice(layers=layers[s], offset=offsets[s], shape=tuple(shapes[s]),
-                               batch_axes=tuple(axes),
-                               root_specs=tuple(PartitionSpec() for _ in st.roots),
-                               leaf_specs=tuple(PartitionSpec() for _ in st.leaves)))
-  return c, choices
+  in_flight = [min(n, len(cands) - s) if method.schedule == "1f1b" else n
+               for s in range(len(cands))]
+  plans: dict = {}
+  for s, (st, cand) in enumerate(zip(c.stages, cands, strict=True)):
+    sizes_s = dict(zip(names, cand.shape))
+    key = (st.signature(), cand.shape, cand.batch_axes, in_flight[s],
+           "|".join(str(seg.jaxpr) for seg in c.apply.of_stage(s)))
+    sol = plans.get(key)
+    if sol is None or s not in sol[0]:
+      sol = (set(), solve_stage(ctx, c, s, sizes_s, cand.batch_axes,
+                                in_flight=in_flight[s]))
+      plans[key] = sol
+    sol[0].add(s)
+    choices.append(_choice(ctx, c, s, cand, sol[1], layers[s], in_flight[s]))
+  return c, choices, result
+
+
+def _layer_note(method) -> str:
+  return ("layers found: the boundaries marked with autopar.mark_pipeline_boundary()"
+          if method.layers == "manual" else
+          "layers found: the repeated blocks, or cuts of balanced flops")
+
+
+def _choice(ctx, c, s, cand, sol, layers, in_flight):
+  """A StageChoice from the stage's ILP solution."""
+  from autopar.pipeline.compile import StageChoice
+  io = sol.io
+  solution = sol.problem.solution()
+  specs = [to_partition_spec(x) for x in solution.leaf_specs]
+  root_specs = tuple(specs[k] for k in io.index("root"))
+  leaf_specs = tuple(specs[k] for k in io.index("leaf"))
+  update_specs = {}
+  for k in io.index("update"):
+    update_specs[io.refs[k]] = specs[k]
+  grad_specs = tuple(to_partition_spec(x) for x in solution.grad_specs)
+  fwd_pins, bwd_pins = {}, {}
+  nf = sol.num_forward_eqns
+  for path, outs in solution.compute_specs.items():
+    head, _, rest = path.partition(".")
+    i = int(head)
+    table, j = (fwd_pins, i) if i < nf else (bwd_pins, i - nf)
+    key = str(j) + ("." + rest if rest else "")
+    table[key] = {o: to_partition_spec(x) for o, x in enumerate(outs)}
+  mem = sol.state_bytes + in_flight * sol.residual_bytes + sol.peak_bytes
+  return StageChoice(layers=layers, offset=cand.offset, shape=tuple(cand.shape),
+                     batch_axes=tuple(cand.batch_axes), root_specs=root_specs,
+                     leaf_specs=leaf_specs, grad_specs=grad_specs,
+                     update_specs=update_specs, pins=(fwd_pins, bwd_pins),
+                     time_per_micro_batch=sol.per_micro_batch + 2 * cand.send_seconds,
+                     time_per_step=sol.per_step, memory=mem,
+                     send_bytes=cand.send_bytes, send_seconds=cand.send_seconds)
+
