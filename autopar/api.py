@@ -143,6 +143,7 @@ class ParallelizedFunction:
     self._plans: dict[Any, tuple[Plan, int]] = {}    # key -> (plan, micro-batch size)
     self._splits: dict[Any, SplitStep] = {}
     self._pipelines: dict[Any, Any] = {}
+    self._shard_delegate: ParallelizedFunction | None = None
     self._any_split: dict[Any, SplitStep | None] = {}   # symbolic-batch split
     # Without a symbolic split: one concrete trace to compare others with.
     self._reference: dict[Any, Any] = {}      # key -> TracedStep
@@ -235,9 +236,36 @@ class ParallelizedFunction:
       self._pipelines[prep.key] = (pre, plan, chosen)
     return self._pipelines[prep.key]
 
+  def _one_stage(self, prep: _Prepared) -> "ParallelizedFunction | None":
+    """For a PipeshardParallel step of one stage (num_stages=1, or the
+    search found pipelining does not pay): the same step under
+    ShardParallel on the whole mesh, which runs it."""
+    method = self.method
+    if not isinstance(method, PipeshardParallel):
+      return None
+    if method.num_stages != 1 and (method.plan is not None and
+                                   len(method.plan.stages) > 1 or
+                                   method.plan is None and
+                                   len(self._pipeline(prep)[1].stages) > 1):
+      return None
+    if self._shard_delegate is None:
+      self._shard_delegate = ParallelizedFunction(
+          self.fun, method=ShardParallel(
+              mesh=method.mesh, num_micro_batches=method.num_micro_batches,
+              remat=method.remat, grad_accumulation_dtype=method.grad_accumulation_dtype,
+              option=method.option,
+              plan=method.plan if method.plan is not None and not method.plan.stages
+              else None),
+          donate_argnums=self.donate_argnums, batch_argnums=self.batch_argnums,
+          static_argnums=self.static_argnums, output_reductions=self.output_reductions)
+    return self._shard_delegate
+
   def _plan_uncached(self, prep: _Prepared) -> tuple[Plan, int]:
     method = self.method
     if isinstance(method, PipeshardParallel):
+      one = self._one_stage(prep)
+      if one is not None:
+        return one._plan(prep)
       pre, plan, _ = self._pipeline(prep)
       return plan, pre.ctx.micro
     mesh = resolve_mesh(method)
@@ -391,6 +419,11 @@ class ParallelizedFunction:
       if exe is not None:
         return exe
       if isinstance(self.method, PipeshardParallel):
+        one = self._one_stage(prep)
+        if one is not None:
+          exe = one._executable(prep)
+          self._executables[prep.key] = exe
+          return exe
         pre, plan, (cut, choices, _) = self._pipeline(prep)
         with jax.set_mesh(None):
           step = pipeline_compile.compile_pipeline(pre, self.method,

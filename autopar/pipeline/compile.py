@@ -26,7 +26,7 @@ from autopar.lower import _BY_DEVICE, _Rules, _eval_jaxpr
 from autopar.method import PipeshardParallel, auto_mesh, axis_sizes_of, resolve_mesh
 from autopar.pipeline.capture import capture_mode
 from autopar.pipeline.executables import StageLayout, build_stage
-from autopar.pipeline.planner import Context
+from autopar.pipeline.planner import Context, cut
 from autopar.pipeline.program import build_program, layer_starts
 from autopar.pipeline.runtime import ApplySegment, FinalInfo, PipelineStep
 from autopar.pipeline.schedule import dispatch_order, stage_tasks
@@ -224,9 +224,64 @@ def _in_flight(schedule: str, S: int, n: int) -> list[int]:
 
 def plan_pipeline(pre: Prepared, method: PipeshardParallel, mesh) -> tuple[Plan, Any]:
   """The pipeline's plan, and the cut, choices and search result it was
-  made from (``search.py``)."""
+  made from (``search.py``); with ``method.plan``, the saved plan's stages,
+  without solving."""
+  if method.plan is not None:
+    cut_, choices = _saved(pre, method, mesh, method.plan)
+    return method.plan, (cut_, choices, None)
   cut_, choices, result = search(pre, method, mesh)
   return _plan_of(pre, method, mesh, cut_, choices), (cut_, choices, result)
+
+
+def _saved(pre: Prepared, method, mesh, plan: Plan):
+  """The stages of a saved pipeline plan, for this step."""
+  ctx = pre.ctx
+  name = ctx.program.fn_name
+  sizes = axis_sizes_of(mesh)
+  fix = "Fix: plan again for this step and mesh (drop plan=)."
+  if not isinstance(plan, Plan) or not plan.stages:
+    raise PlanError(f"{name}: PipeshardParallel(plan=...) needs a pipeline plan (one "
+                    f"with stages, from a PipeshardParallel step); got "
+                    f"{'a ' + plan.method + ' plan' if isinstance(plan, Plan) else type(plan).__name__}. {fix}")
+  if tuple(plan.mesh_shape) != tuple(sizes.values()) or \
+      tuple(plan.mesh_axis_names) != tuple(sizes):
+    raise PlanError(f"{name}: the saved plan is for mesh {dict(zip(plan.mesh_axis_names, plan.mesh_shape))}, "
+                    f"the method's is {sizes}. {fix}")
+  if plan.num_micro_batches != ctx.n:
+    raise PlanError(f"{name}: the saved plan is for {plan.num_micro_batches} "
+                    f"micro-batches, the method has {ctx.n}. {fix}")
+  L = ctx.num_layers
+  layers = [tuple(st.layers) for st in plan.stages]
+  if layers[0][0] != 0 or layers[-1][1] != L or any(
+      a[1] != b[0] for a, b in zip(layers, layers[1:])):
+    raise PlanError(f"{name}: the saved plan's stages cover layers {layers}, but this "
+                    f"step's forward pass has {L} layers. {fix}")
+  tile(tuple(sizes.values()), [st.submesh_shape for st in plan.stages])
+  c = cut(ctx, layers)
+  choices = []
+  for s, (st, sp) in enumerate(zip(c.stages, plan.stages, strict=True)):
+    spec = {v.name: v.spec for v in sp.inputs}
+    names = [ctx.leaf_names[ctx.program.roots[k].leaf] for k in st.roots
+             if ctx.program.roots[k].leaf is not None]
+    missing = [p for p in names + [ctx.leaf_names[k] for k in st.leaves] if p not in spec]
+    if missing:
+      raise PlanError(f"{name}: the saved plan's stage {s} has no spec for {missing[0]}, "
+                      f"which this step's stage {s} reads. {fix}")
+    root_specs = tuple(spec[ctx.leaf_names[ctx.program.roots[k].leaf]]
+                       if ctx.program.roots[k].leaf is not None else PartitionSpec()
+                       for k in st.roots)
+    aj = ctx.apply.jaxpr
+    update = {aj.invars[ctx.num_consts + k]: spec[ctx.leaf_names[k]]
+              for k in range(len(ctx.program.leaves))
+              if ctx.leaf_names[k] in spec and k not in st.leaves}
+    choices.append(StageChoice(
+        layers=layers[s], offset=sp.submesh_offset, shape=tuple(sp.submesh_shape),
+        batch_axes=tuple(sp.batch_axes), root_specs=root_specs,
+        leaf_specs=tuple(spec[ctx.leaf_names[k]] for k in st.leaves),
+        update_specs=update, time_per_micro_batch=sp.time_per_micro_batch,
+        time_per_step=sp.time_per_step, memory=sp.memory_per_device,
+        send_bytes=sp.bytes_to_next, send_seconds=sp.send_seconds))
+  return c, choices
 
 
 def compile_pipeline(pre: Prepared, method: PipeshardParallel, mesh, cut_,

@@ -173,6 +173,14 @@ def build_program(compute: ClosedJaxpr, *, num_consts: int, leaves: Sequence[Lea
         f"autopar.value_and_grad call.")
   ef, eb = jaxpr.eqns[fwd_at[0]], jaxpr.eqns[bwd_at[0]]
   F: ClosedJaxpr = ef.params["jaxpr"]
+  nested = [p for p in _find(F.jaxpr, boundary_p) if "." in p]
+  if nested:
+    raise MarkerError(
+        f"{fn_name}: autopar.mark_pipeline_boundary() is called inside a loop or "
+        f"under a condition (lax.scan / fori_loop / while_loop / cond; equation "
+        f"{nested[0]} of the loss function), where no stage can end. Fix: call it "
+        f"at the loss function's top level, between layers (unroll the loop of "
+        f"layers, or mark the boundaries around it).")
   diff, outd, cmask = eb.params["diff"], eb.params["outd"], eb.params["cmask"]
   nin = len(diff)
   if len(ef.invars) != nin or any(

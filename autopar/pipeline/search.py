@@ -37,6 +37,7 @@ import dataclasses
 import functools
 import math
 import time
+import warnings
 
 import numpy as np
 
@@ -263,6 +264,13 @@ def search(pre, method, mesh):
         f"more stages or more micro-batches with 1F1B, or remat.")
   S_best = min(by_S, key=lambda S: by_S[S][0])
   T, cands = by_S[S_best]
+  if 1 < S_best and n < S_best:
+    warnings.warn(
+        f"autopar: {ctx.program.fn_name}: {n} micro-batch(es) through {S_best} "
+        f"pipeline stages: at most {n} stage(s) work at a time, and "
+        f"{(S_best - 1) / (n + S_best - 1):.0%} of the stages' time is bubble "
+        f"((S - 1) / (n + S - 1)). Use num_micro_batches >= {S_best} (4 x stages "
+        f"or more keeps the bubble small).", stacklevel=2)
   result = SearchResult(stages=tuple(cands), step_time=T, by_num_stages=by_S,
                         seconds=time.perf_counter() - t0)
   layers = [(bounds[c.layers[0]], bounds[c.layers[1]]) for c in cands]

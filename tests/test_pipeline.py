@@ -1,0 +1,267 @@
+"""PipeshardParallel: pipeline stages on submeshes, equal to single-device jit."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import autopar
+from autopar.pipeline import schedule as sched
+from models import assert_trees_close, mlp_setup, single_device, transformer_setup
+
+SGD = optax.sgd(0.1, momentum=0.9)
+
+
+def mesh24():
+  return jax.make_mesh((2, 4), ("data", "model"))
+
+
+def run_steps(step, make_state, batch, method, steps=1):
+  """(parallel result, single-device result) after ``steps`` steps."""
+  pf = autopar.parallelize(step, method=method, donate_argnums=(0,))
+  ref_fn = single_device(step)
+  state, ref = make_state(), make_state()
+  for _ in range(steps):
+    state, loss = pf(state, batch)
+    ref, ref_loss = ref_fn(ref, batch)
+  return pf, (state, loss), (ref, ref_loss)
+
+
+@pytest.mark.parametrize("stages,n,schedule", [(2, 1, "1f1b"), (2, 4, "gpipe"),
+                                               (4, 8, "1f1b"), (4, 2, "gpipe")])
+def test_mlp_equals_jit(stages, n, schedule):
+  make_state, step, batch = mlp_setup(tx=SGD)
+  method = autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=n,
+                                     num_stages=stages, schedule=schedule)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")        # n < stages: the bubble warning
+    pf, got, want = run_steps(step, make_state, batch, method, steps=2)
+  assert_trees_close(got, want)
+  plan = pf.get_executable(make_state(), batch).plan
+  assert len(plan.stages) == stages and plan.schedule == schedule
+
+
+@pytest.mark.parametrize("stages,n,schedule", [(2, 2, "1f1b"), (4, 4, "gpipe")])
+def test_gpt_equals_jit(stages, n, schedule):
+  make_state, step, batch = transformer_setup(tx=SGD, layers=4)
+  method = autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=n,
+                                     num_stages=stages, schedule=schedule)
+  pf, got, want = run_steps(step, make_state, batch, method, steps=2)
+  assert_trees_close(got, want)
+  plan = pf.get_executable(make_state(), batch).plan
+  # Every stage holds its own blocks' parameters, and the stages cover them all.
+  params = [p for st in plan.stages for p in st.params]
+  assert len(params) == len(set(params)) == len(jax.tree.leaves(make_state().params))
+  assert "pipeline: %d stage(s)" % stages in plan.summary().splitlines()[0]
+
+
+def test_gpt_model_parallel_stages_equal_jit():
+  """Stages whose plans split the weights over the model axis (Megatron)."""
+  make_state, step, batch = transformer_setup(tx=SGD, layers=4)
+  option = autopar.AutoShardingOption(force_batch_dim_to_mesh_dim="data",
+                                      seconds_per_flop=1e-8)
+  method = autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=2, num_stages=2,
+                                     stage_mesh_shapes=[(1, 4), (1, 4)], option=option)
+  pf, got, want = run_steps(step, make_state, batch, method)
+  assert_trees_close(got, want)
+  plan = pf.get_executable(make_state(), batch).plan
+  split = [v for st in plan.stages for v in st.inputs if "model" in str(v.spec)]
+  assert split, plan.summary()
+
+
+def manual_setup(layers=4, batch=16, d=8):
+  """A plain-JAX MLP whose loss marks a boundary after every layer."""
+  rng = np.random.RandomState(0)
+  params = [{"w": jnp.asarray(rng.randn(d, d).astype(np.float32) / np.sqrt(d)),
+             "b": jnp.zeros((d,), jnp.float32)} for _ in range(layers)]
+  x = rng.randn(batch, d).astype(np.float32)
+  y = rng.randn(batch, d).astype(np.float32)
+
+  def make_state():
+    p = jax.tree.map(jnp.array, params)
+    return {"params": p, "opt": SGD.init(p)}
+
+  def step(state, batch):
+    def loss_fn(p):
+      h = batch["x"]
+      for k, layer in enumerate(p):
+        h = jnp.tanh(h @ layer["w"] + layer["b"])
+        if k < len(p) - 1:
+          autopar.mark_pipeline_boundary()
+      return jnp.mean((h - batch["y"]) ** 2)
+    loss, grads = autopar.value_and_grad(loss_fn)(state["params"])
+    updates, opt = SGD.update(grads, state["opt"], state["params"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
+
+  return make_state, step, {"x": x, "y": y}
+
+
+@pytest.mark.parametrize("stages,n,schedule", [(2, 4, "1f1b"), (4, 8, "gpipe")])
+def test_manual_boundaries(stages, n, schedule):
+  make_state, step, batch = manual_setup()
+  method = autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=n,
+                                     num_stages=stages, schedule=schedule,
+                                     layers="manual")
+  pf, got, want = run_steps(step, make_state, batch, method, steps=2)
+  assert_trees_close(got, want)
+  plan = pf.get_executable(make_state(), batch).plan
+  # Stage s runs layers [a, b) and holds exactly their parameters.
+  assert plan.stages[0].layers[0] == 0 and plan.stages[-1].layers[1] == 4
+  for st in plan.stages:
+    a, b = st.layers
+    assert a < b
+    want = {f"state['params'][{k}]['{w}']" for k in range(a, b) for w in "wb"}
+    assert set(st.params) == want, (st.layers, st.params)
+
+
+def test_schedule_order_and_activations_held():
+  """From a record of what ran: each micro-batch's forward on stage i before
+  its forward on stage i + 1 and its backward on stage i; under 1F1B stage i
+  holds at most S - i micro-batches, under GPipe all n."""
+  make_state, step, batch = manual_setup()
+  for schedule in ("1f1b", "gpipe"):
+    method = autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=8,
+                                       num_stages=4, schedule=schedule, layers="manual")
+    pf = autopar.parallelize(step, method=method)
+    exe = pf.get_executable(make_state(), batch)
+    exe.step.recording = True
+    pf(make_state(), batch)
+    record = exe.step.record
+    when = {t: k for k, (t, _) in enumerate(record)}
+    S, n = 4, 8
+    assert len(record) == 2 * S * n
+    for i in range(n):
+      for s in range(S):
+        assert when[sched.Task("F", s, i)] < when[sched.Task("B", s, i)]
+        if s + 1 < S:
+          assert when[sched.Task("F", s, i)] < when[sched.Task("F", s + 1, i)]
+          assert when[sched.Task("B", s + 1, i)] < when[sched.Task("B", s, i)]
+    peak = [max(h[s] for _, h in record) for s in range(S)]
+    assert peak == ([S - s for s in range(S)] if schedule == "1f1b" else [n] * S)
+
+
+@pytest.mark.parametrize("S,n", [(2, 1), (2, 4), (3, 5), (4, 8), (4, 16)])
+def test_schedules_hold_what_they_say(S, n):
+  for name in sched.SCHEDULES:
+    order = sched.dispatch_order(sched.stage_tasks(name, S, n))
+    assert len(order) == 2 * S * n
+    held = sched.in_flight(order, S)
+    assert held == ([min(n, S - s) for s in range(S)] if name == "1f1b" else [n] * S)
+  # Equal stage times: the bubble is (S - 1) / (n + S - 1).
+  t = sched.simulate(sched.stage_tasks("1f1b", S, n),
+                     lambda task: 1.0 if task.kind == "F" else 2.0)
+  assert t.bubble == pytest.approx((S - 1) / (n + S - 1))
+
+
+def test_no_gradient_bytes_before_last_micro_batch():
+  """A stage's backward pass (every micro-batch) moves no gradient between
+  devices; the sync after the last micro-batch reduces them."""
+  make_state, step, batch = mlp_setup(tx=SGD)
+  method = autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=4, num_stages=2,
+                                     option=autopar.AutoShardingOption(
+                                         force_data_parallel=True))
+  pf = autopar.parallelize(step, method=method)
+  pf(make_state(), batch)
+  exe = pf.get_executable(make_state(), batch)
+  assert all(st.batch_axes for st in exe.plan.stages)
+  text = exe.as_text()
+  for s in range(2):
+    for kind in ("all-reduce", "reduce-scatter", "all-gather", "all-to-all"):
+      assert kind not in text[f"stage{s}/backward"], (s, kind)
+    assert "all-reduce" in text[f"stage{s}/sync"] or \
+        "reduce-scatter" in text[f"stage{s}/sync"]
+
+
+def test_plan_round_trip_and_saved_plan_runs_without_solving(monkeypatch):
+  make_state, step, batch = manual_setup()
+  method = autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=2, num_stages=2,
+                                     layers="manual")
+  plan = autopar.parallelize(step, method=method).plan(make_state(), batch)
+  loaded = autopar.Plan.from_json(plan.to_json())
+  assert loaded.stages == plan.stages and loaded.schedule == "1f1b"
+  assert loaded.summary().startswith("pipeline: 2 stage(s)")
+
+  def no_search(*a, **k):
+    raise AssertionError("a saved plan was solved again")
+  monkeypatch.setattr(autopar.pipeline.compile, "search", no_search)
+  saved = autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=2, layers="manual",
+                                    plan=loaded)
+  pf, got, want = run_steps(step, make_state, batch, saved)
+  assert_trees_close(got, want)
+  assert pf.get_executable(make_state(), batch).plan.stages == plan.stages
+
+
+def test_one_stage_is_shard_parallel():
+  make_state, step, batch = mlp_setup(tx=SGD)
+  method = autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=2, num_stages=1)
+  pf, got, want = run_steps(step, make_state, batch, method)
+  assert_trees_close(got, want)
+  assert pf.get_executable(make_state(), batch).plan.method == "ShardParallel"
+
+
+def test_auto_stages_on_a_slow_host_axis():
+  """Told the outer axis is 12x slower than the inner one, the search
+  pipelines over it (one stage per host) rather than all-reduce the
+  gradients across it."""
+  make_state, step, batch = transformer_setup(tx=SGD, layers=4, d=256, batch=32)
+  abstract = jax.eval_shape(lambda: (make_state(), batch))
+  mesh = jax.sharding.AbstractMesh((2, 4), ("host", "device"))
+  option = autopar.AutoShardingOption(mesh_beta={"host": 1 / 25e9, "device": 1 / 300e9},
+                                      mesh_alpha={"host": 1e-5, "device": 1e-6})
+  method = autopar.PipeshardParallel(mesh=mesh, num_micro_batches=8, option=option)
+  plan = autopar.parallelize(step, method=method).plan(*abstract)
+  assert plan.stages, plan.summary()
+  # The stages tile the mesh, in order.
+  offset = 0
+  for st in plan.stages:
+    assert st.submesh_offset == offset
+    offset += int(np.prod(st.submesh_shape))
+  assert offset == 8
+  assert [st.submesh_shape for st in plan.stages] == [(1, 4), (1, 4)]
+
+
+def test_errors():
+  make_state, step, batch = manual_setup(layers=2)
+  with pytest.raises(autopar.InputError, match="only 2 layer"):
+    autopar.parallelize(step, method=autopar.PipeshardParallel(
+        mesh=mesh24(), num_micro_batches=4, num_stages=4,
+        layers="manual")).plan(make_state(), batch)
+  with pytest.raises(autopar.InputError, match="do not tile"):
+    autopar.PipeshardParallel(mesh=mesh24(), num_stages=2,
+                              stage_mesh_shapes=[(1, 2), (2, 4)])
+  with pytest.raises(autopar.InputError, match="cover 6"):
+    autopar.PipeshardParallel(mesh=mesh24(), stage_mesh_shapes=[(1, 4), (1, 2)])
+  with pytest.raises(autopar.InputError, match="schedule"):
+    autopar.PipeshardParallel(mesh=mesh24(), schedule="interleaved")
+  with pytest.raises(autopar.InputError, match="mark_pipeline_boundary"):
+    auto_make, auto_step, auto_batch = mlp_setup(tx=SGD)
+    autopar.parallelize(auto_step, method=autopar.PipeshardParallel(
+        mesh=mesh24(), num_micro_batches=2, num_stages=2,
+        layers="manual")).plan(auto_make(), auto_batch)
+  with pytest.warns(UserWarning, match="bubble"):
+    autopar.parallelize(step, method=autopar.PipeshardParallel(
+        mesh=mesh24(), num_micro_batches=1, num_stages=2, schedule="gpipe",
+        layers="manual")).plan(make_state(), batch)
+
+
+def test_boundary_inside_a_loop_is_an_error():
+  d = 4
+  w = jnp.ones((3, d, d)) * 0.1
+  x = np.ones((8, d), np.float32)
+
+  def step(w, x):
+    def loss_fn(w):
+      def body(h, wk):
+        autopar.mark_pipeline_boundary()
+        return jnp.tanh(h @ wk), None
+      h, _ = jax.lax.scan(body, x, w)
+      return jnp.mean(h ** 2)
+    loss, g = autopar.value_and_grad(loss_fn)(w)
+    return w - 0.1 * g, loss
+
+  with pytest.raises(autopar.MarkerError, match="inside a loop"):
+    autopar.parallelize(step, batch_argnums=(1,), method=autopar.PipeshardParallel(
+        mesh=mesh24(), num_micro_batches=2, num_stages=2, layers="manual")).plan(w, x)
