@@ -18,12 +18,16 @@ One call of :meth:`PipelineStep.run`:
 5. combines the outputs over micro-batches (the loss, per-example outputs).
 
 ``record`` keeps what ran, in order, with the micro-batches each stage held
-(for the schedule's invariants).
+(for the schedule's invariants), when ``recording`` is set; ``stats`` has,
+per stage, the most activation bytes per device it held and the bytes it
+sent, and with ``timing`` set each task's time (each task then runs alone:
+for measuring, not for training).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Sequence
 
 import jax
@@ -40,6 +44,16 @@ from autopar.pipeline.stages import StageProgram
 from autopar.split import OutputKind, SplitStep
 
 __all__ = ["PipelineStep", "ApplySegment", "FinalInfo"]
+
+
+def _per_device_bytes(tree) -> int:
+  """Bytes one device holds of the arrays in ``tree`` (the most any holds)."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    if isinstance(x, jax.Array):
+      shard = x.addressable_shards[0].data if x.addressable_shards else x
+      total += shard.nbytes
+  return total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +94,8 @@ class PipelineStep:
   home_specs: dict                  # argument leaf -> spec on its home stage
   record: list = dataclasses.field(default_factory=list)
   recording: bool = False
+  timing: bool = False
+  stats: dict = dataclasses.field(default_factory=dict)
   _calls: dict = dataclasses.field(default_factory=dict)
 
   @property
@@ -155,8 +171,14 @@ class PipelineStep:
     finals: dict[int, list] = {}
     acc = [ex.init() for ex in self.exes]
     held = [0] * S
+    held_bytes, peak_bytes = [0] * S, [0] * S
+    sent = [0] * S                 # activation and cotangent bytes each stage sends
+    durations: dict = {}
     self.record = []
     for t in self.order:
+      if self.timing:
+        jax.block_until_ready((acc, acts, cts))
+        started = time.perf_counter()
       s, i = t.stage, t.micro_batch
       st, ex = self.stages[s], self.exes[s]
       roots, ls = per_stage[s]
@@ -165,6 +187,9 @@ class PipelineStep:
         outs, stored = self._call(f"stage{s}/forward", ex.forward, ex.index[i], roots,
                                   a_in, ls)
         saved[(s, i)] = (outs, stored)
+        nbytes = _per_device_bytes((outs, stored))
+        held_bytes[s] += nbytes
+        peak_bytes[s] = max(peak_bytes[s], held_bytes[s])
         n_acts = len(st.acts_out)
         g_out = [None] * len(ex.out_rows)
         for pos, k in enumerate(ex.fns_out_order):
@@ -173,11 +198,13 @@ class PipelineStep:
           for c in consumers.get(v, ()):
             spec = self.exes[c].act_in_specs[self.stages[c].acts_in.index(v)]
             acts[(c, i, v)] = self._on(c, g_out[k], spec)
+            sent[s] += g_out[k].nbytes
         for j, x in zip(st.finals, g_out[n_acts:], strict=True):
           finals.setdefault(j, []).append(x)
         held[s] += 1
       else:
         outs, stored = saved.pop((s, i))
+        held_bytes[s] -= _per_device_bytes((outs, stored))
         ct = []
         for k in ex.ct_from_next:
           v = st.acts_out[k]
@@ -192,13 +219,19 @@ class PipelineStep:
           p = producer_stage[v]
           spec = self.exes[p].act_out_specs[self.stages[p].acts_out.index(v)]
           x = self._on(p, x, spec)
+          sent[s] += x.nbytes
           key = (p, i, v)
           cts[key] = x if key not in cts else cts[key] + x
         for v in st.acts_in:
           acts.pop((s, i, v), None)
         held[s] -= 1
+      if self.timing:
+        jax.block_until_ready((acc, acts, cts, saved))
+        durations[t] = time.perf_counter() - started
       if self.recording:
         self.record.append((t, tuple(held)))
+    self.stats = {"held_bytes_peak": peak_bytes, "sent_bytes": sent,
+                  "durations": durations}
     # Gradients: synced once per stage, partial sums added on the root's home.
     root_grads: dict[int, Any] = {}
     for s, (st, ex) in enumerate(zip(self.stages, self.exes, strict=True)):

@@ -44,7 +44,7 @@ import numpy as np
 from autopar.cost_model import DEFAULT_ALPHA, DEFAULT_BETA
 from autopar.errors import InputError, PlanError
 from autopar.method import axis_sizes_of
-from autopar.pipeline.planner import cut, solve_stage, stage_batch_axes
+from autopar.pipeline.planner import _update_inputs, cut, solve_stage, stage_batch_axes
 from autopar.pipeline.program import sizer, value_bytes
 from autopar.pipeline.submesh import block_shapes, fits, link_axis, tile
 from autopar.strategies import to_partition_spec
@@ -161,15 +161,16 @@ def search(pre, method, mesh):
       rows = np.array([costs[(g, shape, axes)] for g in range(G)])
       prefix[(shape, axes)] = (np.vstack([np.zeros(5), np.cumsum(rows, axis=0)]), rows)
 
-  def stage(a: int, b: int, offset: int, shape, S_total: int | None, s_index: int | None):
-    """The best candidate for layers [a, b) on a block, or None."""
+  @functools.lru_cache(maxsize=None)
+  def stage(a: int, b: int, offset: int, shape, held: int):
+    """The best candidate for layers [a, b) on the block of ``shape`` at
+    ``offset``, holding ``held`` micro-batches' activations, or None."""
     best = None
     devices = math.prod(shape)
     end = offset + devices
     axis = link_axis(mesh_shape, names, end) if b < G else None
-    for (sh, axes), (cum, rows) in prefix.items():
-      if sh != shape:
-        continue
+    for axes in axes_of[shape]:
+      cum, rows = prefix[(shape, axes)]
       t, u, state, resid = (cum[b, :4] - cum[a, :4])
       peak = rows[a:b, 4].max()
       sb = send_bytes[b] if b < G else 0.0
@@ -177,11 +178,6 @@ def search(pre, method, mesh):
       if axis is not None and sb:
         sec = (alpha.get(axis, DEFAULT_ALPHA) +
                beta.get(axis, DEFAULT_BETA) * sb / devices)
-      # In flight under the schedule: 1F1B holds S - s (unknown S: the worst, n).
-      if method.schedule == "gpipe" or s_index is None:
-        held = n if method.schedule == "gpipe" else min(n, G)
-      else:
-        held = min(n, S_total - s_index)
       mem = state + held * resid + peak
       if budget is not None and mem > budget:
         continue
@@ -190,6 +186,18 @@ def search(pre, method, mesh):
       if best is None or cand.t + cand.u / max(n, 1) < best.t + best.u / max(n, 1):
         best = cand
     return best
+
+  def held_at(S_total, k) -> int:
+    """Micro-batches stage k holds: 1F1B holds S - k (the number of stages
+    unknown: as many as there are layer groups left, at most n); GPipe n."""
+    if method.schedule == "gpipe":
+      return n
+    return min(n, S_total - k) if S_total is not None else n
+
+  axes_of = {shape: stage_batch_axes(dict(zip(names, shape)), ctx.micro, option)
+             for shape in shapes}
+  fit = {(off, shape): fits(mesh_shape, off, shape) for off in range(total)
+         for shape in shapes}
 
   shape_list = shapes
 
@@ -209,10 +217,11 @@ def search(pre, method, mesh):
         if fixed_shapes is not None and (k >= len(fixed_shapes) or
                                          shape != fixed_shapes[k]):
           continue
-        if not fits(mesh_shape, offset, shape):
+        if not fit[(offset, shape)]:
           continue
+        held = held_at(S_total, k)
         for b in range(a + 1, G + 1):
-          c = stage(a, b, offset, shape, S_total, k if S_total is not None else None)
+          c = stage(a, b, offset, shape, held)
           if c is None or c.t > t_max * (1 + 1e-9):
             continue
           rest = best(b, offset + math.prod(shape), k + 1)
@@ -237,8 +246,8 @@ def search(pre, method, mesh):
           for b in range(a + 1, G + 1):
             grid.add(float(cum[b, 0] - cum[a, 0]))
   grid = sorted(grid)
-  if len(grid) > 48:
-    grid = sorted(set(np.quantile(grid, np.linspace(0, 1, 48)).tolist()) | {grid[-1]})
+  if len(grid) > 16:
+    grid = sorted(set(np.quantile(grid, np.linspace(0, 1, 16)).tolist()) | {grid[-1]})
   # Sends make stages slower than their layers: widen the thresholds.
   sends = max((send_bytes[g] for g in range(G)), default=0.0)
   slack = max(alpha.values(), default=DEFAULT_ALPHA) * 2 + \
@@ -281,15 +290,15 @@ def search(pre, method, mesh):
   plans: dict = {}
   for s, (st, cand) in enumerate(zip(c.stages, cands, strict=True)):
     sizes_s = dict(zip(names, cand.shape))
-    key = (st.signature(), cand.shape, cand.batch_axes, in_flight[s],
+    # The number of micro-batches held matters only against a memory budget.
+    key = (st.signature(), cand.shape, cand.batch_axes,
+           in_flight[s] if budget is not None else None,
            "|".join(str(seg.jaxpr) for seg in c.apply.of_stage(s)))
     sol = plans.get(key)
-    if sol is None or s not in sol[0]:
-      sol = (set(), solve_stage(ctx, c, s, sizes_s, cand.batch_axes,
-                                in_flight=in_flight[s]))
-      plans[key] = sol
-    sol[0].add(s)
-    choices.append(_choice(ctx, c, s, cand, sol[1], layers[s], in_flight[s]))
+    if sol is None:
+      sol = plans[key] = solve_stage(ctx, c, s, sizes_s, cand.batch_axes,
+                                     in_flight=in_flight[s])
+    choices.append(_choice(ctx, c, s, cand, sol, layers[s], in_flight[s]))
   return c, choices, result
 
 
@@ -307,9 +316,10 @@ def _choice(ctx, c, s, cand, sol, layers, in_flight):
   specs = [to_partition_spec(x) for x in solution.leaf_specs]
   root_specs = tuple(specs[k] for k in io.index("root"))
   leaf_specs = tuple(specs[k] for k in io.index("leaf"))
-  update_specs = {}
-  for k in io.index("update"):
-    update_specs[io.refs[k]] = specs[k]
+  # A solution may be shared by stages that compute alike: take this stage's
+  # own update inputs, in the same order.
+  own = [v for v, _ in _update_inputs(ctx, c, s)[1]]
+  update_specs = {v: specs[k] for v, k in zip(own, io.index("update"), strict=True)}
   grad_specs = tuple(to_partition_spec(x) for x in solution.grad_specs)
   fwd_pins, bwd_pins = {}, {}
   nf = sol.num_forward_eqns

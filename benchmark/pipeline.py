@@ -1,0 +1,189 @@
+"""Pipeline stages (PipeshardParallel): bubble, activation memory, bytes
+between stages, and the stage search's choice against one-mesh plans.
+
+    python benchmark/pipeline.py            # about two minutes on 2 CPU cores
+
+1. Bubble. A 4-layer MLP (layers marked by hand) pipelined over S = 2, 4
+   stages of the 8 simulated devices with n = 4, 8, 16 micro-batches. Each
+   task (one micro-batch's forward or backward on one stage) is timed alone,
+   and the schedule is replayed on those times (``schedule.simulate``): the
+   bubble is the share of the stages' time spent waiting, printed beside
+   (S - 1) / (n + S - 1). On this machine the 8 "devices" share 2 cores, so
+   the stages cannot really run at once: the replay says what the schedule
+   does with the measured task times.
+2. Activation memory. The most bytes of activations (residuals kept for the
+   backward pass) one device of each stage held during a step, measured
+   from the arrays the runtime kept, under 1F1B and GPipe.
+3. Bytes between stages: activations sent forward and cotangents sent
+   back, per step.
+4. The search. A GPT on an abstract 4-host x 8-device mesh whose host axis
+   is told 25 GB/s and its device axis 300 GB/s: the modelled step time of
+   the plan num_stages="auto" picks, of ShardParallel on the whole mesh
+   (the search's model with one stage, and ShardParallel's own objective),
+   and of each hand-picked stage count.
+5. Planning time of a 96-layer GPT on an abstract 8 x 8 mesh.
+"""
+
+import os
+import sys
+import time
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+import jax                                        # noqa: E402
+import jax.numpy as jnp                           # noqa: E402
+import numpy as np                                # noqa: E402
+import optax                                      # noqa: E402
+
+import autopar                                    # noqa: E402
+from autopar.pipeline import schedule as sched    # noqa: E402
+from models import transformer_setup              # noqa: E402
+
+SGD = optax.sgd(0.1, momentum=0.9)
+
+
+def mlp(layers=4, batch=256, d=256):
+  rng = np.random.RandomState(0)
+  params = [{"w": jnp.asarray(rng.randn(d, d).astype(np.float32) / np.sqrt(d)),
+             "b": jnp.zeros((d,), jnp.float32)} for _ in range(layers)]
+  data = {"x": rng.randn(batch, d).astype(np.float32),
+          "y": rng.randn(batch, d).astype(np.float32)}
+
+  def make_state():
+    p = jax.tree.map(jnp.array, params)
+    return {"params": p, "opt": SGD.init(p)}
+
+  def step(state, batch):
+    def loss_fn(p):
+      h = batch["x"]
+      for k, layer in enumerate(p):
+        h = jnp.tanh(h @ layer["w"] + layer["b"])
+        if k < len(p) - 1:
+          autopar.mark_pipeline_boundary()
+      return jnp.mean((h - batch["y"]) ** 2)
+    loss, grads = autopar.value_and_grad(loss_fn)(state["params"])
+    updates, opt = SGD.update(grads, state["opt"], state["params"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
+  return make_state, step, data
+
+
+def measured(S, n, schedule, make_state, step, batch):
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  method = autopar.PipeshardParallel(mesh=mesh, num_micro_batches=n, num_stages=S,
+                                     schedule=schedule, layers="manual")
+  pf = autopar.parallelize(step, method=method)
+  exe = pf.get_executable(make_state(), batch)
+  pf(make_state(), batch)                         # compile
+  exe.step.timing = True
+  pf(make_state(), batch)
+  stats = exe.step.stats
+  exe.step.timing = False
+  return exe, stats
+
+
+def bubble_table():
+  make_state, step, batch = mlp()
+  print("1. bubble: measured task times replayed on the schedule, vs (S-1)/(n+S-1)")
+  print(f"   {'S':>2} {'n':>3} {'1F1B':>7} {'GPipe':>7} {'(S-1)/(n+S-1)':>14}")
+  memory = {}
+  for S in (2, 4):
+    for n in (4, 8, 16):
+      row = []
+      for schedule in ("1f1b", "gpipe"):
+        exe, stats = measured(S, n, schedule, make_state, step, batch)
+        d = stats["durations"]
+        # Per stage and kind, the median task time (dispatch noise aside).
+        med = {}
+        for t, sec in d.items():
+          med.setdefault((t.stage, t.kind), []).append(sec)
+        med = {k: float(np.median(v)) for k, v in med.items()}
+        tl = sched.simulate(sched.stage_tasks(schedule, S, n),
+                            lambda t: med[(t.stage, t.kind)])
+        row.append(tl.bubble)
+        if n == 8:
+          memory[(S, schedule)] = (stats["held_bytes_peak"], stats["sent_bytes"])
+      print(f"   {S:>2} {n:>3} {row[0]:>7.3f} {row[1]:>7.3f} "
+            f"{(S - 1) / (n + S - 1):>14.3f}")
+  print()
+  print("2. activation bytes held per device at the peak, per stage (n = 8)")
+  for S in (2, 4):
+    for schedule in ("1f1b", "gpipe"):
+      peak = memory[(S, schedule)][0]
+      print(f"   S={S} {schedule:>5}: " + ", ".join(f"{b / 2**20:.2f} MiB" for b in peak))
+  print()
+  print("3. bytes sent between stages per step (activations + cotangents), n = 8")
+  for S in (2, 4):
+    sent = memory[(S, "1f1b")][1]
+    print(f"   S={S}: " + ", ".join(f"stage {s}: {b / 2**20:.2f} MiB"
+                                     for s, b in enumerate(sent)))
+  print()
+
+
+def search_table():
+  make_state, step, batch = transformer_setup(tx=SGD, layers=8, d=512, heads=8,
+                                              batch=64, seq=64, vocab=512)
+  abstract = jax.eval_shape(lambda: (make_state(), batch))
+  mesh = jax.sharding.AbstractMesh((4, 8), ("host", "device"))
+  option = autopar.AutoShardingOption(mesh_beta={"host": 1 / 25e9, "device": 1 / 300e9},
+                                      mesh_alpha={"host": 1e-5, "device": 1e-6})
+  n = 8
+  print("4. modelled step time, GPT (8 layers, d=512) on abstract 4 hosts x 8 devices,")
+  print("   host axis 25 GB/s, device axis 300 GB/s, 8 micro-batches")
+
+  def piped(num_stages):
+    pf = autopar.parallelize(step, method=autopar.PipeshardParallel(
+        mesh=mesh, num_micro_batches=n, num_stages=num_stages, option=option))
+    t = time.perf_counter()
+    plan = pf.plan(*abstract)
+    seconds = time.perf_counter() - t
+    pipelines = list(pf._pipelines.values())
+    result = pipelines[0][2][2] if pipelines else None
+    return plan, result, seconds
+
+  auto, result, seconds = piped("auto")
+  shard = autopar.parallelize(step, method=autopar.ShardParallel(
+      mesh=mesh, num_micro_batches=n, option=option)).plan(*abstract)
+  rows = []
+  if result is not None:
+    for S, (T, _) in sorted(result.by_num_stages.items()):
+      rows.append((f"search's best with {S} stage(s)", T))
+  for S in (2, 4, 8):
+    plan, _, _ = piped(S)
+    rows.append((f"num_stages={S} (hand-picked)", plan.objective))
+  width = max(len(r[0]) for r in rows) + 2
+  chosen = auto.objective if auto.stages else (result.step_time if result else
+                                              auto.objective)
+  print(f"   {'num_stages=auto: ' + str(max(1, len(auto.stages))) + ' stage(s)':<{width}}"
+        f"{chosen * 1e3:9.3f} ms   (planned in {seconds:.1f} s)")
+  for name, T in rows:
+    print(f"   {name:<{width}}{T * 1e3:9.3f} ms")
+  print(f"   {'ShardParallel (its own objective)':<{width}}{shard.objective * 1e3:9.3f} ms")
+  if auto.stages:
+    print("   chosen: " + "; ".join(
+        f"stage {st.index}: layers {st.layers[0]}-{st.layers[1] - 1} on "
+        f"{'x'.join(map(str, st.submesh_shape))}" for st in auto.stages))
+  print()
+
+
+def planning_time():
+  make_state, step, batch = transformer_setup(tx=SGD, layers=96, d=256, heads=8,
+                                              batch=64, seq=32, vocab=256)
+  abstract = jax.eval_shape(lambda: (make_state(), batch))
+  mesh = jax.sharding.AbstractMesh((8, 8), ("host", "device"))
+  option = autopar.AutoShardingOption(mesh_beta={"host": 1 / 25e9, "device": 1 / 300e9})
+  pf = autopar.parallelize(step, method=autopar.PipeshardParallel(
+      mesh=mesh, num_micro_batches=16, option=option))
+  t = time.perf_counter()
+  plan = pf.plan(*abstract)
+  seconds = time.perf_counter() - t
+  print("5. planning a 96-layer GPT for an abstract 8 x 8 mesh with the stage search: "
+        f"{seconds:.1f} s -> {max(1, len(plan.stages))} stage(s)")
+
+
+if __name__ == "__main__":
+  bubble_table()
+  search_table()
+  planning_time()
