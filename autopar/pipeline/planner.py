@@ -264,10 +264,6 @@ def _layer_groups(ctx: Context, st: StageProgram, g: Jaxpr) -> list[tuple[int, i
   starts = [p for p in ctx.layers if st.lo < p < st.hi]
   # g's equations are P's (written out) in P's order, floating ones included:
   # split where P's layers start, counted in g's equations.
-  order = []
-  lo = st.lo
-  positions = [i for i in range(len(ctx.program.eqns))]
-  del positions
   eqns = st.jaxpr.eqns
   index = {id(e): i for i, e in enumerate(ctx.program.eqns)}
   pos = [index[id(e)] for e in eqns]
@@ -277,7 +273,6 @@ def _layer_groups(ctx: Context, st: StageProgram, g: Jaxpr) -> list[tuple[int, i
               ctx.analysis.floating), len(pos))
     if bounds[-1] < k < len(pos):
       bounds.append(k)
-  del order, lo
   # g has the equations of st.jaxpr minus the symbolic ones written out
   # (dim_as_value): map by counting the others.
   kept = [j for j, e in enumerate(eqns) if e.primitive.name != "dim_as_value"]
@@ -462,9 +457,6 @@ def _update_jaxpr(ctx: Context, cut_: Cut, s: int, io: StageIO, segments, grads,
                             for a in e.invars]) if any(
       isinstance(a, Var) and a in const_sub for a in e.invars) else e for e in eqns]
   placeholders = [Var(jax.core.ShapedArray((), np.float32)) for _ in range(num_consts)]
-  invars = [*placeholders[:max(0, num_consts - nc)], *consts[:num_consts], *leaf_vars,
-            *grad_vars]
-  invars = invars[:num_consts] if False else invars
   # The ILP reads its leading invars as the joint program's constants: the
   # update's own constants stand in for as many of them as there are.
   head = [*consts, *placeholders][:num_consts] if num_consts >= nc else consts
@@ -482,6 +474,9 @@ def _update_jaxpr(ctx: Context, cut_: Cut, s: int, io: StageIO, segments, grads,
 
 
 def _aval_of(io: StageIO, kind, ref):
+  """The aval of a stand-in update input for an ILP leaf the update does not
+  read (a root that is no argument leaf, an activation, a cotangent): the
+  update jaxpr needs one invar per leaf, and no equation reads these."""
   return jax.core.ShapedArray((), np.float32)
 
 
