@@ -794,16 +794,7 @@ class ShardingProblem:
       part = ("sync" if idx in grads else "state" if idx in leaves else
               "apply" if node.name.startswith("apply/") else "compute")
       out[part] += c
-    edges = [(src, self.nodes[dst].choices[self._chosen(dst)].in_specs[pos], aval,
-              mult, part) for src, dst, pos, aval, mult, part in self._pending_edges]
-    edges += [(src, self.nodes[dst[0]].specs[self._chosen(dst[0])][dst[1]], aval,
-               mult, part) for src, dst, aval, mult, part in self._follow_edges]
-    for g, node in enumerate(self.grad_nodes):
-      v = self.compute.jaxpr.outvars[g]
-      if isinstance(v, Var) and v in self.compute_val:
-        edges.append((self.compute_val[v], self.nodes[node].specs[self._chosen(node)][0],
-                      v.aval, self.n, "compute"))
-    for (src, pos), r, aval, mult, part in edges:
+    for (src, pos), r, aval, mult, part in self._chosen_edges():
       if r is None:
         continue
       p = self.nodes[src].specs[self._chosen(src)][pos]
@@ -818,9 +809,10 @@ class ShardingProblem:
     state, peaks = self._memory_items()
     return float(total(state)), float(max((total(p) for p in peaks), default=0.0))
 
-  def _chosen_reshards(self):
-    """(part, kind, axes, bytes, per step) of every resharding the plan does."""
-    out = []
+  def _chosen_edges(self) -> list:
+    """Per edge of the solution: ((producing node, output), the spec its
+    reader requires (None: any), aval, multiplicity, part), the gradients'
+    edges into their sync nodes included."""
     edges = [(src, self.nodes[dst].choices[self._chosen(dst)].in_specs[pos], aval,
               mult, part) for src, dst, pos, aval, mult, part in self._pending_edges]
     edges += [(src, self.nodes[dst[0]].specs[self._chosen(dst[0])][dst[1]], aval,
@@ -830,7 +822,12 @@ class ShardingProblem:
       if isinstance(v, Var) and v in self.compute_val:
         edges.append((self.compute_val[v], self.nodes[node].specs[self._chosen(node)][0],
                       v.aval, self.n, "compute"))
-    for (src, pos), r, aval, mult, part in edges:
+    return edges
+
+  def _chosen_reshards(self):
+    """(part, kind, axes, bytes, per step) of every resharding the plan does."""
+    out = []
+    for (src, pos), r, aval, mult, part in self._chosen_edges():
       p = self.nodes[src].specs[self._chosen(src)][pos]
       if r is None or self._reshard(aval, p, r) <= 0:
         continue

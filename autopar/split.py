@@ -180,8 +180,9 @@ def depends_on(jaxpr, sources, *, stop=None) -> set:
   return dep
 
 
-def _dce(jaxpr: Jaxpr) -> Jaxpr:
-  """``jaxpr`` without the equations its outputs do not need; every input
+def _dce(jaxpr: Jaxpr, keep=None) -> Jaxpr:
+  """``jaxpr`` without the equations its outputs do not need (and those
+  ``keep(eqn)`` holds for, such as markers with no outputs); every input
   is kept. The same as ``pe.dce_jaxpr(jaxpr, [True] * n, instantiate=True)``
   (JAX's rules prune loop and call bodies), with a faster path for the
   equations that have no rule, which are nearly all of a large step's.
@@ -190,6 +191,9 @@ def _dce(jaxpr: Jaxpr) -> Jaxpr:
   live = {v for v in jaxpr.outvars if type(v) is not Literal}
   kept = []
   for eqn in reversed(jaxpr.eqns):
+    if keep is not None and keep(eqn):
+      kept.append(eqn)
+      continue
     rule = rules.get(eqn.primitive)
     if rule is None:
       if any(v in live for v in eqn.outvars) or (eqn.effects and pe.has_effects(eqn)):

@@ -34,40 +34,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import jax                                        # noqa: E402
-import jax.numpy as jnp                           # noqa: E402
 import numpy as np                                # noqa: E402
 import optax                                      # noqa: E402
 
 import autopar                                    # noqa: E402
 from autopar.pipeline import schedule as sched    # noqa: E402
-from models import transformer_setup              # noqa: E402
+from models import boundary_mlp_setup, transformer_setup   # noqa: E402
 
 SGD = optax.sgd(0.1, momentum=0.9)
-
-
-def mlp(layers=4, batch=256, d=256):
-  rng = np.random.RandomState(0)
-  params = [{"w": jnp.asarray(rng.randn(d, d).astype(np.float32) / np.sqrt(d)),
-             "b": jnp.zeros((d,), jnp.float32)} for _ in range(layers)]
-  data = {"x": rng.randn(batch, d).astype(np.float32),
-          "y": rng.randn(batch, d).astype(np.float32)}
-
-  def make_state():
-    p = jax.tree.map(jnp.array, params)
-    return {"params": p, "opt": SGD.init(p)}
-
-  def step(state, batch):
-    def loss_fn(p):
-      h = batch["x"]
-      for k, layer in enumerate(p):
-        h = jnp.tanh(h @ layer["w"] + layer["b"])
-        if k < len(p) - 1:
-          autopar.mark_pipeline_boundary()
-      return jnp.mean((h - batch["y"]) ** 2)
-    loss, grads = autopar.value_and_grad(loss_fn)(state["params"])
-    updates, opt = SGD.update(grads, state["opt"], state["params"])
-    return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
-  return make_state, step, data
 
 
 def measured(S, n, schedule, make_state, step, batch):
@@ -85,7 +59,7 @@ def measured(S, n, schedule, make_state, step, batch):
 
 
 def bubble_table():
-  make_state, step, batch = mlp()
+  make_state, step, batch = boundary_mlp_setup(batch=256, d=256, tx=SGD)
   print("1. bubble: measured task times replayed on the schedule, vs (S-1)/(n+S-1)")
   print(f"   {'S':>2} {'n':>3} {'1F1B':>7} {'GPipe':>7} {'(S-1)/(n+S-1)':>14}")
   memory = {}

@@ -198,3 +198,32 @@ def dropout_setup(batch=32, tx=None):
     return state.apply_gradients(grads=grads), loss
 
   return make_state, step, {"x": x, "y": y}
+
+
+def boundary_mlp_setup(layers=4, batch=16, d=8, tx=None):
+  """A plain-JAX MLP whose loss marks a pipeline boundary after every layer
+  (``PipeshardParallel(layers="manual")``)."""
+  tx = tx or optax.sgd(0.1, momentum=0.9)
+  rng = np.random.RandomState(0)
+  params = [{"w": jnp.asarray(rng.randn(d, d).astype(np.float32) / np.sqrt(d)),
+             "b": jnp.zeros((d,), jnp.float32)} for _ in range(layers)]
+  x = rng.randn(batch, d).astype(np.float32)
+  y = rng.randn(batch, d).astype(np.float32)
+
+  def make_state():
+    p = jax.tree.map(jnp.array, params)
+    return {"params": p, "opt": tx.init(p)}
+
+  def step(state, batch):
+    def loss_fn(p):
+      h = batch["x"]
+      for k, layer in enumerate(p):
+        h = jnp.tanh(h @ layer["w"] + layer["b"])
+        if k < len(p) - 1:
+          autopar.mark_pipeline_boundary()
+      return jnp.mean((h - batch["y"]) ** 2)
+    loss, grads = autopar.value_and_grad(loss_fn)(state["params"])
+    updates, opt = tx.update(grads, state["opt"], state["params"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
+
+  return make_state, step, {"x": x, "y": y}

@@ -10,7 +10,8 @@ import pytest
 
 import autopar
 from autopar.pipeline import schedule as sched
-from models import assert_trees_close, mlp_setup, single_device, transformer_setup
+from models import (assert_trees_close, boundary_mlp_setup, mlp_setup, single_device,
+                    transformer_setup)
 
 SGD = optax.sgd(0.1, momentum=0.9)
 
@@ -72,36 +73,9 @@ def test_gpt_model_parallel_stages_equal_jit():
   assert split, plan.summary()
 
 
-def manual_setup(layers=4, batch=16, d=8):
-  """A plain-JAX MLP whose loss marks a boundary after every layer."""
-  rng = np.random.RandomState(0)
-  params = [{"w": jnp.asarray(rng.randn(d, d).astype(np.float32) / np.sqrt(d)),
-             "b": jnp.zeros((d,), jnp.float32)} for _ in range(layers)]
-  x = rng.randn(batch, d).astype(np.float32)
-  y = rng.randn(batch, d).astype(np.float32)
-
-  def make_state():
-    p = jax.tree.map(jnp.array, params)
-    return {"params": p, "opt": SGD.init(p)}
-
-  def step(state, batch):
-    def loss_fn(p):
-      h = batch["x"]
-      for k, layer in enumerate(p):
-        h = jnp.tanh(h @ layer["w"] + layer["b"])
-        if k < len(p) - 1:
-          autopar.mark_pipeline_boundary()
-      return jnp.mean((h - batch["y"]) ** 2)
-    loss, grads = autopar.value_and_grad(loss_fn)(state["params"])
-    updates, opt = SGD.update(grads, state["opt"], state["params"])
-    return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
-
-  return make_state, step, {"x": x, "y": y}
-
-
 @pytest.mark.parametrize("stages,n,schedule", [(2, 4, "1f1b"), (4, 8, "gpipe")])
 def test_manual_boundaries(stages, n, schedule):
-  make_state, step, batch = manual_setup()
+  make_state, step, batch = boundary_mlp_setup()
   method = autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=n,
                                      num_stages=stages, schedule=schedule,
                                      layers="manual")
@@ -121,7 +95,7 @@ def test_schedule_order_and_activations_held():
   """From a record of what ran: each micro-batch's forward on stage i before
   its forward on stage i + 1 and its backward on stage i; under 1F1B stage i
   holds at most S - i micro-batches, under GPipe all n."""
-  make_state, step, batch = manual_setup()
+  make_state, step, batch = boundary_mlp_setup()
   for schedule in ("1f1b", "gpipe"):
     method = autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=8,
                                        num_stages=4, schedule=schedule, layers="manual")
@@ -176,7 +150,7 @@ def test_no_gradient_bytes_before_last_micro_batch():
 
 
 def test_plan_round_trip_and_saved_plan_runs_without_solving(monkeypatch):
-  make_state, step, batch = manual_setup()
+  make_state, step, batch = boundary_mlp_setup()
   method = autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=2, num_stages=2,
                                      layers="manual")
   plan = autopar.parallelize(step, method=method).plan(make_state(), batch)
@@ -224,7 +198,7 @@ def test_auto_stages_on_a_slow_host_axis():
 
 
 def test_errors():
-  make_state, step, batch = manual_setup(layers=2)
+  make_state, step, batch = boundary_mlp_setup(layers=2)
   with pytest.raises(autopar.InputError, match="only 2 layer"):
     autopar.parallelize(step, method=autopar.PipeshardParallel(
         mesh=mesh24(), num_micro_batches=4, num_stages=4,

@@ -26,7 +26,7 @@ from autopar.lower import _BY_DEVICE, _Rules, _eval_jaxpr
 from autopar.method import PipeshardParallel, auto_mesh, axis_sizes_of, resolve_mesh
 from autopar.pipeline.capture import capture_mode
 from autopar.pipeline.executables import StageLayout, build_stage
-from autopar.pipeline.planner import Context, cut
+from autopar.pipeline.planner import Context, _functions, cut
 from autopar.pipeline.program import build_program, layer_starts
 from autopar.pipeline.runtime import ApplySegment, FinalInfo, PipelineStep
 from autopar.pipeline.schedule import dispatch_order, stage_tasks
@@ -162,35 +162,18 @@ def _plan_of(pre: Prepared, method, mesh, cut_, choices) -> Plan:
   names = tuple(sizes)
   leaves = program.leaves
   stage_plans = []
-  home_spec: dict[int, PartitionSpec] = {}
+  home_spec = _home_specs(ctx, cut_, choices)
   S = cut_.num_stages
   in_flight = _in_flight(method.schedule, S, ctx.n)
   for s, (st, ch) in enumerate(zip(cut_.stages, choices, strict=True)):
     values = []
     params = []
-    for k, spec in zip(st.roots, ch.root_specs, strict=True):
-      leaf = program.roots[k].leaf
-      if leaf is None:
-        continue
-      params.append(ctx.leaf_names[leaf])
-      values.append(ValuePlan(ctx.leaf_names[leaf], tuple(leaves[leaf].shape),
-                              dtype_name(leaves[leaf].dtype), spec))
-      if cut_.leaf_home.get(leaf) == s:
-        home_spec.setdefault(leaf, spec)
-    for leaf, spec in zip(st.leaves, ch.leaf_specs, strict=True):
+    for leaf, spec, kind in _stage_specs(ctx, st, ch):
       info = leaves[leaf]
-      if info.is_batch:
-        spec = PartitionSpec(ch.batch_axes or None)
+      if kind == "root":
+        params.append(ctx.leaf_names[leaf])
       values.append(ValuePlan(ctx.leaf_names[leaf], tuple(info.shape),
                               dtype_name(info.dtype), spec))
-      if cut_.leaf_home.get(leaf) == s:
-        home_spec.setdefault(leaf, spec)
-    for leaf, spec in _update_leaf_specs(ctx, ch):
-      info = leaves[leaf]
-      values.append(ValuePlan(ctx.leaf_names[leaf], tuple(info.shape),
-                              dtype_name(info.dtype), spec))
-      if cut_.leaf_home.get(leaf) == s:
-        home_spec.setdefault(leaf, spec)
     stage_plans.append(StagePlan(
         index=s, layers=ch.layers, params=tuple(params), submesh_offset=ch.offset,
         submesh_shape=tuple(ch.shape), batch_axes=tuple(ch.batch_axes),
@@ -216,6 +199,34 @@ def _plan_of(pre: Prepared, method, mesh, cut_, choices) -> Plan:
               memory_per_device=int(max(c.memory for c in choices)),
               objective=float(objective), stages=tuple(stage_plans),
               schedule=method.schedule)
+
+
+def _stage_specs(ctx, st, ch: StageChoice):
+  """(argument leaf, spec, kind) of what stage ``st`` holds on its submesh:
+  its roots that are argument leaves ("root"), the other leaves it reads
+  ("leaf"; batch leaves split over its batch axes) and the leaves only its
+  update reads ("update")."""
+  program = ctx.program
+  for k, spec in zip(st.roots, ch.root_specs, strict=True):
+    leaf = program.roots[k].leaf
+    if leaf is not None:
+      yield leaf, spec, "root"
+  for leaf, spec in zip(st.leaves, ch.leaf_specs, strict=True):
+    if program.leaves[leaf].is_batch:
+      spec = PartitionSpec(ch.batch_axes or None)
+    yield leaf, spec, "leaf"
+  for leaf, spec in _update_leaf_specs(ctx, ch):
+    yield leaf, spec, "update"
+
+
+def _home_specs(ctx, cut_, choices) -> dict[int, PartitionSpec]:
+  """Argument leaf -> its spec on the stage it lives on (``cut_.leaf_home``)."""
+  out: dict[int, PartitionSpec] = {}
+  for s, (st, ch) in enumerate(zip(cut_.stages, choices, strict=True)):
+    for leaf, spec, _ in _stage_specs(ctx, st, ch):
+      if cut_.leaf_home.get(leaf) == s:
+        out.setdefault(leaf, spec)
+  return out
 
 
 def _in_flight(schedule: str, S: int, n: int) -> list[int]:
@@ -310,24 +321,11 @@ def compile_pipeline(pre: Prepared, method: PipeshardParallel, mesh, cut_,
         batch_leaf=tuple(program.leaves[k].is_batch for k in st.leaves),
         final_rows=tuple(pre.finals[j].row_dim for j in st.finals),
         grad_specs=tuple(ch.grad_specs), pins=ch.pins, accumulate=ctx.accumulate)
-    from autopar.pipeline.planner import _functions
     fns = _functions(ctx, st, layout.rows)
     exes.append(build_stage(
         st, fns, layout, step_consts=[ctx.consts[k] for k in st.step_consts],
         fn_consts=[program.consts[k] for k in st.fn_consts], seeds=program.seeds))
-  # Where each leaf lives, and its spec there.
-  home_specs = {}
-  for s, (st, ch) in enumerate(zip(cut_.stages, choices, strict=True)):
-    for k, spec in zip(st.roots, ch.root_specs, strict=True):
-      leaf = program.roots[k].leaf
-      if leaf is not None and cut_.leaf_home.get(leaf) == s:
-        home_specs.setdefault(leaf, spec)
-    for leaf, spec in zip(st.leaves, ch.leaf_specs, strict=True):
-      if cut_.leaf_home.get(leaf) == s:
-        home_specs.setdefault(leaf, spec)
-    for leaf, spec in _update_leaf_specs(ctx, ch):
-      if cut_.leaf_home.get(leaf) == s:
-        home_specs.setdefault(leaf, spec)
+  home_specs = _home_specs(ctx, cut_, choices)
   segments = _apply_segments(pre, cut_, exes, home_specs)
   order = dispatch_order(stage_tasks(method.schedule, cut_.num_stages, ctx.n))
   return PipelineStep(

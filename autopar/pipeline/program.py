@@ -47,6 +47,7 @@ from autopar.cost_model import itemsize
 from autopar.errors import InputError, MarkerError
 from autopar.pipeline.capture import backward_p, boundary_p, forward_p
 from autopar.remat import find_layers
+from autopar.split import _dce
 from autopar.rows import RowOracle
 from autopar.retype import jaxprs_in
 from autopar.strategies.dot import dot_flops
@@ -277,25 +278,7 @@ def build_program(compute: ClosedJaxpr, *, num_consts: int, leaves: Sequence[Lea
 def _dce_with_boundaries(jaxpr: Jaxpr) -> tuple[Jaxpr, tuple[int, ...]]:
   """``jaxpr`` without unneeded equations and without its boundary markers,
   and where the markers were (the index of the equation after each)."""
-  rules = pe.dce_rules
-  live = {v for v in jaxpr.outvars if type(v) is not Literal}
-  kept = []
-  for eqn in reversed(jaxpr.eqns):
-    if eqn.primitive is boundary_p:
-      kept.append(eqn)
-      continue
-    rule = rules.get(eqn.primitive)
-    if rule is None:
-      if any(v in live for v in eqn.outvars) or (eqn.effects and pe.has_effects(eqn)):
-        kept.append(eqn)
-        live.update(v for v in eqn.invars if type(v) is not Literal)
-      continue
-    used_ins, new = rule([v in live for v in eqn.outvars], eqn)
-    if new is not None:
-      kept.append(new)
-    live.update(v for v, used in zip(eqn.invars, used_ins)
-                if used and type(v) is not Literal)
-  kept.reverse()
+  kept = _dce(jaxpr, keep=lambda eqn: eqn.primitive is boundary_p).eqns
   eqns, cuts = [], []
   for eqn in kept:
     if eqn.primitive is boundary_p:

@@ -273,7 +273,7 @@ class PipelineStep:
     for r, v in enumerate(aj.invars[nc + nl + ng:]):
       j = base + r
       env[v] = (self.final_stage[j], combined[j])
-    for a in self.segments:
+    for k, a in enumerate(self.segments):
       seg = a.segment
       s = seg.stage
       args = []
@@ -284,7 +284,7 @@ class PipelineStep:
         elif where is None:
           x = self._on(s, np.asarray(x), PartitionSpec())
         args.append(x)
-      outs = self._call(f"stage{s}/apply{self.segments.index(a)}", a.fn, *args)
+      outs = self._call(f"stage{s}/apply{k}", a.fn, *args)
       for v, x in zip(seg.outputs, outs, strict=True):
         env[v] = (s, x)
     apply_outs = []

@@ -199,8 +199,6 @@ def search(pre, method, mesh):
   fit = {(off, shape): fits(mesh_shape, off, shape) for off in range(total)
          for shape in shapes}
 
-  shape_list = shapes
-
   def solve_dp(t_max: float, S_total: int | None):
     """Min Σ t over stage sequences with every t ≤ t_max (and S_total stages
     if given): the list of candidates, or None."""
@@ -213,7 +211,7 @@ def search(pre, method, mesh):
       if S_total is not None and k >= S_total:
         return None
       result = None
-      for shape in shape_list:
+      for shape in shapes:
         if fixed_shapes is not None and (k >= len(fixed_shapes) or
                                          shape != fixed_shapes[k]):
           continue
@@ -253,17 +251,15 @@ def search(pre, method, mesh):
   slack = max(alpha.values(), default=DEFAULT_ALPHA) * 2 + \
       max(beta.values(), default=DEFAULT_BETA) * 2 * sends
   by_S: dict[int, tuple[float, tuple]] = {}
-  counts = [fixed_S] if fixed_S is not None else [None]
-  for S_total in counts:
-    for t_max in grid:
-      r = solve_dp(t_max + slack, S_total)
-      if r is None:
-        continue
-      cands = r[1]
-      T = step_time(cands)
-      S = len(cands)
-      if S not in by_S or T < by_S[S][0]:
-        by_S[S] = (T, cands)
+  for t_max in grid:
+    r = solve_dp(t_max + slack, fixed_S)
+    if r is None:
+      continue
+    cands = r[1]
+    T = step_time(cands)
+    S = len(cands)
+    if S not in by_S or T < by_S[S][0]:
+      by_S[S] = (T, cands)
   if not by_S:
     raise PlanError(
         f"{ctx.program.fn_name}: no pipeline of "
