@@ -494,8 +494,10 @@ class RayCluster:
 
   # -- arrays -------------------------------------------------------------------------
 
-  def _puts(self, array, spec: PartitionSpec, mesh) -> tuple[int, list]:
-    """A new array id, and per host the ``put`` arguments of its shards.
+  def _puts(self, array, spec: PartitionSpec, mesh_shape, mesh_names,
+            offset: int = 0) -> tuple[int, list]:
+    """A new array id, and per host the ``put`` arguments of its shards on
+    the mesh of ``mesh_shape`` over the global devices from ``offset`` on.
 
     A PRNG key array travels as its key data (trailing dimensions unsplit)
     and is wrapped again on the workers."""
@@ -507,14 +509,15 @@ class RayCluster:
     array = np.asarray(array)
     shape = tuple(array.shape)
     spec = PartitionSpec(*list(spec)[:len(shape)])   # (a scalar may carry P(None))
-    shards = host_shards(shape, spec, tuple(mesh.axis_sizes), tuple(mesh.axis_names),
-                         self.device_hosts)
+    mesh_shape, mesh_names = tuple(mesh_shape), tuple(mesh_names)
+    shards = host_shards(shape, spec, mesh_shape, mesh_names,
+                         self.device_hosts[offset:offset + math.prod(mesh_shape)])
     per_host = []
     for h in range(len(self.workers)):
       blocks = {idx: _block(array, idx) for idx in shards.get(h, ())}
       self.bytes_sent += sum(b.nbytes for b in blocks.values())
-      per_host.append((array_id, shape, array.dtype, tuple(mesh.axis_sizes),
-                       tuple(mesh.axis_names), spec, blocks, impl))
+      per_host.append((array_id, shape, array.dtype, mesh_shape, mesh_names, spec,
+                       blocks, impl, offset))
     return array_id, per_host
 
   def fetch(self, x: RemoteArray) -> np.ndarray:
@@ -559,8 +562,10 @@ class RayCluster:
                                              tuple(mesh.axis_names)))
     method_bytes = pickled(self._pickles, ("method", id(pf.method)), method,
                            owner=pf.method)
-    plan_json = plan.to_json(indent=None) if type(pf.method).__name__ == "ShardParallel" \
-        else None
+    # The plan goes to the workers, which run it without solving (the presets
+    # plan without an ILP and are planned there again).
+    plan_json = plan.to_json(indent=None) if type(pf.method).__name__ in (
+        "ShardParallel", "PipeshardParallel") else None
     plan_key = hashlib.sha256((plan_json or "").encode() + method_bytes).hexdigest()
     first = plan_key not in self._sent_plans
 
@@ -574,7 +579,8 @@ class RayCluster:
     arg_of = [i for i, child in enumerate(tree.children()) for _ in range(child.num_leaves)]
     traced = [t and arg_of[k] not in static for k, t in
               enumerate(leaf_mask(list(args), arrays=(RemoteArray,)))]
-    specs = iter(v.spec for v in plan.inputs)
+    # Each input on its mesh: the whole mesh, or a pipeline stage's submesh.
+    specs = iter(plan.placements())
     temporary = []
     shipped = []
     puts: list[list] = [[] for _ in self.workers]    # sent with the call
@@ -591,7 +597,8 @@ class RayCluster:
         next(specs)                # a traced Python number: the workers see the same
         shipped.append(x)
       else:
-        array_id, per_host = self._puts(x, next(specs), mesh)
+        offset, shape, spec = next(specs)
+        array_id, per_host = self._puts(x, spec, shape, mesh.axis_names, offset)
         for h, p in enumerate(per_host):
           puts[h].append(p)
         temporary.append(array_id)
@@ -609,21 +616,27 @@ class RayCluster:
     self._sent_plans.add(plan_key)
     self._sent_trees.add(tree_key)
     self.last_step_seconds = [r["seconds"] for r in results]
-    deleted = set(results[0]["deleted"])
+    # (An array on other hosts' devices only, such as a pipeline stage's, is
+    # deleted on the hosts that hold it.)
+    deleted = set().union(*(r["deleted"] for r in results))
     for x in leaves:
       if isinstance(x, RemoteArray) and x.array_id in deleted:
         x.deleted = True
     # Inputs sent for this call only (the batch) are dropped next time.
     self._forgotten.extend(i for i in temporary if i not in deleted)
+    self._forgotten.extend(deleted)   # (gone on some hosts: dropped on all)
     # The same structure is the same object, so the next call's signature
     # (which includes a TrainState's apply_fn) is found in the caches.
     out_bytes = results[0]["tree"]
     outputs = self._trees.get(out_bytes)
     if outputs is None:
       outputs = self._trees[out_bytes] = cloudpickle.loads(out_bytes)
+    # A small replicated output comes from whichever host holds it.
+    values = [next((r["leaves"][k][2] for r in results if r["leaves"][k][2] is not None),
+                   None) for k in range(num_outs)]
     outs = [RemoteArray(self, i, shape, dtype, value, weak, impl)
-            for i, (shape, dtype, value, weak, impl) in zip(
-                out_ids, results[0]["leaves"], strict=True)]
+            for i, (shape, dtype, _, weak, impl), value in zip(
+                out_ids, results[0]["leaves"], values, strict=True)]
     # Arguments the step changed in place (Flax NNX) take their new values here.
     return split_updates(pf._traced(prep, micro).traced, outputs.merge(outs), args)
 

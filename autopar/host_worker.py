@@ -62,16 +62,18 @@ class HostWorker:
   def address(self) -> tuple[str, int]:
     """This host's IP and a free port (host 0's is the coordinator's)."""
     import ray
-    s = socket.socket()
-    s.bind(("", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return ray.util.get_node_ip_address(), port
+    return ray.util.get_node_ip_address(), _free_port()
 
   def initialize(self, coordinator: str, num_hosts: int) -> dict:
     import jax
+    import ray
     if os.environ.get("JAX_PLATFORMS") == "cpu":
       jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Pipeline stages on different hosts send activations device to device
+    # through JAX's transfer server (see pipeline/transfer.py); it needs a
+    # port of its own (port 0 is not published to the peers).
+    jax.config.update("jax_cross_host_transfer_socket_address",
+                      f"{ray.util.get_node_ip_address()}:{_free_port()}")
     jax.distributed.initialize(coordinator, num_processes=num_hosts,
                                process_id=self.host_index,
                                initialization_timeout=120)
@@ -86,24 +88,33 @@ class HostWorker:
 
   # -- arrays --------------------------------------------------------------------
 
-  def _mesh(self, shape, names):
+  def _mesh(self, shape, names, offset: int = 0):
+    """The mesh of ``shape`` over the global devices from ``offset`` on
+    (the whole mesh, or a pipeline stage's submesh)."""
+    import math
     import jax
     import numpy as np
     from jax.sharding import AxisType, Mesh
-    devices = np.array(jax.devices()).reshape(shape)
+    devices = np.array(jax.devices())[offset:offset + math.prod(shape)].reshape(shape)
     return Mesh(devices, tuple(names), axis_types=(AxisType.Auto,) * len(names))
 
   def put(self, array_id: int, shape, dtype, mesh_shape, mesh_names, spec,
-          shards: dict, key_impl: str | None = None) -> None:
-    """Builds a global array from this host's shards ({index: numpy block});
-    with ``key_impl``, the blocks are key data, wrapped into PRNG keys."""
+          shards: dict, key_impl: str | None = None, offset: int = 0) -> None:
+    """Builds a global array from this host's shards ({index: numpy block})
+    on the mesh of ``mesh_shape`` from device ``offset``; with ``key_impl``,
+    the blocks are key data, wrapped into PRNG keys."""
     import jax
     from jax.sharding import NamedSharding
     from autopar.cluster import normalize_index
-    sharding = NamedSharding(self._mesh(mesh_shape, mesh_names), spec)
-    x = jax.make_array_from_callback(
-        tuple(shape), sharding,
-        lambda idx: shards[normalize_index(idx, shape)].astype(dtype, copy=False))
+    sharding = NamedSharding(self._mesh(mesh_shape, mesh_names, offset), spec)
+    if not sharding.addressable_devices:     # (on other hosts' devices only)
+      x = jax.make_array_from_single_device_arrays(tuple(shape), sharding, [],
+                                                    dtype=dtype)
+    else:
+      x = jax.make_array_from_callback(
+          tuple(shape), sharding,
+          lambda idx: shards[normalize_index(idx, shape)].astype(dtype, copy=False),
+          dtype=dtype)
     self.arrays[array_id] = jax.random.wrap_key_data(x, impl=key_impl) if key_impl else x
 
   def fetch(self, array_id: int) -> dict:
@@ -190,8 +201,9 @@ class HostWorker:
       value, impl = None, None
       if _is_key(x):
         impl = str(jax.random.key_impl(x))
-      elif x.is_fully_replicated and x.nbytes <= small_bytes:
-        value = np.asarray(x)
+      elif x.is_fully_replicated and x.nbytes <= small_bytes and x.addressable_shards:
+        # (an output of a pipeline stage on other hosts has no shards here)
+        value = np.asarray(x.addressable_shards[0].data)
       info.append((tuple(x.shape), str(x.dtype), value, bool(jax.typeof(x).weak_type),
                    impl))
     # Donated inputs are gone; drop their ids.
@@ -230,6 +242,14 @@ class HostWorker:
       self.arrays[i] = x
       weak.append(bool(jax.typeof(x).weak_type))
     return weak
+
+
+def _free_port() -> int:
+  s = socket.socket()
+  s.bind(("", 0))
+  port = s.getsockname()[1]
+  s.close()
+  return port
 
 
 def _is_key(x) -> bool:

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any, Mapping, Sequence
 
-from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+import numpy as np
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from autopar.cost_model import bytes_per_device
 from autopar.errors import PlanError
@@ -271,11 +273,34 @@ class Plan:
     pytree path to ``NamedSharding``.
     """
     mesh = self._mesh_for_shardings()
-    leaves = [NamedSharding(mesh, v.spec) for v in self.inputs]
+    leaves = []
+    for offset, shape, spec in self.placements():
+      if tuple(shape) != tuple(mesh.axis_sizes):
+        leaves.append(NamedSharding(submesh(mesh, offset, shape), spec))
+      else:
+        leaves.append(NamedSharding(mesh, spec))
     if self.in_tree is None:
       return {v.name: s for v, s in zip(self.inputs, leaves, strict=True)}
     part = self.in_tree
     return dataclasses.replace(part, statics=(None,) * len(part.statics)).merge(leaves)
+
+  def placements(self) -> list[tuple[int, tuple[int, ...], PartitionSpec]]:
+    """Where each input (``self.inputs`` order) is placed before the first
+    step: (flattened index of the first device, submesh shape, spec). The
+    whole mesh, except in a pipeline plan: there an input lives on the
+    first stage that holds it (its parameters' stage; for the batch, the
+    first stage that reads it), with that stage's spec."""
+    whole = (0, tuple(self.mesh_shape))
+    if not self.stages:
+      return [(*whole, v.spec) for v in self.inputs]
+    first = {}
+    for st in self.stages:
+      for v in st.inputs:
+        first.setdefault(v.name, (st.submesh_offset, tuple(st.submesh_shape), v.spec))
+    s0 = self.stages[0]
+    return [first.get(v.name, (s0.submesh_offset, tuple(s0.submesh_shape),
+                               PartitionSpec()))
+            for v in self.inputs]
 
   # -- JSON --------------------------------------------------------------------
 
@@ -466,3 +491,14 @@ def _format_rows(rows: Sequence[Sequence[str]]) -> list[str]:
   out = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
   out.insert(1, "  ".join("-" * w for w in widths))
   return out
+
+
+def submesh(mesh, offset: int, shape) -> Mesh | AbstractMesh:
+  """The sub-block of ``mesh`` of ``shape`` starting at flattened device
+  ``offset``, with the mesh's axis names (Auto axes): a pipeline stage's."""
+  names = tuple(mesh.axis_names)
+  auto = (AxisType.Auto,) * len(names)
+  if isinstance(mesh, AbstractMesh):
+    return AbstractMesh(tuple(shape), names, axis_types=auto)
+  devices = np.asarray(mesh.devices).reshape(-1)[offset:offset + math.prod(shape)]
+  return Mesh(devices.reshape(shape), names, axis_types=auto)

@@ -22,7 +22,7 @@ import pytest
 
 import autopar
 from autopar import cluster
-from models import (assert_trees_close, dropout_setup, mlp_setup,
+from models import (assert_trees_close, dropout_setup, mlp_setup, single_device,
                     transformer_setup)
 
 SGD = optax.sgd(0.1, momentum=0.9)
@@ -150,6 +150,43 @@ def test_only_batch_shards_move_after_the_first_step(ray_cluster):
   state, _ = p(state, batch)
   moved = ray_cluster.bytes_sent - before
   assert moved == sum(x.nbytes for x in batch.values())   # each row once
+
+
+@pytest.mark.parametrize("model,shapes,schedule", [
+    ("mlp", [(1, 4), (1, 4)], "1f1b"),
+    # Submeshes of different sizes: values gathered, sent and spread.
+    ("gpt", [(1, 4), (1, 2), (1, 2)], "gpipe")])
+def test_pipeline_stages_on_their_hosts_equal_jit(ray_cluster, model, shapes, schedule):
+  """PipeshardParallel on 2 hosts: each stage runs on the workers of the
+  host its submesh lies on, activations cross hosts worker to worker (the
+  driver sends only the batch), and the result equals single-device jit."""
+  make_state, step, batch = (mlp_setup(batch=32, tx=SGD) if model == "mlp" else
+                             transformer_setup(batch=16, d=32, heads=4, tx=SGD, layers=4))
+  mesh = autopar.global_mesh((2, 4), ("host", "model"))
+  method = autopar.PipeshardParallel(mesh=mesh, num_micro_batches=4,
+                                     num_stages=len(shapes), stage_mesh_shapes=shapes,
+                                     schedule=schedule)
+  p = autopar.parallelize(step, method=method, donate_argnums=(0,))
+  ref_fn = single_device(step)
+  state, ref = make_state(), make_state()
+  c = cluster.current()
+  losses, ref_losses = [], []
+  for k in range(2):
+    before = c.bytes_sent
+    state, loss = p(state, batch)
+    ref, ref_loss = ref_fn(ref, batch)
+    losses.append(float(loss))
+    ref_losses.append(float(ref_loss))
+  # The second step: only the batch left the driver, once, to stage 0's host
+  # (and the labels to the last stage's).
+  assert c.bytes_sent - before == sum(x.nbytes for x in batch.values())
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  assert_trees_close(jax.device_get(state.params), jax.device_get(ref.params))
+  plan = p.plan(jax.eval_shape(make_state), batch)
+  hosts = [{c.device_hosts[d] for d in range(st.submesh_offset,
+                                             st.submesh_offset + int(np.prod(st.submesh_shape)))}
+           for st in plan.stages]
+  assert hosts[0] == {0} and hosts[-1] == {1}
 
 
 def test_a_killed_worker_is_named_and_a_checkpoint_resumes(ray_cluster, ray_head,

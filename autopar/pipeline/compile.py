@@ -16,9 +16,8 @@ import math
 from typing import Any
 
 import jax
-import numpy as np
 from jax.extend.core import Var
-from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
+from jax.sharding import AbstractMesh, PartitionSpec
 
 from autopar.cost_model import dtype_name
 from autopar.errors import InputError, MarkerError, PlanError
@@ -32,7 +31,7 @@ from autopar.pipeline.runtime import ApplySegment, FinalInfo, PipelineStep
 from autopar.pipeline.schedule import dispatch_order, stage_tasks
 from autopar.pipeline.search import search
 from autopar.pipeline.submesh import tile
-from autopar.plan import Plan, StagePlan, ValuePlan
+from autopar.plan import Plan, StagePlan, ValuePlan, submesh
 from autopar.planner import donation_pairs
 from autopar.remat import remat_mode
 from autopar.rows import RowOracle
@@ -141,17 +140,6 @@ class StageChoice:
   memory: float = 0.0
   send_bytes: float = 0.0
   send_seconds: float = 0.0
-
-
-def submesh(mesh, offset: int, shape) -> Mesh | AbstractMesh:
-  """The sub-block of ``mesh`` of ``shape`` starting at flattened ``offset``,
-  with the mesh's axis names (Auto axes)."""
-  names = tuple(mesh.axis_names)
-  auto = (AxisType.Auto,) * len(names)
-  if isinstance(mesh, AbstractMesh):
-    return AbstractMesh(tuple(shape), names, axis_types=auto)
-  devices = np.asarray(mesh.devices).reshape(-1)[offset:offset + math.prod(shape)]
-  return Mesh(devices.reshape(shape), names, axis_types=auto)
 
 
 def _plan_of(pre: Prepared, method, mesh, cut_, choices) -> Plan:

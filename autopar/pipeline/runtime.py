@@ -41,6 +41,7 @@ from autopar.pipeline.executables import StageExecutables, combine_final
 from autopar.pipeline.program import Program
 from autopar.pipeline.schedule import Task
 from autopar.pipeline.stages import StageProgram
+from autopar.pipeline.transfer import move
 from autopar.split import OutputKind, SplitStep
 
 __all__ = ["PipelineStep", "ApplySegment", "FinalInfo"]
@@ -105,10 +106,7 @@ class PipelineStep:
   # -- placing -------------------------------------------------------------------
 
   def _on(self, s: int, x, spec):
-    sharding = NamedSharding(self.exes[s].layout.mesh, spec)
-    if isinstance(x, jax.Array) and x.sharding == sharding:
-      return x
-    return jax.device_put(x, sharding)
+    return move(x, NamedSharding(self.exes[s].layout.mesh, spec))
 
   def place(self, leaves: Sequence[Any]):
     """Per stage, its roots and leaves on its submesh; per leaf, its array on

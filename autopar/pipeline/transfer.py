@@ -1,0 +1,108 @@
+"""Moving a value from one stage's submesh to another's.
+
+In one process this is ``jax.device_put``. Across processes (a Ray cluster's
+host workers, joined by ``jax.distributed``) every process runs the same
+schedule (JAX's multi-controller model) and :func:`move` is called by all of
+them in the same order; a value crosses hosts by JAX's cross-host transfer
+(the PJRT transfer server, started by each host worker with
+``jax_cross_host_transfer_socket_address``): the sending host's devices
+stream their shards straight to the receiving host's devices, and no value
+passes through the driver.
+
+JAX transfers across hosts only between shardings of the same layout over
+the same number of devices, so :func:`move` sends:
+
+* between submeshes of the same size: each shard as it is, to the
+  destination devices arranged like the source's (the *wire* sharding),
+  then reshards there, on the destination's devices alone;
+* between submeshes of different sizes, each on one host: the value
+  gathered on one device of the source, to one device of the destination,
+  then spread there.
+
+A process that holds none of a value's devices keeps a placeholder (a
+global array with no shards of its own), as JAX's own multi-controller
+arrays are.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from autopar.errors import PlanError
+
+__all__ = ["move"]
+
+
+def move(x, dst: NamedSharding):
+  """``x`` with sharding ``dst`` (see the module docstring)."""
+  if not isinstance(x, jax.Array):
+    return jax.device_put(x, dst)
+  src = x.sharding
+  if src == dst:
+    return x
+  if jax.process_count() == 1 or src.device_set == dst.device_set or (
+      x.is_fully_addressable and dst.is_fully_addressable):
+    return jax.device_put(x, dst)
+  here = jax.process_index()
+  if here not in _processes(src) and here not in _processes(dst):
+    return _placeholder(x, dst)
+  src = _named(x)
+  x = jax.device_put(x, src) if src != x.sharding else x
+  if src.num_devices == dst.num_devices:
+    wire = NamedSharding(_mesh(dst, src.mesh), src.spec)
+    y = jax.device_put(x, wire)
+    return y if wire == dst else jax.device_put(y, dst)
+  if len(_processes(src)) > 1 or len(_processes(dst)) > 1:
+    raise PlanError(
+        f"autopar: a pipeline value of shape {x.shape} moves from a submesh of "
+        f"{src.num_devices} devices to one of {dst.num_devices}, and one of them spans "
+        f"several hosts; across hosts autopar moves values between submeshes of the "
+        f"same size, or between submeshes within one host each. Fix: give the "
+        f"stages submeshes of the same size (stage_mesh_shapes=...), or each "
+        f"within one host.")
+  one_src = SingleDeviceSharding(_first(src))
+  one_dst = SingleDeviceSharding(_first(dst))
+  g = _local(x, one_src)
+  h = jax.device_put(g, one_dst)
+  return _local(h, dst)
+
+
+def _local(x, dst):
+  """``x`` resharded onto ``dst`` by the one process that holds both; a
+  placeholder on the others."""
+  if x.is_fully_addressable and dst.is_fully_addressable:
+    return jax.device_put(x, dst)
+  return _placeholder(x, dst)
+
+
+def _placeholder(x, dst):
+  """An array like ``x`` on ``dst`` with no shards on this process."""
+  return jax.make_array_from_single_device_arrays(x.shape, dst, [], dtype=x.dtype)
+
+
+def _named(x) -> NamedSharding:
+  """``x``'s sharding as a NamedSharding (a single device: a mesh of one;
+  another kind: replicated over its devices)."""
+  s = x.sharding
+  if isinstance(s, NamedSharding) and isinstance(s.mesh, Mesh):
+    return s
+  devices = sorted(s.device_set, key=lambda d: d.id)
+  if isinstance(s, SingleDeviceSharding) or len(devices) == 1:
+    return NamedSharding(Mesh(np.array(devices), ("_one",)), PartitionSpec())
+  return NamedSharding(Mesh(np.array(devices), ("_all",)), PartitionSpec())
+
+
+def _mesh(dst: NamedSharding, like: Mesh) -> Mesh:
+  """``dst``'s devices (in their mesh order) arranged as ``like``."""
+  devices = np.asarray(dst.mesh.devices).reshape(-1)
+  return Mesh(devices.reshape(like.devices.shape), like.axis_names)
+
+
+def _processes(s) -> set[int]:
+  return {d.process_index for d in s.device_set}
+
+
+def _first(s: NamedSharding):
+  return np.asarray(s.mesh.devices).reshape(-1)[0]
