@@ -7,7 +7,6 @@ chooses a sharding for every array on the mesh, and runs it.
 """
 
 from autopar.api import ParallelizedFunction, parallelize
-from autopar.checkpoint import restore_checkpoint, save_checkpoint
 from autopar.cluster import (ClusterError, RemoteArray, global_mesh, init,
                              shutdown)
 from autopar.errors import (AutoparError, InputError, MarkerError, MeshError,
@@ -18,6 +17,7 @@ from autopar.method import (AutoShardingOption, DataParallel, PipeshardParallel,
                             ShardParallel, Zero2Parallel, Zero3Parallel)
 from autopar.pipeline import mark_pipeline_boundary
 from autopar.plan import Plan
+from autopar.runtime import restore_checkpoint, save_checkpoint
 from autopar.version import __version__
 from autopar import nn  # noqa: E402  (autopar.nn: memory helpers)
 

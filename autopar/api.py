@@ -16,10 +16,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import jax
 from jax._src import core as jax_core
-from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import AbstractMesh
 
 from autopar import cache as plan_cache
-from autopar import cluster as plan_cluster
+from autopar import runtime
 from autopar.errors import InputError, MarkerError, PlanError
 from autopar.executor import Executable
 from autopar.pipeline import compile as pipeline_compile
@@ -35,11 +35,11 @@ from autopar.remat import remat_mode
 from autopar.planner import Progress, batch_axes_for, plan_auto, plan_preset
 from autopar.split import (OutputKind, SplitStep, apply_at, instantiate_split,
                             outputs_at, split_step)
-from autopar.trace import (ArgFlags, LeafInfo, abstract_leaves, arg_names,
-                           check_batch_leaves, classify_args, split_updates,
-                           trace_step, trace_step_any_batch)
+from autopar.trace import (ArgFlags, LeafInfo, TracedStep, abstract_leaves, arg_names,
+                           check_batch_leaves, classify_args, trace_step,
+                           trace_step_any_batch)
 
-__all__ = ["parallelize", "ParallelizedFunction"]
+__all__ = ["parallelize", "ParallelizedFunction", "StepSignature"]
 
 
 def parallelize(fun: Callable | None = None, *, method: ParallelMethod | None = None,
@@ -110,6 +110,27 @@ class _Prepared:
   names: tuple[str, ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class StepSignature:
+  """One call signature of a step, as a runtime needs it
+  (:meth:`ParallelizedFunction.signature`).
+
+  Attributes:
+    plan: the step's plan for these arguments.
+    static_argnums: the arguments passed as static Python values.
+    traced: the traced step: its outputs (``traced.out_paths``,
+      ``traced.outputs``) and the arguments it changes in place
+      (``trace.split_updates`` writes them back).
+  """
+  plan: Plan
+  static_argnums: tuple[int, ...]
+  traced: TracedStep
+
+  @property
+  def num_outputs(self) -> int:
+    return len(self.traced.out_paths)
+
+
 class ParallelizedFunction:
   """A step wrapped by :func:`parallelize`.
 
@@ -157,21 +178,42 @@ class ParallelizedFunction:
   # -- public ------------------------------------------------------------------
 
   def __call__(self, *args):
-    c = plan_cluster.current()
-    if c is not None and not isinstance(self.method.mesh, Mesh):
-      # On the Ray cluster's host workers. A method given a concrete mesh of
-      # this process's devices still runs here.
-      return c.run(self, args)
-    exe, result = self._call_raw(*args)
-    return split_updates(exe.split.traced, result, args)
+    # On the active runtime: this process, or the Ray cluster's host workers.
+    return runtime.active().call(self, args)
 
-  def _call_raw(self, *args):
-    """(the executable, the step's whole result: with the values of the
-    arguments it changed in place, not yet written back)."""
+  # -- for runtimes (runtime.py) ------------------------------------------------
+
+  def run_here(self, *args) -> tuple[Any, TracedStep]:
+    """Runs the step on this process's devices (a Ray host worker: on its
+    part of the global mesh). Returns the step's whole result, with the
+    values of the arguments it changed in place not yet written back, and
+    the traced step that says how to write them back
+    (``trace.split_updates``)."""
     prep = self._prepare(args)
     exe = self._executable(prep)
     _check_not_donated(prep, self._name)
-    return exe, exe.split.traced.outputs.merge(exe.run(exe.place(prep.values)))
+    traced = exe.split.traced
+    return traced.outputs.merge(exe.run(exe.place(prep.values))), traced
+
+  def signature(self, args: Sequence[Any]) -> StepSignature:
+    """What a runtime needs before running a call on ``args`` (arrays or
+    ``jax.ShapeDtypeStruct``s): the plan, and the step's outputs."""
+    prep = self._prepare(args)
+    plan, micro = self._plan(prep)
+    if isinstance(self.method, PipeshardParallel) and self._one_stage(prep) is None:
+      traced = self._pipeline(prep)[0].split.traced
+    else:
+      traced = self._traced(prep, micro).traced
+    return StepSignature(plan=plan, static_argnums=tuple(prep.flags.static),
+                         traced=traced)
+
+  def with_method(self, method: ParallelMethod) -> "ParallelizedFunction":
+    """The same step, with the same settings, under another method."""
+    return ParallelizedFunction(self.fun, method=method,
+                                donate_argnums=self.donate_argnums,
+                                batch_argnums=self.batch_argnums,
+                                static_argnums=self.static_argnums,
+                                output_reductions=self.output_reductions)
 
   def get_executable(self, *args) -> Executable:
     """The compiled step for these arguments (compiled once per signature).
@@ -189,7 +231,7 @@ class ParallelizedFunction:
     The arguments may be ``jax.ShapeDtypeStruct`` pytrees (e.g. from
     ``jax.eval_shape``) and the method's mesh an ``AbstractMesh``.
     """
-    plan, _ = self._plan(self._prepare(plan_cluster.abstractify(args)))
+    plan, _ = self._plan(self._prepare(runtime.active().abstractify(args)))
     return plan
 
   # -- pipeline ----------------------------------------------------------------

@@ -1,16 +1,10 @@
-"""Saving and restoring training state with orbax.
+"""Saving and restoring training state with orbax, in this process.
 
-``save_checkpoint(path, state)`` writes every array of ``state`` (each
-process writes its own shards, so it works for state spread over several
-hosts); ``restore_checkpoint(path, target, shardings)`` reads it back into
-arrays with the given shardings. Under a Ray cluster (``autopar.init(
-cluster="ray")``) both run on the host workers and the state stays there.
-
-Example::
-
-    autopar.save_checkpoint("/ckpt/step_100", state)
-    state = autopar.restore_checkpoint("/ckpt/step_100", state,
-                                       exe.plan.input_shardings[0])
+The public ``autopar.save_checkpoint`` / ``autopar.restore_checkpoint``
+(``runtime.py``) go to the active runtime: the local one calls
+:func:`save_local` and :func:`restore_here`; under a Ray cluster every host
+worker calls :func:`save_local` / :func:`restore_local` on its shards (each
+process writes its own, so state spread over several hosts is saved whole).
 """
 
 from __future__ import annotations
@@ -22,7 +16,7 @@ import jax
 
 from autopar.errors import InputError
 
-__all__ = ["save_checkpoint", "restore_checkpoint"]
+__all__ = ["save_local", "restore_local", "restore_here", "arrays_only"]
 
 
 def _checkpointer():
@@ -42,38 +36,8 @@ def restore_local(path: str, abstract: Any) -> Any:
   return _checkpointer().restore(os.path.abspath(path), abstract)
 
 
-def save_checkpoint(path: str, state: Any) -> None:
-  """Saves the arrays of ``state`` under the directory ``path`` (replaced if
-  it exists). Non-array leaves (e.g. a TrainState's ``apply_fn``) are not
-  saved: they come from the ``target`` on restore."""
-  from autopar import cluster
-  c = cluster.current()
-  if c is not None:
-    c.save_checkpoint(path, state)
-    return
-  save_local(path, _arrays_only(state))
-
-
-def restore_checkpoint(path: str, target: Any, shardings: Any = None) -> Any:
-  """Restores the state saved at ``path``.
-
-  Args:
-    path: the directory given to :func:`save_checkpoint`.
-    target: a pytree of the same structure: arrays, ``jax.ShapeDtypeStruct``s
-      or a state from ``jax.eval_shape``; gives shapes, dtypes and the
-      non-array leaves.
-    shardings: a pytree of ``NamedSharding`` or ``PartitionSpec`` (with the
-      cluster's mesh) like ``target``, e.g. ``plan.input_shardings[0]``;
-      None restores every array replicated on the default device (local
-      mode only).
-  """
-  from autopar import cluster
-  if not os.path.isdir(path):
-    raise InputError(f"restore_checkpoint: no checkpoint at {path!r}. Fix: pass "
-                     f"the directory given to autopar.save_checkpoint.")
-  c = cluster.current()
-  if c is not None:
-    return c.restore_checkpoint(path, target, shardings)
+def restore_here(path: str, target: Any, shardings: Any = None) -> Any:
+  """``restore_checkpoint`` on this process's devices (see runtime.py)."""
   leaves, tree = jax.tree.flatten(target)
   if shardings is None:
     shard_leaves = [None] * len(leaves)
@@ -86,7 +50,7 @@ def restore_checkpoint(path: str, target: Any, shardings: Any = None) -> Any:
   abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
               if hasattr(x, "shape") and hasattr(x, "dtype") else x
               for x, s in zip(leaves, shard_leaves)]
-  restored = restore_local(path, _arrays_only(jax.tree.unflatten(tree, abstract)))
+  restored = restore_local(path, arrays_only(jax.tree.unflatten(tree, abstract)))
   return _merge(target, restored)
 
 
@@ -94,7 +58,7 @@ def _is_array(x) -> bool:
   return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
-def _arrays_only(tree: Any) -> Any:
+def arrays_only(tree: Any) -> Any:
   """``tree`` with non-array leaves replaced by None (not saved)."""
   return jax.tree.map(lambda x: x if _is_array(x) else None, tree)
 

@@ -45,9 +45,11 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, PartitionSpec
 
+from autopar import runtime
 from autopar.errors import AutoparError, InputError, MeshError
-from autopar.host_worker import pickled
+from autopar.host_worker import HostWorker, ArrayRef, pickled
 from autopar.pytrees import leaf_mask
+from autopar.shards import block, host_shards, normalize_index
 from autopar.trace import split_updates
 
 __all__ = ["init", "shutdown", "global_mesh", "current", "RemoteArray",
@@ -108,6 +110,7 @@ def init(cluster: str = "local", *, address: str | None = None,
       c.stop()
       raise
     _CURRENT = c
+    runtime.activate(c)
 
 
 def shutdown() -> None:
@@ -116,6 +119,7 @@ def shutdown() -> None:
   with _LOCK:
     c, _CURRENT = _CURRENT, None
   if c is not None:
+    runtime.deactivate(c)
     c.stop()
 
 
@@ -212,46 +216,6 @@ def _is_key(x) -> bool:
                                jax.dtypes.prng_key)
 
 
-# -- shards --------------------------------------------------------------------------
-
-def normalize_index(index, shape) -> tuple[tuple[int, int], ...]:
-  """A shard's index (a tuple of slices) as ((start, stop), ...)."""
-  out = []
-  for d, s in enumerate(shape):
-    sl = index[d] if d < len(index) else slice(None)
-    start, stop, _ = sl.indices(s)
-    out.append((start, stop))
-  return tuple(out)
-
-
-def host_shards(shape, spec: PartitionSpec, mesh_shape, mesh_names,
-                device_hosts: Sequence[int]) -> dict[int, set]:
-  """host -> the indices ((start, stop) per dim) of the shards its devices hold.
-
-  Devices fill the mesh in ``jax.devices()`` order; ``device_hosts[k]`` is
-  the host of device ``k``.
-  """
-  entries = (list(spec) + [None] * len(shape))[:len(shape)]
-  pos = {a: i for i, a in enumerate(mesh_names)}
-  out: dict[int, set] = {}
-  for flat, coord in enumerate(itertools.product(*[range(s) for s in mesh_shape])):
-    index = []
-    for d, entry in enumerate(entries):
-      axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-      block, count = 0, 1
-      for a in axes:
-        block = block * mesh_shape[pos[a]] + coord[pos[a]]
-        count *= mesh_shape[pos[a]]
-      size = shape[d] // count
-      index.append((block * size, (block + 1) * size))
-    out.setdefault(device_hosts[flat], set()).add(tuple(index))
-  return out
-
-
-def _block(array: np.ndarray, index) -> np.ndarray:
-  return np.array(array[tuple(slice(a, b) for a, b in index)], copy=True, order="C")
-
-
 # -- the cluster -------------------------------------------------------------------------
 
 def _join_ray(address: str) -> None:
@@ -278,8 +242,9 @@ def _join_ray(address: str) -> None:
                        f"running.") from e
 
 
-class RayCluster:
-  """The host workers and how to reach them (made by :func:`init`)."""
+class RayCluster(runtime.Runtime):
+  """The Ray runtime: the host workers and how to reach them (made by
+  :func:`init`; see ``runtime.py`` for the interface)."""
 
   def __init__(self, address, num_hosts, num_devices_per_host, timeout,
                step_timeout=None):
@@ -300,6 +265,8 @@ class RayCluster:
     self._trees: dict[bytes, Any] = {}
     self._pickles: dict = {}          # see host_worker.pickled
     self._forgotten: list[int] = []
+    # A step whose method has no mesh -> the same step on the cluster's mesh.
+    self._variants: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
     self.bytes_sent = 0                          # numpy bytes shipped to workers
 
   # -- lifecycle ------------------------------------------------------------------
@@ -308,8 +275,6 @@ class RayCluster:
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-    from autopar.host_worker import HostWorker
-
     if not ray.is_initialized():
       if self.address is None:
         # "local": a new instance of this process's own, even where a
@@ -514,7 +479,7 @@ class RayCluster:
                          self.device_hosts[offset:offset + math.prod(mesh_shape)])
     per_host = []
     for h in range(len(self.workers)):
-      blocks = {idx: _block(array, idx) for idx in shards.get(h, ())}
+      blocks = {idx: block(array, idx) for idx in shards.get(h, ())}
       self.bytes_sent += sum(b.nbytes for b in blocks.values())
       per_host.append((array_id, shape, array.dtype, mesh_shape, mesh_names, spec,
                        blocks, impl, offset))
@@ -527,24 +492,32 @@ class RayCluster:
     parts = self._call([w.fetch.remote(x.array_id) for w in self.workers], "fetch")
     out = None
     for shards in parts:
-      for idx, block in shards.items():
+      for idx, part in shards.items():
         if out is None:        # (a key array's data has trailing dimensions)
-          out = np.empty(x.shape + block.shape[len(x.shape):], block.dtype)
-        out[tuple(slice(a, b) for a, b in idx)] = block
+          out = np.empty(x.shape + part.shape[len(x.shape):], part.dtype)
+        out[tuple(slice(a, b) for a, b in idx)] = part
     return out
 
   # -- running a step ----------------------------------------------------------------
+
+  def abstractify(self, args):
+    return abstractify(args)
+
+  def call(self, pf, args: Sequence[Any]):
+    """Runs ``pf`` (a ParallelizedFunction) on the workers; a method given
+    a concrete mesh of this process's devices still runs here."""
+    if isinstance(pf.method.mesh, jax.sharding.Mesh):
+      return runtime.LOCAL.call(pf, args)
+    return self.run(pf, args)
 
   def run(self, pf, args: Sequence[Any]):
     """Runs ``pf`` (a ParallelizedFunction) on the workers."""
     from ray import cloudpickle
     pf = _with_global_mesh(pf, self)
-    abstract = abstractify(list(args))
     # Planned (and traced) once per signature on the driver; every later call
     # finds both in pf's caches.
-    prep = pf._prepare(abstract)
-    plan, micro = pf._plan(prep)
-    num_outs = len(pf._traced(prep, micro).traced.out_paths)
+    sig = pf.signature(abstractify(list(args)))
+    plan, num_outs = sig.plan, sig.num_outputs
     mesh = pf.method.mesh
     # Keyed by the function itself (held here), not its id(): a new closure
     # can reuse a freed one's id.
@@ -570,12 +543,11 @@ class RayCluster:
     first = plan_key not in self._sent_plans
 
     # Array leaves: already remote (by id) or sent now, each host its shards.
-    from autopar.host_worker import _Ref
     leaves, tree = jax.tree.flatten(list(args))
     # Which leaves are arguments of the program (in plan.inputs order) and
     # which are static (sent as Python values): static arguments, and the
     # leaves of the others that are not arrays (pytrees.partition).
-    static = set(prep.flags.static)
+    static = set(sig.static_argnums)
     arg_of = [i for i, child in enumerate(tree.children()) for _ in range(child.num_leaves)]
     traced = [t and arg_of[k] not in static for k, t in
               enumerate(leaf_mask(list(args), arrays=(RemoteArray,)))]
@@ -592,7 +564,7 @@ class RayCluster:
         if x.deleted:
           raise InputError(f"autopar: {x!r} was donated to an earlier step. Fix: "
                            f"pass the state that step returned.")
-        shipped.append(_Ref(x.array_id))
+        shipped.append(ArrayRef(x.array_id))
       elif not isinstance(x, (np.ndarray, np.generic, jax.Array)):
         next(specs)                # a traced Python number: the workers see the same
         shipped.append(x)
@@ -602,7 +574,7 @@ class RayCluster:
         for h, p in enumerate(per_host):
           puts[h].append(p)
         temporary.append(array_id)
-        shipped.append(_Ref(array_id))
+        shipped.append(ArrayRef(array_id))
     tree_bytes = pickled(self._pickles, tree, tree)
     tree_key = hashlib.sha256(tree_bytes).hexdigest()
     new_tree = tree_key not in self._sent_trees
@@ -638,16 +610,15 @@ class RayCluster:
             for i, (shape, dtype, _, weak, impl), value in zip(
                 out_ids, results[0]["leaves"], values, strict=True)]
     # Arguments the step changed in place (Flax NNX) take their new values here.
-    return split_updates(pf._traced(prep, micro).traced, outputs.merge(outs), args)
+    return split_updates(sig.traced, outputs.merge(outs), args)
 
   # -- checkpoints ----------------------------------------------------------------------
 
   def save_checkpoint(self, path: str, state) -> None:
     from ray import cloudpickle
-    from autopar.host_worker import _Ref
     def ref(x):
       if isinstance(x, RemoteArray):
-        return _Ref(x.array_id)
+        return ArrayRef(x.array_id)
       raise InputError(f"save_checkpoint: under the Ray cluster the state must be "
                        f"what a parallelized step returned (RemoteArray leaves); got "
                        f"a {type(x).__name__}. Fix: save the state a step returned.")
@@ -700,7 +671,7 @@ def _with_global_mesh(pf, c: RayCluster):
   mesh = pf.method.mesh
   if isinstance(mesh, AbstractMesh):
     return pf
-  cached = getattr(pf, "_ray_variant", None)
+  cached = c._variants.get(pf)
   if cached is not None:
     return cached
   mesh = AbstractMesh((c.num_devices,), ("data",))
@@ -708,13 +679,7 @@ def _with_global_mesh(pf, c: RayCluster):
     raise MeshError(f"autopar: the method's mesh has {math.prod(mesh.axis_sizes)} "
                     f"devices but the Ray cluster has {c.num_devices}. Fix: use "
                     f"autopar.global_mesh(shape, names) with {c.num_devices} devices.")
-  from autopar.api import ParallelizedFunction
-  variant = ParallelizedFunction(pf.fun, method=dataclasses.replace(pf.method, mesh=mesh),
-                                 donate_argnums=pf.donate_argnums,
-                                 batch_argnums=pf.batch_argnums,
-                                 static_argnums=pf.static_argnums,
-                                 output_reductions=pf.output_reductions)
-  pf._ray_variant = variant
+  variant = c._variants[pf] = pf.with_method(dataclasses.replace(pf.method, mesh=mesh))
   return variant
 
 

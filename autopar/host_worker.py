@@ -17,6 +17,13 @@ import socket
 import time
 from typing import Any
 
+from autopar.api import parallelize
+from autopar.checkpoint import restore_local, save_local
+from autopar.errors import InputError
+from autopar.plan import Plan
+from autopar.pytrees import partition
+from autopar.shards import normalize_index
+
 
 def pickled(cache: dict, key, value, owner=None) -> bytes:
   """``cloudpickle.dumps(value)``, kept in ``cache`` under ``key`` (and, if
@@ -105,7 +112,6 @@ class HostWorker:
     the blocks are key data, wrapped into PRNG keys."""
     import jax
     from jax.sharding import NamedSharding
-    from autopar.cluster import normalize_index
     sharding = NamedSharding(self._mesh(mesh_shape, mesh_names, offset), spec)
     if not sharding.addressable_devices:     # (on other hosts' devices only)
       x = jax.make_array_from_single_device_arrays(tuple(shape), sharding, [],
@@ -122,7 +128,6 @@ class HostWorker:
     PRNG key array)."""
     import jax
     import numpy as np
-    from autopar.cluster import normalize_index
     x = self._get(array_id)
     data = (lambda d: jax.random.key_data(d)) if _is_key(x) else (lambda d: d)
     return {normalize_index(s.index, x.shape): np.asarray(data(s.data))
@@ -135,7 +140,6 @@ class HostWorker:
         x.delete()
 
   def _get(self, array_id: int):
-    from autopar.errors import InputError
     x = self.arrays.get(array_id)
     if x is None or x.is_deleted():
       raise InputError(f"autopar: array {array_id} on host {self.host_index} was "
@@ -161,8 +165,6 @@ class HostWorker:
     from ray import cloudpickle
     import jax
     import numpy as np
-    import autopar
-    from autopar.pytrees import partition
     # One message per step: drop arrays the driver let go, take this call's
     # new input shards, run.
     self.delete(deletes)
@@ -176,8 +178,8 @@ class HostWorker:
       mesh_shape, mesh_names = method.pop("mesh")
       cls = method.pop("cls")
       if plan_json is not None:
-        method["plan"] = autopar.Plan.from_json(plan_json)
-      pf = autopar.parallelize(fun, method=cls(mesh=self._mesh(mesh_shape, mesh_names),
+        method["plan"] = Plan.from_json(plan_json)
+      pf = parallelize(fun, method=cls(mesh=self._mesh(mesh_shape, mesh_names),
                                                 **method), **kwargs)
       entry["by_plan"][plan_key] = pf
     # The argument structure comes once per distinct structure (keyed by its
@@ -187,11 +189,11 @@ class HostWorker:
     if tree_bytes is not None:
       self.trees[tree_key] = cloudpickle.loads(tree_bytes)
     args = jax.tree.unflatten(self.trees[tree_key], [
-        self._get(a.array_id) if isinstance(a, _Ref) else a for a in leaves])
+        self._get(a.array_id) if isinstance(a, ArrayRef) else a for a in leaves])
     t0 = time.perf_counter()
     # The whole result: arguments changed in place go back to the driver,
     # which holds the objects to update.
-    _, outs = pf._call_raw(*args)
+    outs, _ = pf.run_here(*args)
     leaves, tree = partition(outs)
     jax.block_until_ready(leaves)
     seconds = time.perf_counter() - t0
@@ -218,9 +220,8 @@ class HostWorker:
   def save_checkpoint(self, path: str, tree_bytes: bytes) -> None:
     from ray import cloudpickle
     import jax
-    from autopar.checkpoint import save_local
-    tree = jax.tree.map(lambda a: self._get(a.array_id) if isinstance(a, _Ref) else a,
-                        cloudpickle.loads(tree_bytes), is_leaf=lambda a: isinstance(a, _Ref))
+    tree = jax.tree.map(lambda a: self._get(a.array_id) if isinstance(a, ArrayRef) else a,
+                        cloudpickle.loads(tree_bytes), is_leaf=lambda a: isinstance(a, ArrayRef))
     save_local(path, tree)
 
   def restore_checkpoint(self, path: str, target_bytes: bytes, mesh_shape, mesh_names,
@@ -230,7 +231,6 @@ class HostWorker:
     from ray import cloudpickle
     import jax
     from jax.sharding import NamedSharding
-    from autopar.checkpoint import restore_local
     mesh = self._mesh(mesh_shape, mesh_names)
     tree, entries = cloudpickle.loads(target_bytes)
     abstract = jax.tree.unflatten(tree, [
@@ -257,7 +257,7 @@ def _is_key(x) -> bool:
   return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-class _Ref:
+class ArrayRef:
   """An array argument that is already on the workers (by id)."""
 
   def __init__(self, array_id: int):
