@@ -637,20 +637,31 @@ class RayCluster(runtime.Runtime):
     if len(s_leaves) != len(t_leaves):
       raise InputError(f"restore_checkpoint: shardings has {len(s_leaves)} leaves but "
                        f"target has {len(t_leaves)}.")
-    mesh = None
+    meshes = {(tuple(s.mesh.axis_sizes), tuple(s.mesh.axis_names))
+              for s in s_leaves if hasattr(s, "mesh")}
+    if not meshes:
+      raise InputError("restore_checkpoint: shardings must be NamedShardings on the "
+                       "cluster's mesh (plan.input_shardings[0]).")
+    # Arrays are restored onto one mesh of every device; a pipeline stage's
+    # submesh says its shape but not where it lies.
+    sizes = {math.prod(shape) for shape, _ in meshes}
+    if len(meshes) > 1 or sizes != {self.num_devices}:
+      raise InputError(
+          f"restore_checkpoint: under the Ray cluster shardings must all be on one mesh "
+          f"of the cluster's {self.num_devices} devices; got meshes "
+          f"{', '.join(str(dict(zip(n, s))) for s, n in sorted(meshes))} (a PipeshardParallel plan's "
+          f"input_shardings are on its stages' submeshes). Fix: restore onto the "
+          f"whole mesh, e.g. jax.tree.map(lambda _: NamedSharding(mesh, P()), "
+          f"target); the next step moves each array onto its stage.")
+    (mesh_shape, mesh_names), = meshes
     entries = []
     for x, s in zip(t_leaves, s_leaves):
       spec = s if isinstance(s, PartitionSpec) else s.spec
-      mesh = mesh or getattr(s, "mesh", None)
       entries.append((tuple(x.shape), np.dtype(x.dtype), spec))
-    if mesh is None:
-      raise InputError("restore_checkpoint: shardings must be NamedShardings on the "
-                       "cluster's mesh (plan.input_shardings[0]).")
     out_ids = [next(self._ids) for _ in entries]
     payload = cloudpickle.dumps((tree, entries))
     weak = self._call([w.restore_checkpoint.remote(os.path.abspath(path), payload,
-                                                   tuple(mesh.axis_sizes),
-                                                   tuple(mesh.axis_names), out_ids)
+                                                   mesh_shape, mesh_names, out_ids)
                        for w in self.workers], "restore_checkpoint")[0]
     return jax.tree.unflatten(tree, [
         RemoteArray(self, i, shape, dtype, weak_type=w)

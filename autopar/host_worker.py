@@ -20,6 +20,7 @@ from typing import Any
 from autopar.api import parallelize
 from autopar.checkpoint import restore_local, save_local
 from autopar.errors import InputError
+from autopar.pipeline.transfer import replicate_over
 from autopar.plan import Plan
 from autopar.pytrees import partition
 from autopar.shards import normalize_index
@@ -220,8 +221,19 @@ class HostWorker:
   def save_checkpoint(self, path: str, tree_bytes: bytes) -> None:
     from ray import cloudpickle
     import jax
-    tree = jax.tree.map(lambda a: self._get(a.array_id) if isinstance(a, ArrayRef) else a,
-                        cloudpickle.loads(tree_bytes), is_leaf=lambda a: isinstance(a, ArrayRef))
+    import numpy as np
+    from jax.sharding import Mesh
+    everywhere = Mesh(np.array(jax.devices()), ("_all",))
+    def whole(x):
+      # An array on part of the devices (a pipeline stage's) is replicated
+      # over all of them first: orbax saves only arrays every process holds
+      # part of.
+      if len(x.sharding.device_set) == everywhere.size:
+        return x
+      return replicate_over(x, everywhere)
+    tree = jax.tree.map(lambda a: whole(self._get(a.array_id)) if isinstance(a, ArrayRef)
+                        else a, cloudpickle.loads(tree_bytes),
+                        is_leaf=lambda a: isinstance(a, ArrayRef))
     save_local(path, tree)
 
   def restore_checkpoint(self, path: str, target_bytes: bytes, mesh_shape, mesh_names,

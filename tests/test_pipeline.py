@@ -168,6 +168,27 @@ def test_plan_round_trip_and_saved_plan_runs_without_solving(monkeypatch):
   assert pf.get_executable(make_state(), batch).plan.stages == plan.stages
 
 
+def test_checkpoint_restores_onto_the_stages(tmp_path):
+  """plan.input_shardings of a pipeline put each array on its stage's
+  submesh; a checkpoint restored with them trains on as if never saved."""
+  make_state, step, batch = mlp_setup(tx=SGD)
+  method = autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=2, num_stages=2)
+  pf = autopar.parallelize(step, method=method, donate_argnums=(0,))
+  state, _ = pf(make_state(), batch)
+  path = str(tmp_path / "ckpt")
+  autopar.save_checkpoint(path, state)
+  plan = pf.get_executable(state, batch).plan
+  shardings = plan.input_shardings[0]
+  restored = autopar.restore_checkpoint(path, jax.eval_shape(make_state), shardings)
+  for x, s in zip(jax.tree.leaves(restored), jax.tree.leaves(shardings)):
+    assert x.sharding == s and len(s.device_set) < 8        # on a stage's submesh
+  got = pf(restored, batch)
+  ref_fn, ref = single_device(step), make_state()
+  for _ in range(2):
+    ref, ref_loss = ref_fn(ref, batch)
+  assert_trees_close(got, (ref, ref_loss))
+
+
 def test_one_stage_is_shard_parallel():
   make_state, step, batch = mlp_setup(tx=SGD)
   method = autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=2, num_stages=1)

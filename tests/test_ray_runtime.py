@@ -156,10 +156,13 @@ def test_only_batch_shards_move_after_the_first_step(ray_cluster):
     ("mlp", [(1, 4), (1, 4)], "1f1b"),
     # Submeshes of different sizes: values gathered, sent and spread.
     ("gpt", [(1, 4), (1, 2), (1, 2)], "gpipe")])
-def test_pipeline_stages_on_their_hosts_equal_jit(ray_cluster, model, shapes, schedule):
+def test_pipeline_stages_on_their_hosts_equal_jit(ray_cluster, model, shapes, schedule,
+                                                  tmp_path):
   """PipeshardParallel on 2 hosts: each stage runs on the workers of the
   host its submesh lies on, activations cross hosts worker to worker (the
-  driver sends only the batch), and the result equals single-device jit."""
+  driver sends only the batch), and the result equals single-device jit;
+  the state saved from the stages and restored onto the whole mesh trains
+  on."""
   make_state, step, batch = (mlp_setup(batch=32, tx=SGD) if model == "mlp" else
                              transformer_setup(batch=16, d=32, heads=4, tx=SGD, layers=4))
   mesh = autopar.global_mesh((2, 4), ("host", "model"))
@@ -187,6 +190,19 @@ def test_pipeline_stages_on_their_hosts_equal_jit(ray_cluster, model, shapes, sc
                                              st.submesh_offset + int(np.prod(st.submesh_shape)))}
            for st in plan.stages]
   assert hosts[0] == {0} and hosts[-1] == {1}
+  if model != "mlp":
+    return
+  path = str(tmp_path / "ckpt")
+  autopar.save_checkpoint(path, state)
+  target = jax.eval_shape(make_state)
+  with pytest.raises(autopar.InputError, match="whole mesh"):
+    autopar.restore_checkpoint(path, target, plan.input_shardings[0])
+  whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  state = autopar.restore_checkpoint(path, target, jax.tree.map(lambda _: whole, target))
+  state, loss = p(state, batch)
+  ref, ref_loss = ref_fn(ref, batch)
+  np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+  assert_trees_close(jax.device_get(state.params), jax.device_get(ref.params))
 
 
 def test_a_killed_worker_is_named_and_a_checkpoint_resumes(ray_cluster, ray_head,

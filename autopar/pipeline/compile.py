@@ -225,11 +225,17 @@ def plan_pipeline(pre: Prepared, method: PipeshardParallel, mesh) -> tuple[Plan,
   """The pipeline's plan, and the cut, choices and search result it was
   made from (``search.py``); with ``method.plan``, the saved plan's stages,
   without solving."""
+  # (The plan knows the arguments' structure and the mesh, for its
+  # input_shardings.)
+  inputs = pre.split.traced.inputs
   if method.plan is not None:
     cut_, choices = _saved(pre, method, mesh, method.plan)
-    return method.plan, (cut_, choices, None)
+    plan = dataclasses.replace(method.plan, in_tree=inputs, mesh=mesh)
+    return plan, (cut_, choices, None)
   cut_, choices, result = search(pre, method, mesh)
-  return _plan_of(pre, method, mesh, cut_, choices), (cut_, choices, result)
+  plan = dataclasses.replace(_plan_of(pre, method, mesh, cut_, choices), in_tree=inputs,
+                             mesh=mesh)
+  return plan, (cut_, choices, result)
 
 
 def _saved(pre: Prepared, method, mesh, plan: Plan):

@@ -17,7 +17,10 @@ the same number of devices, so :func:`move` sends:
   then reshards there, on the destination's devices alone;
 * between submeshes of different sizes, each on one host: the value
   gathered on one device of the source, to one device of the destination,
-  then spread there.
+  then spread there;
+* from a mesh onto a part of it (the whole mesh onto a stage's submesh, as
+  a restored checkpoint is): replicated over the mesh, then each device of
+  the part keeps its block.
 
 A process that holds none of a value's devices keeps a placeholder (a
 global array with no shards of its own), as JAX's own multi-controller
@@ -32,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from autopar.errors import PlanError
 
-__all__ = ["move"]
+__all__ = ["move", "replicate_over"]
 
 
 def move(x, dst: NamedSharding):
@@ -50,6 +53,8 @@ def move(x, dst: NamedSharding):
     return _placeholder(x, dst)
   src = _named(x)
   x = jax.device_put(x, src) if src != x.sharding else x
+  if dst.device_set < src.device_set:
+    return _onto_part(x, src, dst)
   if src.num_devices == dst.num_devices:
     wire = NamedSharding(_mesh(dst, src.mesh), src.spec)
     y = jax.device_put(x, wire)
@@ -67,6 +72,45 @@ def move(x, dst: NamedSharding):
   g = _local(x, one_src)
   h = jax.device_put(g, one_dst)
   return _local(h, dst)
+
+
+def replicate_over(x, mesh: Mesh):
+  """``x`` (on some of ``mesh``'s devices, such as a stage's submesh)
+  replicated on every device of ``mesh``: a global array that every
+  process holds part of (orbax saves only such arrays across processes).
+  Called by every process, in the same order."""
+  whole = NamedSharding(mesh, PartitionSpec())
+  if x.sharding == whole or x.sharding.device_set == whole.device_set:
+    return jax.device_put(x, whole)
+  src = _named(x)
+  x = jax.device_put(x, src) if src != x.sharding else x
+  own = np.asarray(src.mesh.devices).reshape(-1)
+  flat = Mesh(own, ("_all",))
+  r = jax.device_put(x, NamedSharding(flat, PartitionSpec()))
+  devices = list(np.asarray(mesh.devices).reshape(-1))
+  k = own.size
+  copies = {}                                  # device -> its copy, on this process
+  # Blocks of k of the mesh's devices (the last one moved back to fit), each
+  # sent a copy from x's devices, device to device.
+  for start in range(0, len(devices), k):
+    block = devices[max(0, min(start, len(devices) - k)):][:k]
+    y = move(r, NamedSharding(Mesh(np.array(block), ("_all",)), PartitionSpec()))
+    for shard in y.addressable_shards:
+      copies.setdefault(shard.device, shard.data)
+  local = [copies[d] for d in whole.addressable_devices_indices_map(x.shape)]
+  return jax.make_array_from_single_device_arrays(x.shape, whole, local, dtype=x.dtype)
+
+
+def _onto_part(x, src: NamedSharding, dst: NamedSharding):
+  """``x`` onto ``dst``, whose devices are some of ``src``'s (an array on
+  the whole mesh, such as a restored checkpoint, onto a stage's submesh):
+  replicated over ``src`` (a collective of every process holding part of
+  it), then each of ``dst``'s devices keeps its block."""
+  full = jax.device_put(x, NamedSharding(src.mesh, PartitionSpec()))
+  on = {s.device: s.data for s in full.addressable_shards}
+  blocks = dst.addressable_devices_indices_map(x.shape)
+  return jax.make_array_from_single_device_arrays(
+      x.shape, dst, [on[d][index] for d, index in blocks.items()], dtype=x.dtype)
 
 
 def _local(x, dst):
