@@ -154,8 +154,9 @@ def test_only_batch_shards_move_after_the_first_step(ray_cluster):
 
 @pytest.mark.parametrize("model,shapes,schedule", [
     ("mlp", [(1, 4), (1, 4)], "1f1b"),
+    ("gpt", [(1, 4), (1, 4)], "gpipe"),
     # Submeshes of different sizes: values gathered, sent and spread.
-    ("gpt", [(1, 4), (1, 2), (1, 2)], "gpipe")])
+    ("gpt", [(1, 4), (1, 2), (1, 2)], "1f1b")])
 def test_pipeline_stages_on_their_hosts_equal_jit(ray_cluster, model, shapes, schedule,
                                                   tmp_path):
   """PipeshardParallel on 2 hosts: each stage runs on the workers of the
