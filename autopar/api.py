@@ -291,15 +291,12 @@ class ParallelizedFunction:
                                    len(self._pipeline(prep)[1].stages) > 1):
       return None
     if self._shard_delegate is None:
-      self._shard_delegate = ParallelizedFunction(
-          self.fun, method=ShardParallel(
-              mesh=method.mesh, num_micro_batches=method.num_micro_batches,
-              remat=method.remat, grad_accumulation_dtype=method.grad_accumulation_dtype,
-              option=method.option,
-              plan=method.plan if method.plan is not None and not method.plan.stages
-              else None),
-          donate_argnums=self.donate_argnums, batch_argnums=self.batch_argnums,
-          static_argnums=self.static_argnums, output_reductions=self.output_reductions)
+      self._shard_delegate = self.with_method(ShardParallel(
+          mesh=method.mesh, num_micro_batches=method.num_micro_batches,
+          remat=method.remat, grad_accumulation_dtype=method.grad_accumulation_dtype,
+          option=method.option,
+          plan=method.plan if method.plan is not None and not method.plan.stages
+          else None))
     return self._shard_delegate
 
   def _plan_uncached(self, prep: _Prepared) -> tuple[Plan, int]:

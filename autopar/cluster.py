@@ -47,13 +47,13 @@ from jax.sharding import AbstractMesh, PartitionSpec
 
 from autopar import runtime
 from autopar.errors import AutoparError, InputError, MeshError
-from autopar.host_worker import HostWorker, ArrayRef, pickled
+from autopar.host_worker import ArrayRef, HostWorker, pickled
 from autopar.pytrees import leaf_mask
-from autopar.shards import block, host_shards, normalize_index
+from autopar.shards import block, host_shards
 from autopar.trace import split_updates
 
 __all__ = ["init", "shutdown", "global_mesh", "current", "RemoteArray",
-           "ClusterError", "host_shards", "normalize_index"]
+           "ClusterError", "RayCluster"]
 
 _CURRENT: "RayCluster | None" = None
 _LOCK = threading.Lock()
@@ -266,7 +266,7 @@ class RayCluster(runtime.Runtime):
     self._pickles: dict = {}          # see host_worker.pickled
     self._forgotten: list[int] = []
     # A step whose method has no mesh -> the same step on the cluster's mesh.
-    self._variants: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+    self._variants = weakref.WeakKeyDictionary()
     self.bytes_sent = 0                          # numpy bytes shipped to workers
 
   # -- lifecycle ------------------------------------------------------------------
@@ -540,7 +540,8 @@ class RayCluster(runtime.Runtime):
     plan_json = plan.to_json(indent=None) if type(pf.method).__name__ in (
         "ShardParallel", "PipeshardParallel") else None
     plan_key = hashlib.sha256((plan_json or "").encode() + method_bytes).hexdigest()
-    first = plan_key not in self._sent_plans
+    # (per function: the workers keep each function's plans apart)
+    first = (fn_id, plan_key) not in self._sent_plans
 
     # Array leaves: already remote (by id) or sent now, each host its shards.
     leaves, tree = jax.tree.flatten(list(args))
@@ -585,7 +586,7 @@ class RayCluster(runtime.Runtime):
         w.run.remote(fn_id, plan_key, plan_json if first else None, method_bytes,
                      args_bytes, out_ids, SMALL_BYTES, puts[h], forgotten)
         for h, w in enumerate(self.workers)], "the step")
-    self._sent_plans.add(plan_key)
+    self._sent_plans.add((fn_id, plan_key))
     self._sent_trees.add(tree_key)
     self.last_step_seconds = [r["seconds"] for r in results]
     # (An array on other hosts' devices only, such as a pipeline stage's, is
@@ -594,21 +595,23 @@ class RayCluster(runtime.Runtime):
     for x in leaves:
       if isinstance(x, RemoteArray) and x.array_id in deleted:
         x.deleted = True
-    # Inputs sent for this call only (the batch) are dropped next time.
-    self._forgotten.extend(i for i in temporary if i not in deleted)
-    self._forgotten.extend(deleted)   # (gone on some hosts: dropped on all)
+    # Inputs sent for this call only (the batch), and arrays donated (gone on
+    # the hosts that held them), are dropped on every host next time.
+    self._forgotten.extend(set(temporary) | deleted)
     # The same structure is the same object, so the next call's signature
     # (which includes a TrainState's apply_fn) is found in the caches.
     out_bytes = results[0]["tree"]
     outputs = self._trees.get(out_bytes)
     if outputs is None:
       outputs = self._trees[out_bytes] = cloudpickle.loads(out_bytes)
-    # A small replicated output comes from whichever host holds it.
+    # A small replicated output comes from whichever host holds it, and so
+    # does its weak type (a pipeline stage's output has no shards elsewhere).
     values = [next((r["leaves"][k][2] for r in results if r["leaves"][k][2] is not None),
                    None) for k in range(num_outs)]
-    outs = [RemoteArray(self, i, shape, dtype, value, weak, impl)
-            for i, (shape, dtype, _, weak, impl), value in zip(
-                out_ids, results[0]["leaves"], values, strict=True)]
+    weak = [any(r["leaves"][k][3] for r in results) for k in range(num_outs)]
+    outs = [RemoteArray(self, i, shape, dtype, value, w, impl)
+            for i, (shape, dtype, _, _, impl), value, w in zip(
+                out_ids, results[0]["leaves"], values, weak, strict=True)]
     # Arguments the step changed in place (Flax NNX) take their new values here.
     return split_updates(sig.traced, outputs.merge(outs), args)
 
@@ -649,10 +652,11 @@ class RayCluster(runtime.Runtime):
       raise InputError(
           f"restore_checkpoint: under the Ray cluster shardings must all be on one mesh "
           f"of the cluster's {self.num_devices} devices; got meshes "
-          f"{', '.join(str(dict(zip(n, s))) for s, n in sorted(meshes))} (a PipeshardParallel plan's "
-          f"input_shardings are on its stages' submeshes). Fix: restore onto the "
-          f"whole mesh, e.g. jax.tree.map(lambda _: NamedSharding(mesh, P()), "
-          f"target); the next step moves each array onto its stage.")
+          f"{', '.join(str(dict(zip(n, s))) for s, n in sorted(meshes))} (a "
+          f"PipeshardParallel plan's input_shardings lie on its stages' submeshes). "
+          f"Fix: restore onto the whole mesh, e.g. jax.tree.map(lambda _: "
+          f"NamedSharding(mesh, P()), target); the next step moves each array onto "
+          f"its stage.")
     (mesh_shape, mesh_names), = meshes
     entries = []
     for x, s in zip(t_leaves, s_leaves):

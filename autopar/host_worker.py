@@ -99,11 +99,10 @@ class HostWorker:
   def _mesh(self, shape, names, offset: int = 0):
     """The mesh of ``shape`` over the global devices from ``offset`` on
     (the whole mesh, or a pipeline stage's submesh)."""
-    import math
     import jax
     import numpy as np
     from jax.sharding import AxisType, Mesh
-    devices = np.array(jax.devices())[offset:offset + math.prod(shape)].reshape(shape)
+    devices = np.array(jax.devices())[offset:offset + int(np.prod(shape))].reshape(shape)
     return Mesh(devices, tuple(names), axis_types=(AxisType.Auto,) * len(names))
 
   def put(self, array_id: int, shape, dtype, mesh_shape, mesh_names, spec,
@@ -160,8 +159,9 @@ class HostWorker:
           small_bytes: int, puts=(), deletes=()) -> dict:
     """Runs the step on the global arrays; keeps its outputs under ``out_ids``.
 
-    The plan (JSON, for ShardParallel) comes with the first call of each
-    signature only; later calls name it by ``plan_key``.
+    The plan (JSON, for ShardParallel and PipeshardParallel; the presets
+    plan here) comes with the first call of each signature only; later
+    calls name it by ``plan_key``.
     """
     from ray import cloudpickle
     import jax

@@ -270,12 +270,13 @@ class Plan:
     (None where an argument holds a static leaf, such as a function).
 
     For a plan loaded from JSON (which has no pytree structure), a dict from
-    pytree path to ``NamedSharding``.
+    pytree path to ``NamedSharding``. For a pipeline plan each sharding lies
+    on the submesh of the stage that holds the input (``placements``).
     """
     mesh = self._mesh_for_shardings()
     leaves = []
     for offset, shape, spec in self.placements():
-      if tuple(shape) != tuple(mesh.axis_sizes):
+      if offset != 0 or tuple(shape) != tuple(mesh.axis_sizes):
         leaves.append(NamedSharding(submesh(mesh, offset, shape), spec))
       else:
         leaves.append(NamedSharding(mesh, spec))

@@ -26,8 +26,9 @@ moving values between submeshes (a ``jax.device_put`` in one process, JAX's
 cross-host transfer between host workers: every worker runs the schedule,
 each stage executes on the hosts that hold its submesh).
 
-Imports go one way: ``api`` and ``checkpoint`` use this module; ``cluster``
-implements the Ray runtime and registers it with :func:`activate`.
+Imports go one way: ``api`` uses this module, which uses ``checkpoint``;
+``cluster`` implements the Ray runtime and registers it with
+:func:`activate`.
 """
 
 from __future__ import annotations
@@ -118,6 +119,9 @@ def save_checkpoint(path: str, state: Any) -> None:
       autopar.save_checkpoint("/ckpt/step_100", state)
       state = autopar.restore_checkpoint("/ckpt/step_100", state,
                                          exe.plan.input_shardings[0])
+
+  (Under Ray, a pipeline's state is restored onto the whole mesh: see
+  :func:`restore_checkpoint`.)
   """
   active().save_checkpoint(path, state)
 
@@ -133,7 +137,10 @@ def restore_checkpoint(path: str, target: Any, shardings: Any = None) -> Any:
     shardings: a pytree of ``NamedSharding`` or ``PartitionSpec`` (with the
       cluster's mesh) like ``target``, e.g. ``plan.input_shardings[0]``;
       None restores every array replicated on the default device (local
-      runtime only).
+      runtime only). Under a Ray cluster all on one mesh of every device: a
+      pipeline plan's input_shardings (on its stages' submeshes) are not
+      accepted there; restore onto the whole mesh and the next step moves
+      each array onto its stage.
   """
   if not os.path.isdir(path):
     raise InputError(f"restore_checkpoint: no checkpoint at {path!r}. Fix: pass "

@@ -88,8 +88,13 @@ def _receive(self, refs):
 
 def main():
   autopar.init("ray", num_hosts=2, num_devices_per_host=4)
-  w0, w1 = cluster.current().workers
-  local = {}
+  try:
+    measure(*cluster.current().workers)
+  finally:
+    autopar.shutdown()
+
+
+def measure(w0, w1):
   print(f"{'MiB':>6} {'jax, same size':>15} {'jax, 4 -> 2':>12} {'object store':>13} "
         f"{'in one process':>15}   (ms, median of {REPEATS})")
   for mib in SIZES_MIB:
@@ -111,11 +116,9 @@ def main():
       s = time.perf_counter()
       jax.block_until_ready(jax.device_put(x, _sharding(4, 4)))
       t.append(time.perf_counter() - s)
-    local[mib] = t
     med = {k: statistics.median(v[1:]) * 1e3 for k, v in times.items()}
     print(f"{mib:>6} {med['same']:>15.2f} {med['4to2']:>12.2f} {med['store']:>13.2f} "
           f"{statistics.median(t[1:]) * 1e3:>15.2f}")
-  autopar.shutdown()
 
 
 if __name__ == "__main__":

@@ -189,6 +189,22 @@ def test_checkpoint_restores_onto_the_stages(tmp_path):
   assert_trees_close(got, (ref, ref_loss))
 
 
+def test_which_submeshes_values_can_cross_hosts_between():
+  """Across hosts values move between submeshes of the same size, onto a
+  part of the source, or between submeshes within one host each; anything
+  else is a PlanError before any value moves (checked alike on every host)."""
+  import collections
+  from autopar.pipeline.transfer import check_movable
+  Dev = collections.namedtuple("Dev", "id process_index")
+  hosts = [[Dev(4 * h + k, h) for k in range(2)] for h in range(4)]   # 4 hosts x 2
+  two_hosts = hosts[0] + hosts[1]
+  check_movable(two_hosts, hosts[2] + hosts[3])          # 4 -> 4 devices
+  check_movable(two_hosts, hosts[0])                     # onto a part
+  check_movable(hosts[0], hosts[1][:1])                  # 2 -> 1, one host each
+  with pytest.raises(autopar.PlanError, match="spans several hosts"):
+    check_movable(two_hosts, hosts[2])                   # 4 (2 hosts) -> 2
+
+
 def test_one_stage_is_shard_parallel():
   make_state, step, batch = mlp_setup(tx=SGD)
   method = autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=2, num_stages=1)

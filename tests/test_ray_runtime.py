@@ -175,7 +175,7 @@ def test_pipeline_stages_on_their_hosts_equal_jit(ray_cluster, model, shapes, sc
   state, ref = make_state(), make_state()
   c = cluster.current()
   losses, ref_losses = [], []
-  for k in range(2):
+  for _ in range(2):
     before = c.bytes_sent
     state, loss = p(state, batch)
     ref, ref_loss = ref_fn(ref, batch)

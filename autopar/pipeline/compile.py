@@ -30,6 +30,7 @@ from autopar.pipeline.program import build_program, layer_starts
 from autopar.pipeline.runtime import ApplySegment, FinalInfo, PipelineStep
 from autopar.pipeline.schedule import dispatch_order, stage_tasks
 from autopar.pipeline.search import search
+from autopar.pipeline.transfer import check_movable
 from autopar.pipeline.submesh import tile
 from autopar.plan import Plan, StagePlan, ValuePlan, submesh
 from autopar.planner import donation_pairs
@@ -300,6 +301,13 @@ def compile_pipeline(pre: Prepared, method: PipeshardParallel, mesh, cut_,
                     "planned for but not run on. Fix: use .plan(*args) to plan, and "
                     "run with a concrete mesh.")
   tile(tuple(axis_sizes_of(mesh).values()), [c.shape for c in choices])
+  # Across hosts: stages that may exchange values (any two: activations,
+  # shared parameters, their gradients) must be movable between.
+  meshes = [submesh(mesh, c.offset, c.shape) for c in choices]
+  for s, a in enumerate(meshes):
+    for t, b in enumerate(meshes[s + 1:], s + 1):
+      check_movable(a.devices.flat, b.devices.flat,
+                    what=f"a value of stage {s} (to or from stage {t})")
   exes = []
   for s, (st, ch) in enumerate(zip(cut_.stages, choices, strict=True)):
     if st.hints:

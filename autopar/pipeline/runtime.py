@@ -1,4 +1,6 @@
-"""Running a pipelined step in one process.
+"""Running a pipelined step: in one process, or on every host worker of a
+Ray cluster alike (JAX's multi-controller model: a stage's functions
+execute on the hosts that hold its submesh, and are no-ops elsewhere).
 
 One call of :meth:`PipelineStep.run`:
 
@@ -7,7 +9,7 @@ One call of :meth:`PipelineStep.run`:
    stage that reads the batch);
 2. dispatches the schedule's tasks (``schedule.dispatch_order``): a
    forward sends the activations it makes to the stages that read them with
-   ``jax.device_put`` to their sharding there, a backward sends the
+   ``transfer.move`` to their sharding there, a backward sends the
    cotangents back the same way. Dispatch is asynchronous, so the stages'
    submeshes work at the same time;
 3. syncs each stage's gradients once (``sync``) and adds the partial
@@ -51,9 +53,8 @@ def _per_device_bytes(tree) -> int:
   """Bytes one device holds of the arrays in ``tree`` (the most any holds)."""
   total = 0
   for x in jax.tree.leaves(tree):
-    if isinstance(x, jax.Array):
-      shard = x.addressable_shards[0].data if x.addressable_shards else x
-      total += shard.nbytes
+    if isinstance(x, jax.Array) and x.addressable_shards:   # (none: another host's)
+      total += x.addressable_shards[0].data.nbytes
   return total
 
 

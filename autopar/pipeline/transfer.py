@@ -35,12 +35,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from autopar.errors import PlanError
 
-__all__ = ["move", "replicate_over"]
+__all__ = ["move", "check_movable", "replicate_over"]
 
 
 def move(x, dst: NamedSharding):
   """``x`` with sharding ``dst`` (see the module docstring)."""
-  if not isinstance(x, jax.Array):
+  if not isinstance(x, jax.Array) or not x.committed:
+    # The same value on every process (a constant): each fills its own shards.
     return jax.device_put(x, dst)
   src = x.sharding
   if src == dst:
@@ -48,6 +49,8 @@ def move(x, dst: NamedSharding):
   if jax.process_count() == 1 or src.device_set == dst.device_set or (
       x.is_fully_addressable and dst.is_fully_addressable):
     return jax.device_put(x, dst)
+  # (Raised by every process alike, before any of them sends.)
+  check_movable(src.device_set, dst.device_set, what=f"a value of shape {x.shape}")
   here = jax.process_index()
   if here not in _processes(src) and here not in _processes(dst):
     return _placeholder(x, dst)
@@ -59,19 +62,30 @@ def move(x, dst: NamedSharding):
     wire = NamedSharding(_mesh(dst, src.mesh), src.spec)
     y = jax.device_put(x, wire)
     return y if wire == dst else jax.device_put(y, dst)
-  if len(_processes(src)) > 1 or len(_processes(dst)) > 1:
-    raise PlanError(
-        f"autopar: a pipeline value of shape {x.shape} moves from a submesh of "
-        f"{src.num_devices} devices to one of {dst.num_devices}, and one of them spans "
-        f"several hosts; across hosts autopar moves values between submeshes of the "
-        f"same size, or between submeshes within one host each. Fix: give the "
-        f"stages submeshes of the same size (stage_mesh_shapes=...), or each "
-        f"within one host.")
   one_src = SingleDeviceSharding(_first(src))
   one_dst = SingleDeviceSharding(_first(dst))
   g = _local(x, one_src)
   h = jax.device_put(g, one_dst)
   return _local(h, dst)
+
+
+def check_movable(src_devices, dst_devices, what: str = "a value") -> None:
+  """Raises PlanError unless :func:`move` can move values from
+  ``src_devices`` to ``dst_devices``: across hosts, between sets of the
+  same size, onto a part of the source, or between sets within one host
+  each."""
+  src, dst = set(src_devices), set(dst_devices)
+  if len(src) == len(dst) or dst < src:
+    return
+  spans = [len({d.process_index for d in ds}) > 1 for ds in (src, dst)]
+  if any(spans):
+    raise PlanError(
+        f"autopar: in the pipeline {what} moves from a submesh of {len(src)} devices "
+        f"to one of {len(dst)}, and the {'first' if spans[0] else 'second'} spans "
+        f"several hosts; across hosts autopar moves values between submeshes of the "
+        f"same size, or between submeshes within one host each. Fix: give the "
+        f"stages submeshes of the same size (stage_mesh_shapes=...), or each "
+        f"within one host.")
 
 
 def replicate_over(x, mesh: Mesh):
@@ -87,13 +101,14 @@ def replicate_over(x, mesh: Mesh):
   own = np.asarray(src.mesh.devices).reshape(-1)
   flat = Mesh(own, ("_all",))
   r = jax.device_put(x, NamedSharding(flat, PartitionSpec()))
-  devices = list(np.asarray(mesh.devices).reshape(-1))
   k = own.size
-  copies = {}                                  # device -> its copy, on this process
-  # Blocks of k of the mesh's devices (the last one moved back to fit), each
-  # sent a copy from x's devices, device to device.
-  for start in range(0, len(devices), k):
-    block = devices[max(0, min(start, len(devices) - k)):][:k]
+  copies = {s.device: s.data for s in r.addressable_shards}   # on this process
+  # The other devices in blocks of k (the last one moved back to fit; fewer
+  # than k: one block of those), each sent a copy from x's devices.
+  held = set(own)
+  rest = [d for d in np.asarray(mesh.devices).reshape(-1) if d not in held]
+  blocks = [rest[max(0, min(i, len(rest) - k)):][:k] for i in range(0, len(rest), k)]
+  for block in blocks:
     y = move(r, NamedSharding(Mesh(np.array(block), ("_all",)), PartitionSpec()))
     for shard in y.addressable_shards:
       copies.setdefault(shard.device, shard.data)
