@@ -137,6 +137,16 @@ class MeshCost:
     return self.collective("all-to-all", nbytes, axes)
 
 
+def assumed_costs(axis_sizes: Mapping[str, int], option=None) -> dict:
+  """The costs a plan assumed, per mesh axis (defaults filled in): what
+  ``Plan.costs`` records for a person to read and question."""
+  alpha = dict(getattr(option, "alpha", None) or {})
+  beta = dict(getattr(option, "beta", None) or {})
+  return {"seconds_per_flop": float(getattr(option, "seconds_per_flop", 1e-12)),
+          "alpha": {a: float(alpha.get(a, DEFAULT_ALPHA)) for a in axis_sizes},
+          "beta": {a: float(beta.get(a, DEFAULT_BETA)) for a in axis_sizes}}
+
+
 def ring_bytes_sent(kind: str, operand_bytes: float, group: int) -> float:
   """Bytes one device sends for a collective, by the ring formulas.
 

@@ -20,9 +20,11 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from autopar.cost_model import bytes_per_device
 from autopar.errors import PlanError
+from autopar.tools import summary as tools_summary
+from autopar.tools.text import format_bytes, format_rows, spec_str
 
 __all__ = ["Plan", "ValuePlan", "CollectivePlan", "SolverStats", "StagePlan",
-           "spec_to_json", "spec_from_json", "format_bytes"]
+           "spec_to_json", "spec_from_json", "spec_str", "format_bytes"]
 
 PLAN_FORMAT = 2     # 2: plans carry their fingerprint
 
@@ -39,26 +41,6 @@ def spec_to_json(spec: PartitionSpec | Sequence) -> list:
 
 def spec_from_json(entries: Sequence) -> PartitionSpec:
   return PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in entries))
-
-
-def format_bytes(n: float) -> str:
-  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-    if abs(n) < 1024 or unit == "TiB":
-      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-    n /= 1024
-  return f"{n:.2f} TiB"
-
-
-def _spec_str(spec: PartitionSpec) -> str:
-  entries = []
-  for e in spec:
-    if e is None:
-      entries.append("None")
-    elif isinstance(e, str):
-      entries.append(repr(e))
-    else:
-      entries.append("(" + ", ".join(map(repr, e)) + ")")
-  return "P(" + ", ".join(entries) + ")"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,6 +211,8 @@ class Plan:
     stages: for a pipeline (``PipeshardParallel``), its stages, each with
       its own submesh and plan; empty otherwise.
     schedule: the pipeline's schedule ("1f1b", "gpipe"), or None.
+    costs: the costs the plan assumed: ``seconds_per_flop``, and per mesh
+      axis ``alpha`` (s per collective step) and ``beta`` (s per byte).
   """
   method: str
   mesh_axis_names: tuple[str, ...]
@@ -247,6 +231,7 @@ class Plan:
   fingerprint: tuple[tuple[str, str], ...] = ()
   stages: tuple[StagePlan, ...] = ()
   schedule: str | None = None
+  costs: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
   # Not serialized: the structure of the inputs (a ``pytrees.Partition`` of
   # the non-static arguments) and the mesh object the plan was made for. A
   # loaded plan has neither until it is applied.
@@ -340,6 +325,8 @@ class Plan:
     if self.stages:
       d["stages"] = [st.to_json() for st in self.stages]
       d["schedule"] = self.schedule
+    if self.costs:
+      d["costs"] = dict(self.costs)
     return json.dumps(d, indent=indent)
 
   @classmethod
@@ -393,12 +380,28 @@ class Plan:
         solver=None if d["solver"] is None else SolverStats.from_json(d["solver"]),
         fingerprint=tuple(d["fingerprint"].items()),
         stages=tuple(StagePlan.from_json(st) for st in d.get("stages", ())),
-        schedule=d.get("schedule"))
+        schedule=d.get("schedule"), costs=dict(d.get("costs") or {}))
 
   # -- reading -----------------------------------------------------------------
 
-  def summary(self) -> str:
-    """A table a person reads: shardings, bytes per device, collectives, memory."""
+  def summary(self, full: bool = False) -> str:
+    """The plan on one screen: one row per parameter group (repeated
+    layers collapsed) with its gradient's and optimizer state's specs, the
+    other inputs, collectives per stage with their predicted time, memory
+    per device by kind, the solver and the costs assumed; for a pipeline the
+    stage table first (see ``autopar/tools/summary.py``). ``full=True``:
+    every leaf on its own line."""
+    if not full:
+      return tools_summary.summary(self)
+    return self.full_summary()
+
+  def stage_table(self) -> list[str]:
+    """The pipeline's stages, one row each, and its schedule (lines)."""
+    return _stage_table(self)
+
+  def full_summary(self) -> str:
+    """Every input, gradient, output and hint on its own line, and every
+    collective."""
     sizes = self.axis_sizes
     mesh = " x ".join(f"{n}={s}" for n, s in sizes.items())
     lines = _stage_table(self) if self.stages else []
@@ -430,7 +433,7 @@ class Plan:
       for c in self.collectives:
         rows.append((c.stage, c.kind, _axes_str(c.axes), format_bytes(c.bytes),
                      str(c.per_step), c.what))
-      lines.extend(_format_rows(rows))
+      lines.extend(format_rows(rows))
       total = sum(c.bytes * c.per_step for c in self.collectives)
       lines.append(f"total collective operand bytes per step: {format_bytes(total)}")
     else:
@@ -460,7 +463,7 @@ def _stage_table(plan: "Plan") -> list[str]:
                  f"{st.time_per_micro_batch:.3g} s", f"{st.time_per_step:.3g} s",
                  format_bytes(st.memory_per_device), str(st.in_flight),
                  format_bytes(st.bytes_to_next) if st.index < S - 1 else "-", params))
-  lines.extend(_format_rows(rows))
+  lines.extend(format_rows(rows))
   if plan.stages:
     t = [st.time_per_micro_batch for st in plan.stages]
     lines.append(f"predicted step time: {plan.objective:.6g} s = sum of stage times "
@@ -480,17 +483,10 @@ def _table(title: str, values: Sequence[ValuePlan], sizes) -> list[str]:
   for v in values:
     b = v.bytes_per_device(sizes)
     total += b
-    rows.append((v.name, str(tuple(v.shape)), v.dtype, _spec_str(v.spec),
+    rows.append((v.name, str(tuple(v.shape)), v.dtype, spec_str(v.spec),
                  format_bytes(b)))
-  out = _format_rows(rows)
+  out = format_rows(rows)
   out.append(f"total {title}: {format_bytes(total)} per device")
-  return out
-
-
-def _format_rows(rows: Sequence[Sequence[str]]) -> list[str]:
-  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-  out = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-  out.insert(1, "  ".join("-" * w for w in widths))
   return out
 
 

@@ -35,7 +35,7 @@ from typing import Sequence
 from jax.extend.core import Var
 from jax.sharding import PartitionSpec
 
-from autopar.cost_model import MeshCost, dtype_name, num_bytes
+from autopar.cost_model import MeshCost, assumed_costs, dtype_name, num_bytes
 from autopar.errors import InputError, PlanError
 from autopar.hints import check_hints, check_pins, entry_axes, model_axes
 # Imported here, not where it is used: importing PuLP keeps the tracebacks of
@@ -263,7 +263,8 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
               batch_axes=batch_axes, inputs=inputs, grads=grads,
               outputs=planned_outputs, collectives=tuple(collectives),
               memory_per_device=memory,
-              objective=float(objective), in_tree=traced.inputs, mesh=mesh)
+              objective=float(objective), costs=assumed_costs(sizes, option),
+              in_tree=traced.inputs, mesh=mesh)
 
 
 def _preset_collectives(split, inputs, grads, params, batch_axes, sizes, n, zero,
@@ -711,4 +712,4 @@ def _plan_from_solution(split, outputs, local, method, mesh, S, sol, stats,
               outputs=tuple(planned_outputs),
               intermediates=tuple(inter), collectives=tuple(collectives),
               memory_per_device=memory, objective=sol.objective, solver=solver,
-              in_tree=traced.inputs, mesh=mesh)
+              costs=assumed_costs(sizes, method.option), in_tree=traced.inputs, mesh=mesh)

@@ -19,7 +19,7 @@ import jax
 from jax.extend.core import Var
 from jax.sharding import AbstractMesh, PartitionSpec
 
-from autopar.cost_model import dtype_name
+from autopar.cost_model import assumed_costs, dtype_name
 from autopar.errors import InputError, MarkerError, PlanError
 from autopar.lower import _BY_DEVICE, _Rules, _eval_jaxpr
 from autopar.method import PipeshardParallel, auto_mesh, axis_sizes_of, resolve_mesh
@@ -187,7 +187,7 @@ def _plan_of(pre: Prepared, method, mesh, cut_, choices) -> Plan:
               batch_axes=(), inputs=inputs, grads=grads, outputs=(),
               memory_per_device=int(max(c.memory for c in choices)),
               objective=float(objective), stages=tuple(stage_plans),
-              schedule=method.schedule)
+              schedule=method.schedule, costs=assumed_costs(sizes, method.option))
 
 
 def _stage_specs(ctx, st, ch: StageChoice):

@@ -1,0 +1,8 @@
+"""Reading plans: the summary, diff, the HTML report and the command line.
+
+``groups.py`` turns a plan's leaves into one row per parameter (gradient
+and optimizer state beside it, repeated layers collapsed); ``summary.py``,
+``diff.py`` and ``report.py`` build on it; ``cli.py`` is the ``autopar``
+command. Nothing here imports ``autopar.plan`` at run time: the plan module
+uses these.
+"""

@@ -1,0 +1,138 @@
+"""``plan.summary()``: a plan on one screen.
+
+One row per parameter group (repeated layers collapsed, see ``groups.py``)
+with its gradient's and optimizer state's specs beside it; the other
+inputs; collectives per stage with their predicted time; memory per device
+by kind; the solver's statistics and the costs the plan assumed. For a
+pipeline the stage table comes first. ``summary(full=True)`` is the table
+of every leaf (``Plan.full_summary``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+from autopar.cost_model import MeshCost
+from autopar.tools.groups import Group, collapse, other_rows, param_rows
+from autopar.tools.text import format_bytes, format_rows, spec_str
+
+if TYPE_CHECKING:
+  from autopar.plan import Plan
+
+__all__ = ["summary", "collective_rows", "memory_by_kind", "group_rows"]
+
+
+def summary(plan: Plan) -> str:
+  sizes = plan.axis_sizes
+  mesh = " x ".join(f"{n}={s}" for n, s in sizes.items())
+  lines = plan.stage_table() if plan.stages else []
+  lines.append(f"autopar plan: {plan.method} on mesh ({mesh}), "
+               f"{plan.num_micro_batches} micro-batch(es), batch split over "
+               f"{_axes(plan.batch_axes)}; objective {plan.objective:.4g} s (estimated)")
+  params = collapse(param_rows(plan))
+  if params:
+    lines.append("")
+    lines += format_rows(group_rows(params, sizes, params=True))
+  others = collapse(other_rows(plan))
+  if others:
+    lines.append("")
+    lines += format_rows(group_rows(others, sizes, params=False))
+  if plan.hints:
+    lines.append("")
+    lines.append(f"sharding hints kept: {len(plan.hints)} (summary(full=True) lists them)")
+  lines.append("")
+  rows = collective_rows(plan)
+  if rows:
+    lines.append("collectives per step (predicted time from the costs below):")
+    lines += format_rows([("stage", "kind", "axes", "count", "bytes/device", "time")] +
+                     [(r["stage"], r["kind"], _axes(r["axes"]), str(r["count"]),
+                       format_bytes(r["bytes"]), _seconds(r["seconds"])) for r in rows])
+  else:
+    lines.append("collectives per step: none")
+  lines.append("")
+  memory = memory_by_kind(plan)
+  lines.append("memory per device: " + ", ".join(
+      f"{k} {format_bytes(v)}" for k, v in memory.items()))
+  if plan.solver is not None:
+    s = plan.solver
+    lines.append(f"solver: {s.solver} ({s.status}) in {s.seconds:.3g} s; "
+                 f"{s.num_variables} variables, {s.num_constraints} constraints, "
+                 f"{s.num_equations} equations, {s.num_classes} classes; planning "
+                 f"{s.timings.get('total', s.seconds):.3g} s")
+  if plan.costs:
+    c = plan.costs
+    lines.append("costs assumed: " + f"{c['seconds_per_flop']:.3g} s/flop; " + "; ".join(
+        f"{a}: alpha {c['alpha'][a]:.3g} s, {1 / c['beta'][a] / 1e9:.3g} GB/s"
+        for a in sizes if c["beta"].get(a)))
+  return "\n".join(lines)
+
+
+def group_rows(groups: Sequence[Group], sizes, params: bool) -> list[tuple]:
+  """The table rows of ``groups``: for parameters, the spec of each, its
+  gradient's and its state's, and bytes per device (all copies)."""
+  if params:
+    header = ("parameter", "n", "shape", "dtype", "spec", "grad", "state", "bytes/device")
+  else:
+    header = ("other input", "n", "shape", "dtype", "spec", "bytes/device")
+  rows = [header]
+  for g in groups:
+    r = g.first
+    v = r.value
+    b = sum(x.value.bytes_per_device(sizes) + (x.grad.bytes_per_device(sizes)
+                                                if x.grad is not None else 0) +
+            sum(s.bytes_per_device(sizes) for _, s in x.state) for x in g.rows)
+    common = (g.name, str(len(g)), str(tuple(v.shape)), v.dtype, spec_str(v.spec))
+    if params:
+      grad = "=" if r.grad is None or r.grad.spec == v.spec else spec_str(r.grad.spec)
+      rows.append(common + (grad, _state(r), format_bytes(b)))
+    else:
+      rows.append(common + (format_bytes(b),))
+  return rows
+
+
+def _state(row) -> str:
+  if not row.state:
+    return "-"
+  if all(s.spec == row.value.spec for _, s in row.state):
+    return ", ".join(r for r, _ in row.state) + " ="
+  return ", ".join(f"{r} {spec_str(s.spec)}" for r, s in row.state)
+
+
+def collective_rows(plan: Plan) -> list[dict]:
+  """Collectives per step, one row per (stage, kind, axes): how many, their
+  bytes per device and predicted seconds (per step, micro-batches
+  included)."""
+  costs = plan.costs or {}
+  cost = MeshCost(plan.axis_sizes, costs.get("alpha", {}), costs.get("beta", {}))
+  out: dict[tuple, dict] = {}
+  for c in plan.collectives:
+    key = (c.stage, c.kind, tuple(c.axes))
+    r = out.setdefault(key, {"stage": c.stage, "kind": c.kind, "axes": tuple(c.axes),
+                             "count": 0, "bytes": 0, "seconds": 0.0})
+    r["count"] += c.per_step
+    r["bytes"] += c.bytes * c.per_step
+    r["seconds"] += cost.collective(c.kind, c.bytes, c.axes) * c.per_step
+  return list(out.values())
+
+
+def memory_by_kind(plan: Plan) -> dict[str, int]:
+  """Bytes per device: parameters and optimizer state, gradients, the
+  batch and other inputs, and the rest of the plan's estimate (activations
+  and temporaries)."""
+  sizes = plan.axis_sizes
+  params = param_rows(plan)
+  state = sum(r.value.bytes_per_device(sizes) +
+              sum(s.bytes_per_device(sizes) for _, s in r.state) for r in params)
+  grads = sum(g.bytes_per_device(sizes) for g in plan.grads)
+  other = sum(r.value.bytes_per_device(sizes) for r in other_rows(plan))
+  rest = max(0, plan.memory_per_device - state - grads - other)
+  return {"state": state, "gradients": grads, "batch and other inputs": other,
+          "activations and temporaries": rest, "total": plan.memory_per_device}
+
+
+def _axes(axes) -> str:
+  return "(" + ", ".join(axes) + ")" if axes else "no axes"
+
+
+def _seconds(t: float) -> str:
+  return f"{t * 1e3:.3g} ms" if t < 1 else f"{t:.3g} s"

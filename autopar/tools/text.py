@@ -1,0 +1,36 @@
+"""Text helpers for reading plans: bytes, specs, aligned tables."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from jax.sharding import PartitionSpec
+
+__all__ = ["format_bytes", "spec_str", "format_rows"]
+
+
+def format_bytes(n: float) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    if abs(n) < 1024 or unit == "TiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+    n /= 1024
+  return f"{n:.2f} TiB"
+
+
+def spec_str(spec: PartitionSpec) -> str:
+  entries = []
+  for e in spec:
+    if e is None:
+      entries.append("None")
+    elif isinstance(e, str):
+      entries.append(repr(e))
+    else:
+      entries.append("(" + ", ".join(map(repr, e)) + ")")
+  return "P(" + ", ".join(entries) + ")"
+
+
+def format_rows(rows: Sequence[Sequence[str]]) -> list[str]:
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  out = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+  out.insert(1, "  ".join("-" * w for w in widths))
+  return out
