@@ -21,6 +21,7 @@ setup(
         "highspy",
         "orbax-checkpoint",
     ],
+    entry_points={"console_scripts": ["autopar = autopar.tools.cli:main"]},
     extras_require={
         "test": ["pytest", "hypothesis", "flax", "optax", "orbax-checkpoint", "equinox"],
         "dev": ["pytest", "hypothesis", "flax", "optax", "orbax-checkpoint", "equinox"],

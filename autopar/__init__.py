@@ -18,6 +18,7 @@ from autopar.method import (AutoShardingOption, DataParallel, PipeshardParallel,
 from autopar.pipeline import mark_pipeline_boundary
 from autopar.plan import Plan
 from autopar.runtime import restore_checkpoint, save_checkpoint
+from autopar.tools.diff import diff
 from autopar.version import __version__
 from autopar import nn  # noqa: E402  (autopar.nn: memory helpers)
 
@@ -29,5 +30,5 @@ __all__ = [
     "PipeshardParallel", "mark_pipeline_boundary",
     "AutoShardingOption", "Plan", "AutoparError", "InputError", "MarkerError",
     "MeshError", "PlanError", "ClusterError", "init", "shutdown", "global_mesh",
-    "RemoteArray", "save_checkpoint", "restore_checkpoint", "nn", "__version__",
+    "RemoteArray", "save_checkpoint", "restore_checkpoint", "diff", "nn", "__version__",
 ]

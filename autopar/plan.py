@@ -20,6 +20,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from autopar.cost_model import bytes_per_device
 from autopar.errors import PlanError
+from autopar.tools import report as tools_report
 from autopar.tools import summary as tools_summary
 from autopar.tools.text import format_bytes, format_rows, spec_str
 
@@ -394,6 +395,17 @@ class Plan:
     if not full:
       return tools_summary.summary(self)
     return self.full_summary()
+
+  def to_html(self, path: str | None = None, title: str = "autopar plan") -> str:
+    """A self-contained HTML report of the plan (``autopar/tools/report.py``):
+    the summary's tables, a picture of each distinct sharding, collectives
+    per stage, memory against the budget, a pipeline's stages and schedule.
+    Written to ``path`` if given; returns the HTML."""
+    text = tools_report.to_html(self, title=title)
+    if path is not None:
+      with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return text
 
   def stage_table(self) -> list[str]:
     """The pipeline's stages, one row each, and its schedule (lines)."""

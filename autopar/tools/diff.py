@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from autopar.tools.groups import Row, collapsed_name, other_rows, param_rows
 from autopar.tools.summary import collective_rows, memory_by_kind
-from autopar.tools.text import format_bytes, format_rows, spec_str
+from autopar.tools.text import canonical_str, format_bytes, format_rows, same_spec
 
 if TYPE_CHECKING:
   from autopar.plan import Plan
@@ -82,12 +82,14 @@ def _header(p: "Plan") -> str:
 
 
 def _specs(row: Row) -> str:
-  parts = [spec_str(row.value.spec)]
-  if row.grad is not None and row.grad.spec != row.value.spec:
-    parts.append(f"grad {spec_str(row.grad.spec)}")
+  """The row's specs, without trailing Nones (``P()`` is ``P(None)``); its
+  gradient's and state's where they differ from the parameter's."""
+  parts = [canonical_str(row.value.spec)]
+  if row.grad is not None and not same_spec(row.grad.spec, row.value.spec):
+    parts.append(f"grad {canonical_str(row.grad.spec)}")
   for role, s in row.state:
-    if s.spec != row.value.spec:
-      parts.append(f"{role} {spec_str(s.spec)}")
+    if not same_spec(s.spec, row.value.spec):
+      parts.append(f"{role} {canonical_str(s.spec)}")
   return ", ".join(parts)
 
 

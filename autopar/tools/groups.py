@@ -19,7 +19,7 @@ import dataclasses
 import re
 from typing import TYPE_CHECKING, Sequence
 
-from autopar.tools.text import spec_str
+from autopar.tools.text import canonical_str
 
 if TYPE_CHECKING:
   from autopar.plan import Plan, ValuePlan
@@ -49,9 +49,9 @@ class Row:
   def signature(self) -> tuple:
     """What must be equal for rows to share one group."""
     v = self.value
-    return (v.shape, v.dtype, spec_str(v.spec),
-            None if self.grad is None else spec_str(self.grad.spec),
-            tuple((r, spec_str(s.spec)) for r, s in self.state))
+    return (v.shape, v.dtype, canonical_str(v.spec),
+            None if self.grad is None else canonical_str(self.grad.spec),
+            tuple((r, canonical_str(s.spec)) for r, s in self.state))
 
 
 @dataclasses.dataclass(frozen=True)

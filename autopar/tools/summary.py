@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Sequence
 
 from autopar.cost_model import MeshCost
 from autopar.tools.groups import Group, collapse, other_rows, param_rows
-from autopar.tools.text import format_bytes, format_rows, spec_str
+from autopar.tools.text import format_bytes, format_rows, same_spec, spec_str
 
 if TYPE_CHECKING:
   from autopar.plan import Plan
 
-__all__ = ["summary", "collective_rows", "memory_by_kind", "group_rows"]
+__all__ = ["summary", "solver_lines", "collective_rows", "memory_by_kind", "group_rows"]
 
 
 def summary(plan: Plan) -> str:
@@ -53,6 +53,13 @@ def summary(plan: Plan) -> str:
   memory = memory_by_kind(plan)
   lines.append("memory per device: " + ", ".join(
       f"{k} {format_bytes(v)}" for k, v in memory.items()))
+  lines += solver_lines(plan)
+  return "\n".join(lines)
+
+
+def solver_lines(plan: "Plan") -> list[str]:
+  """How the plan was found, and the costs it assumed."""
+  lines = []
   if plan.solver is not None:
     s = plan.solver
     lines.append(f"solver: {s.solver} ({s.status}) in {s.seconds:.3g} s; "
@@ -61,10 +68,12 @@ def summary(plan: Plan) -> str:
                  f"{s.timings.get('total', s.seconds):.3g} s")
   if plan.costs:
     c = plan.costs
+    budget = c.get("memory_budget_per_device")
     lines.append("costs assumed: " + f"{c['seconds_per_flop']:.3g} s/flop; " + "; ".join(
         f"{a}: alpha {c['alpha'][a]:.3g} s, {1 / c['beta'][a] / 1e9:.3g} GB/s"
-        for a in sizes if c["beta"].get(a)))
-  return "\n".join(lines)
+        for a in plan.axis_sizes if c["beta"].get(a)) +
+        (f"; memory budget {format_bytes(budget)}" if budget else ""))
+  return lines
 
 
 def group_rows(groups: Sequence[Group], sizes, params: bool) -> list[tuple]:
@@ -83,7 +92,7 @@ def group_rows(groups: Sequence[Group], sizes, params: bool) -> list[tuple]:
             sum(s.bytes_per_device(sizes) for _, s in x.state) for x in g.rows)
     common = (g.name, str(len(g)), str(tuple(v.shape)), v.dtype, spec_str(v.spec))
     if params:
-      grad = "=" if r.grad is None or r.grad.spec == v.spec else spec_str(r.grad.spec)
+      grad = "=" if r.grad is None or same_spec(r.grad.spec, v.spec) else spec_str(r.grad.spec)
       rows.append(common + (grad, _state(r), format_bytes(b)))
     else:
       rows.append(common + (format_bytes(b),))
@@ -93,7 +102,7 @@ def group_rows(groups: Sequence[Group], sizes, params: bool) -> list[tuple]:
 def _state(row) -> str:
   if not row.state:
     return "-"
-  if all(s.spec == row.value.spec for _, s in row.state):
+  if all(same_spec(s.spec, row.value.spec) for _, s in row.state):
     return ", ".join(r for r, _ in row.state) + " ="
   return ", ".join(f"{r} {spec_str(s.spec)}" for r, s in row.state)
 

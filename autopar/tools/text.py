@@ -6,7 +6,7 @@ from typing import Sequence
 
 from jax.sharding import PartitionSpec
 
-__all__ = ["format_bytes", "spec_str", "format_rows"]
+__all__ = ["format_bytes", "spec_str", "same_spec", "canonical_str", "format_rows"]
 
 
 def format_bytes(n: float) -> str:
@@ -27,6 +27,24 @@ def spec_str(spec: PartitionSpec) -> str:
     else:
       entries.append("(" + ", ".join(map(repr, e)) + ")")
   return "P(" + ", ".join(entries) + ")"
+
+
+def same_spec(a: PartitionSpec, b: PartitionSpec) -> bool:
+  """Whether ``a`` and ``b`` shard alike (``P()`` is ``P(None, None)``)."""
+  return _canonical(a) == _canonical(b)
+
+
+def canonical_str(spec: PartitionSpec) -> str:
+  """``spec_str`` of ``spec`` without its trailing Nones."""
+  return spec_str(PartitionSpec(*_canonical(spec)))
+
+
+def _canonical(spec) -> tuple:
+  entries = [tuple(e) if isinstance(e, (list, tuple)) else e for e in spec]
+  entries = [e[0] if isinstance(e, tuple) and len(e) == 1 else e or None for e in entries]
+  while entries and entries[-1] is None:
+    entries.pop()
+  return tuple(entries)
 
 
 def format_rows(rows: Sequence[Sequence[str]]) -> list[str]:

@@ -1,0 +1,261 @@
+"""``plan.to_html(path)`` / ``autopar report``: one self-contained HTML file.
+
+No network, no scripts: inline CSS and SVG only (click a parameter row to
+open its details, a ``<details>`` element). It holds the summary's tables,
+a picture of each distinct sharding (the mesh's devices as a grid, each
+labelled with the block of the array it holds and coloured by it, for any
+rank, as ``jax.debug.visualize_array_sharding`` draws one array), a bar
+chart of the collectives per stage, memory per device against the budget,
+and for a pipeline its stages on the mesh and its schedule as a timeline.
+"""
+
+from __future__ import annotations
+
+import html
+import itertools
+from typing import TYPE_CHECKING, Sequence
+
+from autopar.pipeline.schedule import Task, simulate, stage_tasks
+from autopar.tools.groups import collapse, other_rows, param_rows
+from autopar.tools.summary import collective_rows, group_rows, memory_by_kind, solver_lines
+from autopar.tools.text import format_bytes, spec_str
+
+if TYPE_CHECKING:
+  from autopar.plan import Plan
+
+__all__ = ["to_html", "sharding_svg"]
+
+_COLOURS = ["#8dd3c7", "#ffffb3", "#bebada", "#fb8072", "#80b1d3", "#fdb462", "#b3de69",
+            "#fccde5", "#d9d9d9", "#bc80bd", "#ccebc5", "#ffed6f"]
+_CSS = """
+body { font-family: sans-serif; margin: 2em; color: #222; }
+table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 13px; }
+th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: left; }
+th { background: #f0f0f0; }
+code { font-size: 12px; }
+details > summary { cursor: pointer; }
+.pics { display: flex; flex-wrap: wrap; gap: 1.5em; }
+.pic { border: 1px solid #ddd; padding: 0.5em; }
+svg text { font-size: 11px; font-family: monospace; }
+"""
+
+
+def _e(x) -> str:
+  return html.escape(str(x))
+
+
+def _table(rows: Sequence[Sequence[str]], extra=None) -> str:
+  head = "".join(f"<th>{_e(c)}</th>" for c in rows[0])
+  body = []
+  for k, r in enumerate(rows[1:]):
+    cells = "".join(f"<td>{_e(c)}</td>" for c in r)
+    body.append(f"<tr>{cells}</tr>")
+    if extra is not None and extra[k]:
+      body.append(f"<tr><td colspan='{len(r)}'>{extra[k]}</td></tr>")
+  return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+
+
+def sharding_svg(spec, rank: int, mesh_shape: Sequence[int],
+                 mesh_names: Sequence[str]) -> str:
+  """The mesh's devices as a grid (the first axis down, the others across),
+  each labelled with the index of the block of a rank-``rank`` array it
+  holds under ``spec`` and coloured by that block: devices of one colour
+  hold the same data."""
+  entries = (list(spec) + [None] * rank)[:rank]
+  pos = {a: i for i, a in enumerate(mesh_names)}
+  rows = mesh_shape[0] if len(mesh_shape) > 1 else 1
+  cols = max(1, len(list(itertools.product(*[range(s) for s in mesh_shape]))) // rows)
+  cell_w, cell_h = max(30, 14 + 9 * (3 * rank)), 26
+  blocks: dict[tuple, int] = {}
+  cells = []
+  for flat, coord in enumerate(itertools.product(*[range(s) for s in mesh_shape])):
+    index = []
+    for entry in entries:
+      axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+      if not axes:
+        index.append("*")
+        continue
+      k = 0
+      for a in axes:
+        k = k * mesh_shape[pos[a]] + coord[pos[a]]
+      index.append(str(k))
+    label = ",".join(index) if index else "*"
+    colour = _COLOURS[blocks.setdefault(tuple(index), len(blocks)) % len(_COLOURS)]
+    r, c = divmod(flat, cols)
+    x, y = c * cell_w, r * cell_h
+    cells.append(f"<rect x='{x}' y='{y}' width='{cell_w - 2}' height='{cell_h - 2}' "
+                 f"fill='{colour}' stroke='#555'/><text x='{x + 4}' y='{y + 17}'>"
+                 f"{_e(label)}</text>")
+  w, h = cols * cell_w, rows * cell_h
+  return (f"<svg width='{w}' height='{h}' viewBox='0 0 {w} {h}' role='img'>"
+          f"<title>{_e(spec_str(spec))} on rank {rank}</title>{''.join(cells)}</svg>")
+
+
+def _bars(items: Sequence[tuple[str, float]], unit, width: int = 420,
+          limit: float | None = None) -> str:
+  """A horizontal bar chart (``unit(value)`` labels each bar); ``limit``:
+  a red line (a budget)."""
+  top = max([v for _, v in items] + [limit or 0.0, 1e-30])
+  h = 22
+  parts = []
+  for k, (name, v) in enumerate(items):
+    y = k * h
+    parts.append(f"<text x='0' y='{y + 15}'>{_e(name)}</text>"
+                 f"<rect x='260' y='{y + 3}' width='{max(1.0, width * v / top):.1f}' "
+                 f"height='{h - 6}' fill='#80b1d3'/>"
+                 f"<text x='{265 + width * v / top:.1f}' y='{y + 15}'>{_e(unit(v))}</text>")
+  if limit:
+    x = 260 + width * limit / top
+    parts.append(f"<line x1='{x:.1f}' y1='0' x2='{x:.1f}' y2='{len(items) * h}' "
+                 f"stroke='red' stroke-width='2'/><text x='{x + 3:.1f}' "
+                 f"y='{len(items) * h + 12}' fill='red'>budget {_e(unit(limit))}</text>")
+  total_h = len(items) * h + (16 if limit else 0)
+  return (f"<svg width='{260 + width + 120}' height='{total_h}' role='img'>"
+          f"{''.join(parts)}</svg>")
+
+
+def _stages_svg(plan: "Plan") -> str:
+  """Each device of the mesh coloured by the stage that runs on it."""
+  shape = plan.mesh_shape
+  rows = shape[0] if len(shape) > 1 else 1
+  total = 1
+  for s in shape:
+    total *= s
+  cols = total // rows
+  owner = {}
+  for st in plan.stages:
+    n = 1
+    for s in st.submesh_shape:
+      n *= s
+    for d in range(st.submesh_offset, st.submesh_offset + n):
+      owner[d] = st.index
+  cells = []
+  for d in range(total):
+    r, c = divmod(d, cols)
+    s = owner.get(d)
+    colour = _COLOURS[s % len(_COLOURS)] if s is not None else "#fff"
+    cells.append(f"<rect x='{c * 40}' y='{r * 26}' width='38' height='24' fill='{colour}' "
+                 f"stroke='#555'/><text x='{c * 40 + 4}' y='{r * 26 + 16}'>s{s}</text>")
+  return (f"<svg width='{cols * 40}' height='{rows * 26}' role='img'>{''.join(cells)}"
+          f"</svg>")
+
+
+def _timeline_svg(plan: "Plan") -> str:
+  """The schedule replayed on the plan's predicted stage times (a forward
+  a third of a micro-batch's time, a backward two thirds)."""
+  S, n = len(plan.stages), plan.num_micro_batches
+  per_stage = stage_tasks(plan.schedule or "1f1b", S, n)
+
+  def duration(t: Task) -> float:
+    tm = plan.stages[t.stage].time_per_micro_batch or 1.0
+    return tm / 3 if t.kind == "F" else 2 * tm / 3
+  tl = simulate(per_stage, duration)
+  span = tl.makespan or 1.0
+  width, h = 800, 24
+  parts = []
+  for t in tl.start:
+    x = 40 + width * tl.start[t] / span
+    w = max(1.0, width * (tl.end[t] - tl.start[t]) / span - 1)
+    colour = "#80b1d3" if t.kind == "F" else "#fdb462"
+    parts.append(f"<rect x='{x:.1f}' y='{t.stage * h + 2}' width='{w:.1f}' "
+                 f"height='{h - 4}' fill='{colour}' stroke='#555'/>"
+                 f"<text x='{x + 2:.1f}' y='{t.stage * h + 16}'>{t.kind}{t.micro_batch}"
+                 f"</text>")
+  for s in range(S):
+    parts.append(f"<text x='0' y='{s * h + 16}'>s{s}</text>")
+  return (f"<svg width='{width + 60}' height='{S * h}' role='img'>{''.join(parts)}</svg>"
+          f"<p>bubble on these times: {tl.bubble:.1%}</p>")
+
+
+def to_html(plan: "Plan", title: str = "autopar plan") -> str:
+  """The report as HTML text (see the module docstring)."""
+  sizes = plan.axis_sizes
+  names, shape = tuple(plan.mesh_axis_names), tuple(plan.mesh_shape)
+  out = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{_e(title)}</title>"
+         f"<style>{_CSS}</style></head><body><h1>{_e(title)}</h1>"]
+  mesh = " x ".join(f"{n}={s}" for n, s in sizes.items())
+  out.append(f"<p>{_e(plan.method)} on mesh ({_e(mesh)}), {plan.num_micro_batches} "
+             f"micro-batch(es), batch split over ({_e(', '.join(plan.batch_axes))}); "
+             f"objective {plan.objective:.4g} s (estimated).</p>")
+  if plan.stages:
+    out.append("<h2>Pipeline stages</h2>")
+    out.append("<pre>" + _e("\n".join(plan.stage_table())) + "</pre>")
+    out.append("<h3>Stages on the mesh</h3>" + _stages_svg(plan))
+    out.append(f"<h3>Schedule ({_e(plan.schedule)})</h3>" + _timeline_svg(plan))
+
+  pictures: dict[tuple, str] = {}      # (spec, rank) -> picture id
+
+  def pic(v) -> str:
+    key = (spec_str(v.spec), len(v.shape))
+    if key not in pictures:
+      pictures[key] = f"sharding-{len(pictures)}"
+    return pictures[key]
+
+  params = collapse(param_rows(plan))
+  others = collapse(other_rows(plan))
+  specs_of = {}
+  for g in params + others:
+    specs_of[g.name] = [pic(g.first.value)]
+    if g.first.grad is not None:
+      specs_of[g.name].append(pic(g.first.grad))
+    specs_of[g.name] += [pic(s) for _, s in g.first.state]
+  for title_, groups, is_param in (("Parameters", params, True),
+                                   ("Other inputs", others, False)):
+    if not groups:
+      continue
+    rows = group_rows(groups, sizes, params=is_param)
+    rows = [rows[0] + ("pictures",)] + [
+        r + (", ".join(dict.fromkeys(specs_of[g.name])),) for g, r in zip(groups, rows[1:])]
+    details = [_details(g, sizes) for g in groups]
+    out.append(f"<h2>{title_}</h2>" + _table(rows, details))
+
+  out.append("<h2>Shardings</h2><div class='pics'>")
+  for (spec, rank), pid in pictures.items():
+    value_spec = next(v for g in params + others for v in _values(g.first)
+                      if spec_str(v.spec) == spec and len(v.shape) == rank).spec
+    out.append(f"<div class='pic' id='{pid}'><b>{pid}</b>: <code>{_e(spec)}</code>, "
+               f"rank {rank}<br>{sharding_svg(value_spec, rank, shape, names)}</div>")
+  out.append("</div><p>Each cell is a device (first mesh axis down, the others "
+             "across), labelled with the index of the block it holds per array "
+             "dimension (* : the whole dimension); one colour, one block.</p>")
+
+  coll = collective_rows(plan)
+  out.append("<h2>Collectives per step</h2>")
+  if coll:
+    out.append(_bars([(f"{r['stage']} {r['kind']} ({', '.join(r['axes'])})", r["seconds"])
+                      for r in coll], lambda s: f"{s * 1e3:.3g} ms"))
+    out.append(_table([("stage", "kind", "axes", "count", "bytes/device", "seconds")] +
+                      [(r["stage"], r["kind"], ", ".join(r["axes"]), str(r["count"]),
+                        format_bytes(r["bytes"]), f"{r['seconds']:.3g}") for r in coll]))
+  else:
+    out.append("<p>none</p>")
+  memory = memory_by_kind(plan)
+  budget = (plan.costs or {}).get("memory_budget_per_device")
+  out.append("<h2>Memory per device</h2>")
+  out.append(_bars([(k, float(v)) for k, v in memory.items()], format_bytes,
+                   limit=float(budget) if budget else None))
+  if plan.solver is not None or plan.costs:
+    out.append("<h2>Solver and costs</h2><pre>" + _e("\n".join(solver_lines(plan))) +
+               "</pre>")
+  out.append("</body></html>")
+  return "".join(out)
+
+
+def _values(row):
+  yield row.value
+  if row.grad is not None:
+    yield row.grad
+  for _, s in row.state:
+    yield s
+
+
+def _details(group, sizes) -> str:
+  """The group's leaves, each with its spec and bytes per device, in a
+  ``<details>`` element (opened by a click)."""
+  items = []
+  for r in group.rows:
+    for v in _values(r):
+      items.append(f"<tr><td><code>{_e(v.name)}</code></td><td>{_e(spec_str(v.spec))}</td>"
+                   f"<td>{_e(format_bytes(v.bytes_per_device(sizes)))}</td></tr>")
+  return (f"<details><summary>{len(items)} leaves</summary><table><tr><th>leaf</th>"
+          f"<th>spec</th><th>bytes/device</th></tr>{''.join(items)}</table></details>")

@@ -1,0 +1,182 @@
+"""Reading a plan: the summary, diff, the HTML report and the command line."""
+
+import html.parser
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax
+import optax
+import pytest
+
+import autopar
+from autopar.tools.groups import collapse, param_rows
+from models import transformer_setup
+
+ADAM = optax.adam(1e-3)
+
+
+def abstract(make_state, batch):
+  return jax.eval_shape(make_state), batch
+
+
+@pytest.fixture(scope="module")
+def gpt24():
+  """A 24-layer GPT with Adam, planned for an abstract 8 x 8 mesh."""
+  make_state, step, batch = transformer_setup(tx=ADAM, layers=24, batch=64, d=64)
+  mesh = jax.sharding.AbstractMesh((8, 8), ("data", "model"))
+  return autopar.parallelize(step, method=autopar.ShardParallel(mesh=mesh)).plan(
+      *abstract(make_state, batch))
+
+
+@pytest.fixture(scope="module")
+def dp_and_megatron():
+  """The same GPT planned data-parallel, and by the ILP with the blocks' MLP
+  kernels pinned Megatron-style (column then row split over "model")."""
+  make_state, step, batch = transformer_setup(tx=ADAM, layers=2)
+  mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
+  args = abstract(make_state, batch)
+  dp = autopar.parallelize(step, method=autopar.DataParallel(mesh=mesh)).plan(*args)
+  P = jax.sharding.PartitionSpec
+  pins = {}
+  for k in range(2):
+    path = f"state.params['params']['Block_{k}']['Dense_%d']['kernel']"
+    pins[path % 0], pins[path % 1] = P(None, "model"), P("model", None)
+  option = autopar.AutoShardingOption(force_batch_dim_to_mesh_dim="data", pins=pins)
+  mt = autopar.parallelize(step, method=autopar.ShardParallel(
+      mesh=mesh, option=option)).plan(*args)
+  return dp, mt
+
+
+def test_summary_of_a_24_layer_gpt_fits_one_screen(gpt24):
+  text = gpt24.summary()
+  lines = text.splitlines()
+  assert len(lines) <= 60, text
+  groups = collapse(param_rows(gpt24))
+  for g in groups:                 # every parameter group, named once
+    assert sum(line.split()[0] == g.name for line in lines if line.split()) == 1, g.name
+  assert any("Block_{0..23}" in line for line in lines)
+  # Every parameter is in a group, with Adam's two moments beside it.
+  assert sum(len(g) for g in groups) == len(gpt24.grads)
+  assert all([r for r, _ in g.first.state] == ["mu", "nu"] for g in groups)
+  assert "collectives per step" in text and "memory per device: state" in text
+  assert "costs assumed:" in text and "solver: HiGHS" in text
+  # The every-leaf table is still there.
+  assert len(gpt24.summary(full=True).splitlines()) > 1000
+
+
+def test_plan_costs_round_trip(gpt24):
+  loaded = autopar.Plan.from_json(gpt24.to_json())
+  assert loaded.costs == gpt24.costs
+  assert set(loaded.costs["beta"]) == {"data", "model"}
+  assert loaded.summary() == gpt24.summary()
+
+
+def test_diff_of_data_parallel_and_megatron_lists_the_kernels(dp_and_megatron):
+  dp, mt = dp_and_megatron
+  d = autopar.diff(dp, mt)
+  rows = {name: (a, b) for name, a, b in d.specs}
+  # Collapsed by layer: the two blocks' kernels share one row each.
+  assert rows["params/Block_{0..1}/Dense_0/kernel"] == ("P()", "P(None, 'model')"), str(d)
+  assert rows["params/Block_{0..1}/Dense_1/kernel"] == ("P()", "P('model')"), str(d)
+  assert str(d).startswith("a: DataParallel")
+  assert not autopar.diff(mt, mt)
+
+
+class _Html(html.parser.HTMLParser):
+  def __init__(self):
+    super().__init__()
+    self.text, self.ids, self.urls, self.tags = [], [], [], []
+
+  def handle_starttag(self, tag, attrs):
+    self.tags.append(tag)
+    for k, v in attrs:
+      if k == "id":
+        self.ids.append(v)
+      if k in ("src", "href") or (v and re.search(r"https?://|//\w", v)):
+        self.urls.append((k, v))
+
+  def handle_data(self, data):
+    self.text.append(data)
+
+
+def test_html_report_is_self_contained(dp_and_megatron, tmp_path):
+  _, plan = dp_and_megatron
+  path = tmp_path / "plan.html"
+  text = plan.to_html(str(path))
+  assert path.read_text() == text
+  p = _Html()
+  p.feed(text)
+  body = "".join(p.text)
+  for g in collapse(param_rows(plan)):
+    assert g.name in body, g.name
+  values = [v for r in param_rows(plan) for v in (r.value, r.grad, *(s for _, s in r.state))]
+  values += [v for v in plan.inputs]
+  distinct = {(autopar.plan.spec_str(v.spec), len(v.shape)) for v in values}
+  pictures = [i for i in p.ids if i.startswith("sharding-")]
+  assert len(pictures) == len(set(pictures)) == len(distinct)
+  assert not p.urls and "http" not in text and "<script" not in text
+  assert p.tags.count("details") >= len(collapse(param_rows(plan)))
+
+
+def test_html_report_of_a_pipeline_shows_stages_and_schedule():
+  from models import boundary_mlp_setup
+  make_state, step, batch = boundary_mlp_setup()
+  mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
+  plan = autopar.parallelize(step, method=autopar.PipeshardParallel(
+      mesh=mesh, num_micro_batches=4, num_stages=2, layers="manual")).plan(
+          *abstract(make_state, batch))
+  text = plan.to_html()
+  assert "Pipeline stages" in text and "Schedule (1f1b)" in text
+  assert text.count("<rect") > 8 * 2       # the stages' devices and the tasks
+
+
+STEP = textwrap.dedent('''
+    import jax, jax.numpy as jnp, autopar
+
+    def step(params, batch):
+      def loss(p):
+        return jnp.mean((batch["x"] @ p["w"] - batch["y"]) ** 2)
+      value, grads = autopar.value_and_grad(loss)(params)
+      return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), value
+
+    def make_args():
+      f = jnp.float32
+      return ({"w": jax.ShapeDtypeStruct((16, 4), f)},
+              {"x": jax.ShapeDtypeStruct((32, 16), f), "y": jax.ShapeDtypeStruct((32, 4), f)})
+''')
+
+
+def _cli(*args, cwd):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", "autopar", *args], cwd=cwd, env=env,
+                        capture_output=True, text=True, timeout=300)
+
+
+def test_every_cli_verb_runs(dp_and_megatron, tmp_path):
+  dp, mt = dp_and_megatron
+  (tmp_path / "a.json").write_text(dp.to_json())
+  (tmp_path / "b.json").write_text(mt.to_json())
+  (tmp_path / "mystep.py").write_text(STEP)
+  r = _cli("plan", "mystep:step", "--mesh", "4x2", "--args", "mystep:make_args",
+           "-o", "p.json", cwd=tmp_path)
+  assert r.returncode == 0, r.stderr
+  assert autopar.Plan.from_json((tmp_path / "p.json").read_text()).mesh_shape == (4, 2)
+  for args in (["show", "a.json"], ["show", "p.json", "--full"], ["diff", "a.json", "b.json"],
+               ["report", "b.json", "-o", "b.html"], ["--help"], ["plan", "--help"]):
+    r = _cli(*args, cwd=tmp_path)
+    assert r.returncode == 0, (args, r.stderr)
+  assert "autopar plan: DataParallel" in _cli("show", "a.json", cwd=tmp_path).stdout
+  assert (tmp_path / "b.html").read_text().startswith("<!DOCTYPE html>")
+
+  (tmp_path / "bad.json").write_text('{"format": 2, "method"')
+  for args, name in ((["show", "missing.json"], "missing.json"),
+                     (["diff", "a.json", "bad.json"], "bad.json"),
+                     (["report", "bad.json"], "bad.json"),
+                     (["plan", "nomodule:step", "--mesh", "8", "--args", "x:y"], "nomodule")):
+    r = _cli(*args, cwd=tmp_path)
+    assert r.returncode == 2, (args, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and name in lines[0], r.stderr
