@@ -93,6 +93,14 @@ def main(steps=8, batch=64, seq=32, micro_batches=4):
   for name, c in exe.stages.items():
     mem = c.memory_analysis()
     print(f"  {name:22s} temp {mem.temp_size_in_bytes / 2**10:8.1f} KiB per device")
+  # The plan, saved and as a report to open in a browser (also: `autopar show
+  # demo_plan.json`, `autopar report demo_plan.json`).
+  out = os.environ.get("AUTOPAR_DEMO_DIR", os.getcwd())
+  with open(os.path.join(out, "demo_plan.json"), "w") as f:
+    f.write(exe.plan.to_json())
+  report = os.path.join(out, "demo_plan.html")
+  exe.plan.to_html(report, title="autopar demo plan")
+  print(f"\nplan report: {report}")
 
 
 if __name__ == "__main__":
