@@ -32,6 +32,7 @@ from autopar.cost_model import dtype_name
 from autopar.plan import Plan, ValuePlan
 from autopar.pytrees import Partition
 from autopar.remat import remat_mode
+from autopar.tools.explain import Replanner
 from autopar.planner import Progress, batch_axes_for, plan_auto, plan_preset
 from autopar.split import (OutputKind, SplitStep, apply_at, instantiate_split,
                             outputs_at, split_step)
@@ -232,7 +233,17 @@ class ParallelizedFunction:
     ``jax.eval_shape``) and the method's mesh an ``AbstractMesh``.
     """
     plan, _ = self._plan(self._prepare(runtime.active().abstractify(args)))
+    if isinstance(self.method, ShardParallel) and self.method.plan is None:
+      plan = dataclasses.replace(plan, replan=Replanner(
+          plan=functools.partial(self._replan, args), pins=self.method.option.pin_map))
     return plan
+
+  def _replan(self, args, pins) -> Plan:
+    """The plan of this step with ``pins`` added to the method's (no plan
+    cache: what-if plans are not kept)."""
+    option = dataclasses.replace(self.method.option, plan_cache=False,
+                                 pins={**self.method.option.pin_map, **pins})
+    return self.with_method(dataclasses.replace(self.method, option=option)).plan(*args)
 
   # -- pipeline ----------------------------------------------------------------
 

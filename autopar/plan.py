@@ -20,6 +20,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from autopar.cost_model import bytes_per_device
 from autopar.errors import PlanError
+from autopar.tools import explain as tools_explain
 from autopar.tools import report as tools_report
 from autopar.tools import summary as tools_summary
 from autopar.tools.text import format_bytes, format_rows, spec_str
@@ -233,6 +234,9 @@ class Plan:
   stages: tuple[StagePlan, ...] = ()
   schedule: str | None = None
   costs: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+  # Not serialized: how to plan the step again with pins (``step.plan()``
+  # sets it, for explain and cost_if; ``tools.explain.Replanner``).
+  replan: Any = dataclasses.field(default=None, compare=False, repr=False)
   # Not serialized: the structure of the inputs (a ``pytrees.Partition`` of
   # the non-static arguments) and the mesh object the plan was made for. A
   # loaded plan has neither until it is applied.
@@ -395,6 +399,19 @@ class Plan:
     if not full:
       return tools_summary.summary(self)
     return self.full_summary()
+
+  def explain(self, path: str):
+    """Why the leaf ``path`` (a pytree path, its slash form, or a glob)
+    has its spec: each spec it could have, with the objective, collectives'
+    time and memory of the plan re-solved with it pinned; the chosen one
+    marked, and what decided (``autopar/tools/explain.py``). Needs the
+    step: a plan from ``step.plan(...)`` (ShardParallel)."""
+    return tools_explain.explain(self, path)
+
+  def cost_if(self, pins):
+    """The plan re-solved with ``pins`` ({path or glob: spec}) added: the
+    objective before and after, and the diff."""
+    return tools_explain.cost_if(self, pins)
 
   def to_html(self, path: str | None = None, title: str = "autopar plan") -> str:
     """A self-contained HTML report of the plan (``autopar/tools/report.py``):

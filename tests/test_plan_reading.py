@@ -13,9 +13,11 @@ import pytest
 
 import autopar
 from autopar.tools.groups import collapse, param_rows
+from autopar.tools.text import canonical_str, same_spec
 from models import transformer_setup
 
 ADAM = optax.adam(1e-3)
+P = jax.sharding.PartitionSpec
 
 
 def abstract(make_state, batch):
@@ -39,7 +41,6 @@ def dp_and_megatron():
   mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
   args = abstract(make_state, batch)
   dp = autopar.parallelize(step, method=autopar.DataParallel(mesh=mesh)).plan(*args)
-  P = jax.sharding.PartitionSpec
   pins = {}
   for k in range(2):
     path = f"state.params['params']['Block_{k}']['Dense_%d']['kernel']"
@@ -83,6 +84,46 @@ def test_diff_of_data_parallel_and_megatron_lists_the_kernels(dp_and_megatron):
   assert rows["params/Block_{0..1}/Dense_1/kernel"] == ("P()", "P('model')"), str(d)
   assert str(d).startswith("a: DataParallel")
   assert not autopar.diff(mt, mt)
+
+
+@pytest.fixture(scope="module")
+def megatron_by_ilp():
+  """A GPT with wide MLPs, which the ILP splits Megatron-style on its own."""
+  make_state, step, batch = transformer_setup(tx=optax.sgd(0.1), layers=2, d=512,
+                                              heads=4, batch=16)
+  mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
+  option = autopar.AutoShardingOption(force_batch_dim_to_mesh_dim="data",
+                                      seconds_per_flop=1e-10)
+  return autopar.parallelize(step, method=autopar.ShardParallel(
+      mesh=mesh, option=option)).plan(*abstract(make_state, batch))
+
+
+def test_explain_a_megatron_kernel(megatron_by_ilp):
+  plan = megatron_by_ilp
+  e = plan.explain("*Block_0/Dense_0/kernel")
+  assert e.leaf == "state.params['params']['Block_0']['Dense_0']['kernel']"
+  assert same_spec(e.chosen, P(None, "model"))           # the column split
+  by_spec = {canonical_str(c.spec): c for c in e.candidates}
+  chosen, replicated = by_spec["P(None, 'model')"], by_spec["P()"]
+  assert chosen.objective == plan.objective
+  assert replicated.objective > chosen.objective           # data parallel: dearer
+  for c in e.candidates:
+    if c.objective is not None:
+      assert c.communication + c.other == pytest.approx(c.objective)
+      assert c.memory > 0
+  assert "decided by:" in str(e) and "*  P(None, 'model')" in str(e)
+
+
+def test_cost_if_data_parallel_kernels_costs_more(megatron_by_ilp):
+  plan = megatron_by_ilp
+  r = plan.cost_if({"*Block_*/Dense_*/kernel": P()})
+  assert set(r.pins) == {f"state.params['params']['Block_{k}']['Dense_{j}']['kernel']"
+                         for k in range(2) for j in range(2)}
+  assert r.after > r.before and r.change > 0
+  assert any("Dense_{0..1}/kernel" in name or "Dense_0/kernel" in name
+             for name, _, _ in r.diff.specs), str(r)
+  with pytest.raises(autopar.PlanError, match="does not carry"):
+    autopar.Plan.from_json(plan.to_json()).explain("*kernel")
 
 
 class _Html(html.parser.HTMLParser):
@@ -165,11 +206,16 @@ def test_every_cli_verb_runs(dp_and_megatron, tmp_path):
   assert r.returncode == 0, r.stderr
   assert autopar.Plan.from_json((tmp_path / "p.json").read_text()).mesh_shape == (4, 2)
   for args in (["show", "a.json"], ["show", "p.json", "--full"], ["diff", "a.json", "b.json"],
-               ["report", "b.json", "-o", "b.html"], ["--help"], ["plan", "--help"]):
+               ["report", "b.json", "-o", "b.html"], ["explain", "b.json", "*kernel"],
+               ["--help"], ["plan", "--help"]):
     r = _cli(*args, cwd=tmp_path)
     assert r.returncode == 0, (args, r.stderr)
   assert "autopar plan: DataParallel" in _cli("show", "a.json", cwd=tmp_path).stdout
   assert (tmp_path / "b.html").read_text().startswith("<!DOCTYPE html>")
+  r = _cli("explain", "p.json", "params/w", "--step", "mystep:step", "--args",
+           "mystep:make_args", cwd=tmp_path)
+  assert r.returncode == 0, r.stderr
+  assert "decided by:" in r.stdout and "params['w']" in r.stdout
 
   (tmp_path / "bad.json").write_text('{"format": 2, "method"')
   for args, name in ((["show", "missing.json"], "missing.json"),

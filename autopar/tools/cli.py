@@ -2,6 +2,8 @@
 
     autopar show plan.json [--full]        the plan's summary
     autopar diff a.json b.json              what changed between two plans
+    autopar explain plan.json PATH [--step module:fn --args module:make_args]
+                                            why a leaf has its spec
     autopar report plan.json -o plan.html   the self-contained HTML report
     autopar plan module:function --mesh 8x8 --args module:make_args -o plan.json
                                             plans a step for an abstract mesh
@@ -24,6 +26,8 @@ import autopar
 from autopar.errors import AutoparError, PlanError
 from autopar.plan import Plan
 from autopar.tools.diff import diff
+from autopar.tools.explain import find_leaves
+from autopar.tools.text import format_rows, spec_str
 
 __all__ = ["main"]
 
@@ -86,6 +90,35 @@ def _diff(a):
   print(diff(_load(a.a), _load(a.b)))
 
 
+def _explain(a):
+  plan = _load(a.plan)
+  if a.step is None:
+    leaves = find_leaves(plan, a.path)
+    if not leaves:
+      raise _Fail(f"{a.path!r} names no leaf of {a.plan}")
+    rows = [("leaf", "shape", "spec")] + [(v.name, str(tuple(v.shape)), spec_str(v.spec))
+                                          for v in leaves[:20]]
+    print("\n".join(format_rows(rows)))
+    print("\n(the candidates and their costs need the step: --step module:function "
+          "--args module:make_args)")
+    return
+  if a.args is None:
+    raise _Fail("--step needs --args (module:function returning the step's arguments)")
+  if plan.method != "ShardParallel":
+    raise _Fail(f"{a.plan}: explain re-plans ShardParallel plans; this is a "
+                f"{plan.method} plan")
+  costs = plan.costs or {}
+  option = autopar.AutoShardingOption(
+      mesh_alpha=costs.get("alpha"), mesh_beta=costs.get("beta"),
+      seconds_per_flop=costs.get("seconds_per_flop", 1e-12),
+      memory_budget_per_device=costs.get("memory_budget_per_device"), plan_cache=False)
+  mesh = AbstractMesh(tuple(plan.mesh_shape), tuple(plan.mesh_axis_names))
+  method = autopar.ShardParallel(mesh=mesh, num_micro_batches=plan.num_micro_batches,
+                                 option=option)
+  again = _step(a.step, method).plan(*_args(a.args))
+  print(again.explain(a.path))
+
+
 def _report(a):
   plan = _load(a.plan)
   out = a.output or os.path.splitext(a.plan)[0] + ".html"
@@ -96,25 +129,30 @@ def _report(a):
   print(out)
 
 
-def _plan(a):
-  fn = _attr(a.function, "function")
-  make_args = _attr(a.args, "--args")
-  mesh = _mesh(a.mesh, a.axis_names)
-  args = make_args()
+def _args(spec: str) -> tuple:
+  args = _attr(spec, "--args")()
   if not isinstance(args, tuple):
-    raise _Fail(f"--args {a.args!r}: expected it to return a tuple of the step's "
+    raise _Fail(f"--args {spec!r}: expected it to return a tuple of the step's "
                 f"arguments, got {type(args).__name__}")
+  return args
+
+
+def _step(spec: str, method):
+  fn = _attr(spec, "function")
+  if isinstance(fn, autopar.ParallelizedFunction):
+    return fn.with_method(method)
+  if callable(fn):
+    return autopar.parallelize(fn, method=method)
+  raise _Fail(f"function {spec!r}: not callable ({type(fn).__name__})")
+
+
+def _plan(a):
+  mesh = _mesh(a.mesh, a.axis_names)
   methods = {"ShardParallel": autopar.ShardParallel, "DataParallel": autopar.DataParallel,
              "Zero2Parallel": autopar.Zero2Parallel, "Zero3Parallel": autopar.Zero3Parallel,
              "PipeshardParallel": autopar.PipeshardParallel}
   method = methods[a.method](mesh=mesh, num_micro_batches=a.num_micro_batches)
-  if isinstance(fn, autopar.ParallelizedFunction):
-    step = fn.with_method(method)
-  elif callable(fn):
-    step = autopar.parallelize(fn, method=method)
-  else:
-    raise _Fail(f"function {a.function!r}: not callable ({type(fn).__name__})")
-  plan = step.plan(*args)
+  plan = _step(a.function, method).plan(*_args(a.args))
   out = a.output or "plan.json"
   with open(out, "w", encoding="utf-8") as f:
     f.write(plan.to_json())
@@ -136,6 +174,17 @@ def _parser() -> argparse.ArgumentParser:
   s.add_argument("a", help="plan JSON file A")
   s.add_argument("b", help="plan JSON file B")
   s.set_defaults(run=_diff)
+  s = sub.add_parser("explain", help="why a leaf has its spec",
+                     description="Show the spec of the leaves PATH names (a pytree "
+                     "path, its slash form, or a glob); with --step and --args, re-plan "
+                     "the step for the plan's mesh and costs and list each spec the leaf "
+                     "could have, with the objective, collectives and memory of the plan "
+                     "re-solved with it.")
+  s.add_argument("plan", help="a plan JSON file")
+  s.add_argument("path", help="e.g. \"*Block_0/Dense_0/kernel\"")
+  s.add_argument("--step", help="module:function, the step the plan is of")
+  s.add_argument("--args", help="module:function returning the step's arguments")
+  s.set_defaults(run=_explain)
   s = sub.add_parser("report", help="write a self-contained HTML report",
                      description="Write a plan's HTML report (no network needed to "
                      "view it) and print its path.")
