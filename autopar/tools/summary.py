@@ -127,7 +127,7 @@ def collective_rows(plan: Plan) -> list[dict]:
 def memory_by_kind(plan: Plan) -> dict[str, int]:
   """Bytes per device: parameters and optimizer state, gradients, the
   batch and other inputs, and the rest of the plan's estimate (activations
-  and temporaries)."""
+  at the peak, as the plan estimates them)."""
   sizes = plan.axis_sizes
   params = param_rows(plan)
   state = sum(r.value.bytes_per_device(sizes) +
@@ -136,7 +136,7 @@ def memory_by_kind(plan: Plan) -> dict[str, int]:
   other = sum(r.value.bytes_per_device(sizes) for r in other_rows(plan))
   rest = max(0, plan.memory_per_device - state - grads - other)
   return {"state": state, "gradients": grads, "batch and other inputs": other,
-          "activations and temporaries": rest, "total": plan.memory_per_device}
+          "activations at the peak": rest, "total": plan.memory_per_device}
 
 
 def _axes(axes) -> str:
