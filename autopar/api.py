@@ -12,9 +12,11 @@ import gc
 import math
 import threading
 import time
+import weakref
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
+import numpy as np
 from jax._src import core as jax_core
 from jax.sharding import AbstractMesh
 
@@ -234,16 +236,14 @@ class ParallelizedFunction:
     """
     plan, _ = self._plan(self._prepare(runtime.active().abstractify(args)))
     if isinstance(self.method, ShardParallel) and self.method.plan is None:
+      # (Shapes only: the plan must not keep the caller's arrays alive.)
+      shapes = jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=jax.typeof(x).weak_type)
+          if isinstance(x, jax.Array) else
+          jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, np.ndarray) else x, args)
       plan = dataclasses.replace(plan, replan=Replanner(
-          plan=functools.partial(self._replan, args), pins=self.method.option.pin_map))
+          step_ref=weakref.ref(self), args=tuple(shapes), pins=self.method.option.pin_map))
     return plan
-
-  def _replan(self, args, pins) -> Plan:
-    """The plan of this step with ``pins`` added to the method's (no plan
-    cache: what-if plans are not kept)."""
-    option = dataclasses.replace(self.method.option, plan_cache=False,
-                                 pins={**self.method.option.pin_map, **pins})
-    return self.with_method(dataclasses.replace(self.method, option=option)).plan(*args)
 
   # -- pipeline ----------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
@@ -24,6 +24,9 @@ from autopar.tools import explain as tools_explain
 from autopar.tools import report as tools_report
 from autopar.tools import summary as tools_summary
 from autopar.tools.text import format_bytes, format_rows, spec_str
+
+if TYPE_CHECKING:
+  from autopar.tools.explain import Replanner
 
 __all__ = ["Plan", "ValuePlan", "CollectivePlan", "SolverStats", "StagePlan",
            "spec_to_json", "spec_from_json", "spec_str", "format_bytes"]
@@ -215,6 +218,8 @@ class Plan:
     schedule: the pipeline's schedule ("1f1b", "gpipe"), or None.
     costs: the costs the plan assumed: ``seconds_per_flop``, and per mesh
       axis ``alpha`` (s per collective step) and ``beta`` (s per byte).
+    grad_inputs: per gradient, the path of the input it is the gradient of
+      ("" if unknown), for reading the plan (``tools/groups.py``).
   """
   method: str
   mesh_axis_names: tuple[str, ...]
@@ -234,9 +239,10 @@ class Plan:
   stages: tuple[StagePlan, ...] = ()
   schedule: str | None = None
   costs: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+  grad_inputs: tuple[str, ...] = dataclasses.field(default=(), compare=False)
   # Not serialized: how to plan the step again with pins (``step.plan()``
   # sets it, for explain and cost_if; ``tools.explain.Replanner``).
-  replan: Any = dataclasses.field(default=None, compare=False, repr=False)
+  replan: "Replanner | None" = dataclasses.field(default=None, compare=False, repr=False)
   # Not serialized: the structure of the inputs (a ``pytrees.Partition`` of
   # the non-static arguments) and the mesh object the plan was made for. A
   # loaded plan has neither until it is applied.
@@ -332,6 +338,8 @@ class Plan:
       d["schedule"] = self.schedule
     if self.costs:
       d["costs"] = dict(self.costs)
+    if self.grad_inputs:
+      d["grad_inputs"] = list(self.grad_inputs)
     return json.dumps(d, indent=indent)
 
   @classmethod
@@ -385,11 +393,12 @@ class Plan:
         solver=None if d["solver"] is None else SolverStats.from_json(d["solver"]),
         fingerprint=tuple(d["fingerprint"].items()),
         stages=tuple(StagePlan.from_json(st) for st in d.get("stages", ())),
-        schedule=d.get("schedule"), costs=dict(d.get("costs") or {}))
+        schedule=d.get("schedule"), costs=dict(d.get("costs") or {}),
+        grad_inputs=tuple(d.get("grad_inputs") or ()))
 
   # -- reading -----------------------------------------------------------------
 
-  def summary(self, full: bool = False) -> str:
+  def summary(self, *, full: bool = False) -> str:
     """The plan on one screen: one row per parameter group (repeated
     layers collapsed) with its gradient's and optimizer state's specs, the
     other inputs, collectives per stage with their predicted time, memory
@@ -413,7 +422,7 @@ class Plan:
     objective before and after, and the diff."""
     return tools_explain.cost_if(self, pins)
 
-  def to_html(self, path: str | None = None, title: str = "autopar plan") -> str:
+  def to_html(self, path: str | None = None, *, title: str = "autopar plan") -> str:
     """A self-contained HTML report of the plan (``autopar/tools/report.py``):
     the summary's tables, a picture of each distinct sharding, collectives
     per stage, memory against the budget, a pipeline's stages and schedule.

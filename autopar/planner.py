@@ -47,13 +47,14 @@ from autopar.method import (ParallelMethod, ShardParallel, accumulation_dtype,
                             Zero2Parallel, Zero3Parallel, axis_names_of,
                             axis_sizes_of, check_axes)
 from autopar.plan import CollectivePlan, Plan, ValuePlan
+from autopar.pytrees import ends_with_key
 from autopar.split import (OutputKind, SizedOutputs, SplitStep, depends_on,
                            outputs_at, reads)
 from autopar.strategies import grad_sync_costs, local_bytes
 from autopar.strategies.dot import dot_flops
 from autopar.trace import TracedStep, eqns_by_path
 
-__all__ = ["plan_preset", "donation_pairs", "leaves_read_by_compute",
+__all__ = ["plan_preset", "donation_pairs", "leaves_read_by_compute", "grad_inputs",
            "batch_axes_for", "shard_first_divisible", "grad_stage_names"]
 
 
@@ -109,6 +110,26 @@ def leaves_read_by_compute(split: SplitStep) -> set[int]:
   jaxpr = split.compute.jaxpr
   read = reads(jaxpr)
   return {k for k, v in enumerate(jaxpr.invars[len(split.consts):]) if v in read}
+
+
+def grad_inputs(split: SplitStep) -> tuple[str, ...]:
+  """Per gradient, the path of the argument leaf it is the gradient of ("" if
+  none is found), for a person reading the plan: the leaf whose path ends
+  with the gradient's (``grad['params']['w']`` -> ``...['params']['w']``) at
+  a key boundary, of its shape, preferring one the gradient computation
+  reads (the parameter, not its optimizer state)."""
+  leaves = split.traced.leaves
+  read = leaves_read_by_compute(split)
+  out = []
+  for name, aval in zip(split.grad_names, split.grad_avals if split.has_marker else (),
+                        strict=True):
+    suffix = name[len("grad"):] if name.startswith("grad") else name
+    found = [k for k, l in enumerate(leaves)
+             if tuple(l.shape) == tuple(aval.shape) and (
+                 len(split.grad_names) == 1 or ends_with_key(l.path, suffix))]
+    found.sort(key=lambda k: k not in read)
+    out.append(leaves[found[0]].path if found else "")
+  return tuple(out)
 
 
 def donation_pairs(traced: TracedStep, out_avals=None) -> dict[int, int]:
@@ -264,7 +285,7 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
               outputs=planned_outputs, collectives=tuple(collectives),
               memory_per_device=memory,
               objective=float(objective), costs=assumed_costs(sizes, option),
-              in_tree=traced.inputs, mesh=mesh)
+              grad_inputs=grad_inputs(split), in_tree=traced.inputs, mesh=mesh)
 
 
 def _preset_collectives(split, inputs, grads, params, batch_axes, sizes, n, zero,
@@ -712,4 +733,5 @@ def _plan_from_solution(split, outputs, local, method, mesh, S, sol, stats,
               outputs=tuple(planned_outputs),
               intermediates=tuple(inter), collectives=tuple(collectives),
               memory_per_device=memory, objective=sol.objective, solver=solver,
-              costs=assumed_costs(sizes, method.option), in_tree=traced.inputs, mesh=mesh)
+              costs=assumed_costs(sizes, method.option), grad_inputs=grad_inputs(split),
+              in_tree=traced.inputs, mesh=mesh)

@@ -31,7 +31,8 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-__all__ = ["Partition", "partition", "leaf_mask", "mutable_args", "write_back"]
+__all__ = ["Partition", "partition", "leaf_mask", "mutable_args", "write_back",
+           "ends_with_key"]
 
 _NUMBERS = (int, float, complex)     # bool is an int
 
@@ -156,3 +157,11 @@ def write_back(original, updated) -> None:
   for o, n in zip(old, new):
     if o.get_value() is not n.get_value():
       o.set_value(n.get_value())
+
+
+def ends_with_key(path: str, suffix: str) -> bool:
+  """Whether the pytree key path ``path`` ends with the key path ``suffix``
+  at a key boundary (``"s.params['w']"`` ends with ``"['w']"``, not with
+  ``"w']"``)."""
+  return bool(suffix) and path.endswith(suffix) and (
+      len(path) == len(suffix) or suffix[0] in "[." or path[-len(suffix) - 1] in ".]")

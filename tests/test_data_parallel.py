@@ -188,10 +188,11 @@ def test_plan_json_round_trip_and_summary():
   again = autopar.Plan.from_json(plan.to_json())
   assert again == plan
   assert again.to_json() == plan.to_json()
-  text = plan.summary()
+  text = plan.summary(full=True)            # every leaf on its own line
   for leaf in plan.inputs:
     assert leaf.name in text
   assert "all-reduce" in text and "gradients" in text
+  assert "all-reduce" in plan.summary() and "gradients" in plan.summary()
   shardings = plan.input_shardings
   assert isinstance(shardings[1]["x"], NamedSharding)
   assert shardings[1]["x"].spec == P(("data", "model"))

@@ -80,10 +80,40 @@ def test_diff_of_data_parallel_and_megatron_lists_the_kernels(dp_and_megatron):
   d = autopar.diff(dp, mt)
   rows = {name: (a, b) for name, a, b in d.specs}
   # Collapsed by layer: the two blocks' kernels share one row each.
-  assert rows["params/Block_{0..1}/Dense_0/kernel"] == ("P()", "P(None, 'model')"), str(d)
-  assert rows["params/Block_{0..1}/Dense_1/kernel"] == ("P()", "P('model')"), str(d)
+  base = "state/params/params/Block_{0..1}/"
+  assert rows[base + "Dense_0/kernel"] == ("P()", "P(None, 'model')"), str(d)
+  assert rows[base + "Dense_1/kernel"] == ("P()", "P('model')"), str(d)
   assert str(d).startswith("a: DataParallel")
   assert not autopar.diff(mt, mt)
+
+
+def test_parameters_are_what_the_gradients_are_of():
+  """The state dict sorts its optimizer state ("opt") before "params": the
+  parameters are still the leaves the gradients are of, and the momentum
+  sits beside them."""
+  from models import boundary_mlp_setup
+  make_state, step, batch = boundary_mlp_setup()
+  mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
+  plan = autopar.parallelize(step, method=autopar.ShardParallel(mesh=mesh)).plan(
+      *abstract(make_state, batch))
+  rows = param_rows(plan)
+  assert len(rows) == len(plan.grads) == 8
+  assert all(r.value.name.startswith("state['params']") for r in rows), rows
+  assert all([role for role, _ in r.state] == ["trace"] for r in rows)
+  assert {g.name for g in collapse(rows)} == {"{0..3}/w", "{0..3}/b"}
+  loaded = autopar.Plan.from_json(plan.to_json())
+  assert loaded.grad_inputs == plan.grad_inputs and param_rows(loaded) == rows
+  assert "parameter (under state/params)" in plan.summary()
+
+
+def test_collapsed_names_name_exactly_their_members():
+  from autopar.plan import ValuePlan
+  from autopar.tools.groups import Row
+  leaf = lambda name: Row(name=name, value=ValuePlan(name, (4,), "float32", P()))
+  groups = collapse([leaf("layer_0/head_1"), leaf("layer_1/head_0")])
+  assert sorted(g.name for g in groups) == ["layer_0/head_1", "layer_1/head_0"]
+  full = collapse([leaf(f"layer_{i}/head_{j}") for i in range(3) for j in range(2)])
+  assert [g.name for g in full] == ["layer_{0..2}/head_{0..1}"]
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +124,9 @@ def megatron_by_ilp():
   mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
   option = autopar.AutoShardingOption(force_batch_dim_to_mesh_dim="data",
                                       seconds_per_flop=1e-10)
-  return autopar.parallelize(step, method=autopar.ShardParallel(
-      mesh=mesh, option=option)).plan(*abstract(make_state, batch))
+  pf = autopar.parallelize(step, method=autopar.ShardParallel(mesh=mesh, option=option))
+  yield pf.plan(*abstract(make_state, batch))   # (explain needs the step kept alive)
+  del pf
 
 
 def test_explain_a_megatron_kernel(megatron_by_ilp):
@@ -124,6 +155,14 @@ def test_cost_if_data_parallel_kernels_costs_more(megatron_by_ilp):
              for name, _, _ in r.diff.specs), str(r)
   with pytest.raises(autopar.PlanError, match="does not carry"):
     autopar.Plan.from_json(plan.to_json()).explain("*kernel")
+  make_state, step, batch = transformer_setup(tx=optax.sgd(0.1), layers=1)
+  mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
+  orphan = autopar.parallelize(step, method=autopar.ShardParallel(mesh=mesh)).plan(
+      *abstract(make_state, batch))          # its step is gone at once
+  import gc
+  gc.collect()
+  with pytest.raises(autopar.PlanError, match="is gone"):
+    orphan.explain("*kernel")
 
 
 class _Html(html.parser.HTMLParser):
@@ -171,6 +210,9 @@ def test_html_report_of_a_pipeline_shows_stages_and_schedule():
           *abstract(make_state, batch))
   text = plan.to_html()
   assert "Pipeline stages" in text and "Schedule (1f1b)" in text
+  summary = plan.summary()
+  assert "batch split per stage" in summary and "largest stage" in summary
+  assert "on a 1x4 submesh" in text      # stage inputs are pictured on their submesh
   assert text.count("<rect") > 8 * 2       # the stages' devices and the tasks
 
 

@@ -172,12 +172,13 @@ def _plan_of(pre: Prepared, method, mesh, cut_, choices) -> Plan:
         send_seconds=float(ch.send_seconds)))
   inputs = tuple(ValuePlan(l.path, tuple(l.shape), dtype_name(l.dtype),
                            home_spec.get(k, PartitionSpec())) for k, l in enumerate(leaves))
-  grads = []
+  grads, grad_inputs = [], []
   for name, k, aval in zip(ctx.grad_names, program.grad_roots, pre.split.grad_avals,
                            strict=True):
     leaf = program.roots[k].leaf
     grads.append(ValuePlan(name, tuple(aval.shape), dtype_name(aval.dtype),
                            home_spec.get(leaf, PartitionSpec())))
+    grad_inputs.append("" if leaf is None else ctx.leaf_names[leaf])
   grads = tuple(grads)
   t = [c.time_per_micro_batch for c in choices]
   objective = (sum(t) + (ctx.n - 1) * max(t) + sum(c.send_seconds for c in choices) +
@@ -187,7 +188,8 @@ def _plan_of(pre: Prepared, method, mesh, cut_, choices) -> Plan:
               batch_axes=(), inputs=inputs, grads=grads, outputs=(),
               memory_per_device=int(max(c.memory for c in choices)),
               objective=float(objective), stages=tuple(stage_plans),
-              schedule=method.schedule, costs=assumed_costs(sizes, method.option))
+              schedule=method.schedule, costs=assumed_costs(sizes, method.option),
+              grad_inputs=tuple(grad_inputs))
 
 
 def _stage_specs(ctx, st, ch: StageChoice):

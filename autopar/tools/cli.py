@@ -115,7 +115,12 @@ def _explain(a):
   mesh = AbstractMesh(tuple(plan.mesh_shape), tuple(plan.mesh_axis_names))
   method = autopar.ShardParallel(mesh=mesh, num_micro_batches=plan.num_micro_batches,
                                  option=option)
-  again = _step(a.step, method).plan(*_args(a.args))
+  step = _step(a.step, method)         # (kept: explain re-plans it)
+  again = _planned(step, _args(a.args), a.step)
+  if autopar.diff(plan, again).specs:
+    print(f"note: planned again for {a.plan}'s mesh and costs, the step's plan differs "
+          f"from the saved one (its pins or options are not saved); explaining the new "
+          f"plan")
   print(again.explain(a.path))
 
 
@@ -130,7 +135,12 @@ def _report(a):
 
 
 def _args(spec: str) -> tuple:
-  args = _attr(spec, "--args")()
+  make = _attr(spec, "--args")
+  try:
+    args = make()
+  except Exception as e:   # noqa: BLE001 - the user's function: any error is theirs
+    raise _Fail(f"--args {spec!r} raised {type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}") from e
   if not isinstance(args, tuple):
     raise _Fail(f"--args {spec!r}: expected it to return a tuple of the step's "
                 f"arguments, got {type(args).__name__}")
@@ -146,16 +156,30 @@ def _step(spec: str, method):
   raise _Fail(f"function {spec!r}: not callable ({type(fn).__name__})")
 
 
+def _planned(step, args: tuple, spec: str):
+  """``step.plan(*args)``; an error of the user's step in one line."""
+  try:
+    return step.plan(*args)
+  except AutoparError:
+    raise
+  except Exception as e:   # noqa: BLE001 - tracing the user's step
+    raise _Fail(f"planning {spec!r} raised {type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}") from e
+
+
 def _plan(a):
   mesh = _mesh(a.mesh, a.axis_names)
   methods = {"ShardParallel": autopar.ShardParallel, "DataParallel": autopar.DataParallel,
              "Zero2Parallel": autopar.Zero2Parallel, "Zero3Parallel": autopar.Zero3Parallel,
              "PipeshardParallel": autopar.PipeshardParallel}
   method = methods[a.method](mesh=mesh, num_micro_batches=a.num_micro_batches)
-  plan = _step(a.function, method).plan(*_args(a.args))
+  plan = _planned(_step(a.function, method), _args(a.args), a.function)
   out = a.output or "plan.json"
-  with open(out, "w", encoding="utf-8") as f:
-    f.write(plan.to_json())
+  try:
+    with open(out, "w", encoding="utf-8") as f:
+      f.write(plan.to_json())
+  except OSError as e:
+    raise _Fail(f"{out}: cannot write the plan ({e})") from e
   print(plan.summary())
   print(f"\nwrote {out}")
 
@@ -211,6 +235,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  """Runs the ``autopar`` command; returns its exit status."""
   args = _parser().parse_args(argv)
   try:
     args.run(args)

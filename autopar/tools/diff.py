@@ -11,7 +11,7 @@ import dataclasses
 import re
 from typing import TYPE_CHECKING
 
-from autopar.tools.groups import Row, collapsed_name, other_rows, param_rows
+from autopar.tools.groups import Row, collapsed_name, other_rows, param_rows, path_str
 from autopar.tools.summary import collective_rows, memory_by_kind
 from autopar.tools.text import canonical_str, format_bytes, format_rows, same_spec
 
@@ -34,21 +34,26 @@ class PlanDiff:
     memory: kind -> (bytes per device in a, in b).
     objective: (a, b), seconds.
     header: one line per plan (method, mesh, micro-batches).
+    note: set when the plans are of different programs or arguments.
   """
   specs: tuple[tuple[str, str, str], ...]
   collectives: tuple[tuple, ...]
   memory: dict
   objective: tuple[float, float]
   header: tuple[str, str]
+  note: str = ""
 
   def __bool__(self) -> bool:
-    return bool(self.specs or self.collectives or self.objective[0] != self.objective[1])
+    return bool(self.specs or self.collectives or self.objective[0] != self.objective[1]
+                or any(x != y for x, y in self.memory.values()))
 
   def __str__(self) -> str:
     a, b = self.objective
     change = f" ({(b - a) / a:+.1%})" if a else ""
-    lines = [f"a: {self.header[0]}", f"b: {self.header[1]}",
-             f"objective: {a:.4g} s -> {b:.4g} s{change}"]
+    lines = [f"a: {self.header[0]}", f"b: {self.header[1]}"]
+    if self.note:
+      lines.append(f"note: {self.note}")
+    lines.append(f"objective: {a:.4g} s -> {b:.4g} s{change}")
     lines.append("memory per device: " + ", ".join(
         f"{k} {format_bytes(x)} -> {format_bytes(y)}" for k, (x, y) in self.memory.items()
         if x != y) if any(x != y for x, y in self.memory.values())
@@ -95,14 +100,19 @@ def _specs(row: Row) -> str:
 
 def diff(a: "Plan", b: "Plan") -> PlanDiff:
   """What changed from plan ``a`` to plan ``b``."""
-  rows_a = {r.name: r for r in param_rows(a) + other_rows(a)}
-  rows_b = {r.name: r for r in param_rows(b) + other_rows(b)}
+  rows_a = {r.value.name: r for r in param_rows(a) + other_rows(a)}
+  rows_b = {r.value.name: r for r in param_rows(b) + other_rows(b)}
   changed = []
   for name in list(rows_a) + [n for n in rows_b if n not in rows_a]:
     sa = _specs(rows_a[name]) if name in rows_a else "-"
     sb = _specs(rows_b[name]) if name in rows_b else "-"
+    if name in rows_a and name in rows_b:
+      va, vb = rows_a[name].value, rows_b[name].value
+      if (tuple(va.shape), va.dtype) != (tuple(vb.shape), vb.dtype):
+        sa += f" {tuple(va.shape)} {va.dtype}"
+        sb += f" {tuple(vb.shape)} {vb.dtype}"
     if sa != sb:
-      changed.append((name, sa, sb))
+      changed.append((path_str(name), sa, sb))
   specs = _collapse(changed)
   ca = {(r["stage"], r["kind"], r["axes"]): (r["count"], r["bytes"])
         for r in collective_rows(a)}
@@ -111,9 +121,14 @@ def diff(a: "Plan", b: "Plan") -> PlanDiff:
   collectives = tuple((*k, ca.get(k), cb.get(k)) for k in list(ca) +
                       [k for k in cb if k not in ca] if ca.get(k) != cb.get(k))
   ma, mb = memory_by_kind(a), memory_by_kind(b)
+  fa, fb = dict(a.fingerprint), dict(b.fingerprint)
+  differ = [k for k in ("program", "arguments") if fa.get(k) != fb.get(k)]
+  note = (f"the plans are of different {' and '.join(differ)} (fingerprints differ)"
+          if differ and fa and fb else "")
   return PlanDiff(specs=specs, collectives=collectives,
-                  memory={k: (ma[k], mb.get(k, 0)) for k in ma},
-                  objective=(a.objective, b.objective), header=(_header(a), _header(b)))
+                  memory={k: (ma.get(k, 0), mb.get(k, 0)) for k in {**ma, **mb}},
+                  objective=(a.objective, b.objective), header=(_header(a), _header(b)),
+                  note=note)
 
 
 def _collapse(changed) -> tuple[tuple[str, str, str], ...]:

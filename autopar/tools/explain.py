@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec
 from autopar.errors import AutoparError, PlanError
 from autopar.strategies import enumerate_specs
 from autopar.tools.diff import PlanDiff, diff
-from autopar.tools.groups import path_str
+from autopar.tools.groups import param_rows, path_str
 from autopar.tools.summary import collective_rows
 from autopar.tools.text import canonical_str, format_bytes, format_rows, same_spec
 
@@ -36,14 +36,39 @@ __all__ = ["Replanner", "Candidate", "Explanation", "CostIf", "explain", "cost_i
 
 @dataclasses.dataclass(frozen=True)
 class Replanner:
-  """Plans the step again with extra pins (path -> spec): ``plan(pins)``.
-  ``pins``: the pins the plan was made with."""
-  plan: Callable[[Mapping[str, PartitionSpec]], "Plan"]
+  """Plans a ``ShardParallel`` step again with extra pins: ``plan(pins)``.
+
+  Attributes:
+    step_ref: a weak reference to the step (its ``ParallelizedFunction``):
+      a plan is data and keeps no step alive.
+    args: the step's arguments, as shapes.
+    pins: the pins (path -> spec) the plan was made with.
+  """
+  step_ref: Callable[[], Any]
+  args: tuple
   pins: Mapping[str, PartitionSpec]
+
+  def step(self):
+    step = self.step_ref()
+    if step is None:
+      raise PlanError("explain / cost_if re-plan the step this plan was made from, and "
+                      "that step (its ParallelizedFunction) is gone. Fix: keep the step "
+                      "alive while you read its plan, or plan again with step.plan(...).")
+    return step
+
+  def plan(self, pins: Mapping[str, PartitionSpec]) -> "Plan":
+    """The step's plan with ``pins`` added to its method's (no plan cache:
+    what-if plans are not kept)."""
+    step = self.step()
+    option = dataclasses.replace(step.method.option, plan_cache=False,
+                                 pins={**step.method.option.pin_map, **pins})
+    return step.with_method(dataclasses.replace(step.method, option=option)).plan(
+        *self.args)
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
+  """One spec a leaf could have, and the plan re-solved with it pinned."""
   spec: PartitionSpec
   objective: float | None        # None: no plan with this spec (see ``note``)
   communication: float = 0.0     # the collectives' predicted seconds
@@ -110,12 +135,17 @@ def _ms(t: float) -> str:
 def find_leaves(plan: "Plan", pattern: str) -> list["ValuePlan"]:
   """The plan's inputs whose pytree path (``state.params['params']...``) or
   its slash form (``state/params/params/...``) is ``pattern``, or matches it
-  as a glob; then the intermediates named so."""
+  as a glob; of those, the parameters if any match (a glob such as
+  ``*Block_*/kernel`` also matches the optimizer state's paths); else the
+  intermediates named so."""
   exact = [v for v in plan.inputs if pattern in (v.name, path_str(v.name))]
   if exact:
     return exact
   found = [v for v in plan.inputs if fnmatch.fnmatchcase(v.name, pattern) or
            fnmatch.fnmatchcase(path_str(v.name), pattern)]
+  params = {r.value.name for r in param_rows(plan)}
+  if any(v.name in params for v in found):
+    found = [v for v in found if v.name in params]
   if found:
     return found
   return [v for v in plan.intermediates if fnmatch.fnmatchcase(v.name, pattern)]
@@ -128,11 +158,14 @@ def _replanner(plan: "Plan", what: str) -> Replanner:
         f"from JSON, or one a method other than ShardParallel made). Fix: call it on "
         f"the plan from step.plan(*args) with a ShardParallel step (or `autopar "
         f"explain plan.json PATH --step module:function --args module:make_args`).")
+  plan.replan.step()          # (the step must still be there)
   return plan.replan
 
 
 def cost_if(plan: "Plan", pins: Mapping[str, Any]) -> CostIf:
-  """The plan re-solved with ``pins`` (input path or glob -> spec) added."""
+  """The plan re-solved with ``pins`` (input path or glob -> spec) added; a
+  glob pins the parameters it matches (not their optimizer state), or the
+  inputs it matches if it matches no parameter."""
   r = _replanner(plan, "cost_if")
   exact = {}
   for pattern, spec in pins.items():
@@ -156,7 +189,7 @@ def _candidate(r: Replanner, leaf: "ValuePlan", spec) -> Candidate:
   return Candidate(spec, p.objective, comm, p.objective - comm, p.memory_per_device)
 
 
-def explain(plan: "Plan", pattern: str, max_candidates: int = 16) -> Explanation:
+def explain(plan: "Plan", pattern: str, *, max_candidates: int = 16) -> Explanation:
   """Why the leaf ``pattern`` names has its spec (see the module docstring)."""
   leaves = find_leaves(plan, pattern)
   if not leaves:
@@ -172,7 +205,9 @@ def explain(plan: "Plan", pattern: str, max_candidates: int = 16) -> Explanation
   specs = enumerate_specs(leaf.shape, plan.mesh_axis_names, plan.axis_sizes)
   if not any(same_spec(s, leaf.spec) for s in specs):
     specs = [leaf.spec] + list(specs)
-  specs = sorted(specs, key=lambda s: not same_spec(s, leaf.spec))[:max_candidates]
+  specs = sorted(specs, key=lambda s: not same_spec(s, leaf.spec))
+  left_out = max(0, len(specs) - max_candidates)
+  specs = specs[:max_candidates]
   comm = sum(row["seconds"] for row in collective_rows(plan))
   candidates = []
   for s in specs:
@@ -181,8 +216,11 @@ def explain(plan: "Plan", pattern: str, max_candidates: int = 16) -> Explanation
                                   plan.memory_per_device, "chosen"))
     else:
       candidates.append(_candidate(r, leaf, s))
+  decided = _decided_by(plan, r, leaf, candidates)
+  if left_out:
+    decided += f" (among the first {max_candidates} specs; {left_out} more not tried)"
   return Explanation(leaf.name, tuple(leaf.shape), leaf.spec, tuple(candidates),
-                     _decided_by(plan, r, leaf, candidates), also)
+                     decided, also)
 
 
 def _decided_by(plan, r: Replanner, leaf, candidates) -> str:
@@ -191,19 +229,24 @@ def _decided_by(plan, r: Replanner, leaf, candidates) -> str:
   chosen = candidates[0]
   others = [c for c in candidates[1:] if c.objective is not None]
   budget = (plan.costs or {}).get("memory_budget_per_device")
+  over = [c for c in candidates[1:] if c.objective is None and "memory" in c.error]
   if not others:
-    return "the only spec with a plan"
+    return "the only spec with a plan" + (
+        f" ({len(over)} other(s) exceed the memory budget)" if over else "")
   best = min(others, key=lambda c: c.objective)
   if best.objective < chosen.objective * (1 - 1e-6):
-    if budget and best.memory > budget:
-      return (f"the memory budget ({format_bytes(budget)}): {canonical_str(best.spec)} "
-              f"is cheaper but needs {format_bytes(best.memory)} per device")
-    return (f"the leaf shares its choice with the repeated layers' leaves of its "
-            f"shape: alone, {canonical_str(best.spec)} would be {_ms(best.objective)}")
+    # Pinned alone, the leaf can leave the choice it shares with the leaves
+    # of its shape and role (the repeated layers'); or the solver stopped
+    # short of the optimum.
+    return (f"not the cheapest by this measure: pinned alone, "
+            f"{canonical_str(best.spec)} plans at {_ms(best.objective)} (the leaf's "
+            f"choice is shared with the leaves like it, or the solver's tolerance)")
   d_comm = best.communication - chosen.communication
   d_other = best.other - chosen.other
   term = ("cheaper communication" if d_comm >= d_other else
           "less compute and resharding")
+  if over and budget:
+    term += f"; {len(over)} spec(s) exceed the memory budget ({format_bytes(budget)})"
   return (f"{term}: the next best, {canonical_str(best.spec)}, costs "
           f"{_ms(best.objective - chosen.objective)} more ({_ms(d_comm)} in "
           f"collectives, {_ms(d_other)} in compute and other)")

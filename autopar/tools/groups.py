@@ -2,15 +2,15 @@
 gradient's and optimizer state's specs beside it, and repeated layers
 collapsed into one row.
 
-A *parameter* is an input leaf that a gradient is taken of: the gradient
-``grad['params']['Block_3']['kernel']`` belongs to the first input whose path
-ends with ``['params']['Block_3']['kernel']`` and has its shape
-(``state.params['params']['Block_3']['kernel']``); later inputs ending the
-same way are its optimizer state, named by the last part of what comes
-before (``state.opt_state[0].mu...`` -> ``mu``). Rows whose paths differ
-only in their numbers (``Block_0`` ... ``Block_95``, ``layers[0]`` ...) and
+A *parameter* is an input leaf a gradient is taken of: the plan records
+which (``Plan.grad_inputs``: the leaf whose path ends with the gradient's,
+of its shape, that the gradient computation reads). The other inputs whose
+paths end with the gradient's path (``state.opt_state[0].mu['params']...``
+for ``grad['params']...``) are its optimizer state, named by the last part
+of what comes before (``mu``), whatever their shape. Rows whose names differ
+only in their numbers (``Block_0`` ... ``Block_95``, ``layers/0`` ...) and
 that have the same shapes and specs are one :class:`Group`, shown as
-``Block_{0..95}``.
+``Block_{0..95}`` when they are every combination of their numbers.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import dataclasses
 import re
 from typing import TYPE_CHECKING, Sequence
 
+from autopar.pytrees import ends_with_key
 from autopar.tools.text import canonical_str
 
 if TYPE_CHECKING:
@@ -27,13 +28,21 @@ if TYPE_CHECKING:
 __all__ = ["Row", "Group", "param_rows", "other_rows", "collapse", "collapsed_name",
            "path_str", "ranges_str"]
 
-_TOKEN = re.compile(r"\['([^']*)'\]|\[(\d+)\]|\.([A-Za-z_]\w*)|^([A-Za-z_]\w*)")
+_TOKEN = re.compile(r"\['((?:[^'\\]|\\.)*)'\]|\[\"((?:[^\"\\]|\\.)*)\"\]|\[([^\]]*)\]"
+                    r"|\.([A-Za-z_]\w*)|^([A-Za-z_]\w*)")
 
 
 def path_str(path: str) -> str:
   """A pytree key path (``"['params']['Block_0']['kernel']"``, ``"x.y[0]"``)
-  as ``params/Block_0/kernel``."""
-  parts = [next(g for g in m.groups() if g is not None) for m in _TOKEN.finditer(path)]
+  as ``params/Block_0/kernel``; text it cannot read is kept as it is."""
+  parts, pos = [], 0
+  for m in _TOKEN.finditer(path):
+    if m.start() > pos:
+      parts.append(path[pos:m.start()])
+    parts.append(next(g for g in m.groups() if g is not None))
+    pos = m.end()
+  if pos < len(path):
+    parts.append(path[pos:])
   return "/".join(parts) if parts else path
 
 
@@ -68,44 +77,69 @@ class Group:
     return len(self.rows)
 
 
-def param_rows(plan: Plan) -> list[Row]:
-  """One row per parameter (an input with a gradient), in input order."""
-  suffixes = {}
-  for g in plan.grads:
-    suffix = g.name[len("grad"):] if g.name.startswith("grad") else g.name
-    suffixes.setdefault(suffix, g)
-  by_suffix: dict[str, list[ValuePlan]] = {}
-  for v in plan.inputs:
-    s = _suffix_of(v, suffixes)
-    if s is not None:
-      by_suffix.setdefault(s, []).append(v)
+def param_rows(plan: "Plan") -> list[Row]:
+  """One row per parameter (an input a gradient is taken of), in input
+  order, named by its path without the prefix all parameters share."""
+  by_name = {v.name: v for v in plan.inputs}
+  params: dict[str, tuple] = {}              # parameter path -> (leaf, grad, suffix)
+  for g, grad in enumerate(plan.grads):
+    suffix = grad.name[len("grad"):] if grad.name.startswith("grad") else grad.name
+    path = plan.grad_inputs[g] if g < len(plan.grad_inputs) else _guess(plan, grad, suffix)
+    if path in by_name and path not in params:
+      params[path] = (by_name[path], grad, suffix)
+  taken = set(params)
   rows = []
-  for s, values in by_suffix.items():
-    param, *state = values
-    rows.append(Row(name=path_str(s), value=param, grad=suffixes[s],
-                    state=tuple((_role(v.name[:len(v.name) - len(s)]), v)
-                                for v in state)))
+  for path, (leaf, grad, suffix) in params.items():
+    state = []
+    for v in plan.inputs:
+      if v.name not in taken and ends_with_key(v.name, suffix):
+        state.append((_role(v.name[:len(v.name) - len(suffix)]), v))
+    taken.update(v.name for _, v in state)
+    rows.append(Row(name=path_str(path), value=leaf, grad=grad, state=tuple(state)))
   order = {v.name: k for k, v in enumerate(plan.inputs)}
-  return sorted(rows, key=lambda r: order[r.value.name])
+  rows.sort(key=lambda r: order[r.value.name])
+  common = _common_prefix([r.name for r in rows])
+  if common and len(rows) > 1:
+    rows = [dataclasses.replace(r, name=r.name[len(common) + 1:]) for r in rows]
+  return rows
 
 
-def other_rows(plan: Plan) -> list[Row]:
+def params_prefix(rows: Sequence[Row]) -> str:
+  """The path prefix the parameter rows' names leave out."""
+  if len(rows) < 2:
+    return ""
+  return _common_prefix([path_str(r.value.name) for r in rows])
+
+
+def other_rows(plan: "Plan", params: Sequence[Row] | None = None) -> list[Row]:
   """The inputs that are neither parameters nor their optimizer state (the
   batch, step counters)."""
-  params = param_rows(plan)
+  params = param_rows(plan) if params is None else params
   taken = {r.value.name for r in params} | {v.name for r in params for _, v in r.state}
   return [Row(name=path_str(v.name), value=v) for v in plan.inputs if v.name not in taken]
 
 
-def _suffix_of(v: ValuePlan, suffixes) -> str | None:
-  """The longest gradient path ``v``'s path ends with, for a leaf of its
-  shape."""
-  best = None
-  for s, g in suffixes.items():
-    if v.name.endswith(s) and tuple(g.shape) == tuple(v.shape) and (
-        best is None or len(s) > len(best)):
-      best = s
-  return best
+def _guess(plan: "Plan", grad: "ValuePlan", suffix: str) -> str:
+  """For a plan that does not record it (an older plan): the first input of
+  the gradient's shape whose path ends with the gradient's."""
+  for v in plan.inputs:
+    if tuple(v.shape) == tuple(grad.shape) and ends_with_key(v.name, suffix):
+      return v.name
+  return ""
+
+
+def _common_prefix(names: Sequence[str]) -> str:
+  """The leading ``/``-separated components all ``names`` share (not the
+  last component of any)."""
+  if not names:
+    return ""
+  split = [n.split("/") for n in names]
+  common = []
+  for parts in zip(*(p[:-1] for p in split)):
+    if len(set(parts)) != 1:
+      break
+    common.append(parts[0])
+  return "/".join(common)
 
 
 def _role(prefix: str) -> str:
@@ -116,15 +150,40 @@ def _role(prefix: str) -> str:
 
 def collapse(rows: Sequence[Row]) -> list[Group]:
   """Rows grouped by the pattern of their names (numbers taken out) and
-  their signature, in order of first appearance."""
+  their signature, in order of first appearance; a group whose numbers do
+  not fill every combination of their ranges is split, so that its name
+  (``Block_{0..3}/head_{0..1}``) names exactly its members."""
   groups: dict[tuple, list[Row]] = {}
   for r in rows:
     pattern = re.sub(r"\d+", "#", r.name)
     groups.setdefault((pattern, r.signature), []).append(r)
   out = []
   for (pattern, _), members in groups.items():
-    out.append(Group(name=collapsed_name(pattern, [m.name for m in members]), rows=tuple(members)))
+    for part in _full_products(members):
+      out.append(Group(name=collapsed_name(pattern, [m.name for m in part]),
+                       rows=tuple(part)))
+  position = {id(r): k for k, r in enumerate(rows)}
+  out.sort(key=lambda g: position[id(g.rows[0])])
   return out
+
+
+def _full_products(members: Sequence[Row]) -> list[list[Row]]:
+  """``members`` as one list if their numbers are every combination of
+  the values at each position, else split by all positions but the last
+  that varies (each part then varies in one position only)."""
+  numbers = [tuple(int(x) for x in re.findall(r"\d+", m.name)) for m in members]
+  sets = [set(col) for col in zip(*numbers)]
+  size = 1
+  for values in sets:
+    size *= len(values)
+  if size == len(set(numbers)):
+    return [list(members)]
+  varying = [i for i, values in enumerate(sets) if len(values) > 1]
+  last = varying[-1]
+  parts: dict[tuple, list[Row]] = {}
+  for m, ns in zip(members, numbers, strict=True):
+    parts.setdefault(ns[:last] + ns[last + 1:], []).append(m)
+  return list(parts.values())
 
 
 def collapsed_name(pattern: str, names: Sequence[str]) -> str:

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import html
 import itertools
-from typing import TYPE_CHECKING, Sequence
+import math
+from typing import TYPE_CHECKING, Any, Sequence
 
 from autopar.pipeline.schedule import Task, simulate, stage_tasks
-from autopar.tools.groups import collapse, other_rows, param_rows
-from autopar.tools.summary import collective_rows, group_rows, memory_by_kind, solver_lines
-from autopar.tools.text import format_bytes, spec_str
+from autopar.tools.groups import collapse, other_rows, param_rows, params_prefix
+from autopar.tools.summary import (collective_rows, group_rows, input_sizes, memory_by_kind,
+                                   solver_lines)
+from autopar.tools.text import canonical_str, format_bytes, spec_str
 
 if TYPE_CHECKING:
   from autopar.plan import Plan
@@ -64,7 +66,7 @@ def sharding_svg(spec, rank: int, mesh_shape: Sequence[int],
   entries = (list(spec) + [None] * rank)[:rank]
   pos = {a: i for i, a in enumerate(mesh_names)}
   rows = mesh_shape[0] if len(mesh_shape) > 1 else 1
-  cols = max(1, len(list(itertools.product(*[range(s) for s in mesh_shape]))) // rows)
+  cols = max(1, math.prod(mesh_shape) // rows)
   cell_w, cell_h = max(30, 14 + 9 * (3 * rank)), 26
   blocks: dict[tuple, int] = {}
   cells = []
@@ -118,24 +120,20 @@ def _stages_svg(plan: "Plan") -> str:
   """Each device of the mesh coloured by the stage that runs on it."""
   shape = plan.mesh_shape
   rows = shape[0] if len(shape) > 1 else 1
-  total = 1
-  for s in shape:
-    total *= s
+  total = math.prod(shape)
   cols = total // rows
   owner = {}
   for st in plan.stages:
-    n = 1
-    for s in st.submesh_shape:
-      n *= s
-    for d in range(st.submesh_offset, st.submesh_offset + n):
+    for d in range(st.submesh_offset, st.submesh_offset + math.prod(st.submesh_shape)):
       owner[d] = st.index
   cells = []
   for d in range(total):
     r, c = divmod(d, cols)
     s = owner.get(d)
     colour = _COLOURS[s % len(_COLOURS)] if s is not None else "#fff"
+    label = "-" if s is None else f"s{s}"
     cells.append(f"<rect x='{c * 40}' y='{r * 26}' width='38' height='24' fill='{colour}' "
-                 f"stroke='#555'/><text x='{c * 40 + 4}' y='{r * 26 + 16}'>s{s}</text>")
+                 f"stroke='#555'/><text x='{c * 40 + 4}' y='{r * 26 + 16}'>{label}</text>")
   return (f"<svg width='{cols * 40}' height='{rows * 26}' role='img'>{''.join(cells)}"
           f"</svg>")
 
@@ -167,7 +165,7 @@ def _timeline_svg(plan: "Plan") -> str:
           f"<p>bubble on these times: {tl.bubble:.1%}</p>")
 
 
-def to_html(plan: "Plan", title: str = "autopar plan") -> str:
+def to_html(plan: "Plan", *, title: str = "autopar plan") -> str:
   """The report as HTML text (see the module docstring)."""
   sizes = plan.axis_sizes
   names, shape = tuple(plan.mesh_axis_names), tuple(plan.mesh_shape)
@@ -183,16 +181,21 @@ def to_html(plan: "Plan", title: str = "autopar plan") -> str:
     out.append("<h3>Stages on the mesh</h3>" + _stages_svg(plan))
     out.append(f"<h3>Schedule ({_e(plan.schedule)})</h3>" + _timeline_svg(plan))
 
-  pictures: dict[tuple, str] = {}      # (spec, rank) -> picture id
+  # One picture per distinct (spec, rank, mesh it is over).
+  pictures: dict[tuple, str] = {}
+  over = {v.name: tuple(shape) for v, (_, shape, _) in
+          zip(plan.inputs, plan.placements(), strict=True)}
+  specs: dict[tuple, Any] = {}
 
   def pic(v) -> str:
-    key = (spec_str(v.spec), len(v.shape))
+    key = (canonical_str(v.spec), len(v.shape), over.get(v.name, shape))
     if key not in pictures:
       pictures[key] = f"sharding-{len(pictures)}"
+      specs[key] = v.spec
     return pictures[key]
 
-  params = collapse(param_rows(plan))
-  others = collapse(other_rows(plan))
+  rows_ = param_rows(plan)
+  params, others = collapse(rows_), collapse(other_rows(plan, rows_))
   specs_of = {}
   for g in params + others:
     specs_of[g.name] = [pic(g.first.value)]
@@ -203,21 +206,26 @@ def to_html(plan: "Plan", title: str = "autopar plan") -> str:
                                    ("Other inputs", others, False)):
     if not groups:
       continue
-    rows = group_rows(groups, sizes, params=is_param)
+    rows = group_rows(groups, plan, params=is_param,
+                      prefix=params_prefix(rows_) if is_param else "")
     rows = [rows[0] + ("pictures",)] + [
-        r + (", ".join(dict.fromkeys(specs_of[g.name])),) for g, r in zip(groups, rows[1:])]
-    details = [_details(g, sizes) for g in groups]
+        r + (", ".join(dict.fromkeys(specs_of[g.name])),)
+        for g, r in zip(groups, rows[1:], strict=True)]
+    details = [_details(g, plan) for g in groups]
     out.append(f"<h2>{title_}</h2>" + _table(rows, details))
 
   out.append("<h2>Shardings</h2><div class='pics'>")
-  for (spec, rank), pid in pictures.items():
-    value_spec = next(v for g in params + others for v in _values(g.first)
-                      if spec_str(v.spec) == spec and len(v.shape) == rank).spec
+  for key, pid in pictures.items():
+    spec, rank, mesh_shape = key
+    where = "" if mesh_shape == shape else f", on a {'x'.join(map(str, mesh_shape))} submesh"
     out.append(f"<div class='pic' id='{pid}'><b>{pid}</b>: <code>{_e(spec)}</code>, "
-               f"rank {rank}<br>{sharding_svg(value_spec, rank, shape, names)}</div>")
-  out.append("</div><p>Each cell is a device (first mesh axis down, the others "
-             "across), labelled with the index of the block it holds per array "
-             "dimension (* : the whole dimension); one colour, one block.</p>")
+               f"rank {rank}{where}<br>"
+               f"{sharding_svg(specs[key], rank, mesh_shape, names)}</div>")
+  out.append("</div><p>Each cell is a device: with a mesh of two or more axes the "
+             "first axis runs down and the others, flattened, across (mesh axes: "
+             f"{_e(', '.join(f'{n}={s}' for n, s in sizes.items()))}); a one-axis mesh "
+             "is one row. A cell is labelled with the index of the block it holds per "
+             "array dimension (* : the whole dimension); one colour, one block.</p>")
 
   coll = collective_rows(plan)
   out.append("<h2>Collectives per step</h2>")
@@ -249,13 +257,15 @@ def _values(row):
     yield s
 
 
-def _details(group, sizes) -> str:
+def _details(group, plan: "Plan") -> str:
   """The group's leaves, each with its spec and bytes per device, in a
   ``<details>`` element (opened by a click)."""
+  sizes = input_sizes(plan)
   items = []
   for r in group.rows:
     for v in _values(r):
+      b = v.bytes_per_device(sizes.get(v.name, plan.axis_sizes))
       items.append(f"<tr><td><code>{_e(v.name)}</code></td><td>{_e(spec_str(v.spec))}</td>"
-                   f"<td>{_e(format_bytes(v.bytes_per_device(sizes)))}</td></tr>")
+                   f"<td>{_e(format_bytes(b))}</td></tr>")
   return (f"<details><summary>{len(items)} leaves</summary><table><tr><th>leaf</th>"
           f"<th>spec</th><th>bytes/device</th></tr>{''.join(items)}</table></details>")

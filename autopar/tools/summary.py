@@ -13,48 +13,64 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 from autopar.cost_model import MeshCost
-from autopar.tools.groups import Group, collapse, other_rows, param_rows
-from autopar.tools.text import format_bytes, format_rows, same_spec, spec_str
+from autopar.tools.groups import Group, collapse, other_rows, param_rows, params_prefix
+from autopar.tools.text import canonical_str, format_bytes, format_rows, same_spec
 
 if TYPE_CHECKING:
   from autopar.plan import Plan
 
-__all__ = ["summary", "solver_lines", "collective_rows", "memory_by_kind", "group_rows"]
+__all__ = ["summary", "solver_lines", "collective_rows", "memory_by_kind", "group_rows",
+           "input_sizes"]
 
 
-def summary(plan: Plan) -> str:
+def summary(plan: "Plan") -> str:
+  """The plan on one screen (see the module docstring)."""
   sizes = plan.axis_sizes
   mesh = " x ".join(f"{n}={s}" for n, s in sizes.items())
   lines = plan.stage_table() if plan.stages else []
+  split = ("per stage (the table above)" if plan.stages else
+           f"over {_axes(plan.batch_axes)}")
   lines.append(f"autopar plan: {plan.method} on mesh ({mesh}), "
-               f"{plan.num_micro_batches} micro-batch(es), batch split over "
-               f"{_axes(plan.batch_axes)}; objective {plan.objective:.4g} s (estimated)")
-  params = collapse(param_rows(plan))
+               f"{plan.num_micro_batches} micro-batch(es), batch split {split}; "
+               f"objective {plan.objective:.4g} s (estimated)")
+  rows = param_rows(plan)
+  params, others = collapse(rows), collapse(other_rows(plan, rows))
   if params:
     lines.append("")
-    lines += format_rows(group_rows(params, sizes, params=True))
-  others = collapse(other_rows(plan))
+    lines += format_rows(group_rows(params, plan, params=True,
+                                    prefix=params_prefix(rows)))
   if others:
     lines.append("")
-    lines += format_rows(group_rows(others, sizes, params=False))
+    lines += format_rows(group_rows(others, plan, params=False))
   if plan.hints:
     lines.append("")
     lines.append(f"sharding hints kept: {len(plan.hints)} (summary(full=True) lists them)")
   lines.append("")
-  rows = collective_rows(plan)
-  if rows:
+  coll = collective_rows(plan)
+  if coll:
     lines.append("collectives per step (predicted time from the costs below):")
     lines += format_rows([("stage", "kind", "axes", "count", "bytes/device", "time")] +
-                     [(r["stage"], r["kind"], _axes(r["axes"]), str(r["count"]),
-                       format_bytes(r["bytes"]), _seconds(r["seconds"])) for r in rows])
+                         [(r["stage"], r["kind"], _axes(r["axes"]), str(r["count"]),
+                           format_bytes(r["bytes"]), _seconds(r["seconds"]))
+                          for r in coll])
+  elif plan.stages:
+    lines.append("collectives: inside each stage's predicted time (the table above)")
   else:
     lines.append("collectives per step: none")
   lines.append("")
-  memory = memory_by_kind(plan)
+  memory = memory_by_kind(plan, rows)
   lines.append("memory per device: " + ", ".join(
       f"{k} {format_bytes(v)}" for k, v in memory.items()))
   lines += solver_lines(plan)
   return "\n".join(lines)
+
+
+def input_sizes(plan: "Plan") -> dict[str, dict[str, int]]:
+  """Input name -> the axis sizes its spec is over: the mesh's, or in a
+  pipeline the submesh of the stage that holds it."""
+  names = plan.mesh_axis_names
+  return {v.name: dict(zip(names, shape, strict=True))
+          for v, (_, shape, _) in zip(plan.inputs, plan.placements(), strict=True)}
 
 
 def solver_lines(plan: "Plan") -> list[str]:
@@ -64,9 +80,13 @@ def solver_lines(plan: "Plan") -> list[str]:
     s = plan.solver
     lines.append(f"solver: {s.solver} ({s.status}) in {s.seconds:.3g} s; "
                  f"{s.num_variables} variables, {s.num_constraints} constraints, "
-                 f"{s.num_equations} equations, {s.num_classes} classes; planning "
-                 f"{s.timings.get('total', s.seconds):.3g} s")
-  if plan.costs:
+                 f"{s.num_equations} equations, {s.num_classes} classes")
+    if s.timings:
+      lines.append("planning time: " + ", ".join(f"{k} {v:.2f} s"
+                                                 for k, v in s.timings.items()))
+  if not plan.costs:
+    lines.append("costs: not recorded in this plan (times above use the defaults)")
+  else:
     c = plan.costs
     budget = c.get("memory_budget_per_device")
     lines.append("costs assumed: " + f"{c['seconds_per_flop']:.3g} s/flop; " + "; ".join(
@@ -76,23 +96,29 @@ def solver_lines(plan: "Plan") -> list[str]:
   return lines
 
 
-def group_rows(groups: Sequence[Group], sizes, params: bool) -> list[tuple]:
+def group_rows(groups: Sequence[Group], plan: "Plan", *, params: bool,
+               prefix: str = "") -> list[tuple]:
   """The table rows of ``groups``: for parameters, the spec of each, its
   gradient's and its state's, and bytes per device (all copies)."""
+  sizes = input_sizes(plan)
+
+  def nbytes(v) -> int:
+    return v.bytes_per_device(sizes.get(v.name, plan.axis_sizes))
+  first = f"parameter (under {prefix})" if prefix else "parameter"
   if params:
-    header = ("parameter", "n", "shape", "dtype", "spec", "grad", "state", "bytes/device")
+    header = (first, "n", "shape", "dtype", "spec", "grad", "state", "bytes/device")
   else:
     header = ("other input", "n", "shape", "dtype", "spec", "bytes/device")
   rows = [header]
   for g in groups:
     r = g.first
     v = r.value
-    b = sum(x.value.bytes_per_device(sizes) + (x.grad.bytes_per_device(sizes)
-                                                if x.grad is not None else 0) +
-            sum(s.bytes_per_device(sizes) for _, s in x.state) for x in g.rows)
-    common = (g.name, str(len(g)), str(tuple(v.shape)), v.dtype, spec_str(v.spec))
+    b = sum(nbytes(x.value) + (nbytes(x.grad) if x.grad is not None else 0) +
+            sum(nbytes(s) for _, s in x.state) for x in g.rows)
+    common = (g.name, str(len(g)), str(tuple(v.shape)), v.dtype, canonical_str(v.spec))
     if params:
-      grad = "=" if r.grad is None or same_spec(r.grad.spec, v.spec) else spec_str(r.grad.spec)
+      grad = ("=" if r.grad is None or same_spec(r.grad.spec, v.spec) else
+              canonical_str(r.grad.spec))
       rows.append(common + (grad, _state(r), format_bytes(b)))
     else:
       rows.append(common + (format_bytes(b),))
@@ -104,7 +130,7 @@ def _state(row) -> str:
     return "-"
   if all(same_spec(s.spec, row.value.spec) for _, s in row.state):
     return ", ".join(r for r, _ in row.state) + " ="
-  return ", ".join(f"{r} {spec_str(s.spec)}" for r, s in row.state)
+  return ", ".join(f"{r} {canonical_str(s.spec)}" for r, s in row.state)
 
 
 def collective_rows(plan: Plan) -> list[dict]:
@@ -124,16 +150,19 @@ def collective_rows(plan: Plan) -> list[dict]:
   return list(out.values())
 
 
-def memory_by_kind(plan: Plan) -> dict[str, int]:
+def memory_by_kind(plan: "Plan", params: Sequence | None = None) -> dict[str, int]:
   """Bytes per device: parameters and optimizer state, gradients, the
   batch and other inputs, and the rest of the plan's estimate (activations
-  at the peak, as the plan estimates them)."""
+  at the peak). For a pipeline, the largest stage's total (each stage's is
+  in the stage table)."""
+  if plan.stages:
+    return {"largest stage": plan.memory_per_device}
   sizes = plan.axis_sizes
-  params = param_rows(plan)
+  params = param_rows(plan) if params is None else params
   state = sum(r.value.bytes_per_device(sizes) +
               sum(s.bytes_per_device(sizes) for _, s in r.state) for r in params)
   grads = sum(g.bytes_per_device(sizes) for g in plan.grads)
-  other = sum(r.value.bytes_per_device(sizes) for r in other_rows(plan))
+  other = sum(r.value.bytes_per_device(sizes) for r in other_rows(plan, params))
   rest = max(0, plan.memory_per_device - state - grads - other)
   return {"state": state, "gradients": grads, "batch and other inputs": other,
           "activations at the peak": rest, "total": plan.memory_per_device}

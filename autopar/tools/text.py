@@ -10,6 +10,7 @@ __all__ = ["format_bytes", "spec_str", "same_spec", "canonical_str", "format_row
 
 
 def format_bytes(n: float) -> str:
+  """``n`` bytes in B, KiB, MiB, GiB or TiB."""
   for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
     if abs(n) < 1024 or unit == "TiB":
       return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
@@ -18,6 +19,7 @@ def format_bytes(n: float) -> str:
 
 
 def spec_str(spec: PartitionSpec) -> str:
+  """``spec`` as ``P('data', None)``."""
   entries = []
   for e in spec:
     if e is None:
@@ -48,7 +50,9 @@ def _canonical(spec) -> tuple:
 
 
 def format_rows(rows: Sequence[Sequence[str]]) -> list[str]:
+  """``rows`` (the first a header) as aligned lines, a rule under the header."""
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-  out = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+  out = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+         for r in rows]
   out.insert(1, "  ".join("-" * w for w in widths))
   return out
