@@ -7,6 +7,7 @@ chooses a sharding for every array on the mesh, and runs it.
 """
 
 from autopar.api import ParallelizedFunction, parallelize
+from autopar.calibrate import calibrate
 from autopar.cluster import (ClusterError, RemoteArray, global_mesh, init,
                              shutdown)
 from autopar.errors import (AutoparError, InputError, MarkerError, MeshError,
@@ -30,5 +31,6 @@ __all__ = [
     "PipeshardParallel", "mark_pipeline_boundary",
     "AutoShardingOption", "Plan", "AutoparError", "InputError", "MarkerError",
     "MeshError", "PlanError", "ClusterError", "init", "shutdown", "global_mesh",
-    "RemoteArray", "save_checkpoint", "restore_checkpoint", "diff", "nn", "__version__",
+    "RemoteArray", "save_checkpoint", "restore_checkpoint", "diff", "calibrate", "nn",
+    "__version__",
 ]

@@ -33,6 +33,7 @@ from autopar.method import (ParallelMethod, PipeshardParallel, ShardParallel, au
 from autopar.cost_model import dtype_name
 from autopar.plan import Plan, ValuePlan
 from autopar.pytrees import Partition
+from autopar.calibrate import measured_option
 from autopar.remat import remat_mode
 from autopar.tools.explain import Replanner
 from autopar.planner import Progress, batch_axes_for, plan_auto, plan_preset
@@ -281,6 +282,7 @@ class ParallelizedFunction:
   def _pipeline(self, prep: _Prepared):
     """(prepared trace, plan, (cut, choices)) of a PipeshardParallel step."""
     if prep.key not in self._pipelines:
+      self._measured_costs()
       method = self.method
       mesh = resolve_mesh(method)
       with _gc_paused():
@@ -310,7 +312,16 @@ class ParallelizedFunction:
           else None))
     return self._shard_delegate
 
+  def _measured_costs(self) -> None:
+    """With ``AutoShardingOption(costs="measured")``: the method's option
+    takes the mesh's calibration (once)."""
+    option = getattr(self.method, "option", None)
+    if option is not None and option.costs == "measured":
+      self.method = dataclasses.replace(
+          self.method, option=measured_option(option, resolve_mesh(self.method)))
+
   def _plan_uncached(self, prep: _Prepared) -> tuple[Plan, int]:
+    self._measured_costs()
     method = self.method
     if isinstance(method, PipeshardParallel):
       one = self._one_stage(prep)

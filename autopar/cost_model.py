@@ -146,7 +146,8 @@ def assumed_costs(axis_sizes: Mapping[str, int], option=None) -> dict:
   return {"seconds_per_flop": float(getattr(option, "seconds_per_flop", 1e-12)),
           "alpha": {a: float(alpha.get(a, DEFAULT_ALPHA)) for a in axis_sizes},
           "beta": {a: float(beta.get(a, DEFAULT_BETA)) for a in axis_sizes},
-          "memory_budget_per_device": None if budget is None else float(budget)}
+          "memory_budget_per_device": None if budget is None else float(budget),
+          "device_kind": getattr(option, "device_kind", None)}
 
 
 def ring_bytes_sent(kind: str, operand_bytes: float, group: int) -> float:

@@ -110,6 +110,13 @@ class AutoShardingOption:
       P(None, "model")}``; paths as ``plan.inputs`` names them. The rest is
       planned around them. The new state returned in place of a pinned
       donated leaf gets the same spec.
+    costs: None (default): mesh_alpha, mesh_beta and seconds_per_flop as
+      given; "measured": from ``autopar.calibrate(mesh)`` (measured on the
+      first plan for a mesh of real devices and kept on disk; for an
+      AbstractMesh, a calibration kept for ``device_kind`` and that mesh).
+      Axes given in mesh_alpha / mesh_beta keep their given values.
+    device_kind: the devices' kind (``jax.Device.device_kind``) for an
+      AbstractMesh with ``costs="measured"``.
 
   Example::
 
@@ -129,8 +136,17 @@ class AutoShardingOption:
   plan_cache: bool = True
   verbose: bool | None = None
   pins: Any = None
+  costs: str | None = None
+  device_kind: str | None = None
 
   def __post_init__(self):
+    if self.costs not in (None, "measured"):
+      raise InputError(f"AutoShardingOption: costs={self.costs!r}; expected None (the "
+                       f"α, β and seconds per flop given) or 'measured' (from "
+                       f"autopar.calibrate).")
+    if self.device_kind is not None and not isinstance(self.device_kind, str):
+      raise InputError(f"AutoShardingOption: device_kind={self.device_kind!r}; expected "
+                       f"a device kind name (jax.Device.device_kind) or None.")
     object.__setattr__(self, "pins", _as_pins(self.pins))
     object.__setattr__(self, "mesh_alpha", _as_items(self.mesh_alpha, "mesh_alpha"))
     object.__setattr__(self, "mesh_beta", _as_items(self.mesh_beta, "mesh_beta"))

@@ -92,7 +92,8 @@ def solver_lines(plan: "Plan") -> list[str]:
     lines.append("costs assumed: " + f"{c['seconds_per_flop']:.3g} s/flop; " + "; ".join(
         f"{a}: alpha {c['alpha'][a]:.3g} s, {1 / c['beta'][a] / 1e9:.3g} GB/s"
         for a in plan.axis_sizes if c["beta"].get(a)) +
-        (f"; memory budget {format_bytes(budget)}" if budget else ""))
+        (f"; memory budget {format_bytes(budget)}" if budget else "") +
+        (f"; device kind {c['device_kind']}" if c.get("device_kind") else ""))
   return lines
 
 
