@@ -34,6 +34,7 @@ from autopar.cost_model import dtype_name
 from autopar.plan import Plan, ValuePlan
 from autopar.pytrees import Partition
 from autopar.calibrate import measured_option
+from autopar.devices import dominant_float_dtype, hardware_option
 from autopar.remat import remat_mode
 from autopar.tools.explain import Replanner
 from autopar.planner import Progress, batch_axes_for, plan_auto, plan_preset
@@ -173,6 +174,7 @@ class ParallelizedFunction:
     # Without a symbolic split: one concrete trace to compare others with.
     self._reference: dict[Any, Any] = {}      # key -> TracedStep
     self._lock = threading.Lock()
+    self._costs_resolved = False
     functools.update_wrapper(self, fun)
 
   @property
@@ -282,7 +284,7 @@ class ParallelizedFunction:
   def _pipeline(self, prep: _Prepared):
     """(prepared trace, plan, (cut, choices)) of a PipeshardParallel step."""
     if prep.key not in self._pipelines:
-      self._measured_costs()
+      self._resolve_costs(prep)
       method = self.method
       mesh = resolve_mesh(method)
       with _gc_paused():
@@ -312,16 +314,25 @@ class ParallelizedFunction:
           else None))
     return self._shard_delegate
 
-  def _measured_costs(self) -> None:
-    """With ``AutoShardingOption(costs="measured")``: the method's option
-    takes the mesh's calibration (once)."""
+  def _resolve_costs(self, prep: _Prepared) -> None:
+    """The method's option takes its costs from the hardware (once): the
+    mesh's calibration with ``costs="measured"``, else the device kind's
+    figures (``devices.py``) for axes and rates not given by hand."""
     option = getattr(self.method, "option", None)
-    if option is not None and option.costs == "measured":
-      self.method = dataclasses.replace(
-          self.method, option=measured_option(option, resolve_mesh(self.method)))
+    if option is None or self._costs_resolved:
+      return
+    mesh = resolve_mesh(self.method)
+    if option.costs == "measured":
+      option = measured_option(option, mesh)
+    else:
+      dtype = dominant_float_dtype([(dtype_name(l.dtype), math.prod(l.shape))
+                                    for l in prep.leaves])
+      option = hardware_option(option, mesh, dtype)
+    self.method = dataclasses.replace(self.method, option=option)
+    self._costs_resolved = True
 
   def _plan_uncached(self, prep: _Prepared) -> tuple[Plan, int]:
-    self._measured_costs()
+    self._resolve_costs(prep)
     method = self.method
     if isinstance(method, PipeshardParallel):
       one = self._one_stage(prep)

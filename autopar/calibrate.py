@@ -231,4 +231,4 @@ def measured_option(option, mesh):
   return dataclasses.replace(
       option, costs=None, device_kind=cal.device_kind,
       mesh_alpha={**cal.alpha, **option.alpha}, mesh_beta={**cal.beta, **option.beta},
-      seconds_per_flop=(cal.seconds_per_flop[dtype] if dtype else option.seconds_per_flop))
+      seconds_per_flop=(cal.seconds_per_flop[dtype] if dtype else option.flop_seconds))

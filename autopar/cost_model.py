@@ -143,7 +143,7 @@ def assumed_costs(axis_sizes: Mapping[str, int], option=None) -> dict:
   alpha = dict(getattr(option, "alpha", None) or {})
   beta = dict(getattr(option, "beta", None) or {})
   budget = getattr(option, "memory_budget_per_device", None)
-  return {"seconds_per_flop": float(getattr(option, "seconds_per_flop", 1e-12)),
+  return {"seconds_per_flop": float(getattr(option, "flop_seconds", 1e-12)),
           "alpha": {a: float(alpha.get(a, DEFAULT_ALPHA)) for a in axis_sizes},
           "beta": {a: float(beta.get(a, DEFAULT_BETA)) for a in axis_sizes},
           "memory_budget_per_device": None if budget is None else float(budget),

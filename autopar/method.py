@@ -92,7 +92,9 @@ class AutoShardingOption:
     mesh_alpha: mesh axis name -> latency of a collective step along it (s).
     mesh_beta: mesh axis name -> inverse bandwidth along it (s/byte).
     seconds_per_flop: compute cost of one floating-point operation on one
-      device (1e-12: a 1 TFLOP/s device); weighs compute against collectives.
+      device; weighs compute against collectives. None (default): 1 / the
+      peak rate of the device kind for the step's main float dtype, or
+      1e-12 (a 1 TFLOP/s device) where no kind is known.
     max_model_axes: how many mesh axes the solver may use to split values
       inside a micro-batch (tensor parallelism); the other axes split the
       batch. 2 allows 2-D tensor parallelism, at the price of an ILP that is
@@ -115,8 +117,15 @@ class AutoShardingOption:
       first plan for a mesh of real devices and kept on disk; for an
       AbstractMesh, a calibration kept for ``device_kind`` and that mesh).
       Axes given in mesh_alpha / mesh_beta keep their given values.
-    device_kind: the devices' kind (``jax.Device.device_kind``) for an
-      AbstractMesh with ``costs="measured"``.
+    device_kind: the devices' kind ("H100", "A100", "TPU v5p", ...; see
+      ``autopar/devices.py``), read from the devices of a real mesh; for an
+      AbstractMesh, name it to cost each axis from the hardware (and to find
+      a calibration with ``costs="measured"``). Axes not in mesh_alpha /
+      mesh_beta then cost the links inside a node, or between nodes for the
+      axes that cross hosts.
+    devices_per_host: for an AbstractMesh, devices per host in
+      ``jax.devices()`` order, which says which axes cross hosts (None:
+      none do). A real mesh's hosts are read from its devices.
 
   Example::
 
@@ -130,7 +139,7 @@ class AutoShardingOption:
   memory_budget_per_device: int | float | None = None
   mesh_alpha: Any = None
   mesh_beta: Any = None
-  seconds_per_flop: float = 1e-12
+  seconds_per_flop: float | None = None
   max_model_axes: int = 1
   share_layers: bool = True
   plan_cache: bool = True
@@ -138,6 +147,7 @@ class AutoShardingOption:
   pins: Any = None
   costs: str | None = None
   device_kind: str | None = None
+  devices_per_host: int | None = None
 
   def __post_init__(self):
     if self.costs not in (None, "measured"):
@@ -182,6 +192,11 @@ class AutoShardingOption:
   @property
   def pin_map(self) -> dict[str, PartitionSpec]:
     return dict(self.pins or ())
+
+  @property
+  def flop_seconds(self) -> float:
+    """``seconds_per_flop``, or 1e-12 where it is not set."""
+    return 1e-12 if self.seconds_per_flop is None else float(self.seconds_per_flop)
 
   @property
   def alpha(self) -> dict[str, float]:

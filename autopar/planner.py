@@ -470,7 +470,7 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
           batch_leaves=[l.is_batch for l in traced.leaves],
           donation=_apply_donation(local), num_micro_batches=n, batch_axes=S,
           planned_axes=A, sizes=sizes, cost=cost,
-          seconds_per_flop=option.seconds_per_flop,
+          seconds_per_flop=option.flop_seconds,
           allow_all_gather=option.allow_all_gather,
           allow_all_to_all=option.allow_all_to_all,
           memory_budget=option.memory_budget_per_device,
@@ -521,7 +521,7 @@ def _cost_lower_bound(split: SplitStep, matmul_flops, S, A, sizes, cost: MeshCos
   bound = _sync_lower_bound(split, S, A, sizes, cost)
   if matmul_flops is not None:
     compute, apply = matmul_flops(rows)
-    bound += option.seconds_per_flop * (n * compute + apply) / math.prod(
+    bound += option.flop_seconds * (n * compute + apply) / math.prod(
         sizes[a] for a in A)
   return bound
 

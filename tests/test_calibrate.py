@@ -59,3 +59,40 @@ def test_measured_costs_are_planned_with(cache_dir):
     autopar.AutoShardingOption(costs="fast")
   with pytest.raises(autopar.InputError, match="AbstractMesh"):
     autopar.calibrate(abstract)
+
+
+def test_costs_from_the_device_kind():
+  """An AbstractMesh told its device kind and hosts: each axis costs the
+  links it crosses; what the user gives is kept; a real CPU mesh keeps the
+  former defaults."""
+  from autopar.devices import axes_crossing_hosts, device_kind
+  make_state, step, batch = mlp_setup(tx=optax.sgd(0.1))
+  abstract = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
+
+  def costs(mesh, **kw):
+    option = autopar.AutoShardingOption(**kw)
+    args = (jax.eval_shape(make_state), batch)
+    return autopar.parallelize(step, method=autopar.ShardParallel(
+        mesh=mesh, option=option)).plan(*args)
+
+  plan = costs(abstract, device_kind="H100", devices_per_host=4)
+  c = plan.costs
+  assert c["device_kind"] == "H100"
+  assert c["beta"]["data"] == pytest.approx(1 / 50e9)       # crosses hosts: the NIC
+  assert c["beta"]["model"] == pytest.approx(1 / 450e9)     # inside a node: NVLink
+  assert c["alpha"]["data"] > c["alpha"]["model"]
+  assert c["seconds_per_flop"] == pytest.approx(1 / 67e12)  # a float32 step
+  assert "device kind H100" in plan.summary()
+  c = costs(abstract, device_kind="NVIDIA A100-SXM4-80GB", mesh_beta={"data": 1e-8},
+            seconds_per_flop=1e-13).costs
+  assert c["device_kind"] == "A100" and c["beta"]["data"] == 1e-8
+  assert c["beta"]["model"] == pytest.approx(1 / 300e9) and c["seconds_per_flop"] == 1e-13
+  assert costs(abstract).costs["device_kind"] is None        # nothing named: defaults
+  real = costs(jax.make_mesh((2, 4), ("data", "model"))).costs
+  assert real["device_kind"] == "CPU" and real["beta"]["data"] == pytest.approx(1e-10)
+  with pytest.raises(autopar.InputError, match="not a device kind"):
+    costs(abstract, device_kind="Abacus")
+  assert axes_crossing_hosts(jax.sharding.AbstractMesh((4, 2), ("x", "y")), 2) == ("x",)
+  assert axes_crossing_hosts(jax.sharding.AbstractMesh((2, 4), ("x", "y")), 2) == ("x", "y")
+  assert axes_crossing_hosts(abstract, None) == ()
+  assert device_kind("TPU v5 lite").name == "TPU v5e" and device_kind("cpu").name == "CPU"
