@@ -34,14 +34,27 @@ from autopar.method import ParallelMethod, axis_sizes_of
 from autopar.plan import PLAN_FORMAT, Plan
 from autopar.version import __version__
 
-__all__ = ["cache_dir", "fingerprint", "check_fingerprint", "plan_key", "load",
+__all__ = ["cache_root", "cache_dir", "write_atomic", "fingerprint", "check_fingerprint", "plan_key", "load",
            "store", "program_digest"]
 
 
+def cache_root() -> Path:
+  """What autopar keeps on disk: ``$AUTOPAR_CACHE_DIR`` or ``~/.cache/autopar``."""
+  return Path(os.environ.get("AUTOPAR_CACHE_DIR") or Path.home() / ".cache" / "autopar")
+
+
 def cache_dir() -> Path:
-  """Where plans are kept: ``$AUTOPAR_CACHE_DIR/plans`` or ``~/.cache/autopar/plans``."""
-  root = os.environ.get("AUTOPAR_CACHE_DIR") or Path.home() / ".cache" / "autopar"
-  return Path(root) / "plans"
+  """Where plans are kept: ``cache_root() / "plans"``."""
+  return cache_root() / "plans"
+
+
+def write_atomic(path: Path, text: str) -> None:
+  """Writes ``text`` to ``path`` whole or not at all (its directory made)."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+  with os.fdopen(fd, "w") as f:
+    f.write(text)
+  os.replace(tmp, path)
 
 
 def _sha(text: str) -> str:
@@ -184,12 +197,7 @@ def load(key: str) -> Plan | None:
 
 def store(key: str, plan: Plan) -> None:
   """Stores ``plan`` under ``key`` (atomically; errors are ignored)."""
-  directory = cache_dir()
   try:
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-      f.write(plan.to_json(indent=None))
-    os.replace(tmp, directory / f"{key}.json")
+    write_atomic(cache_dir() / f"{key}.json", plan.to_json(indent=None))
   except OSError:
     pass

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
+from autopar.cache import cache_root, write_atomic
 from autopar.errors import InputError, PlanError
 
 __all__ = ["Calibration", "calibrate", "cached_calibration", "measured_option"]
@@ -77,10 +77,9 @@ class Calibration:
 
 
 def _cache_path(device_kind: str, shape, names, processes: int) -> Path:
-  root = Path(os.environ.get("AUTOPAR_CACHE_DIR") or Path.home() / ".cache" / "autopar")
   safe = "".join(c if c.isalnum() else "_" for c in device_kind)
   mesh = "x".join(map(str, shape)) + "-" + "-".join(names)
-  return root / "calibration" / f"{safe}-{mesh}-p{processes}.json"
+  return cache_root() / "calibration" / f"{safe}-{mesh}-p{processes}.json"
 
 
 def cached_calibration(device_kind: str, mesh_shape: Sequence[int],
@@ -136,11 +135,7 @@ def calibrate(mesh: Mesh, *, min_bytes: int = 1024, max_bytes: int | None = None
                        alpha=alpha, beta=beta, seconds_per_flop=flops,
                        samples=tuple(samples))
   if cache:
-    path = _cache_path(kind, shape, names, jax.process_count())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(result.to_json())
-    tmp.replace(path)
+    write_atomic(_cache_path(kind, shape, names, jax.process_count()), result.to_json())
   return result
 
 
@@ -183,13 +178,7 @@ def _time_collective(mesh: Mesh, axis: str, p: int, kind: str, nbytes: int,
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P(axis),
                             check_vma=False))
   x = jax.device_put(jnp.ones((n * p,), jnp.float32), NamedSharding(mesh, P(axis)))
-  jax.block_until_ready(f(x))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(x))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+  return _median_seconds(f, x, repeats)
 
 
 def _time_matmul(device, dtype: str, repeats: int) -> float:
@@ -197,14 +186,18 @@ def _time_matmul(device, dtype: str, repeats: int) -> float:
   8192 on an accelerator)."""
   side = 1024 if device.platform == "cpu" else 8192
   a = jax.device_put(jnp.ones((side, side), dtype), device)
-  f = jax.jit(lambda x: x @ x)
-  jax.block_until_ready(f(a))
+  return _median_seconds(jax.jit(lambda x: x @ x), a, repeats) / (2 * side**3)
+
+
+def _median_seconds(f, x, repeats: int) -> float:
+  """Median seconds of ``f(x)`` over ``repeats`` calls, after one to compile."""
+  jax.block_until_ready(f(x))
   times = []
   for _ in range(repeats):
     t0 = time.perf_counter()
-    jax.block_until_ready(f(a))
+    jax.block_until_ready(f(x))
     times.append(time.perf_counter() - t0)
-  return statistics.median(times) / (2 * side**3)
+  return statistics.median(times)
 
 
 def measured_option(option, mesh):

@@ -23,7 +23,7 @@ from autopar.errors import PlanError
 from autopar.tools import explain as tools_explain
 from autopar.tools import report as tools_report
 from autopar.tools import summary as tools_summary
-from autopar.tools.text import format_bytes, format_rows, spec_str
+from autopar.tools.text import axes_str, format_bytes, format_rows, spec_str
 
 if TYPE_CHECKING:
   from autopar.tools.explain import Replanner
@@ -446,7 +446,7 @@ class Plan:
     lines += [
         f"autopar plan: {self.method} on mesh ({mesh}), "
         f"{self.num_micro_batches} micro-batch(es), batch split over "
-        f"{_axes_str(self.batch_axes)}",
+        f"{axes_str(self.batch_axes)}",
         f"objective: {self.objective:.6g} s (estimated)",
     ]
     if self.solver is not None:
@@ -469,7 +469,7 @@ class Plan:
       lines.append("collectives per step:")
       rows = [("stage", "kind", "axes", "bytes/device", "x/step", "what")]
       for c in self.collectives:
-        rows.append((c.stage, c.kind, _axes_str(c.axes), format_bytes(c.bytes),
+        rows.append((c.stage, c.kind, axes_str(c.axes), format_bytes(c.bytes),
                      str(c.per_step), c.what))
       lines.extend(format_rows(rows))
       total = sum(c.bytes * c.per_step for c in self.collectives)
@@ -497,7 +497,7 @@ def _stage_table(plan: "Plan") -> list[str]:
     params = ", ".join(st.params[:2]) + (f", ... ({len(st.params)})"
                                          if len(st.params) > 2 else "")
     rows.append((str(st.index), f"{st.layers[0]}-{st.layers[1] - 1}",
-                 f"{shape} @{st.submesh_offset}", _axes_str(st.batch_axes),
+                 f"{shape} @{st.submesh_offset}", axes_str(st.batch_axes),
                  f"{st.time_per_micro_batch:.3g} s", f"{st.time_per_step:.3g} s",
                  format_bytes(st.memory_per_device), str(st.in_flight),
                  format_bytes(st.bytes_to_next) if st.index < S - 1 else "-", params))
@@ -509,10 +509,6 @@ def _stage_table(plan: "Plan") -> list[str]:
                  f"updates")
   lines.append("")
   return lines
-
-
-def _axes_str(axes: Sequence[str]) -> str:
-  return "(" + ", ".join(axes) + ")" if axes else "no axes"
 
 
 def _table(title: str, values: Sequence[ValuePlan], sizes) -> list[str]:

@@ -183,8 +183,7 @@ def to_html(plan: "Plan", *, title: str = "autopar plan") -> str:
 
   # One picture per distinct (spec, rank, mesh it is over).
   pictures: dict[tuple, str] = {}
-  over = {v.name: tuple(shape) for v, (_, shape, _) in
-          zip(plan.inputs, plan.placements(), strict=True)}
+  over = {name: tuple(s.values()) for name, s in input_sizes(plan).items()}
   specs: dict[tuple, Any] = {}
 
   def pic(v) -> str:
@@ -237,7 +236,7 @@ def to_html(plan: "Plan", *, title: str = "autopar plan") -> str:
                         format_bytes(r["bytes"]), f"{r['seconds']:.3g}") for r in coll]))
   else:
     out.append("<p>none</p>")
-  memory = memory_by_kind(plan)
+  memory = memory_by_kind(plan, rows_)
   budget = (plan.costs or {}).get("memory_budget_per_device")
   out.append("<h2>Memory per device</h2>")
   out.append(_bars([(k, float(v)) for k, v in memory.items()], format_bytes,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from autopar.cost_model import MeshCost
 from autopar.tools.groups import Group, collapse, other_rows, param_rows, params_prefix
-from autopar.tools.text import canonical_str, format_bytes, format_rows, same_spec
+from autopar.tools.text import axes_str, canonical_str, format_bytes, format_rows, same_spec
 
 if TYPE_CHECKING:
   from autopar.plan import Plan
@@ -29,7 +29,7 @@ def summary(plan: "Plan") -> str:
   mesh = " x ".join(f"{n}={s}" for n, s in sizes.items())
   lines = plan.stage_table() if plan.stages else []
   split = ("per stage (the table above)" if plan.stages else
-           f"over {_axes(plan.batch_axes)}")
+           f"over {axes_str(plan.batch_axes)}")
   lines.append(f"autopar plan: {plan.method} on mesh ({mesh}), "
                f"{plan.num_micro_batches} micro-batch(es), batch split {split}; "
                f"objective {plan.objective:.4g} s (estimated)")
@@ -50,7 +50,7 @@ def summary(plan: "Plan") -> str:
   if coll:
     lines.append("collectives per step (predicted time from the costs below):")
     lines += format_rows([("stage", "kind", "axes", "count", "bytes/device", "time")] +
-                         [(r["stage"], r["kind"], _axes(r["axes"]), str(r["count"]),
+                         [(r["stage"], r["kind"], axes_str(r["axes"]), str(r["count"]),
                            format_bytes(r["bytes"]), _seconds(r["seconds"]))
                           for r in coll])
   elif plan.stages:
@@ -167,10 +167,6 @@ def memory_by_kind(plan: "Plan", params: Sequence | None = None) -> dict[str, in
   rest = max(0, plan.memory_per_device - state - grads - other)
   return {"state": state, "gradients": grads, "batch and other inputs": other,
           "activations at the peak": rest, "total": plan.memory_per_device}
-
-
-def _axes(axes) -> str:
-  return "(" + ", ".join(axes) + ")" if axes else "no axes"
 
 
 def _seconds(t: float) -> str:

@@ -6,7 +6,8 @@ from typing import Sequence
 
 from jax.sharding import PartitionSpec
 
-__all__ = ["format_bytes", "spec_str", "same_spec", "canonical_str", "format_rows"]
+__all__ = ["format_bytes", "spec_str", "same_spec", "canonical_str", "axes_str",
+           "format_rows"]
 
 
 def format_bytes(n: float) -> str:
@@ -47,6 +48,11 @@ def _canonical(spec) -> tuple:
   while entries and entries[-1] is None:
     entries.pop()
   return tuple(entries)
+
+
+def axes_str(axes: Sequence[str]) -> str:
+  """Mesh axes as ``(data, model)``, or ``no axes``."""
+  return "(" + ", ".join(axes) + ")" if axes else "no axes"
 
 
 def format_rows(rows: Sequence[Sequence[str]]) -> list[str]:
