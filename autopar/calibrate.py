@@ -47,6 +47,9 @@ class Calibration:
     alpha, beta: per mesh axis (of size > 1), the fitted seconds per ring
       step and seconds per byte.
     seconds_per_flop: per dtype, one device's time per flop of a large matmul.
+    memory_bandwidth: bytes per second one device reads and writes of a large
+      element-wise operation (None in calibrations made before it was
+      measured).
     samples: (axis, kind, bytes per device, seconds) of every timing.
     cached: whether this came from the disk cache.
   """
@@ -56,6 +59,7 @@ class Calibration:
   alpha: Mapping[str, float]
   beta: Mapping[str, float]
   seconds_per_flop: Mapping[str, float]
+  memory_bandwidth: float | None = None
   samples: tuple[tuple[str, str, int, float], ...] = ()
   cached: bool = False
 
@@ -73,6 +77,7 @@ class Calibration:
     return cls(device_kind=d["device_kind"], mesh_shape=tuple(d["mesh_shape"]),
                axis_names=tuple(d["axis_names"]), alpha=dict(d["alpha"]),
                beta=dict(d["beta"]), seconds_per_flop=dict(d["seconds_per_flop"]),
+               memory_bandwidth=d.get("memory_bandwidth"),
                samples=tuple(tuple(s) for s in d["samples"]), cached=True)
 
 
@@ -133,6 +138,7 @@ def calibrate(mesh: Mesh, *, min_bytes: int = 1024, max_bytes: int | None = None
   flops = {d: _time_matmul(devices.flat[0], d, repeats) for d in dtypes}
   result = Calibration(device_kind=kind, mesh_shape=shape, axis_names=names,
                        alpha=alpha, beta=beta, seconds_per_flop=flops,
+                       memory_bandwidth=_memory_bandwidth(devices.flat[0], repeats),
                        samples=tuple(samples))
   if cache:
     write_atomic(_cache_path(kind, shape, names, jax.process_count()), result.to_json())
@@ -189,6 +195,14 @@ def _time_matmul(device, dtype: str, repeats: int) -> float:
   return _median_seconds(jax.jit(lambda x: x @ x), a, repeats) / (2 * side**3)
 
 
+def _memory_bandwidth(device, repeats: int) -> float:
+  """Bytes per second of an element-wise ``x * 2 + 1`` on ``device`` (read
+  once, written once; 64 MiB on a CPU, 1 GiB on an accelerator)."""
+  n = (16 if device.platform == "cpu" else 256) * 2**20
+  x = jax.device_put(jnp.ones((n,), jnp.float32), device)
+  return 2 * 4 * n / _median_seconds(jax.jit(lambda v: v * 2 + 1), x, repeats)
+
+
 def _median_seconds(f, x, repeats: int) -> float:
   """Median seconds of ``f(x)`` over ``repeats`` calls, after one to compile."""
   jax.block_until_ready(f(x))
@@ -224,4 +238,5 @@ def measured_option(option, mesh):
   return dataclasses.replace(
       option, costs=None, device_kind=cal.device_kind,
       mesh_alpha={**cal.alpha, **option.alpha}, mesh_beta={**cal.beta, **option.beta},
-      seconds_per_flop=(cal.seconds_per_flop[dtype] if dtype else option.flop_seconds))
+      seconds_per_flop=(cal.seconds_per_flop[dtype] if dtype else option.flop_seconds),
+      memory_bandwidth=(option.memory_bandwidth or cal.memory_bandwidth))

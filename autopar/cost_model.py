@@ -144,6 +144,7 @@ def assumed_costs(axis_sizes: Mapping[str, int], option=None) -> dict:
   beta = dict(getattr(option, "beta", None) or {})
   budget = getattr(option, "memory_budget_per_device", None)
   return {"seconds_per_flop": float(getattr(option, "flop_seconds", 1e-12)),
+          "seconds_per_byte": float(getattr(option, "byte_seconds", 2e-11)),
           "alpha": {a: float(alpha.get(a, DEFAULT_ALPHA)) for a in axis_sizes},
           "beta": {a: float(beta.get(a, DEFAULT_BETA)) for a in axis_sizes},
           "memory_budget_per_device": None if budget is None else float(budget),

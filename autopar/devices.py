@@ -176,4 +176,6 @@ def hardware_option(option, mesh, dtype: str = "float32"):
   return dataclasses.replace(
       option, device_kind=kind.name, mesh_alpha={**alpha, **option.alpha},
       mesh_beta={**beta, **option.beta},
-      seconds_per_flop=spf if option.seconds_per_flop is None else option.seconds_per_flop)
+      seconds_per_flop=spf if option.seconds_per_flop is None else option.seconds_per_flop,
+      memory_bandwidth=(kind.memory_bandwidth if option.memory_bandwidth is None
+                        else option.memory_bandwidth))

@@ -17,6 +17,7 @@ import math
 import re
 from typing import Any
 
+import numpy as np
 
 from autopar.cost_model import ring_bytes_sent
 
@@ -44,11 +45,17 @@ class HloCollective:
     shapes: result array shapes, as (dtype, dims) pairs.
     operand_bytes: bytes per device of its input (all operands together).
     group_size: devices in each replica group.
+    count: how many times one run of the module runs it (the product of
+      the known trip counts of the loops around it; 1 outside loops).
+    groups: the device groups (partition ids, i.e. positions in the mesh's
+      flattened devices), or None where the HLO does not list them.
   """
   kind: str
   shapes: tuple[tuple[str, tuple[int, ...]], ...]
   operand_bytes: int
   group_size: int
+  count: int = 1
+  groups: tuple[tuple[int, ...], ...] | None = None
 
   @property
   def result_bytes(self) -> int:
@@ -56,8 +63,22 @@ class HloCollective:
 
   @property
   def bytes_sent(self) -> float:
-    """Bytes each device sends, by the ring formulas."""
+    """Bytes each device sends in one run of the instruction, by the ring
+    formulas (times ``count`` for one run of the module)."""
     return ring_bytes_sent(self.kind, self.operand_bytes, self.group_size)
+
+  def mesh_axes(self, axis_names, mesh_shape) -> tuple[str, ...] | None:
+    """The mesh axes its groups span (devices in a group differ in their
+    coordinates along exactly those), or None where the groups are not
+    known."""
+    if self.groups is None:
+      return None
+    varying = set()
+    for g in self.groups:
+      coords = np.array(np.unravel_index(np.asarray(g), tuple(mesh_shape)))
+      varying.update(i for i in range(len(mesh_shape))
+                     if len(set(coords[i].tolist())) > 1)
+    return tuple(axis_names[i] for i in sorted(varying))
 
 
 def _text(compiled: Any) -> str:
@@ -65,6 +86,9 @@ def _text(compiled: Any) -> str:
 
 
 def _group_size(line: str, num_devices: int) -> int:
+  groups = _groups(line, num_devices)
+  if groups:
+    return len(groups[0])
   m = re.search(r"replica_groups=\{\{([0-9,]*)\}", line)
   if m:
     return len(m.group(1).split(",")) if m.group(1) else num_devices
@@ -82,42 +106,93 @@ def _group_size(line: str, num_devices: int) -> int:
   return num_devices
 
 
+def _groups(line: str, num_devices: int) -> tuple[tuple[int, ...], ...] | None:
+  """The device groups of a collective's ``replica_groups`` (explicit, or
+  iota ``[G,S]<=[dims]T(perm)``) or ``source_target_pairs``."""
+  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", line)
+  if m:
+    dims = [int(x) for x in m.group(3).split(",")]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if m.group(4):
+      ids = ids.transpose([int(x) for x in m.group(4).split(",")])
+    return tuple(tuple(int(i) for i in row)
+                 for row in ids.reshape(int(m.group(1)), int(m.group(2))))
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([0-9,]+)\]"
+                r"(?:T\(([0-9,]+)\))?\))?\s*\{([^}]*)\}", line)
+  if m:
+    # Devices laid out on a named mesh (row-major; in the order of
+    # ``device_ids``, an iota reshaped and transposed, where given); a group
+    # is a line of devices along the named axes.
+    pairs = [kv.split("=") for kv in m.group(1).split(",")]
+    names = [k.strip().strip("'") for k, _ in pairs]
+    dims = [int(v) for _, v in pairs]
+    along = [names.index(a.strip().strip("'")) for a in m.group(4).split(",") if a.strip()]
+    rest = [i for i in range(len(dims)) if i not in along]
+    ids = np.arange(math.prod(dims))
+    if m.group(2):
+      ids = ids.reshape([int(x) for x in m.group(2).split(",")])
+      if m.group(3):
+        ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+    ids = ids.reshape(dims).transpose(rest + along)
+    size = math.prod(dims[i] for i in along)
+    return tuple(tuple(int(i) for i in row) for row in ids.reshape(-1, size))
+  m = re.search(r"(?:replica_groups|source_target_pairs)=\{((?:\{[0-9,]*\},?)*)\}", line)
+  if m:
+    groups = tuple(tuple(int(x) for x in g.split(",") if x)
+                   for g in re.findall(r"\{([0-9,]*)\}", m.group(1)))
+    if not groups or groups == ((),):
+      return (tuple(range(num_devices)),)
+    return groups
+  return None
+
+
 def collectives(compiled: Any) -> list[HloCollective]:
-  """Every collective in the HLO of ``compiled`` (a Compiled or its text)."""
+  """Every collective in the HLO of ``compiled`` (a Compiled or its text),
+  with how many times a run of the module runs it."""
   text = _text(compiled)
   m = re.search(r"num_partitions=(\d+)", text)
   num_devices = int(m.group(1)) if m else 1
+  comps, entry = _computations(text)
+  runs = _run_counts(comps, entry)
   out = []
-  for line in text.splitlines():
-    mi = _INSTR.match(line)
-    if not mi:
-      continue
-    kind = mi.group("kind")
-    types = mi.group("type")
-    if mi.group("start") and types.startswith("("):
-      # Async start ops return (operands..., results...); keep the results.
-      arrays = _ARRAY.findall(types)
-      arrays = arrays[len(arrays) // 2:] if kind != "all-reduce" else arrays
-    else:
-      arrays = _ARRAY.findall(types)
-    shapes = tuple((d, tuple(int(x) for x in dims.split(",") if x))
-                   for d, dims in arrays)
-    p = _group_size(line, num_devices)
-    result = sum(_DTYPES.get(d, 4) * math.prod(s) for d, s in shapes)
-    if kind == "all-gather":
-      operand = result // max(p, 1)
-    elif kind == "reduce-scatter":
-      operand = result * p
-    else:
-      operand = result
-    out.append(HloCollective(kind=kind, shapes=shapes, operand_bytes=int(operand),
-                             group_size=p))
+  for comp, lines in comps.items():
+    for line in lines:
+      c = _collective(line, num_devices, runs.get(comp, 1))
+      if c is not None:
+        out.append(c)
   return out
 
 
+def _collective(line: str, num_devices: int, count: int) -> HloCollective | None:
+  mi = _INSTR.match(line)
+  if not mi:
+    return None
+  kind = mi.group("kind")
+  types = mi.group("type")
+  if mi.group("start") and types.startswith("("):
+    # Async start ops return (operands..., results...); keep the results.
+    arrays = _ARRAY.findall(types)
+    arrays = arrays[len(arrays) // 2:] if kind != "all-reduce" else arrays
+  else:
+    arrays = _ARRAY.findall(types)
+  shapes = tuple((d, tuple(int(x) for x in dims.split(",") if x))
+                 for d, dims in arrays)
+  p = _group_size(line, num_devices)
+  result = sum(_DTYPES.get(d, 4) * math.prod(s) for d, s in shapes)
+  if kind == "all-gather":
+    operand = result // max(p, 1)
+  elif kind == "reduce-scatter":
+    operand = result * p
+  else:
+    operand = result
+  return HloCollective(kind=kind, shapes=shapes, operand_bytes=int(operand),
+                       group_size=p, count=count, groups=_groups(line, num_devices))
+
+
 def bytes_sent(compiled: Any) -> float:
-  """Total bytes each device sends in one run of ``compiled`` (ring formulas)."""
-  return float(sum(c.bytes_sent for c in collectives(compiled)))
+  """Total bytes each device sends in one run of ``compiled`` (ring
+  formulas; a collective in a loop counts once per trip)."""
+  return float(sum(c.bytes_sent * c.count for c in collectives(compiled)))
 
 
 # -- the schedule --------------------------------------------------------------
@@ -147,23 +222,12 @@ _COMP = re.compile(r"^(ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
 _OP = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?:\(.*?\)|\S+)\s+"
                  r"(?P<op>[\w\-]+)\(")
 _CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)="
-                    r"\{?(?P<names>[%\w.\-, ]+)\}?")
+                    r"\{?(?P<names>%?[\w.\-]+(?:,\s*%[\w.\-]+)*)\}?")
 _GEMM = re.compile(r'custom_call_target="[^"]*(gemm|matmul)', re.I)
 
 
-def entry_schedule(compiled: Any) -> list[ScheduledOp]:
-  """The entry computation of ``compiled`` (a Compiled or its text) as run.
-
-  A compiled module is scheduled (``is_scheduled=true``): the order of the
-  entry computation's instructions is the order XLA issues them. Example,
-  does the first gradient reduce-scatter start before the last backward
-  matmul::
-
-      ops = entry_schedule(exe.stages["accumulate_grad_sync"])
-      first_rs = min(i for i, o in enumerate(ops) if o.collective == "reduce-scatter")
-      last_dot = max(i for i, o in enumerate(ops) if o.backward_dot)
-  """
-  text = _text(compiled)
+def _computations(text: str) -> tuple[dict[str, list[str]], str | None]:
+  """The module's computations (name -> instruction lines) and the entry's name."""
   comps: dict[str, list[str]] = {}
   entry = None
   current = None
@@ -179,13 +243,56 @@ def entry_schedule(compiled: Any) -> list[ScheduledOp]:
       current = None
     elif current is not None:
       comps[current].append(line)
+  return comps, entry
+
+
+def called(line: str) -> list[str]:
+  """The computations an instruction calls."""
+  return [n.strip().lstrip("%") for m in _CALLS.finditer(line)
+          for n in m.group("names").split(",") if n.strip()]
+
+
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def _run_counts(comps: dict[str, list[str]], entry: str | None) -> dict[str, int]:
+  """Computation -> times one run of the module runs it: a while body runs
+  its known trip count times per run of the computation around it (1 when
+  XLA does not know it), other calls once."""
+  runs: dict[str, int] = {}
+
+  def visit(name: str, times: int, depth: int = 0):
+    if depth > 64 or runs.get(name, 0) >= times:
+      return
+    runs[name] = times
+    for line in comps.get(name, ()):
+      trip = _TRIP.search(line) if " while(" in line else None
+      body = re.search(r"body=%?([\w.\-]+)", line) if trip else None
+      for c in called(line):
+        visit(c, times * (int(trip.group(1)) if body and c == body.group(1) else 1),
+              depth + 1)
+
+  if entry is not None:
+    visit(entry, 1)
+  return runs
+
+
+def entry_schedule(compiled: Any) -> list[ScheduledOp]:
+  """The entry computation of ``compiled`` (a Compiled or its text) as run.
+
+  A compiled module is scheduled (``is_scheduled=true``): the order of the
+  entry computation's instructions is the order XLA issues them. Example,
+  does the first gradient reduce-scatter start before the last backward
+  matmul::
+
+      ops = entry_schedule(exe.stages["accumulate_grad_sync"])
+      first_rs = min(i for i, o in enumerate(ops) if o.collective == "reduce-scatter")
+      last_dot = max(i for i, o in enumerate(ops) if o.backward_dot)
+  """
+  comps, entry = _computations(_text(compiled))
   if entry is None:
     return []
   memo: dict[str, tuple[str | None, bool, bool]] = {}
-
-  def called(line):
-    return [n.strip().lstrip("%") for m in _CALLS.finditer(line)
-            for n in m.group("names").split(",") if n.strip()]
 
   def line_info(line):
     m = _OP.match(line)

@@ -183,7 +183,7 @@ class ShardingProblem:
                batch_leaves: Sequence[bool], donation: Mapping[int, int],
                num_micro_batches: int, batch_axes: Sequence[str],
                planned_axes: Sequence[str], sizes: Mapping[str, int],
-               cost: MeshCost, seconds_per_flop: float,
+               cost: MeshCost, seconds_per_flop: float, seconds_per_byte: float = 0.0,
                allow_all_gather: bool = True, allow_all_to_all: bool = True,
                memory_budget: float | None = None, read_by_compute=(),
                share_layers: bool = True, pins: Mapping[int, Spec] | None = None,
@@ -199,7 +199,7 @@ class ShardingProblem:
     self.A = tuple(planned_axes)
     self.sizes = dict(sizes)
     self.cost = cost
-    self.ctx = RuleContext(self.A, self.sizes, cost, seconds_per_flop)
+    self.ctx = RuleContext(self.A, self.sizes, cost, seconds_per_flop, seconds_per_byte)
     self.allow_all_gather = allow_all_gather
     self.allow_all_to_all = allow_all_to_all
     self.memory_budget = memory_budget
@@ -666,7 +666,7 @@ class ShardingProblem:
                  / itemsize(aval.dtype))
                 for node, aval in zip(self.grad_nodes, grads, strict=True)]
       peaks = [[(*self.compute_val[v], v.aval, 1) for v in live if v in self.compute_val]
-               for live in _liveness_peaks(self.compute.jaxpr, self.num_consts, k=3)]
+               for live in liveness_peaks(self.compute.jaxpr, self.num_consts, k=3)]
       self._mem_items = (state, peaks)
     return self._mem_items
 
@@ -923,7 +923,7 @@ def _eqn_key(eqn):
   return (eqn.primitive.name, params, ins, outs)
 
 
-def _liveness_peaks(jaxpr, num_consts: int, k: int) -> list[list[Var]]:
+def liveness_peaks(jaxpr, num_consts: int, k: int) -> list[list[Var]]:
   """The ``k`` program points where the most (replicated) bytes are live."""
   eqns = jaxpr.eqns
   last_use: dict[Var, int] = {}

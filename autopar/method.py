@@ -37,6 +37,9 @@ def _as_items(mapping: Mapping[str, float] | None, what: str
               ) -> tuple[tuple[str, float], ...] | None:
   if mapping is None:
     return None
+  if isinstance(mapping, tuple) and all(isinstance(kv, tuple) and len(kv) == 2
+                                        for kv in mapping):
+    mapping = dict(mapping)      # already normalized (dataclasses.replace)
   if not isinstance(mapping, Mapping):
     raise InputError(f"AutoShardingOption: {what} must be a mapping from mesh "
                      f"axis name to a float, got {type(mapping).__name__}.")
@@ -95,6 +98,11 @@ class AutoShardingOption:
       device; weighs compute against collectives. None (default): 1 / the
       peak rate of the device kind for the step's main float dtype, or
       1e-12 (a 1 TFLOP/s device) where no kind is known.
+    memory_bandwidth: bytes per second one device reads and writes its own
+      memory; with ``seconds_per_flop`` it makes the compute roofline (an
+      operation costs the larger of flops x seconds per flop and bytes moved
+      / bandwidth). None (default): the device kind's, or 50 GB/s where no
+      kind is known.
     max_model_axes: how many mesh axes the solver may use to split values
       inside a micro-batch (tensor parallelism); the other axes split the
       batch. 2 allows 2-D tensor parallelism, at the price of an ILP that is
@@ -140,6 +148,7 @@ class AutoShardingOption:
   mesh_alpha: Any = None
   mesh_beta: Any = None
   seconds_per_flop: float | None = None
+  memory_bandwidth: float | None = None
   max_model_axes: int = 1
   share_layers: bool = True
   plan_cache: bool = True
@@ -166,6 +175,10 @@ class AutoShardingOption:
     if not isinstance(self.max_model_axes, int) or self.max_model_axes < 0:
       raise InputError(f"AutoShardingOption: max_model_axes={self.max_model_axes!r}; "
                        f"expected a non-negative int.")
+    bw = self.memory_bandwidth
+    if bw is not None and (not isinstance(bw, (int, float)) or bw <= 0):
+      raise InputError(f"AutoShardingOption: memory_bandwidth={bw!r}; expected a "
+                       f"positive number of bytes per second or None.")
     b = self.memory_budget_per_device
     if b is not None and (not isinstance(b, (int, float)) or b <= 0):
       raise InputError(f"AutoShardingOption: memory_budget_per_device={b!r}; "
@@ -197,6 +210,11 @@ class AutoShardingOption:
   def flop_seconds(self) -> float:
     """``seconds_per_flop``, or 1e-12 where it is not set."""
     return 1e-12 if self.seconds_per_flop is None else float(self.seconds_per_flop)
+
+  @property
+  def byte_seconds(self) -> float:
+    """1 / ``memory_bandwidth``, or 1 / 50 GB/s where it is not set."""
+    return 1.0 / (50e9 if self.memory_bandwidth is None else float(self.memory_bandwidth))
 
   @property
   def alpha(self) -> dict[str, float]:

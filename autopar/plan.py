@@ -20,6 +20,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from autopar.cost_model import bytes_per_device
 from autopar.errors import PlanError
+from autopar.tools import check as tools_check
 from autopar.tools import explain as tools_explain
 from autopar.tools import report as tools_report
 from autopar.tools import summary as tools_summary
@@ -421,6 +422,18 @@ class Plan:
     """The plan re-solved with ``pins`` ({path or glob: spec}) added: the
     objective before and after, and the diff."""
     return tools_explain.cost_if(self, pins)
+
+  def check(self, executable) -> "tools_check.PlanCheck":
+    """The plan's predicted collectives (kind, axes, bytes) and peak memory
+    against ``executable``'s compiled stages (``autopar/tools/check.py``).
+
+    Example::
+
+        exe = step.get_executable(state, batch)
+        result = exe.plan.check(exe)
+        print(result); assert not result.differences()
+    """
+    return tools_check.check(self, executable)
 
   def to_html(self, path: str | None = None, *, title: str = "autopar plan") -> str:
     """A self-contained HTML report of the plan (``autopar/tools/report.py``):

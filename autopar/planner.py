@@ -42,7 +42,7 @@ from autopar.hints import check_hints, check_pins, entry_axes, model_axes
 # the solver libraries it fails to import, and through them every frame on
 # the stack at the time; from inside plan_auto that would keep its problem
 # and traced step alive for the rest of the process.
-from autopar.ilp import ShardingProblem
+from autopar.ilp import ShardingProblem, liveness_peaks
 from autopar.method import (ParallelMethod, ShardParallel, accumulation_dtype,
                             Zero2Parallel, Zero3Parallel, axis_names_of,
                             axis_sizes_of, check_axes)
@@ -279,6 +279,7 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
                   for c in collectives)
   memory = _memory_estimate(inputs, grads, sizes, batch_axes, n,
                             method.grad_accumulation_dtype)
+  memory += _preset_activation_peak(split, inputs, params, sizes, batch_axes, zero)
   return Plan(method=method.name, mesh_axis_names=axis_names_of(mesh),
               mesh_shape=tuple(sizes.values()), num_micro_batches=n,
               batch_axes=batch_axes, inputs=inputs, grads=grads,
@@ -329,11 +330,33 @@ def _preset_collectives(split, inputs, grads, params, batch_axes, sizes, n, zero
 def _memory_estimate(inputs, grads, sizes, batch_axes, n, accumulate) -> int:
   state = sum(v.bytes_per_device(sizes) for v in inputs)
   reduced = sum(g.bytes_per_device(sizes) for g in grads)
-  # Un-reduced partial sums: one full gradient per device while accumulating,
-  # in the accumulation dtype.
+  # Un-reduced partial sums: one full gradient per device carried between
+  # micro-batches, in the accumulation dtype. (The micro-batch's own
+  # gradients are counted with the activations.)
   partial = sum(num_bytes(g.shape, accumulation_dtype(g.dtype, accumulate))
-                for g in grads) if batch_axes else 0
+                for g in grads) if batch_axes and n > 1 else 0
   return int(state + reduced + partial)
+
+
+def _preset_activation_peak(split: SplitStep, inputs, params, sizes, batch_axes,
+                            zero) -> int:
+  """Bytes per device of the values live at the forward/backward pass's
+  peak: those computed from the batch split over the batch axes, the rest
+  whole; under ZeRO-3 also the parameters gathered whole for the pass."""
+  if not split.has_marker:
+    return 0
+  jaxpr = split.compute.jaxpr
+  nconst = len(split.consts)
+  d = math.prod(sizes[a] for a in batch_axes)
+  rows = depends_on(jaxpr, [v for v, l in zip(jaxpr.invars[nconst:], split.traced.leaves)
+                            if l.is_batch])
+  peak = max((sum(num_bytes(v.aval.shape, v.aval.dtype) / (d if v in rows else 1)
+                  for v in live)
+              for live in liveness_peaks(jaxpr, nconst, k=3)), default=0.0)
+  if zero == 3:
+    peak += sum(num_bytes(inputs[k].shape, inputs[k].dtype) - inputs[k].bytes_per_device(sizes)
+                for k in params if not split.traced.leaves[k].is_batch)
+  return int(peak)
 
 
 # -- ShardParallel: the ILP ---------------------------------------------------------
@@ -427,7 +450,7 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
       finally:
         progress.add("solve", getattr(problem, "solve_seconds", 0.0),
                      f"batch over {S or 'no axes'}: {problem.num_variables} variables")
-      if best is None or objective < best[1] * (1 - 1e-9) - 1e-15:
+      if best is None or _cheaper(objective, best[1]):
         best = (S, objective, local, problem)
     pending.clear()
 
@@ -452,7 +475,7 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
         # its problem takes about as long as the solve in flight: wait for
         # that, and skip this choice if a plan already costs no more.
         settle()
-        if best is not None and bound >= best[1] * (1 - 1e-9) - 1e-15:
+        if best is not None and not _cheaper(bound, best[1]):
           progress.add("skipped", 0.0,
                        f"batch over {S}: its gradient sync and matmuls alone cost "
                        f"at least {bound:.3g} s a step, the plan with batch over "
@@ -471,6 +494,7 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
           donation=_apply_donation(local), num_micro_batches=n, batch_axes=S,
           planned_axes=A, sizes=sizes, cost=cost,
           seconds_per_flop=option.flop_seconds,
+          seconds_per_byte=option.byte_seconds,
           allow_all_gather=option.allow_all_gather,
           allow_all_to_all=option.allow_all_to_all,
           memory_budget=option.memory_budget_per_device,
@@ -511,6 +535,13 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
   plan = _plan_from_solution(split, outputs or outputs_at(split, batch_size), local,
                              method, mesh, S, sol, stats, progress)
   return plan
+
+
+def _cheaper(a: float, b: float) -> bool:
+  """Whether cost ``a`` is below ``b`` by more than the model can tell
+  apart (0.1 %): of plans that cost the same, the one tried first (the
+  larger batch split) is kept."""
+  return a < b * (1 - 1e-3) - 1e-15
 
 
 def _cost_lower_bound(split: SplitStep, matmul_flops, S, A, sizes, cost: MeshCost,

@@ -123,16 +123,29 @@ class Strategy:
 
 @dataclasses.dataclass(frozen=True)
 class RuleContext:
-  """What a rule needs to know: the planned axes and the cost model."""
+  """What a rule needs to know: the planned axes and the cost model.
+
+  Compute is costed by a roofline: an operation takes the larger of its
+  flops over the peak rate and the bytes it reads and writes over the
+  memory bandwidth (``seconds_per_byte``), so element-wise and reduction
+  work is memory bound and large matmuls compute bound.
+  """
   axes: tuple[str, ...]
   sizes: Mapping[str, int]
   cost: MeshCost
   seconds_per_flop: float = 1e-12
+  seconds_per_byte: float = 0.0
 
-  def compute(self, flops: float, spec_or_shards) -> float:
+  def compute(self, flops: float, spec_or_shards, nbytes: float = 0.0) -> float:
+    """Seconds per device for ``flops`` and ``nbytes`` of memory traffic
+    (whole arrays) split evenly over the shards of ``spec_or_shards``."""
     shards = spec_or_shards if isinstance(spec_or_shards, int) else \
         shard_count(spec_or_shards, self.sizes)
-    return self.seconds_per_flop * flops / shards
+    return self.roofline(flops / shards, nbytes / shards)
+
+  def roofline(self, flops: float, nbytes: float) -> float:
+    """Seconds for ``flops`` and ``nbytes`` of memory traffic on one device."""
+    return max(self.seconds_per_flop * flops, self.seconds_per_byte * nbytes)
 
 
 Rule = Callable[..., list[Strategy]]

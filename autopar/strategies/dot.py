@@ -19,6 +19,13 @@ def dot_flops(lhs_shape, out_shape, contracting) -> int:
   return 2 * math.prod(out_shape) * math.prod(lhs_shape[d] for d in contracting)
 
 
+def _roofline(ctx: RuleContext, flops: float, avals, specs) -> float:
+  """Seconds on one device: its flops, or reading its operands' shards and
+  writing its output's, whichever takes longer."""
+  return ctx.roofline(flops, sum(local_bytes(a, tuple(s), ctx.sizes)
+                                 for a, s in zip(avals, specs)))
+
+
 @register("dot_general")
 def dot_general(eqn, ctx: RuleContext) -> list[Strategy]:
   lhs, rhs = (v.aval for v in eqn.invars)
@@ -66,7 +73,8 @@ def dot_general(eqn, ctx: RuleContext) -> list[Strategy]:
     strategies.append(Strategy(
         name=f"lhs{tuple(lspec)} x rhs{tuple(rspec)}",
         out_specs=(ospec,), in_specs=(tuple(lspec), tuple(rspec)),
-        compute=ctx.compute(flops, shards), comm=comm, collectives=colls))
+        compute=_roofline(ctx, flops / shards, (lhs, rhs, out), (lspec, rspec, ospec)),
+        comm=comm, collectives=colls))
   return strategies
 
 
@@ -104,6 +112,7 @@ def conv_general_dilated(eqn, ctx: RuleContext) -> list[Strategy]:
       colls = (("all-reduce", axes_of["in"], b),)
     strategies.append(Strategy(
         f"conv lhs{tuple(lspec)} x rhs{tuple(rspec)}", (tuple(ospec),),
-        (tuple(lspec), tuple(rspec)), compute=ctx.compute(flops, shards),
+        (tuple(lspec), tuple(rspec)),
+        compute=_roofline(ctx, flops / shards, (lhs, rhs, out), (lspec, rspec, ospec)),
         comm=comm, collectives=colls))
   return strategies

@@ -111,6 +111,8 @@ def _explain(a):
   option = autopar.AutoShardingOption(
       mesh_alpha=costs.get("alpha"), mesh_beta=costs.get("beta"),
       seconds_per_flop=costs.get("seconds_per_flop", 1e-12),
+      memory_bandwidth=(1 / costs["seconds_per_byte"] if costs.get("seconds_per_byte")
+                        else None),
       memory_budget_per_device=costs.get("memory_budget_per_device"), plan_cache=False)
   mesh = AbstractMesh(tuple(plan.mesh_shape), tuple(plan.mesh_axis_names))
   method = autopar.ShardParallel(mesh=mesh, num_micro_batches=plan.num_micro_batches,

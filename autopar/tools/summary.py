@@ -89,7 +89,9 @@ def solver_lines(plan: "Plan") -> list[str]:
   else:
     c = plan.costs
     budget = c.get("memory_budget_per_device")
-    lines.append("costs assumed: " + f"{c['seconds_per_flop']:.3g} s/flop; " + "; ".join(
+    lines.append("costs assumed: " + f"{c['seconds_per_flop']:.3g} s/flop; " + (
+        f"memory {1 / c['seconds_per_byte'] / 1e9:.3g} GB/s; "
+        if c.get("seconds_per_byte") else "") + "; ".join(
         f"{a}: alpha {c['alpha'][a]:.3g} s, {1 / c['beta'][a] / 1e9:.3g} GB/s"
         for a in plan.axis_sizes if c["beta"].get(a)) +
         (f"; memory budget {format_bytes(budget)}" if budget else "") +

@@ -1,0 +1,200 @@
+"""A plan's predictions against what XLA compiled (``plan.check(exe)``).
+
+The planner predicts the collectives of a step (kind, mesh axes, bytes per
+device) and its peak memory per device. Here both are read back from the
+compiled stages:
+
+* collectives from ``Compiled.as_text()`` (``autopar.hlo``): each
+  instruction's mesh axes from its device groups, and the bytes each device
+  sends by the ring formulas, times the trips of the loops around it and
+  the runs of its stage in the schedule;
+* memory from ``memory_analysis()``: the largest, over the stages, of
+  what the stage allocates (arguments, outputs not aliased to them,
+  temporaries) plus what the step holds while the stage runs without
+  passing it in (the rest of the state, the partial sums carried from the
+  previous stage).
+
+Collectives are compared per (phase, kind, axes), where the phase is "per
+micro-batch" (every gradient stage), "apply" (``apply_grad``) or "step"
+(a step with no gradient marker): XLA fuses and splits collectives, so
+single instructions are not matched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Any, Sequence
+
+from autopar import hlo
+from autopar.cost_model import ring_bytes_sent
+from autopar.errors import PlanError
+from autopar.tools.text import axes_str, format_bytes, format_rows
+
+if TYPE_CHECKING:
+  from autopar.plan import Plan
+
+__all__ = ["CollectiveCheck", "PlanCheck", "check"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveCheck:
+  """Bytes each device sends per step for one (phase, kind, axes)."""
+  phase: str
+  kind: str
+  axes: tuple[str, ...]
+  predicted: float
+  compiled: float
+
+  def off_by(self) -> float:
+    """|compiled - predicted| / predicted (inf where none was predicted)."""
+    if self.predicted == 0:
+      return 0.0 if self.compiled == 0 else math.inf
+    return abs(self.compiled - self.predicted) / self.predicted
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCheck:
+  """What ``plan.check(executable)`` found.
+
+  Attributes:
+    collectives: one row per (phase, kind, axes) predicted or compiled.
+    predicted_memory, compiled_memory: peak bytes per device.
+    stage_memory: per stage, the compiled peak bytes per device the step
+      holds while it runs.
+  """
+  collectives: tuple[CollectiveCheck, ...]
+  predicted_memory: int
+  compiled_memory: int
+  stage_memory: tuple[tuple[str, int], ...] = ()
+
+  @property
+  def predicted_bytes(self) -> float:
+    return sum(c.predicted for c in self.collectives)
+
+  @property
+  def compiled_bytes(self) -> float:
+    return sum(c.compiled for c in self.collectives)
+
+  @property
+  def bytes_ratio(self) -> float:
+    """Compiled / predicted bytes sent per step (1.0 where both are 0)."""
+    if self.predicted_bytes == 0:
+      return 1.0 if self.compiled_bytes == 0 else math.inf
+    return self.compiled_bytes / self.predicted_bytes
+
+  @property
+  def memory_ratio(self) -> float:
+    """Compiled / predicted peak memory per device."""
+    return self.compiled_memory / max(self.predicted_memory, 1)
+
+  def differences(self, bytes_tolerance: float = 0.10, memory_tolerance: float = 0.15,
+                  min_bytes: float = 4096) -> list[str]:
+    """What is off by more than the tolerances: each (phase, kind, axes)
+    whose bytes differ by more than ``bytes_tolerance`` of the step's
+    predicted bytes (rows under ``min_bytes`` both ways are ignored: the
+    loss riding along), the total, and the memory."""
+    out = []
+    scale = max(self.predicted_bytes, self.compiled_bytes)
+    for c in self.collectives:
+      if max(c.predicted, c.compiled) < min_bytes:
+        continue
+      if abs(c.compiled - c.predicted) > bytes_tolerance * scale:
+        out.append(f"{c.kind} over {axes_str(c.axes)} ({c.phase}): predicted "
+                   f"{format_bytes(c.predicted)}, compiled {format_bytes(c.compiled)}")
+    if scale >= min_bytes and abs(self.bytes_ratio - 1) > bytes_tolerance:
+      out.append(f"bytes sent per step: predicted {format_bytes(self.predicted_bytes)}, "
+                 f"compiled {format_bytes(self.compiled_bytes)} "
+                 f"(x{self.bytes_ratio:.2f})")
+    if abs(self.memory_ratio - 1) > memory_tolerance:
+      out.append(f"peak memory per device: predicted "
+                 f"{format_bytes(self.predicted_memory)}, compiled "
+                 f"{format_bytes(self.compiled_memory)} (x{self.memory_ratio:.2f})")
+    return out
+
+  def ok(self, bytes_tolerance: float = 0.10, memory_tolerance: float = 0.15) -> bool:
+    return not self.differences(bytes_tolerance, memory_tolerance)
+
+  def __str__(self) -> str:
+    rows = [("phase", "kind", "axes", "predicted", "compiled", "off by")]
+    for c in self.collectives:
+      off = c.off_by()
+      rows.append((c.phase, c.kind, axes_str(c.axes), format_bytes(c.predicted),
+                   format_bytes(c.compiled), "new" if off == math.inf else f"{off:.0%}"))
+    lines = ["collectives, bytes each device sends per step:", *format_rows(rows),
+             f"total: predicted {format_bytes(self.predicted_bytes)}, compiled "
+             f"{format_bytes(self.compiled_bytes)} (x{self.bytes_ratio:.2f})",
+             f"peak memory per device: predicted {format_bytes(self.predicted_memory)}, "
+             f"compiled {format_bytes(self.compiled_memory)} (x{self.memory_ratio:.2f})"]
+    if self.stage_memory:
+      lines.append("  by stage: " + ", ".join(f"{s} {format_bytes(b)}"
+                                             for s, b in self.stage_memory))
+    return "\n".join(lines)
+
+
+def _phase(stage: str) -> str:
+  if stage == "apply_grad":
+    return "apply"
+  if stage == "step":
+    return "step"
+  return "per micro-batch"
+
+
+def check(plan: "Plan", executable: Any) -> PlanCheck:
+  """Compares ``plan``'s predictions with ``executable``'s compiled stages
+  (see the module docstring)."""
+  if plan.stages:
+    raise PlanError("plan.check: pipeline plans (PipeshardParallel) are not checked "
+                    "yet; check a ShardParallel, DataParallel or ZeRO step's plan.")
+  stages = getattr(executable, "stages", None)
+  schedule = getattr(executable, "schedule", None)
+  if not stages or not schedule:
+    raise PlanError(f"plan.check: expected the step's executable (step.get_executable("
+                    f"*args)), got {type(executable).__name__}.")
+  names, shape = plan.mesh_axis_names, plan.mesh_shape
+  sizes = plan.axis_sizes
+
+  predicted: dict[tuple[str, str, tuple[str, ...]], float] = {}
+  for c in plan.collectives:
+    p = math.prod(sizes[a] for a in c.axes)
+    key = (_phase(c.stage), c.kind, tuple(sorted(c.axes, key=names.index)))
+    predicted[key] = predicted.get(key, 0.0) + ring_bytes_sent(c.kind, c.bytes, p) * c.per_step
+
+  compiled: dict[tuple[str, str, tuple[str, ...]], float] = {}
+  runs = {s: schedule.count(s) for s in schedule}
+  for stage, times in runs.items():
+    for c in hlo.collectives(stages[stage]):
+      if c.group_size <= 1:
+        continue
+      axes = c.mesh_axes(names, shape)
+      key = (_phase(stage), c.kind, axes if axes is not None else ("?",))
+      compiled[key] = compiled.get(key, 0.0) + c.bytes_sent * c.count * times
+
+  rows = tuple(CollectiveCheck(phase, kind, axes, predicted.get(k, 0.0), compiled.get(k, 0.0))
+               for k in sorted(set(predicted) | set(compiled))
+               for phase, kind, axes in [k])
+  held = sum(v.bytes_per_device(sizes) for v in plan.inputs)
+  by_stage = compiled_step_memory(stages, schedule, held)
+  return PlanCheck(collectives=rows, predicted_memory=int(plan.memory_per_device),
+                   compiled_memory=max((b for _, b in by_stage), default=0),
+                   stage_memory=by_stage)
+
+
+def compiled_step_memory(stages, schedule: Sequence[str],
+                         held: int) -> tuple[tuple[str, int], ...]:
+  """Per stage of ``schedule`` (once each), the bytes per device the step
+  holds while it runs: the stage's arguments (or, if more, the ``held``
+  bytes of the step's inputs plus what the previous stage returned: the
+  arrays kept between stages whether passed in or not), its outputs not
+  aliased to arguments, and its temporaries."""
+  out, carried = [], 0
+  seen = set()
+  for name in schedule:
+    m = stages[name].memory_analysis()
+    if name not in seen:
+      seen.add(name)
+      live = max(m.argument_size_in_bytes, held + carried)
+      out.append((name, int(live + m.output_size_in_bytes - m.alias_size_in_bytes
+                            + m.temp_size_in_bytes)))
+    carried = m.output_size_in_bytes
+  return tuple(out)

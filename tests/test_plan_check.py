@@ -1,0 +1,173 @@
+"""The cost model against the hardware and against what XLA compiles:
+the compute roofline, ``plan.check`` and loop-aware HLO reading."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import autopar
+from autopar import hlo
+from autopar.cost_model import MeshCost
+from autopar.strategies import RuleContext, strategies_for
+from models import ScanTransformer, Transformer, lm_setup, mlp_setup
+
+
+def _eqn(fn, *avals):
+  return jax.make_jaxpr(fn)(*avals).jaxpr.eqns[0]
+
+
+def test_roofline_prices_memory_bound_work_by_bytes_and_matmuls_by_flops():
+  sizes = {"x": 8}
+  # About an H100: 1 PFLOP/s, 3.35 TB/s.
+  ctx = RuleContext(("x",), sizes, MeshCost(sizes), seconds_per_flop=1e-15,
+                    seconds_per_byte=3e-13)
+  x = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+  costs = {s.out_specs[0]: s.compute for s in strategies_for(_eqn(jnp.exp, x), ctx)}
+  # exp: reads 4 MiB and writes 4 MiB; the flops are negligible at this rate.
+  assert costs[((), ())] == pytest.approx(8 * 2**20 * 3e-13)
+  assert costs[(("x",), ())] == pytest.approx(costs[((), ())] / 8)
+  # A square matmul: 2n^3 flops against 3 n^2 floats, compute bound at n=4096
+  # (memory bound at n=256).
+  for n, bound in ((4096, 2 * 4096**3 * 1e-15), (256, 3 * 256**2 * 4 * 3e-13)):
+    y = jax.ShapeDtypeStruct((n, n), jnp.float32)
+    dot = {s.name: s.compute for s in strategies_for(_eqn(jnp.matmul, y, y), ctx)}
+    assert dot["lhs((), ()) x rhs((), ())"] == pytest.approx(bound)
+  # A replicated element-wise chain is no longer free.
+  ctx0 = RuleContext(("x",), sizes, MeshCost(sizes), seconds_per_flop=1e-15)
+  assert strategies_for(_eqn(jnp.exp, x), ctx0)[0].compute < costs[((), ())] / 100
+
+
+def test_memory_bandwidth_comes_from_the_device_kind():
+  make_state, step, batch = mlp_setup(batch=64, din=64, hidden=64, dout=8)
+  abstract = jax.eval_shape(lambda: (make_state(), batch))
+  mesh = jax.sharding.AbstractMesh((8,), ("x",))
+  for kind, bandwidth in (("H100", 3.35e12), ("TPU v5e", 819e9)):
+    option = autopar.AutoShardingOption(device_kind=kind, plan_cache=False)
+    plan = autopar.parallelize(step, method=autopar.ShardParallel(
+        mesh=mesh, option=option)).plan(*abstract)
+    assert plan.costs["seconds_per_byte"] == pytest.approx(1 / bandwidth)
+    assert "memory" in plan.summary()
+  with pytest.raises(autopar.InputError, match="memory_bandwidth"):
+    autopar.AutoShardingOption(memory_bandwidth=-1)
+
+
+def test_hlo_counts_collectives_in_loops_and_reads_their_mesh_axes():
+  mesh = jax.make_mesh((2, 4), ("a", "b"))
+
+  def body(x):
+    def layer(c, _):
+      return jax.lax.psum(c, "b") * 0.5, None
+    return jax.lax.scan(layer, x, None, length=5)[0]
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=jax.P("a", "b"),
+                            out_specs=jax.P("a", "b"), check_vma=False))
+  x = jax.ShapeDtypeStruct((8, 64), jnp.float32,
+                           sharding=jax.NamedSharding(mesh, jax.P("a", "b")))
+  compiled = f.lower(x).compile()
+  colls = [c for c in hlo.collectives(compiled) if c.kind == "all-reduce"]
+  assert sum(c.count for c in colls) == 5
+  assert {c.mesh_axes(("a", "b"), (2, 4)) for c in colls} == {("b",)}
+  one = 4 * 16 * 4                                   # f32[4, 16] per device
+  assert hlo.bytes_sent(compiled) == pytest.approx(5 * 2 * one * 3 / 4)
+
+
+class ConvNet(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Conv(16, (3, 3))(x))
+    x = nn.relu(nn.Conv(32, (3, 3))(x))
+    return nn.Dense(10)(x.mean(axis=(1, 2)))
+
+
+def conv_setup(batch=32):
+  rng = np.random.RandomState(0)
+  x = rng.randn(batch, 8, 8, 3).astype(np.float32)
+  y = rng.randint(0, 10, size=(batch,)).astype(np.int32)
+  model = ConvNet()
+  params = model.init(jax.random.PRNGKey(0), x[:1])
+
+  def make_state():
+    return train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                         tx=optax.adam(1e-3))
+
+  def step(state, batch):
+    def loss_fn(p):
+      logits = state.apply_fn(p, batch["x"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  return make_state, step, {"x": x, "y": y}
+
+
+MODELS = {
+    "mlp": lambda: mlp_setup(batch=64, din=256, hidden=1024, dout=256),
+    "gpt": lambda: lm_setup(Transformer(vocab=256, d=128, heads=4, layers=2),
+                            batch=16, seq=16),
+    "scanned gpt": lambda: lm_setup(ScanTransformer(vocab=256, d=128, heads=4, layers=3),
+                                    batch=16, seq=16),
+    "conv": conv_setup,
+}
+METHODS = {
+    "DataParallel": lambda m: autopar.DataParallel(mesh=m, num_micro_batches=2),
+    "Zero2Parallel": lambda m: autopar.Zero2Parallel(mesh=m, num_micro_batches=2),
+    "Zero3Parallel": lambda m: autopar.Zero3Parallel(mesh=m, num_micro_batches=2),
+    "ShardParallel": lambda m: autopar.ShardParallel(mesh=m, num_micro_batches=2),
+}
+# Where the prediction is known to miss, and by how much (docs/planner.md):
+# the peak memory of ZeRO-2 accumulating over micro-batches (XLA keeps the
+# micro-batch's whole gradient beside the partial sums: x1.3-1.4), ZeRO-3 on
+# a scanned model (the stacked weights of every layer gathered at once:
+# x1.4), a small convolutional net (XLA's fused convolutions need less
+# than the jaxpr's values: x0.6), and the scanned GPT's collectives under
+# ShardParallel (XLA gathers a layer's activations where the plan
+# all-reduces them). Anything else off by more is a failure, and so is a
+# listed miss that no longer misses (the table is then out of date).
+KNOWN_MISSES = {("mlp", "Zero2Parallel"): "memory",
+                ("scanned gpt", "Zero2Parallel"): "memory",
+                ("scanned gpt", "Zero3Parallel"): "memory",
+                ("scanned gpt", "ShardParallel"): "bytes",
+                ("conv", "DataParallel"): "memory",
+                ("conv", "Zero2Parallel"): "memory",
+                ("conv", "Zero3Parallel"): "memory"}
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_plan_check_prediction_equals_compilation(model):
+  """Collectives within 10 % of bytes (by kind and mesh axes) and peak
+  memory within 15 %, on a mesh of 8 and of 2 x 4, under every method."""
+  make_state, step, batch = MODELS[model]()
+  state = make_state()
+  misses, report = {}, []
+  for mesh in (jax.make_mesh((8,), ("x",)), jax.make_mesh((2, 4), ("data", "model"))):
+    for name, method in METHODS.items():
+      exe = autopar.parallelize(step, method=method(mesh)).get_executable(state, batch)
+      result = exe.plan.check(exe)
+      assert result.compiled_bytes > 0
+      for d in result.differences():
+        kind = "memory" if d.startswith("peak memory") else "bytes"
+        misses.setdefault(name, set()).add(kind)
+        report.append(f"{name} {dict(mesh.shape)}: {d}")
+  expected = {name: {kind} for (m, name), kind in KNOWN_MISSES.items() if m == model}
+  assert misses == expected, "\n".join(report)
+
+
+def test_plan_check_reports_what_differs():
+  make_state, step, batch = mlp_setup(batch=64, din=256, hidden=1024, dout=256)
+  mesh = jax.make_mesh((8,), ("x",))
+  exe = autopar.parallelize(step, method=autopar.DataParallel(mesh=mesh)).get_executable(
+      make_state(), batch)
+  result = exe.plan.check(exe)
+  assert [(c.phase, c.kind, c.axes) for c in result.collectives
+          if c.predicted > 1024] == [("per micro-batch", "all-reduce", ("x",))]
+  assert "all-reduce" in str(result) and "peak memory" in str(result)
+  # A plan claiming half the memory is caught.
+  import dataclasses
+  wrong = dataclasses.replace(exe.plan, memory_per_device=exe.plan.memory_per_device // 2)
+  assert any("peak memory" in d for d in wrong.check(exe).differences())
+  with pytest.raises(autopar.PlanError, match="get_executable"):
+    exe.plan.check(object())
