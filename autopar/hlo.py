@@ -87,23 +87,7 @@ def _text(compiled: Any) -> str:
 
 def _group_size(line: str, num_devices: int) -> int:
   groups = _groups(line, num_devices)
-  if groups:
-    return len(groups[0])
-  m = re.search(r"replica_groups=\{\{([0-9,]*)\}", line)
-  if m:
-    return len(m.group(1).split(",")) if m.group(1) else num_devices
-  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)
-  if m:
-    return int(m.group(2))
-  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
-  if m:
-    sizes = dict((k.strip("'"), int(v)) for k, v in
-                 (kv.split("=") for kv in m.group(1).split(",")))
-    axes = [a.strip().strip("'") for a in m.group(2).split(",") if a.strip()]
-    return math.prod(sizes[a] for a in axes) if axes else num_devices
-  if "source_target_pairs" in line:
-    return 2
-  return num_devices
+  return len(groups[0]) if groups else num_devices
 
 
 def _groups(line: str, num_devices: int) -> tuple[tuple[int, ...], ...] | None:

@@ -170,9 +170,8 @@ def check(plan: "Plan", executable: Any) -> PlanCheck:
       key = (_phase(stage), c.kind, axes if axes is not None else ("?",))
       compiled[key] = compiled.get(key, 0.0) + c.bytes_sent * c.count * times
 
-  rows = tuple(CollectiveCheck(phase, kind, axes, predicted.get(k, 0.0), compiled.get(k, 0.0))
-               for k in sorted(set(predicted) | set(compiled))
-               for phase, kind, axes in [k])
+  rows = tuple(CollectiveCheck(*k, predicted.get(k, 0.0), compiled.get(k, 0.0))
+               for k in sorted(set(predicted) | set(compiled)))
   held = sum(v.bytes_per_device(sizes) for v in plan.inputs)
   by_stage = compiled_step_memory(stages, schedule, held)
   return PlanCheck(collectives=rows, predicted_memory=int(plan.memory_per_device),
