@@ -6,12 +6,24 @@ equations once per layer, each reading its own weights. With a method's
 ``autopar.value_and_grad`` do not differentiate the user's loss function as
 written: they trace it, find the longest stretch of equations that repeats
 layer after layer, and differentiate an equivalent program in which that
-stretch is one ``lax.scan`` over the layers' weights stacked on a new leading
-axis, with ``jax.checkpoint`` on the scan body. XLA then compiles one loop
-body, and the backward pass keeps only what crosses layer boundaries (the
-carry) plus one layer's activations at a time. The user's parameters keep
-their own pytree: the stacking happens inside the differentiated function,
-so each layer's gradient comes back to its own leaf.
+stretch is one loop over the layers. XLA then compiles one loop body, and the
+backward pass keeps only what crosses layer boundaries (the carry) plus one
+layer's activations at a time.
+
+With ``remat="layers"`` the loop reads each layer's weights where they are
+(:func:`_run_stack_selected`): a forward scan over the layer index picks
+layer ``k``'s inputs with ``lax.switch`` and saves only the carry entering
+each layer; a VJP of its own runs a reverse scan that picks the same inputs,
+recomputes layer ``k`` from its saved carry and differentiates it. No stacked
+copy of the weights exists. The layers' gradients leave the backward loop as
+one stacked array (the loop's output); that copy is what remat still costs
+beside the carries, so where the activations it saves are smaller than the
+layers' gradients, remat uses more memory than none. With a ``jax.checkpoint``
+policy (which saves what it names inside a layer) the stretch is a
+``lax.scan`` over the weights stacked on a new leading axis, with
+``jax.checkpoint(policy)`` on its body: one more copy, of the weights.
+The user's parameters keep their own pytree either way, so each layer's
+gradient comes back to its own leaf.
 
 How a stretch is found (:func:`find_layers`):
 
@@ -190,7 +202,10 @@ def _eval(jaxpr: Jaxpr, consts, args, stacks: list[Stack], policy) -> list:
   pos = 0
   for s in stacks:
     run(jaxpr.eqns[pos:s.start], env)
-    _run_stack(jaxpr, s, env, run, policy)
+    if policy is _NOTHING:
+      _run_stack_selected(jaxpr, s, env, run)
+    else:
+      _run_stack(jaxpr, s, env, run, policy)
     pos = s.end
   run(jaxpr.eqns[pos:], env)
   return [read(v) for v in jaxpr.outvars]
@@ -255,6 +270,149 @@ def _run_stack(jaxpr: Jaxpr, s: Stack, env: dict, run, policy) -> None:
   last = jaxpr.eqns[s.start + (s.count - 1) * s.length:s.end]
   for (j, o), x in zip(s.carry_pos, final, strict=True):
     env[last[j].outvars[o]] = x
+
+
+def _run_stack_selected(jaxpr: Jaxpr, s: Stack, env: dict, run) -> None:
+  """``remat="layers"``: the stack as one call with a VJP of its own, which
+  reads each layer's weights where they are instead of stacking them.
+
+  Forward: a scan over the layer index whose body picks layer ``k``'s inputs
+  with ``lax.switch`` (one layer's copy at a time) and keeps only the carry
+  entering each layer. Backward: a reverse scan that picks the same inputs,
+  recomputes layer ``k`` from its saved carry and takes its VJP. The layers'
+  gradients leave the backward loop stacked (one copy, the loop's output);
+  loop-invariant inputs' gradients are summed in its carry. Differentiating
+  ``lax.scan`` itself instead would need the weights stacked (``xs``), or,
+  with the weights as loop constants, would add every layer's zero
+  cotangent to every constant's gradient at every layer.
+  """
+  body_eqns = jaxpr.eqns[s.start:s.start + s.length]
+  carry_out = [body_eqns[j].outvars[o] for j, o in s.carry_pos]
+  bound = {id(v) for v in (*s.carry_init, *s.stacked_template) if v is not None}
+  made = {v for e in body_eqns for v in e.outvars}
+  invariant = list(dict.fromkeys(
+      v for e in body_eqns for v in e.invars
+      if not isinstance(v, Literal) and v not in made and id(v) not in bound))
+  # Per-layer inputs: literals (a layer's RNG fold-in constant) are stacked as
+  # numpy constants; the rest (weights) are picked per layer.
+  lit = [i for i, t in enumerate(s.stacked_template) if isinstance(t, Literal)]
+  var = [i for i, t in enumerate(s.stacked_template) if not isinstance(t, Literal)]
+  lit_xs = [np.stack([np.asarray(v.val, v.aval.dtype) for v in s.stacked[i]]) for i in lit]
+  read = [i for i, v in enumerate(s.carry_init) if v is not None]   # slots layers read
+  count, nv = s.count, len(var)
+
+  def layer(carry, picked, lits, inv):
+    local, literals = dict(zip(invariant, inv, strict=True)), {}
+
+    def bind(v, value):
+      if isinstance(v, Literal):
+        literals[id(v)] = value
+      else:
+        local[v] = value
+    for v, c in zip(s.carry_init, carry, strict=True):
+      if v is not None:
+        bind(v, c)
+    for i, x in zip(var, picked, strict=True):
+      bind(s.stacked_template[i], x)
+    for i, x in zip(lit, lits, strict=True):
+      bind(s.stacked_template[i], x)
+    run(body_eqns, local, literals)
+    return [local[v] for v in carry_out]
+
+  def pick(k, per_layer):
+    """Layer ``k``'s picked inputs; ``per_layer``: slot-major, layer-minor."""
+    if not nv:
+      return []
+    branches = [lambda *a, k=k: [a[i * count + k] for i in range(nv)] for k in range(count)]
+    return lax.switch(k, branches, *per_layer)
+
+  def forward(init, per_layer, inv, save):
+    def body(carry, x):
+      k, lits = x
+      out = layer(carry, pick(k, per_layer), lits, inv)
+      return out, ([carry[i] for i in read] if save else None)
+    return lax.scan(body, list(init), (jnp.arange(count), lit_xs), length=count)
+
+  @jax.custom_vjp
+  def stack(init, per_layer, inv):
+    return forward(init, per_layer, inv, False)[0]
+
+  def stack_fwd(init, per_layer, inv):
+    final, saved = forward(init, per_layer, inv, True)
+    return final, (init, per_layer, inv, saved)
+
+  def stack_bwd(res, cts):
+    init, per_layer, inv, saved = res
+    c_diff = [_differentiable(x) for x in init]
+    p_diff = [_differentiable(per_layer[i * count]) for i in range(nv)]
+    i_diff = [_differentiable(x) for x in inv]
+
+    def body(acc, x):
+      ct, inv_ct = acc
+      k, lits, carry_read = x
+      carry = [jnp.zeros_like(c) for c in init]
+      for i, c in zip(read, carry_read, strict=True):
+        carry[i] = c
+      picked = pick(k, per_layer)
+
+      def f(c, p, iv):
+        return layer(_merge(carry, c, c_diff), _merge(picked, p, p_diff),
+                     lits, _merge(inv, iv, i_diff))
+      outs, vjp = jax.vjp(f, _take(carry, c_diff), _take(picked, p_diff),
+                          _take(inv, i_diff))
+      out_cts = [ct_i if d else _zero_cotangent(o)
+                 for ct_i, o, d in zip(_merge(outs, ct, c_diff), outs, c_diff)]
+      d_c, d_p, d_i = vjp(out_cts)
+      return (d_c, [a + b for a, b in zip(inv_ct, d_i, strict=True)]), d_p
+
+    ct0 = _take(list(cts), c_diff)
+    inv0 = [jnp.zeros_like(x) for x in _take(inv, i_diff)]
+    (d_init, d_inv), d_layers = lax.scan(
+        body, (ct0, inv0), (jnp.arange(count), lit_xs, saved), length=count, reverse=True)
+    d_layers = iter(d_layers)
+    d_per_layer = []
+    for i in range(nv):
+      stacked = next(d_layers) if p_diff[i] else None
+      d_per_layer += [stacked[k] if p_diff[i] else _zero_cotangent(per_layer[i * count + k])
+                      for k in range(count)]
+    return (_fill(init, d_init, c_diff), d_per_layer, _fill(inv, d_inv, i_diff))
+
+  stack.defvjp(stack_fwd, stack_bwd)
+  init = [_outer_value(env, v) if v is not None else
+          jnp.zeros(o.aval.shape, o.aval.dtype)
+          for v, o in zip(s.carry_init, carry_out, strict=True)]
+  per_layer = [_outer_value(env, s.stacked[i][k]) for i in var for k in range(count)]
+  final = stack(init, per_layer, [env[v] for v in invariant])
+  last = jaxpr.eqns[s.start + (s.count - 1) * s.length:s.end]
+  for (j, o), x in zip(s.carry_pos, final, strict=True):
+    env[last[j].outvars[o]] = x
+
+
+def _differentiable(x) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _zero_cotangent(x):
+  """The cotangent of ``x`` that is zero (float0 for integers and keys)."""
+  if _differentiable(x):
+    return jnp.zeros_like(x)
+  return np.zeros(np.shape(x), jax.dtypes.float0)
+
+
+def _take(xs, mask):
+  return [x for x, m in zip(xs, mask, strict=True) if m]
+
+
+def _merge(xs, picked, mask):
+  """``xs`` with the entries under ``mask`` replaced by ``picked``, in order."""
+  it = iter(picked)
+  return [next(it) if m else x for x, m in zip(xs, mask, strict=True)]
+
+
+def _fill(xs, cts, mask):
+  """Cotangents of ``xs``: ``cts`` under ``mask``, zero elsewhere."""
+  it = iter(cts)
+  return [next(it) if m else _zero_cotangent(x) for x, m in zip(xs, mask, strict=True)]
 
 
 def _outer_value(env: dict, v):
