@@ -241,32 +241,50 @@ def _checkpointed_scan(eqn, vals, policy) -> list:
 
 def _run_stack(jaxpr: Jaxpr, s: Stack, env: dict, run, policy) -> None:
   body_eqns = jaxpr.eqns[s.start:s.start + s.length]
-  first_out = lambda j, o: body_eqns[j].outvars[o]
   xs = [jnp.stack([_outer_value(env, v) for v in per_layer]) for per_layer in s.stacked]
-  init = [_outer_value(env, v) if v is not None else
-          jnp.zeros(first_out(j, o).aval.shape, first_out(j, o).aval.dtype)
-          for v, (j, o) in zip(s.carry_init, s.carry_pos, strict=True)]
+  init = _initial_carries(s, body_eqns, env)
   outer = env
 
   def body(carry, x):
-    local = collections.ChainMap({}, outer)
-    literals = {}
-
-    def bind(v, value):
-      if isinstance(v, Literal):
-        literals[id(v)] = value
-      else:
-        local[v] = value
-    for v, c in zip(s.carry_init, carry, strict=True):
-      if v is not None:
-        bind(v, c)
-    for v, xv in zip(s.stacked_template, x, strict=True):
-      bind(v, xv)
-    run(body_eqns, local, literals)
-    return [local[first_out(j, o)] for j, o in s.carry_pos], None
+    return _run_layer(s, body_eqns, run, collections.ChainMap({}, outer), carry, x), None
 
   final, _ = lax.scan(jax.checkpoint(body, policy=policy, prevent_cse=False),
                       init, xs, length=s.count)
+  _set_outputs(jaxpr, s, env, final)
+
+
+def _run_layer(s: Stack, body_eqns, run, local, carry, inputs) -> list:
+  """One layer of ``s``: binds its carries and per-layer inputs (in
+  ``s.stacked_template`` order) in ``local``, runs ``body_eqns`` and returns
+  the carries it hands on."""
+  literals = {}
+
+  def bind(v, value):
+    if isinstance(v, Literal):
+      literals[id(v)] = value
+    else:
+      local[v] = value
+  for v, c in zip(s.carry_init, carry, strict=True):
+    if v is not None:
+      bind(v, c)
+  for v, x in zip(s.stacked_template, inputs, strict=True):
+    bind(v, x)
+  run(body_eqns, local, literals)
+  return [local[body_eqns[j].outvars[o]] for j, o in s.carry_pos]
+
+
+def _initial_carries(s: Stack, body_eqns, env: dict) -> list:
+  """The carries entering the first layer (zeros for a slot only read after
+  the stack)."""
+  out = []
+  for v, (j, o) in zip(s.carry_init, s.carry_pos, strict=True):
+    aval = body_eqns[j].outvars[o].aval
+    out.append(_outer_value(env, v) if v is not None else jnp.zeros(aval.shape, aval.dtype))
+  return out
+
+
+def _set_outputs(jaxpr: Jaxpr, s: Stack, env: dict, final) -> None:
+  """The stack's final carries, as the last repetition's outputs in ``env``."""
   last = jaxpr.eqns[s.start + (s.count - 1) * s.length:s.end]
   for (j, o), x in zip(s.carry_pos, final, strict=True):
     env[last[j].outvars[o]] = x
@@ -287,7 +305,6 @@ def _run_stack_selected(jaxpr: Jaxpr, s: Stack, env: dict, run) -> None:
   cotangent to every constant's gradient at every layer.
   """
   body_eqns = jaxpr.eqns[s.start:s.start + s.length]
-  carry_out = [body_eqns[j].outvars[o] for j, o in s.carry_pos]
   bound = {id(v) for v in (*s.carry_init, *s.stacked_template) if v is not None}
   made = {v for e in body_eqns for v in e.outvars}
   invariant = list(dict.fromkeys(
@@ -302,22 +319,11 @@ def _run_stack_selected(jaxpr: Jaxpr, s: Stack, env: dict, run) -> None:
   count, nv = s.count, len(var)
 
   def layer(carry, picked, lits, inv):
-    local, literals = dict(zip(invariant, inv, strict=True)), {}
-
-    def bind(v, value):
-      if isinstance(v, Literal):
-        literals[id(v)] = value
-      else:
-        local[v] = value
-    for v, c in zip(s.carry_init, carry, strict=True):
-      if v is not None:
-        bind(v, c)
-    for i, x in zip(var, picked, strict=True):
-      bind(s.stacked_template[i], x)
-    for i, x in zip(lit, lits, strict=True):
-      bind(s.stacked_template[i], x)
-    run(body_eqns, local, literals)
-    return [local[v] for v in carry_out]
+    inputs = [None] * len(s.stacked_template)
+    for i, x in (*zip(var, picked, strict=True), *zip(lit, lits, strict=True)):
+      inputs[i] = x
+    return _run_layer(s, body_eqns, run, dict(zip(invariant, inv, strict=True)),
+                      carry, inputs)
 
   def pick(k, per_layer):
     """Layer ``k``'s picked inputs; ``per_layer``: slot-major, layer-minor."""
@@ -378,14 +384,10 @@ def _run_stack_selected(jaxpr: Jaxpr, s: Stack, env: dict, run) -> None:
     return (_fill(init, d_init, c_diff), d_per_layer, _fill(inv, d_inv, i_diff))
 
   stack.defvjp(stack_fwd, stack_bwd)
-  init = [_outer_value(env, v) if v is not None else
-          jnp.zeros(o.aval.shape, o.aval.dtype)
-          for v, o in zip(s.carry_init, carry_out, strict=True)]
+  init = _initial_carries(s, body_eqns, env)
   per_layer = [_outer_value(env, s.stacked[i][k]) for i in var for k in range(count)]
   final = stack(init, per_layer, [env[v] for v in invariant])
-  last = jaxpr.eqns[s.start + (s.count - 1) * s.length:s.end]
-  for (j, o), x in zip(s.carry_pos, final, strict=True):
-    env[last[j].outvars[o]] = x
+  _set_outputs(jaxpr, s, env, final)
 
 
 def _differentiable(x) -> bool:
