@@ -13,7 +13,8 @@ that says what differs, never pins put on the wrong equations.
 Solved plans are stored as their JSON under ``$AUTOPAR_CACHE_DIR`` (default
 ``~/.cache/autopar``), in ``plans/<key>.json``; the key is a SHA-256 of the
 fingerprint (:func:`plan_key`). A changed model, mesh, option or autopar
-version is a new key; nothing is ever invalidated in place. A cache file
+version is a new key (and so is an edited autopar: the key also digests
+autopar's own sources); nothing is ever invalidated in place. A cache file
 that cannot be read is ignored (and solved again), never an error.
 
 ``AutoShardingOption(plan_cache=False)`` turns the cache off for a step.
@@ -22,6 +23,7 @@ that cannot be read is ignored (and solved again), never an error.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 import re
@@ -123,8 +125,21 @@ def check_fingerprint(saved: Plan, now: Mapping[str, str], name: str,
 
 
 def plan_key(fp: Mapping[str, str]) -> str:
-  """The cache key of a plan with fingerprint ``fp``."""
-  return hashlib.sha256(repr(sorted(fp.items())).encode()).hexdigest()
+  """The cache key of a plan with fingerprint ``fp``, and of the planner's
+  own source: a changed planner (an edited checkout, between versions) is a
+  new key, so it never reads plans an older planner solved."""
+  return hashlib.sha256((repr(sorted(fp.items())) + _planner_digest()).encode()).hexdigest()
+
+
+@functools.cache
+def _planner_digest() -> str:
+  """A digest of autopar's Python sources (read once per process)."""
+  h = hashlib.sha256()
+  root = Path(__file__).parent
+  for path in sorted(root.rglob("*.py")):
+    h.update(str(path.relative_to(root)).encode())
+    h.update(path.read_bytes())
+  return h.hexdigest()[:16]
 
 
 # A Python object's address in its repr (a callback's function): differs

@@ -494,7 +494,39 @@ class ShardingProblem:
              ids.setdefault(("node", i), len(ids)) for i, node in enumerate(self.nodes)]
     edges = [(src, dst, spos, dpos)
              for (src, spos), dst, dpos, _, _ in self._edge_list()]
-    return refine_colors(color, edges, LAYER_ROUNDS)
+    color = refine_colors(color, edges, LAYER_ROUNDS)
+    return self._split_leaves(color, edges)
+
+  def _split_leaves(self, color: list[int], edges) -> list[int]:
+    """Leaves keep a class only with leaves whose readers and donors ended
+    in the same classes.
+
+    A leaf is a source: what tells one layer's optimizer state from
+    another's is far from it (the moment ``mu`` is read by an update whose
+    gradient comes from that layer's matmul, five or more steps away), so
+    the rounds of refinement can leave the ``mu`` of a column-split kernel
+    in one class with the ``mu`` of a row-split one and force them one
+    spec. One more round for leaves alone, over the final colours of the
+    equations that read them and of the one whose output is donated into
+    them, splits those; the leaves of layers that are alike stay together.
+    """
+    readers: dict[int, list] = {}
+    for src, dst, spos, dpos in edges:
+      readers.setdefault(src, []).append((color[dst], spos, dpos))
+    donor: dict[int, tuple] = {}
+    aj = self.apply.jaxpr
+    for out_idx, leaf in self.donation.items():
+      v = aj.outvars[out_idx]
+      if isinstance(v, Var) and v in self.apply_val:
+        src, pos = self.apply_val[v]
+        donor[self.leaf_nodes[leaf]] = (color[src], pos)
+    ids: dict = {}
+    fresh = max(color, default=-1) + 1
+    out = list(color)
+    for node in self.leaf_nodes:
+      key = (color[node], tuple(sorted(readers.get(node, ()))), donor.get(node))
+      out[node] = ids.setdefault(key, fresh + len(ids))
+    return out
 
   def _edge_list(self):
     """((src node, output pos), dst node, dst pos or -1 (follow), aval, mult)."""

@@ -63,8 +63,8 @@ class ReluTransformer(Transformer):
   act: Callable = nn.relu       # a custom_jvp function in every block
 
 
-def mlp_setup(batch=32, din=16, hidden=64, dout=4, tx=None, seed=0):
-  model = MLP(hidden=hidden, out=dout)
+def mlp_setup(batch=32, din=16, hidden=64, dout=4, tx=None, seed=0, layers=2):
+  model = MLP(hidden=hidden, out=dout, layers=layers)
   rng = np.random.RandomState(seed)
   x = rng.randn(batch, din).astype(np.float32)
   y = rng.randn(batch, dout).astype(np.float32)
