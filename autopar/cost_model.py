@@ -33,7 +33,8 @@ import numpy as np
 __all__ = ["MeshCost", "bytes_per_device", "num_bytes", "itemsize", "dtype_name",
            "COLLECTIVE_KINDS"]
 
-COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
+COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                    "collective-permute")
 
 DEFAULT_ALPHA = 1e-6      # 1 us per ring step
 DEFAULT_BETA = 1e-10      # 10 GB/s
@@ -122,6 +123,8 @@ class MeshCost:
       return (p - 1) * a + b * nbytes * (p - 1) / p
     if kind == "all-to-all":
       return (p - 1) * a + b * nbytes * (p - 1) / p
+    if kind == "collective-permute":          # each device sends its shard once
+      return a + b * nbytes
     raise ValueError(f"unknown collective kind {kind!r}; one of {COLLECTIVE_KINDS}")
 
   def all_reduce(self, nbytes: float, axes: Sequence[str]) -> float:

@@ -84,7 +84,12 @@ def reshard_collectives(src: Spec, dst: Spec) -> list[tuple[str, tuple[str, ...]
 
   An axis that leaves a dimension is all-gathered; one that moves to another
   dimension is an all-to-all; one that is added only slices locally (free).
-  Reordering axes inside one dimension permutes shards (an all-to-all).
+  That holds where a dimension's axes kept in it lead its axes before and
+  after, in one order: a dimension split over ("data", "model") holds on
+  each device a block of "model"'s block, so gathering "model" away is one
+  all-gather, but gathering "data" away (or adding "data" ahead of
+  "model", or swapping the two) moves blocks between devices first, which
+  XLA does with a collective-permute of the shard over the dimension's axes.
   """
   if src == dst:
     return []
@@ -92,22 +97,26 @@ def reshard_collectives(src: Spec, dst: Spec) -> list[tuple[str, tuple[str, ...]
   pos_dst = {a: d for d, e in enumerate(dst) for a in e}
   moved = tuple(a for a in pos_src if a in pos_dst and pos_dst[a] != pos_src[a])
   gone = tuple(a for a in pos_src if a not in pos_dst)
+  permuted: list[str] = []
+  for before, after in zip(src, dst):
+    kept = tuple(a for a in before if a in after)
+    if kept != before[:len(kept)] or kept != after[:len(kept)]:
+      permuted += [a for a in dict.fromkeys((*before, *after)) if a not in permuted]
   out = []
+  if permuted:
+    out.append(("collective-permute", tuple(permuted)))
   if moved:
     out.append(("all-to-all", moved))
   if gone:
     out.append(("all-gather", gone))
-  if not out and any(
-      tuple(x for x in src[d] if x in dst[d]) != tuple(x for x in dst[d] if x in src[d])
-      for d in range(len(src))):
-    out.append(("all-to-all", tuple(pos_src)))
   return out
 
 
 def reshard_cost(aval, src: Spec, dst: Spec, cost: MeshCost, sizes, *,
                  allow_all_gather=True, allow_all_to_all=True) -> float:
   """Seconds to turn a value sharded ``src`` into ``dst`` (0 if equal)."""
-  allowed = {"all-gather": allow_all_gather, "all-to-all": allow_all_to_all}
+  allowed = {"all-gather": allow_all_gather, "all-to-all": allow_all_to_all,
+             "collective-permute": True}
   b = local_bytes(aval, src, sizes)
   return sum(cost.collective(kind, b, axes) if allowed[kind] else BIG
              for kind, axes in reshard_collectives(src, dst))
@@ -141,6 +150,12 @@ class _Node:
   mem: list[float] | None = None     # per choice: bytes per device (leaves)
   key: Any = None                    # equal keys: identical choices and costs
   vars: list = dataclasses.field(default_factory=list)
+
+
+def _on_axes(specs, axes) -> tuple:
+  """``specs`` (a spec per output) with only the mesh ``axes`` left."""
+  return tuple(None if sp is None else tuple(tuple(a for a in dim if a in axes)
+                                            for dim in sp) for sp in specs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +192,11 @@ class ShardingProblem:
     donation: apply output index -> leaf index it replaces.
     num_micro_batches: n.
     batch_axes: S. planned_axes: A.
+    keep: ``(axes, decisions)`` from :meth:`decisions` of a problem solved
+      over planned ``axes``, a subset of A: every node keeps how that
+      solution split its values over those axes and chooses only over the
+      others (a node whose choices at this size meet none keeps them all).
+      The problem is then about as small as the solved one's.
   """
 
   def __init__(self, *, compute, apply, num_consts: int, leaf_avals: Sequence,
@@ -187,7 +207,8 @@ class ShardingProblem:
                allow_all_gather: bool = True, allow_all_to_all: bool = True,
                memory_budget: float | None = None, read_by_compute=(),
                share_layers: bool = True, pins: Mapping[int, Spec] | None = None,
-               leaf_names: Sequence[str] = (), accumulate: str | None = "float32"):
+               leaf_names: Sequence[str] = (), accumulate: str | None = "float32",
+               keep: tuple[Sequence[str], Mapping[str, tuple]] | None = None):
     self.compute = compute
     self.apply = apply
     self.num_consts = num_consts
@@ -221,14 +242,28 @@ class ShardingProblem:
     self._strategy_cache: dict = {}
     self._chosen_memo: dict = {}
     self.share_layers = share_layers
+    self.keep = keep
     self.timings: dict[str, float] = {}
 
   # -- graph ---------------------------------------------------------------------
 
   def _add_node(self, name, choices, specs, costs, mult, mem=None, key=None) -> int:
+    if self.keep is not None and name in self.keep[1]:
+      axes, kept = self.keep[0], self.keep[1][name]
+      idx = [c for c, sp in enumerate(specs) if _on_axes(sp, axes) == kept]
+      if idx and len(idx) < len(choices):
+        choices, specs, costs = ([l[c] for c in idx] for l in (choices, specs, costs))
+        mem = None if mem is None else [mem[c] for c in idx]
+        key = None if key is None else (key, kept)
     node = _Node(name, choices, mult, specs, costs, mem, key)
     self.nodes.append(node)
     return len(self.nodes) - 1
+
+  def decisions(self) -> dict[str, tuple]:
+    """Node name -> how the solution splits its outputs over the planned
+    axes (after :meth:`solve`; for ``keep`` of a problem over more axes)."""
+    return {node.name: _on_axes(node.specs[self._chosen(i)], self.A)
+            for i, node in enumerate(self.nodes)}
 
   def _build_graph(self):
     nconst = self.num_consts

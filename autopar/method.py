@@ -103,10 +103,16 @@ class AutoShardingOption:
       operation costs the larger of flops x seconds per flop and bytes moved
       / bandwidth). None (default): the device kind's, or 50 GB/s where no
       kind is known.
-    max_model_axes: how many mesh axes the solver may use to split values
-      inside a micro-batch (tensor parallelism); the other axes split the
-      batch. 2 allows 2-D tensor parallelism, at the price of an ILP that is
-      ten times larger.
+    max_model_axes: how many mesh axes the solver searches in full to split
+      values inside a micro-batch (tensor parallelism); the other axes split
+      the batch. 2 searches 2-D tensor parallelism in full, at the price of
+      an ILP about ten times larger.
+    extend_model_axes: once the best plan is found, also try it with one of
+      its batch axes planned as well, the planned axes' decisions kept (how
+      2-D tensor parallelism is found by default): one more problem about
+      the size of the solved one per batch axis, repeated from a plan that
+      wins; kept only where it costs less. False: plans use at most
+      ``max_model_axes`` planned axes.
     share_layers: give equations that repeat layer after layer one set of
       decisions (see ``docs/planner.md``), so the problem does not grow with
       depth. False solves every equation on its own.
@@ -150,6 +156,7 @@ class AutoShardingOption:
   seconds_per_flop: float | None = None
   memory_bandwidth: float | None = None
   max_model_axes: int = 1
+  extend_model_axes: bool = True
   share_layers: bool = True
   plan_cache: bool = True
   verbose: bool | None = None

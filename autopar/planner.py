@@ -437,6 +437,7 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
   matmul_flops = _matmul_flops(any_batch) if any_batch is not None else None
   best, errors = None, []
   pending = []
+  solved = []         # (objective, S, planned axes, decisions) of each solve
 
   def settle():
     """Waits for the solves in flight and keeps the best (the first of equals)."""
@@ -452,7 +453,79 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
                      f"batch over {S or 'no axes'}: {problem.num_variables} variables")
       if best is None or _cheaper(objective, best[1]):
         best = (S, objective, local, problem)
+      if option.extend_model_axes:
+        solved.append((objective, S, problem.A, problem.decisions()))
     pending.clear()
+
+  def build(S, A, d, keep=None):
+    """The problem of batch axes ``S`` (planned axes ``A``, ``d`` devices
+    over ``S``), built; None (the error kept) if a pin cannot be met."""
+    t0 = time.perf_counter()
+    local = trace_local(micro // d)
+    if d > 1:
+      progress.add("trace", time.perf_counter() - t0, f"{micro // d} rows per device")
+    traced = local.traced
+    problem = ShardingProblem(
+        compute=local.compute, apply=local.apply, num_consts=len(local.consts),
+        leaf_avals=[l.abstract((micro // d, *l.shape[1:]) if l.is_batch else None)
+                    for l in traced.leaves],
+        batch_leaves=[l.is_batch for l in traced.leaves],
+        donation=_apply_donation(local), num_micro_batches=n, batch_axes=S,
+        planned_axes=A, sizes=sizes, cost=cost,
+        seconds_per_flop=option.flop_seconds,
+        seconds_per_byte=option.byte_seconds,
+        allow_all_gather=option.allow_all_gather,
+        allow_all_to_all=option.allow_all_to_all,
+        memory_budget=option.memory_budget_per_device,
+        read_by_compute=leaves_read_by_compute(local),
+        share_layers=option.share_layers,
+        pins={k: _spec_axes(spec) for k, spec in pins.items()},
+        accumulate=method.grad_accumulation_dtype,
+        leaf_names=[l.path for l in traced.leaves], keep=keep)
+    try:
+      problem.build()
+    except PlanError as e:        # a pin no sharding with these batch axes meets
+      errors.append((None, e))
+      return None
+    where = f"batch over {S or 'no axes'}"
+    progress.add("strategies", problem.timings["strategies"],
+                 f"{where}: {len(problem.nodes)} nodes")
+    progress.add("classes", problem.timings["classes"],
+                 f"{problem.num_classes} classes")
+    progress.add("build", problem.timings["build"])
+    return local, problem
+
+  def extend(solver, full):
+    """Tries each solved plan with one of its batch axes planned as well,
+    its planned axes' decisions kept (2-D tensor parallelism from the 1-D
+    plans), and so on from those. Each try is a problem about the size of
+    the one solved, not the full problem over more axes (ten times larger
+    per axis); a try whose cost bound cannot beat the best is skipped, and
+    so is one whose batch axes were solved in full (``full``)."""
+    tried, done = set(), 0
+    while done < len(solved):
+      todo = sorted(solved[done:], key=lambda s: s[0])
+      done = len(solved)
+      for _, S0, A0, decisions in todo:
+        for a in S0:
+          S = tuple(b for b in S0 if b != a)
+          if S in full or (S, S0) in tried:
+            continue
+          tried.add((S, S0))
+          A = tuple(b for b in names if b not in S)
+          d = math.prod(sizes[b] for b in S)
+          try:
+            check_hints(hints, names, S, f"the plan with batch axes {S}")
+          except PlanError:
+            continue
+          bound = _cost_lower_bound(split, matmul_flops, S, A, sizes, cost, option, n,
+                                    micro // d)
+          if not _cheaper(bound, best[1]):
+            continue
+          built = build(S, A, d, (A0, decisions))
+          if built is not None:
+            pending.append((S, *built, solver.submit(built[1].solve)))
+      settle()
 
   # Each problem is solved on a worker thread while the next one is built:
   # HiGHS runs without holding the GIL, so building and solving overlap.
@@ -481,41 +554,13 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
                        f"at least {bound:.3g} s a step, the plan with batch over "
                        f"{best[0] or 'no axes'} {best[1]:.3g} s")
           continue
-      t0 = time.perf_counter()
-      local = trace_local(micro // d)
-      if d > 1:
-        progress.add("trace", time.perf_counter() - t0, f"{micro // d} rows per device")
-      traced = local.traced
-      problem = ShardingProblem(
-          compute=local.compute, apply=local.apply, num_consts=len(local.consts),
-          leaf_avals=[l.abstract((micro // d, *l.shape[1:]) if l.is_batch else None)
-                      for l in traced.leaves],
-          batch_leaves=[l.is_batch for l in traced.leaves],
-          donation=_apply_donation(local), num_micro_batches=n, batch_axes=S,
-          planned_axes=A, sizes=sizes, cost=cost,
-          seconds_per_flop=option.flop_seconds,
-          seconds_per_byte=option.byte_seconds,
-          allow_all_gather=option.allow_all_gather,
-          allow_all_to_all=option.allow_all_to_all,
-          memory_budget=option.memory_budget_per_device,
-          read_by_compute=leaves_read_by_compute(local),
-          share_layers=option.share_layers,
-          pins={k: _spec_axes(spec) for k, spec in pins.items()},
-          accumulate=method.grad_accumulation_dtype,
-          leaf_names=[l.path for l in traced.leaves])
-      try:
-        problem.build()
-      except PlanError as e:        # a pin no sharding with these batch axes meets
-        errors.append((None, e))
-        continue
-      where = f"batch over {S or 'no axes'}"
-      progress.add("strategies", problem.timings["strategies"],
-                   f"{where}: {len(problem.nodes)} nodes")
-      progress.add("classes", problem.timings["classes"],
-                   f"{problem.num_classes} classes")
-      progress.add("build", problem.timings["build"])
-      pending.append((S, local, problem, solver.submit(problem.solve)))
+      built = build(S, A, d)
+      if built is not None:
+        pending.append((S, *built, solver.submit(built[1].solve)))
     settle()
+    if (option.extend_model_axes and best is not None
+        and not option.force_data_parallel and option.forced_batch_axes(mesh) is None):
+      extend(solver, set(candidates))
   if best is None and option.memory_budget_per_device is None:
     raise errors[0][1]
   if best is None and all(p is None for p, _ in errors):

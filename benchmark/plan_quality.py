@@ -12,8 +12,9 @@ under:
 * hand-written plans, given as input shardings to ``jax.jit`` (XLA propagates
   the rest): pure data parallel, FSDP (every parameter and optimizer state
   split over all 8 devices), Megatron tensor parallel over 8 (column / row
-  split of consecutive matmuls, attention heads split), and data x tensor
-  2-D (batch over 2, Megatron over 4).
+  split of consecutive matmuls, attention heads split), data x tensor
+  (batch over 2, Megatron over 4), and 2-D tensor parallel (batch whole,
+  Megatron over 4 with each matmul's other weight dimension over 2).
 
 It prints, per plan, from the compiled executables:
 
@@ -170,6 +171,29 @@ def megatron_spec(path: str, shape, axis, size):
   return P()
 
 
+def megatron_2d_spec(path: str, shape, axes, sizes):
+  """2-D tensor parallelism (batch whole): each Megatron split over axis
+  ``axes[1]``, and the matmul's other weight dimension over ``axes[0]``."""
+  a, b = axes
+
+  def spec(*names):
+    names = [n if n is None or shape[i] % sizes[n] == 0 else None
+             for i, n in enumerate(names)]
+    return P(*names)
+  rank = len(shape)
+  if any(k in path for k in ("['query']", "['key']", "['value']")):
+    return spec(a, b, None) if rank == 3 else spec(b, None)          # d, heads, hd
+  if "['out']" in path:
+    return spec(b, None, a) if rank == 3 else P()                     # heads, hd, d
+  if path.endswith("['kernel']"):
+    idx = int(path.split("Dense_")[-1].split("'")[0]) if "Dense_" in path else 0
+    return spec(a, b) if idx % 2 == 0 else spec(b, a)
+  if path.endswith("['bias']") and "Dense_" in path:
+    idx = int(path.split("Dense_")[-1].split("'")[0])
+    return spec(b) if idx % 2 == 0 else P()
+  return P()
+
+
 def state_specs(state, rule):
   paths = jax.tree_util.tree_flatten_with_path(state)[0]
   leaves = [rule(jax.tree_util.keystr(kp), np.shape(x)) for kp, x in paths]
@@ -187,6 +211,8 @@ def hand_written(state, batch, step, seconds=None):
                P("x")),
       "Megatron TP": (m1, lambda p, s: megatron_spec(p, s, "x", 8), P()),
       "2-D data x TP": (m2, lambda p, s: megatron_spec(p, s, "model", 4), P("data")),
+      "2-D TP": (m2, lambda p, s: megatron_2d_spec(p, s, ("data", "model"),
+                                                   {"data": 2, "model": 4}), P()),
   }
   out = {}
   batch_size = next(iter(batch.values())).shape[0]
@@ -288,16 +314,17 @@ def realistic_cases():
     return jax.eval_shape(lambda p: train_state.TrainState.create(
         apply_fn=model.apply, params=p, tx=tx), params)
 
-  for d, layers in ((1024, 2), (2048, 2)):
+  for d, layers in ((1024, 2), (2048, 2), (4096, 2), (8192, 2)):
     model = GPT(32000, d, d // 128, layers)
     state = abstract_state(model, jnp.zeros((1, 8), jnp.int32))
     yield (f"GPT d={d} {layers} layers, batch 16x512", state,
            {"tokens": jax.ShapeDtypeStruct((16, 513), jnp.int32)}, lm_step)
-  model = MLP((8192, 8192))
-  state = abstract_state(model, jnp.zeros((1, 8192), jnp.float32))
-  yield ("MLP 8192-8192-8192, batch 64", state,
-         {"x": jax.ShapeDtypeStruct((64, 8192), jnp.float32),
-          "y": jax.ShapeDtypeStruct((64, 8192), jnp.float32)}, regression_step)
+  for width, batch in ((4096, 512), (8192, 64)):
+    model = MLP((width, width))
+    state = abstract_state(model, jnp.zeros((1, width), jnp.float32))
+    yield (f"MLP {width}-{width}-{width}, batch {batch}", state,
+           {"x": jax.ShapeDtypeStruct((batch, width), jnp.float32),
+            "y": jax.ShapeDtypeStruct((batch, width), jnp.float32)}, regression_step)
 
 
 def realistic():
