@@ -279,12 +279,17 @@ def test_sharding_hints_are_kept(kind, method):
       out = p(w, x)
       exe = p.get_executable(w, x)
     assert_trees_close(out, ref)
-    # The batch is split over "data" only: "model" splits the hidden units,
-    # as the hint says (each device's tanh sees a quarter of them).
-    assert exe.plan.batch_axes == ("data",)
+    # "model" splits the hidden units, as the hint says (each device's tanh
+    # sees a quarter of them). "data" is the batch axis, or under
+    # ShardParallel may be planned (2-D, found cheaper at this size); then
+    # the tanh's rows are as the hint leaves them: split over "data" by
+    # with_sharding_constraint, whole by the nested jit's out_shardings.
+    assert exe.plan.batch_axes == ("data",) or (method == "shard"
+                                                and exe.plan.batch_axes == ())
     assert P("data", "model") in {v.spec for v in exe.plan.hints}
     assert "sharding hints kept" in exe.plan.summary()
-    rows = 32 // n // 2
+    split_rows = exe.plan.batch_axes == ("data",) or kind == "with_sharding_constraint"
+    rows = 32 // n // (2 if split_rows else 1)
     text = exe.as_text()[exe.schedule[-2]]
     assert re.search(rf"f32\[{rows},4\]\S* tanh\(", text), text
 
