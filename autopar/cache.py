@@ -136,9 +136,12 @@ def _planner_digest() -> str:
   """A digest of autopar's Python sources (read once per process)."""
   h = hashlib.sha256()
   root = Path(__file__).parent
-  for path in sorted(root.rglob("*.py")):
-    h.update(str(path.relative_to(root)).encode())
-    h.update(path.read_bytes())
+  try:
+    for path in sorted(root.rglob("*.py")):
+      h.update(str(path.relative_to(root)).encode())
+      h.update(path.read_bytes())
+  except OSError:            # sources not readable as files: the version alone
+    return ""
   return h.hexdigest()[:16]
 
 

@@ -102,6 +102,7 @@ def reshard_collectives(src: Spec, dst: Spec) -> list[tuple[str, tuple[str, ...]
     kept = tuple(a for a in before if a in after)
     if kept != before[:len(kept)] or kept != after[:len(kept)]:
       permuted += [a for a in dict.fromkeys((*before, *after)) if a not in permuted]
+  permuted.sort()          # one name for one permute, whatever the direction
   out = []
   if permuted:
     out.append(("collective-permute", tuple(permuted)))
@@ -118,7 +119,10 @@ def reshard_cost(aval, src: Spec, dst: Spec, cost: MeshCost, sizes, *,
   allowed = {"all-gather": allow_all_gather, "all-to-all": allow_all_to_all,
              "collective-permute": True}
   b = local_bytes(aval, src, sizes)
-  return sum(cost.collective(kind, b, axes) if allowed[kind] else BIG
+  # A permute moves the smaller of the two blocks (the slice of the shard
+  # to be kept, or the shard before it is gathered).
+  moved = {"collective-permute": min(b, local_bytes(aval, dst, sizes))}
+  return sum(cost.collective(kind, moved.get(kind, b), axes) if allowed[kind] else BIG
              for kind, axes in reshard_collectives(src, dst))
 
 
@@ -899,8 +903,9 @@ class ShardingProblem:
       if r is None or self._reshard(aval, p, r) <= 0:
         continue
       b = float(local_bytes(aval, p, self.sizes))
+      moved = min(b, float(local_bytes(aval, r, self.sizes)))    # as reshard_cost
       stage = "compute_grad" if part == "compute" else "apply_grad"
-      out.extend((stage, kind, axes, b, mult)
+      out.extend((stage, kind, axes, moved if kind == "collective-permute" else b, mult)
                  for kind, axes in reshard_collectives(p, r))
     return out
 

@@ -107,12 +107,12 @@ class AutoShardingOption:
       values inside a micro-batch (tensor parallelism); the other axes split
       the batch. 2 searches 2-D tensor parallelism in full, at the price of
       an ILP about ten times larger.
-    extend_model_axes: once the best plan is found, also try it with one of
-      its batch axes planned as well, the planned axes' decisions kept (how
-      2-D tensor parallelism is found by default): one more problem about
-      the size of the solved one per batch axis, repeated from a plan that
-      wins; kept only where it costs less. False: plans use at most
-      ``max_model_axes`` planned axes.
+    extend_model_axes: once the batch-axes choices are solved, try each
+      solved plan with one of its batch axes planned as well, its planned
+      axes' decisions kept (how ShardParallel finds 2-D tensor parallelism
+      by default), and so on from those: one more problem about the size
+      of the solved one per try; a plan so found is kept only where it
+      costs less. False: plans use at most ``max_model_axes`` planned axes.
     share_layers: give equations that repeat layer after layer one set of
       decisions (see ``docs/planner.md``), so the problem does not grow with
       depth. False solves every equation on its own.

@@ -438,6 +438,8 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
   best, errors = None, []
   pending = []
   solved = []         # (objective, S, planned axes, decisions) of each solve
+  extending = (option.extend_model_axes and not option.force_data_parallel
+               and option.forced_batch_axes(mesh) is None)
 
   def settle():
     """Waits for the solves in flight and keeps the best (the first of equals)."""
@@ -453,7 +455,7 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
                      f"batch over {S or 'no axes'}: {problem.num_variables} variables")
       if best is None or _cheaper(objective, best[1]):
         best = (S, objective, local, problem)
-      if option.extend_model_axes:
+      if extending:
         solved.append((objective, S, problem.A, problem.decisions()))
     pending.clear()
 
@@ -514,10 +516,7 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
           tried.add((S, S0))
           A = tuple(b for b in names if b not in S)
           d = math.prod(sizes[b] for b in S)
-          try:
-            check_hints(hints, names, S, f"the plan with batch axes {S}")
-          except PlanError:
-            continue
+          # (No check_hints: S is inside S0, whose check passed.)
           bound = _cost_lower_bound(split, matmul_flops, S, A, sizes, cost, option, n,
                                     micro // d)
           if not _cheaper(bound, best[1]):
@@ -558,8 +557,7 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
       if built is not None:
         pending.append((S, *built, solver.submit(built[1].solve)))
     settle()
-    if (option.extend_model_axes and best is not None
-        and not option.force_data_parallel and option.forced_batch_axes(mesh) is None):
+    if extending and best is not None:
       extend(solver, set(candidates))
   if best is None and option.memory_budget_per_device is None:
     raise errors[0][1]

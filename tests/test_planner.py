@@ -269,7 +269,7 @@ def test_small_batch_wide_mlp_gets_2d_tensor_parallelism():
     ((("data", "model"),), (("model",),),
      [("collective-permute", ("data", "model")), ("all-gather", ("data",))]),
     ((("model",),), (("model", "data"),), []),                  # a local slice
-    ((("model",),), (("data", "model"),), [("collective-permute", ("model", "data"))]),
+    ((("model",),), (("data", "model"),), [("collective-permute", ("data", "model"))]),
     ((("data", "model"),), (("model", "data"),),
      [("collective-permute", ("data", "model"))]),
     ((("data",), ()), ((), ("data",)), [("all-to-all", ("data",))]),
