@@ -113,17 +113,27 @@ def reshard_collectives(src: Spec, dst: Spec) -> list[tuple[str, tuple[str, ...]
   return out
 
 
+def reshard_steps(aval, src: Spec, dst: Spec, sizes) -> list[tuple[str, tuple[str, ...], float]]:
+  """The collectives of :func:`reshard_collectives` with the bytes per
+  device each one's operand has: the ``src`` shard, except that a permute
+  moves the smaller of the two blocks (the slice of the shard to be kept,
+  or the shard before it is gathered)."""
+  steps = reshard_collectives(src, dst)
+  if not steps:
+    return []
+  b = float(local_bytes(aval, src, sizes))
+  permute = min(b, float(local_bytes(aval, dst, sizes)))
+  return [(kind, axes, permute if kind == "collective-permute" else b)
+          for kind, axes in steps]
+
+
 def reshard_cost(aval, src: Spec, dst: Spec, cost: MeshCost, sizes, *,
                  allow_all_gather=True, allow_all_to_all=True) -> float:
   """Seconds to turn a value sharded ``src`` into ``dst`` (0 if equal)."""
   allowed = {"all-gather": allow_all_gather, "all-to-all": allow_all_to_all,
              "collective-permute": True}
-  b = local_bytes(aval, src, sizes)
-  # A permute moves the smaller of the two blocks (the slice of the shard
-  # to be kept, or the shard before it is gathered).
-  moved = {"collective-permute": min(b, local_bytes(aval, dst, sizes))}
-  return sum(cost.collective(kind, moved.get(kind, b), axes) if allowed[kind] else BIG
-             for kind, axes in reshard_collectives(src, dst))
+  return sum(cost.collective(kind, b, axes) if allowed[kind] else BIG
+             for kind, axes, b in reshard_steps(aval, src, dst, sizes))
 
 
 def _solver(time_limit: float | None = None, *, relax: bool = False
@@ -902,11 +912,9 @@ class ShardingProblem:
       p = self.nodes[src].specs[self._chosen(src)][pos]
       if r is None or self._reshard(aval, p, r) <= 0:
         continue
-      b = float(local_bytes(aval, p, self.sizes))
-      moved = min(b, float(local_bytes(aval, r, self.sizes)))    # as reshard_cost
       stage = "compute_grad" if part == "compute" else "apply_grad"
-      out.extend((stage, kind, axes, moved if kind == "collective-permute" else b, mult)
-                 for kind, axes in reshard_collectives(p, r))
+      out.extend((stage, kind, axes, b, mult)
+                 for kind, axes, b in reshard_steps(aval, p, r, self.sizes))
     return out
 
   def _memory_at_solution(self) -> float:

@@ -459,9 +459,10 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
         solved.append((objective, S, problem.A, problem.decisions()))
     pending.clear()
 
-  def build(S, A, d, keep=None):
-    """The problem of batch axes ``S`` (planned axes ``A``, ``d`` devices
-    over ``S``), built; None (the error kept) if a pin cannot be met."""
+  def start(S, A, d, keep=None):
+    """Builds the problem of batch axes ``S`` (planned axes ``A``, ``d``
+    devices over ``S``) and hands it to the solver thread (nothing, the
+    error kept, if a pin cannot be met)."""
     t0 = time.perf_counter()
     local = trace_local(micro // d)
     if d > 1:
@@ -488,16 +489,16 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
       problem.build()
     except PlanError as e:        # a pin no sharding with these batch axes meets
       errors.append((None, e))
-      return None
+      return
     where = f"batch over {S or 'no axes'}"
     progress.add("strategies", problem.timings["strategies"],
                  f"{where}: {len(problem.nodes)} nodes")
     progress.add("classes", problem.timings["classes"],
                  f"{problem.num_classes} classes")
     progress.add("build", problem.timings["build"])
-    return local, problem
+    pending.append((S, local, problem, solver.submit(problem.solve)))
 
-  def extend(solver, full):
+  def extend(full):
     """Tries each solved plan with one of its batch axes planned as well,
     its planned axes' decisions kept (2-D tensor parallelism from the 1-D
     plans), and so on from those. Each try is a problem about the size of
@@ -521,9 +522,7 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
                                     micro // d)
           if not _cheaper(bound, best[1]):
             continue
-          built = build(S, A, d, (A0, decisions))
-          if built is not None:
-            pending.append((S, *built, solver.submit(built[1].solve)))
+          start(S, A, d, (A0, decisions))
       settle()
 
   # Each problem is solved on a worker thread while the next one is built:
@@ -553,12 +552,10 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
                        f"at least {bound:.3g} s a step, the plan with batch over "
                        f"{best[0] or 'no axes'} {best[1]:.3g} s")
           continue
-      built = build(S, A, d)
-      if built is not None:
-        pending.append((S, *built, solver.submit(built[1].solve)))
+      start(S, A, d)
     settle()
     if extending and best is not None:
-      extend(solver, set(candidates))
+      extend(set(candidates))
   if best is None and option.memory_budget_per_device is None:
     raise errors[0][1]
   if best is None and all(p is None for p, _ in errors):
