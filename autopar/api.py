@@ -391,7 +391,8 @@ class ParallelizedFunction:
           plan_cache.store(key, plan)
     else:
       plan = plan_preset(self._split(prep, micro), method, mesh, batch_size=batch_size,
-                         outputs=self._outputs(prep, split, batch_size))
+                         outputs=self._outputs(prep, split, batch_size),
+                         trace_local=lambda rows: self._split(prep, rows))
       plan = dataclasses.replace(plan, fingerprint=tuple(fingerprint.items()))
     if not plan.hints and split.hints:
       plan = dataclasses.replace(plan, hints=tuple(

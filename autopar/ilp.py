@@ -49,7 +49,6 @@ smallest budget that would fit.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import math
 import time
 from typing import Any, Mapping, Sequence
@@ -63,6 +62,7 @@ from autopar.errors import PlanError
 from autopar.method import accumulation_dtype
 from autopar.strategies import (RuleContext, Spec, Strategy, enumerate_specs,
                                 grad_sync_costs, local_bytes, strategies_for)
+from autopar.liveness import liveness_peaks
 from autopar.refine import refine_colors
 from autopar.strategies.elementwise import is_elementwise
 
@@ -739,17 +739,42 @@ class ShardingProblem:
     [[(node, pos, aval, 1)] at each liveness peak])."""
     if getattr(self, "_mem_items", None) is None:
       state = [(self.leaf_nodes[k], 0, aval, 1) for k, aval in enumerate(self.leaf_avals)]
-      # The un-reduced partial sums and the reduced gradients.
-      # (The partial sums are in the accumulation dtype: float32 for bfloat16.)
-      grads = [self.compute.jaxpr.outvars[g].aval for g in range(len(self.grad_nodes))]
-      state += [(node, 0, aval, 1 + itemsize(accumulation_dtype(aval.dtype,
-                                                                self.accumulate))
-                 / itemsize(aval.dtype))
-                for node, aval in zip(self.grad_nodes, grads, strict=True)]
+      state += self._gradient_items()
       peaks = [[(*self.compute_val[v], v.aval, 1) for v in live if v in self.compute_val]
                for live in liveness_peaks(self.compute.jaxpr, self.num_consts, k=3)]
       self._mem_items = (state, peaks)
     return self._mem_items
+
+  def _gradient_items(self):
+    """The gradients held besides one micro-batch's pass (whose own
+    gradients are at its liveness peaks), as memory items:
+
+    * split over batch axes and run in several micro-batches: the
+      un-reduced partial sums, in the spec the pass makes them and the
+      accumulation dtype (float32 for bfloat16); the reduced gradients take
+      their buffer (where they are scattered over the batch axes, ZeRO,
+      their 1/d share is left out);
+    * one micro-batch over batch axes: the reduced gradients, beside the
+      pass's;
+    * several micro-batches, no batch axes: the sums, in the gradients' spec;
+    * neither: nothing (the pass's gradients are the step's).
+    """
+    cj = self.compute.jaxpr
+    carried, split = self.n > 1, self._batch_size_devices > 1
+    items = []
+    for g, node in enumerate(self.grad_nodes):
+      v = cj.outvars[g]
+      aval = v.aval
+      if carried and split:
+        ratio = itemsize(accumulation_dtype(aval.dtype, self.accumulate)) / \
+            itemsize(aval.dtype)
+        if isinstance(v, Var) and v in self.compute_val:
+          items.append((*self.compute_val[v], aval, ratio))
+        else:
+          items.append((node, 0, aval, ratio))
+      elif carried or split:
+        items.append((node, 0, aval, 1))
+    return items
 
   def memory_terms(self):
     """(state bytes, [activation bytes at each liveness peak]) as expressions."""
@@ -1001,41 +1026,3 @@ def _eqn_key(eqn):
   outs = tuple((v.aval.shape, v.aval.dtype) for v in eqn.outvars)
   params = tuple(sorted((k, _hashable(v)) for k, v in eqn.params.items()))
   return (eqn.primitive.name, params, ins, outs)
-
-
-def liveness_peaks(jaxpr, num_consts: int, k: int) -> list[list[Var]]:
-  """The ``k`` program points where the most (replicated) bytes are live."""
-  eqns = jaxpr.eqns
-  last_use: dict[Var, int] = {}
-  for i, eqn in enumerate(eqns):
-    for v in eqn.invars:
-      if type(v) is not Literal:
-        last_use[v] = i
-  end = len(eqns)
-  for v in jaxpr.outvars:
-    if type(v) is not Literal:
-      last_use[v] = end
-  aval_bytes: dict = {}      # aval -> bytes (a step has few distinct avals)
-  def nbytes(v):
-    b = aval_bytes.get(v.aval)
-    if b is None:
-      b = aval_bytes[v.aval] = math.prod(v.aval.shape) * itemsize(v.aval.dtype)
-    return b
-  dying = [0] * (end + 1)    # bytes whose last use is at each point
-  size, sizes = 0, []
-  born: list[list[Var]] = []
-  for i, eqn in enumerate(eqns):
-    # Values whose last use was before i are dead at i.
-    if i:
-      size -= dying[i - 1]
-    new = [v for v in eqn.outvars if v in last_use]
-    for v in new:
-      b = nbytes(v)
-      size += b
-      dying[max(last_use[v], i)] += b
-    born.append(new)
-    sizes.append(size)
-  peaks = heapq.nlargest(k, range(len(sizes)), key=sizes.__getitem__)
-  # The live set at t: born at or before t, last used at or after t.
-  return [[v for i in range(t + 1) for v in born[i] if last_use[v] >= t]
-          for t in peaks]

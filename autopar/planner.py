@@ -32,6 +32,7 @@ import sys
 import time
 from typing import Sequence
 
+import numpy as np
 from jax.extend.core import Var
 from jax.sharding import PartitionSpec
 
@@ -42,7 +43,8 @@ from autopar.hints import check_hints, check_pins, entry_axes, model_axes
 # the solver libraries it fails to import, and through them every frame on
 # the stack at the time; from inside plan_auto that would keep its problem
 # and traced step alive for the rest of the process.
-from autopar.ilp import ShardingProblem, liveness_peaks
+from autopar.ilp import ShardingProblem
+from autopar.liveness import liveness_peaks
 from autopar.method import (ParallelMethod, ShardParallel, accumulation_dtype,
                             Zero2Parallel, Zero3Parallel, axis_names_of,
                             axis_sizes_of, check_axes)
@@ -195,10 +197,14 @@ def batch_spec(rank: int, dim: int, entry) -> PartitionSpec:
 
 
 def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
-                batch_size: int, outputs: SizedOutputs | None = None) -> Plan:
+                batch_size: int, outputs: SizedOutputs | None = None,
+                trace_local=None) -> Plan:
   """The plan of a preset method (see the module docstring).
 
   ``outputs``: the step's outputs at the whole batch (default: ``split``'s).
+  ``trace_local(rows)``: the step split at ``rows`` rows, for the memory
+  estimate of what one device runs (default: ``split`` read with each
+  value that depends on the batch divided over the batch axes).
   """
   traced = split.traced
   sizes = axis_sizes_of(mesh)
@@ -279,7 +285,11 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
                   for c in collectives)
   memory = _memory_estimate(inputs, grads, sizes, batch_axes, n,
                             method.grad_accumulation_dtype)
-  memory += _preset_activation_peak(split, inputs, params, sizes, batch_axes, zero)
+  d = math.prod(sizes[a] for a in batch_axes)
+  local = None
+  if split.has_marker and trace_local is not None and d > 1:
+    local = trace_local(traced.micro_batch_size // d)
+  memory += _preset_activation_peak(split, local, params, sizes, batch_axes, zero)
   return Plan(method=method.name, mesh_axis_names=axis_names_of(mesh),
               mesh_shape=tuple(sizes.values()), num_micro_batches=n,
               batch_axes=batch_axes, inputs=inputs, grads=grads,
@@ -328,38 +338,51 @@ def _preset_collectives(split, inputs, grads, params, batch_axes, sizes, n, zero
 
 
 def _memory_estimate(inputs, grads, sizes, batch_axes, n, accumulate) -> int:
+  """Bytes per device the step holds besides one micro-batch's pass: its
+  inputs, the un-reduced partial sums carried between micro-batches (one
+  whole gradient, in the accumulation dtype) and the reduced gradients
+  where they cannot take the partial sums' buffer (split over the batch
+  axes, ZeRO, or of another dtype). The micro-batch's own gradients are
+  counted with its pass (``_preset_activation_peak``)."""
   state = sum(v.bytes_per_device(sizes) for v in inputs)
-  reduced = sum(g.bytes_per_device(sizes) for g in grads)
-  # Un-reduced partial sums: one full gradient per device carried between
-  # micro-batches, in the accumulation dtype. (The micro-batch's own
-  # gradients are counted with the activations.)
-  partial = sum(num_bytes(g.shape, accumulation_dtype(g.dtype, accumulate))
-                for g in grads) if batch_axes and n > 1 else 0
-  return int(state + reduced + partial)
+  partial = reduced = 0
+  for g in grads:
+    acc = accumulation_dtype(g.dtype, accumulate)
+    carried = bool(batch_axes) and n > 1
+    if carried:
+      partial += num_bytes(g.shape, acc)
+    if not (carried and not any(g.spec) and acc == np.dtype(g.dtype)):
+      reduced += g.bytes_per_device(sizes)
+  return int(state + partial + reduced)
 
 
-def _preset_activation_peak(split: SplitStep, inputs, params, sizes, batch_axes,
-                            zero) -> int:
-  """Bytes per device of the values live at the forward/backward pass's
-  peak: those computed from the batch split over the batch axes, the rest
-  whole; under ZeRO-3 also the parameters gathered whole for the pass."""
+def _preset_activation_peak(split: SplitStep, local: SplitStep | None, params, sizes,
+                            batch_axes, zero) -> int:
+  """Bytes per device of the values live at the peak of one device's
+  forward/backward pass (its gradients included): read from ``local``, the
+  step split at one device's rows, where given; else from ``split`` with
+  the values computed from the batch divided over the batch axes. Under
+  ZeRO-3 the parameters gathered whole for the pass are among them."""
   if not split.has_marker:
     return 0
+  if local is not None:
+    split, d = local, 1
+  else:
+    d = math.prod(sizes[a] for a in batch_axes)
   jaxpr = split.compute.jaxpr
   nconst = len(split.consts)
-  d = math.prod(sizes[a] for a in batch_axes)
-  rows = depends_on(jaxpr, [v for v, l in zip(jaxpr.invars[nconst:], split.traced.leaves)
-                            if l.is_batch])
+  leaves = jaxpr.invars[nconst:]
+  rows = depends_on(jaxpr, [v for v, l in zip(leaves, split.traced.leaves) if l.is_batch])
+  # ZeRO-3 gathers each parameter whole for the pass, from its first reader
+  # to its last.
+  gathered = [leaves[k] for k in params if not split.traced.leaves[k].is_batch] \
+      if zero == 3 else []
   peak = max((sum(num_bytes(v.aval.shape, v.aval.dtype) / (d if v in rows else 1)
                   for v in live)
-              for live in liveness_peaks(jaxpr, nconst, k=3)), default=0.0)
-  if zero == 3:
-    peak += sum(num_bytes(inputs[k].shape, inputs[k].dtype) - inputs[k].bytes_per_device(sizes)
-                for k in params if not split.traced.leaves[k].is_batch)
+              for live in liveness_peaks(jaxpr, nconst, k=3, gathered=gathered)),
+             default=0.0)
   return int(peak)
 
-
-# -- ShardParallel: the ILP ---------------------------------------------------------
 
 def candidate_batch_axes(method: ShardParallel, mesh, micro_batch_size: int,
                          hints=()) -> list[tuple[str, ...]]:

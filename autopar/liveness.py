@@ -1,0 +1,149 @@
+"""Which values of a program are in memory together: the peaks of its
+liveness, for the planners' memory estimates.
+
+A value holds a buffer from the equation that makes it to its last reader
+(the program's outputs to the end). Two rules of XLA's buffer assignment
+are followed, so that one buffer is not counted twice:
+
+* a reshape, squeeze, expand_dims or transpose reads its operand's buffer
+  another way (a bitcast, or a layout XLA picks so that it is one): the
+  result shares the operand's buffer, which lives until the last reader
+  of either;
+* an element-wise operation writes its result into an operand's buffer
+  when that operand is read for the last time there and is as large
+  (``HloDataflowAnalysis::CanShareOperandBufferWithUser``): a chain such
+  as ``tanh(x * w + b)`` holds one buffer, not three.
+
+A convolution whose operands or result are not in the order XLA's
+convolutions take (``b01f_01io->b01f``: batch first and feature last,
+the kernel's input then output feature last; a filter gradient is the
+common case) works on copies laid out in that order, held while it runs.
+
+The program's inputs are not counted (the planners count the state and the
+batch on their own), except those named in ``gathered``: a copy made for
+the pass (ZeRO-3's gathered parameters), held from its first reader to its
+last.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Iterable
+
+from jax.extend.core import Literal, Var
+
+from autopar.cost_model import itemsize
+from autopar.strategies.elementwise import is_elementwise
+
+__all__ = ["liveness_peaks"]
+
+# The result is the operand's buffer read another way.
+VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "transpose"})
+
+def liveness_peaks(jaxpr, num_consts: int, k: int,
+                   gathered: Iterable[Var] = ()) -> list[list[Var]]:
+  """The ``k`` program points where the most (replicated) bytes are held.
+
+  Each is the list of the values whose buffers are held there, one value
+  per buffer (the one that made it).
+  """
+  del num_consts                     # the inputs are not counted either way
+  eqns = jaxpr.eqns
+  end = len(eqns)
+  last_use: dict[Var, int] = {}
+  first_use: dict[Var, int] = {}
+  for i, eqn in enumerate(eqns):
+    for v in eqn.invars:
+      if type(v) is not Literal:
+        last_use[v] = i
+        first_use.setdefault(v, i)
+  for v in jaxpr.outvars:
+    if type(v) is not Literal:
+      last_use[v] = end
+
+  aval_bytes: dict = {}              # aval -> bytes (a step has few distinct avals)
+  def nbytes(v):
+    b = aval_bytes.get(v.aval)
+    if b is None:
+      b = aval_bytes[v.aval] = math.prod(v.aval.shape) * itemsize(v.aval.dtype)
+    return b
+
+  copies: dict[int, list[Var]] = {}  # point -> values copied there
+  for i, eqn in enumerate(eqns):
+    if eqn.primitive.name == "conv_general_dilated":
+      copied = [v for v in conv_relayouts(eqn) if type(v) is not Literal]
+      if copied:
+        copies[i] = copied
+
+  # Buffers by the value that made them: their first and last point.
+  owner: dict[Var, Var] = {}         # value -> the value whose buffer it is in
+  inputs = set(jaxpr.invars)         # and views of them: not counted
+  start: dict[Var, int] = {}
+  stop: dict[Var, int] = {}
+  for v in gathered:
+    if v in first_use:
+      owner[v] = v
+      start[v], stop[v] = first_use[v], last_use[v]
+  for i, eqn in enumerate(eqns):
+    name = eqn.primitive.name
+    taken: set[Var] = set()
+    for o in eqn.outvars:
+      if o not in last_use:          # never read: dropped at once
+        continue
+      buf = None
+      if name in VIEWS and type(eqn.invars[0]) is not Literal:
+        if eqn.invars[0] in inputs and eqn.invars[0] not in owner:
+          inputs.add(o)
+          continue
+        buf = owner.get(eqn.invars[0])
+      elif is_elementwise(eqn):
+        for v in eqn.invars:
+          b = owner.get(v) if type(v) is not Literal else None
+          if b is not None and b not in taken and stop[b] == i and \
+              nbytes(b) == nbytes(o):
+            buf = b
+            break
+      if buf is None:
+        owner[o] = o
+        start[o], stop[o] = i, last_use[o]
+      else:
+        owner[o] = buf
+        taken.add(buf)
+        stop[buf] = max(stop[buf], last_use[o])
+
+  # The bytes held at each point: add at the start, drop after the stop.
+  delta = [0] * (end + 2)
+  for b in start:
+    delta[start[b]] += nbytes(b)
+    delta[stop[b] + 1] -= nbytes(b)
+  for i, vs in copies.items():
+    delta[i] += sum(nbytes(v) for v in vs)
+    delta[i + 1] -= sum(nbytes(v) for v in vs)
+  sizes, size = [], 0
+  for i in range(max(end, 1)):
+    size += delta[i]
+    sizes.append(size)
+  peaks = heapq.nlargest(k, range(len(sizes)), key=sizes.__getitem__)
+  return [[b for b in start if start[b] <= t <= stop[b]] + copies.get(t, [])
+          for t in peaks]
+
+
+def conv_relayouts(eqn) -> list:
+  """The operands and result of a ``conv_general_dilated`` that XLA copies
+  into its convolutions' order: batch first and feature last for the
+  input and result, spatial dimensions then input and output feature for
+  the kernel."""
+  lhs, rhs, out = eqn.params["dimension_numbers"]
+  n = len(lhs)
+  spatial = tuple(range(1, n - 1))
+  want_lhs = (0, n - 1, *spatial)
+  want_rhs = (n - 1, n - 2, *range(n - 2))
+  copied = []
+  if tuple(lhs) != want_lhs:
+    copied.append(eqn.invars[0])
+  if tuple(rhs) != want_rhs:
+    copied.append(eqn.invars[1])
+  if tuple(out) != want_lhs:
+    copied.append(eqn.outvars[0])
+  return copied
