@@ -752,11 +752,12 @@ class ShardingProblem:
     * split over batch axes and run in several micro-batches: the
       un-reduced partial sums, in the spec the pass makes them and the
       accumulation dtype (float32 for bfloat16); the reduced gradients take
-      their buffer (where they are scattered over the batch axes, ZeRO,
-      their 1/d share is left out);
+      their buffer where the dtype is the same (where they are scattered
+      over the batch axes, ZeRO, their 1/d share is left out);
     * one micro-batch over batch axes: the reduced gradients, beside the
       pass's;
-    * several micro-batches, no batch axes: the sums, in the gradients' spec;
+    * several micro-batches, no batch axes: the sums, in the gradients'
+      spec and the accumulation dtype;
     * neither: nothing (the pass's gradients are the step's).
     """
     cj = self.compute.jaxpr
@@ -765,14 +766,13 @@ class ShardingProblem:
     for g, node in enumerate(self.grad_nodes):
       v = cj.outvars[g]
       aval = v.aval
-      if carried and split:
-        ratio = itemsize(accumulation_dtype(aval.dtype, self.accumulate)) / \
-            itemsize(aval.dtype)
-        if isinstance(v, Var) and v in self.compute_val:
-          items.append((*self.compute_val[v], aval, ratio))
-        else:
-          items.append((node, 0, aval, ratio))
-      elif carried or split:
+      ratio = itemsize(accumulation_dtype(aval.dtype, self.accumulate)) / \
+          itemsize(aval.dtype)
+      if carried and split and isinstance(v, Var) and v in self.compute_val:
+        items.append((*self.compute_val[v], aval, ratio))
+      elif carried:
+        items.append((node, 0, aval, ratio))
+      if split and (not carried or ratio != 1):
         items.append((node, 0, aval, 1))
     return items
 

@@ -14,15 +14,20 @@ are followed, so that one buffer is not counted twice:
   (``HloDataflowAnalysis::CanShareOperandBufferWithUser``): a chain such
   as ``tanh(x * w + b)`` holds one buffer, not three.
 
-A convolution whose operands or result are not in the order XLA's
-convolutions take (``b01f_01io->b01f``: batch first and feature last,
-the kernel's input then output feature last; a filter gradient is the
-common case) works on copies laid out in that order, held while it runs.
+An optimization barrier's results are its operands' buffers. A
+convolution whose operands or result are not in the order XLA:CPU's
+convolutions take (``b01f_01io->b01f``: batch first and feature last, the
+kernel's input then output feature last; a filter gradient is the common
+case) works on copies laid out in that order, held while it runs. (The
+GPU backend picks its own layouts for cuDNN; this rule is not checked
+there.)
 
 The program's inputs are not counted (the planners count the state and the
 batch on their own), except those named in ``gathered``: a copy made for
 the pass (ZeRO-3's gathered parameters), held from its first reader to its
-last.
+last. The program's outputs are held to its end, except those named in
+``released``: handed on where they are made (a gradient reduce-scattered
+as soon as it is made, in a step of one micro-batch).
 """
 
 from __future__ import annotations
@@ -41,12 +46,15 @@ __all__ = ["liveness_peaks"]
 # The result is the operand's buffer read another way.
 VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "transpose"})
 
+
 def liveness_peaks(jaxpr, num_consts: int, k: int,
-                   gathered: Iterable[Var] = ()) -> list[list[Var]]:
+                   gathered: Iterable[Var] = (),
+                   released: Iterable[Var] = ()) -> list[list[Var]]:
   """The ``k`` program points where the most (replicated) bytes are held.
 
   Each is the list of the values whose buffers are held there, one value
-  per buffer (the one that made it).
+  per buffer (the one that made it), and the values a convolution there
+  copies (once more each).
   """
   del num_consts                     # the inputs are not counted either way
   eqns = jaxpr.eqns
@@ -58,8 +66,9 @@ def liveness_peaks(jaxpr, num_consts: int, k: int,
       if type(v) is not Literal:
         last_use[v] = i
         first_use.setdefault(v, i)
+  released = {v for v in released if type(v) is not Literal}
   for v in jaxpr.outvars:
-    if type(v) is not Literal:
+    if type(v) is not Literal and v not in released:
       last_use[v] = end
 
   aval_bytes: dict = {}              # aval -> bytes (a step has few distinct avals)
@@ -72,7 +81,8 @@ def liveness_peaks(jaxpr, num_consts: int, k: int,
   copies: dict[int, list[Var]] = {}  # point -> values copied there
   for i, eqn in enumerate(eqns):
     if eqn.primitive.name == "conv_general_dilated":
-      copied = [v for v in conv_relayouts(eqn) if type(v) is not Literal]
+      copied = [v for v in conv_relayouts(eqn)
+                if type(v) is not Literal and v in last_use]
       if copied:
         copies[i] = copied
 
@@ -88,15 +98,19 @@ def liveness_peaks(jaxpr, num_consts: int, k: int,
   for i, eqn in enumerate(eqns):
     name = eqn.primitive.name
     taken: set[Var] = set()
-    for o in eqn.outvars:
+    for j, o in enumerate(eqn.outvars):
+      if o in released:
+        last_use[o] = max(last_use.get(o, i), i)
       if o not in last_use:          # never read: dropped at once
         continue
       buf = None
-      if name in VIEWS and type(eqn.invars[0]) is not Literal:
-        if eqn.invars[0] in inputs and eqn.invars[0] not in owner:
+      same = eqn.invars[0] if name in VIEWS else \
+          eqn.invars[j] if name == "optimization_barrier" else None
+      if same is not None and type(same) is not Literal:
+        if same in inputs and same not in owner:
           inputs.add(o)
           continue
-        buf = owner.get(eqn.invars[0])
+        buf = owner.get(same)
       elif is_elementwise(eqn):
         for v in eqn.invars:
           b = owner.get(v) if type(v) is not Literal else None

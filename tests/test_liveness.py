@@ -5,14 +5,13 @@ import math
 import jax
 import jax.numpy as jnp
 
-from autopar.liveness import liveness_peaks
+from autopar.liveness import conv_relayouts, liveness_peaks
 
 
-def _peak(fn, *avals, gathered=()):
-  closed = jax.make_jaxpr(fn)(*avals)
-  jaxpr = closed.jaxpr
-  live = liveness_peaks(jaxpr, 0, k=1,
-                        gathered=[jaxpr.invars[i] for i in gathered])[0]
+def _peak(fn, *avals, gathered=(), released=()):
+  jaxpr = jax.make_jaxpr(fn)(*avals).jaxpr
+  live = liveness_peaks(jaxpr, 0, k=1, gathered=[jaxpr.invars[i] for i in gathered],
+                        released=[jaxpr.outvars[i] for i in released])[0]
   return sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in live)
 
 
@@ -23,24 +22,46 @@ ONE = 64 * 128 * 4                               # one [64, 128] float32 buffer
 
 def test_an_element_wise_chain_and_a_transpose_hold_one_buffer():
   # The dot makes a buffer; +1, tanh and *2 write into it as their operand
-  # dies; the transpose reads it another way.
-  assert _peak(lambda x, w: (jnp.tanh(x @ w + 1.0).T * 2.0).sum(), X, W) == ONE + 4
+  # dies; the transpose and the reshape read it another way.
+  assert _peak(lambda x, w: (jnp.tanh(x @ w + 1.0).T.reshape(-1) * 2.0).sum(),
+               X, W) == ONE + 4
+  # A view of an input is the input's buffer: not counted.
+  assert _peak(lambda x, w: (x.T.reshape(-1) * 2.0).sum(), X, W) == 64 * 32 * 4 + 4
 
 
-def test_an_operand_read_later_keeps_its_buffer():
+def test_an_operand_read_later_or_of_another_size_keeps_its_buffer():
   def f(x, w):
     h = x @ w
     return (jnp.tanh(h) + h).sum()
   assert _peak(f, X, W) == 2 * ONE
+  # float32 -> bfloat16 cannot take the float32 buffer.
+  assert _peak(lambda x, w: (x @ w).astype(jnp.bfloat16).sum(), X, W) == ONE + ONE // 2
 
 
 def test_gathered_inputs_are_held_from_first_to_last_reader():
+  big = jax.ShapeDtypeStruct((32, 4096), jnp.float32)
+
   def f(x, w):
-    h = jnp.tanh(x @ w)
+    h = jnp.tanh(x @ w)                            # [64, 4096]: the peak
     return (h @ w.T).sum()
-  plain = _peak(f, X, W)
-  assert _peak(f, X, W, gathered=[1]) == plain + 32 * 128 * 4
-  assert _peak(f, X, W, gathered=[0]) == plain     # read by the first equation only
+  plain = _peak(f, X, big)
+  assert plain == 64 * 4096 * 4 + 64 * 32 * 4      # h and the second dot's result
+  # w is read by both dots: its gathered copy is held across the peak.
+  assert _peak(f, X, big, gathered=[1]) == plain + 32 * 4096 * 4
+  # x is read by the first dot only, before h is made.
+  assert _peak(f, X, big, gathered=[0]) == plain
+
+
+def test_released_outputs_end_where_they_are_made():
+  def f(x, w):
+    return x @ w, jnp.tanh(x) @ w                  # two [64, 128] outputs
+  assert _peak(f, X, W) == 2 * ONE + 64 * 32 * 4
+  # The first handed on as it is made: the two are never held together.
+  assert _peak(f, X, W, released=[0]) == ONE + 64 * 32 * 4
+  # An output that is a literal (an unused input's zero gradient) is ignored.
+  jaxpr = jax.make_jaxpr(jax.grad(lambda p, x: (p["w"] * x).sum()))(
+      {"w": jnp.ones(3), "b": jnp.float32(0)}, jnp.ones(3)).jaxpr
+  assert liveness_peaks(jaxpr, 0, k=1, released=jaxpr.outvars)
 
 
 def test_a_filter_gradient_convolution_works_on_relaid_copies():
@@ -51,14 +72,18 @@ def test_a_filter_gradient_convolution_works_on_relaid_copies():
     return jax.lax.conv_general_dilated(x, k, (1, 1), "SAME",
                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
   out = 8 * 16 * 16 * 8 * 4
-  # The forward convolution is in XLA's order: no copy.
+  # The forward convolution is in XLA:CPU's order: no copy.
   assert _peak(lambda x, k: conv(x, k).sum(), x, k) == out + 4
   # Its filter gradient reads the input and the output's cotangent with
-  # batch and feature swapped, and writes the kernel's: all three copied.
-  def filter_grad(x, k):
-    return jax.grad(lambda k: (conv(x, k) ** 2).sum())(k)
-  closed = jax.make_jaxpr(filter_grad)(x, k)
+  # batch and feature swapped, and writes the kernel's: all three copied,
+  # and held while it runs.
+  def filter_grad(x, dy):
+    return jax.vjp(lambda k: conv(x, k), jnp.zeros(k.shape, k.dtype))[1](dy)[0]
+  closed = jax.make_jaxpr(filter_grad)(x, jax.ShapeDtypeStruct((8, 16, 16, 8),
+                                                               jnp.float32))
   convs = [e for e in closed.jaxpr.eqns if e.primitive.name == "conv_general_dilated"]
-  from autopar.liveness import conv_relayouts
-  assert conv_relayouts(convs[0]) == []
   assert conv_relayouts(convs[-1]) == [*convs[-1].invars, *convs[-1].outvars]
+  live = liveness_peaks(closed.jaxpr, 0, k=1)[0]
+  held = sum(math.prod(v.aval.shape) * 4 for v in live)
+  kernel = 3 * 3 * 4 * 8 * 4
+  assert held == 8 * 16 * 16 * 4 * 4 + out + 2 * kernel

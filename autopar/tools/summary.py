@@ -154,10 +154,14 @@ def collective_rows(plan: Plan) -> list[dict]:
 
 
 def memory_by_kind(plan: "Plan", params: Sequence | None = None) -> dict[str, int]:
-  """Bytes per device: parameters and optimizer state, gradients, the
-  batch and other inputs, and the rest of the plan's estimate (activations
-  at the peak). For a pipeline, the largest stage's total (each stage's is
-  in the stage table)."""
+  """Bytes per device: parameters and optimizer state, the reduced
+  gradients, the batch and other inputs, and the rest of the plan's
+  estimate: the pass at its peak (activations, the micro-batch's own
+  gradients) and the partial sums carried between micro-batches. Where the
+  pass's gradients are the step's (one micro-batch, the batch on one
+  device) they are counted under "gradients" and the rest is that much
+  smaller. For a pipeline, the largest stage's total (each stage's is in
+  the stage table)."""
   if plan.stages:
     return {"largest stage": plan.memory_per_device}
   sizes = plan.axis_sizes
@@ -168,7 +172,7 @@ def memory_by_kind(plan: "Plan", params: Sequence | None = None) -> dict[str, in
   other = sum(r.value.bytes_per_device(sizes) for r in other_rows(plan, params))
   rest = max(0, plan.memory_per_device - state - grads - other)
   return {"state": state, "gradients": grads, "batch and other inputs": other,
-          "activations at the peak": rest, "total": plan.memory_per_device}
+          "the pass at its peak, partial sums": rest, "total": plan.memory_per_device}
 
 
 def _seconds(t: float) -> str:
