@@ -284,13 +284,28 @@ def _eval_closed(closed, args, rules: _Rules):
   return _eval_jaxpr(closed.jaxpr, (), args, rules, constvals=closed.consts)
 
 
+def _carry_pins(closed, ncar: int, body: _Rules) -> list:
+  """The spec the plan gives each carry where the body makes it (None: not
+  pinned). Pinning the carry entering the body to it as well keeps XLA
+  from holding the loop's carry in another sharding, which it would
+  reshard at every trip."""
+  made = {}
+  for i, e in enumerate(closed.jaxpr.eqns):
+    for j, v in enumerate(e.outvars):
+      made[v] = body.pins.get(str(i), {}).get(j)
+  return [made.get(v) if isinstance(v, jax_core.Var) else None
+          for v in closed.jaxpr.outvars[:ncar]]
+
+
 def _scan(eqn, args, rules: _Rules):
   p = eqn.params
   nc, ncar = p["num_consts"], p["num_carry"]
   consts, init, xs = args[:nc], args[nc:nc + ncar], args[nc + ncar:]
   body = rules.inside("0.")
+  pins = _carry_pins(p["jaxpr"], ncar, body) if body.pin is not None else [None] * ncar
 
   def step(carry, x):
+    carry = [c if s is None else body.pin(c, s) for c, s in zip(carry, pins, strict=True)]
     outs = _eval_closed(p["jaxpr"], [*consts, *carry, *x], body)
     return outs[:ncar], outs[ncar:]
   carry, ys = lax.scan(step, list(init), list(xs), length=p["length"],
