@@ -14,7 +14,9 @@ are followed, so that one buffer is not counted twice:
   (``HloDataflowAnalysis::CanShareOperandBufferWithUser``): a chain such
   as ``tanh(x * w + b)`` holds one buffer, not three.
 
-An optimization barrier's results are its operands' buffers. A
+An optimization barrier's results are its operands' buffers. A broadcast
+read only by element-wise operations holds no buffer: XLA fuses it into
+each of them. A
 convolution whose operands or result are not in the order XLA:CPU's
 convolutions take (``b01f_01io->b01f``: batch first and feature last, the
 kernel's input then output feature last; a filter gradient is the common
@@ -61,11 +63,19 @@ def liveness_peaks(jaxpr, num_consts: int, k: int,
   end = len(eqns)
   last_use: dict[Var, int] = {}
   first_use: dict[Var, int] = {}
+  fused: set[Var] = set()            # broadcasts only element-wise readers read
+  unfused: set[Var] = set(v for v in jaxpr.outvars if type(v) is not Literal)
   for i, eqn in enumerate(eqns):
+    if eqn.primitive.name == "broadcast_in_dim":
+      fused.add(eqn.outvars[0])
+    elementwise = is_elementwise(eqn)
     for v in eqn.invars:
       if type(v) is not Literal:
         last_use[v] = i
         first_use.setdefault(v, i)
+        if not elementwise:
+          unfused.add(v)
+  fused -= unfused
   released = {v for v in released if type(v) is not Literal}
   for v in jaxpr.outvars:
     if type(v) is not Literal and v not in released:
@@ -88,7 +98,7 @@ def liveness_peaks(jaxpr, num_consts: int, k: int,
 
   # Buffers by the value that made them: their first and last point.
   owner: dict[Var, Var] = {}         # value -> the value whose buffer it is in
-  inputs = set(jaxpr.invars)         # and views of them: not counted
+  inputs = set(jaxpr.invars) | fused  # and views of them: not counted
   start: dict[Var, int] = {}
   stop: dict[Var, int] = {}
   for v in gathered:
@@ -101,7 +111,7 @@ def liveness_peaks(jaxpr, num_consts: int, k: int,
     for j, o in enumerate(eqn.outvars):
       if o in released:
         last_use[o] = max(last_use.get(o, i), i)
-      if o not in last_use:          # never read: dropped at once
+      if o not in last_use or o in fused:   # never read, or fused into its readers
         continue
       buf = None
       same = eqn.invars[0] if name in VIEWS else \

@@ -87,3 +87,17 @@ def test_a_filter_gradient_convolution_works_on_relaid_copies():
   held = sum(math.prod(v.aval.shape) * 4 for v in live)
   kernel = 3 * 3 * 4 * 8 * 4
   assert held == 8 * 16 * 16 * 4 * 4 + out + 2 * kernel
+
+
+def test_a_broadcast_read_only_element_wise_is_fused():
+  # relu's backward selects between the cotangent and a broadcast zero:
+  # XLA fuses the broadcast into the select.
+  def f(x, w):
+    h = x @ w
+    return jax.lax.select(h > 0, h, jnp.zeros_like(h)).sum()
+  assert _peak(f, X, W) == ONE + 64 * 128 * 1        # h and the mask
+  # A broadcast a dot reads is made.
+  def g(x, w):
+    b = jnp.broadcast_to(w[:1], (64, 128))
+    return (jnp.tanh(x @ w) @ b.T).sum()
+  assert _peak(g, X, W) >= ONE + 64 * 128 * 4
