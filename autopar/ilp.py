@@ -741,7 +741,7 @@ class ShardingProblem:
       state = [(self.leaf_nodes[k], 0, aval, 1) for k, aval in enumerate(self.leaf_avals)]
       state += self._gradient_items()
       peaks = [[(*self.compute_val[v], v.aval, 1) for v in live if v in self.compute_val]
-               for live in liveness_peaks(self.compute.jaxpr, self.num_consts, k=3)]
+               for live in liveness_peaks(self.compute.jaxpr, k=3)]
       self._mem_items = (state, peaks)
     return self._mem_items
 

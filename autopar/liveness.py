@@ -49,7 +49,7 @@ __all__ = ["liveness_peaks"]
 VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "transpose"})
 
 
-def liveness_peaks(jaxpr, num_consts: int, k: int,
+def liveness_peaks(jaxpr, k: int,
                    gathered: Iterable[Var] = (),
                    released: Iterable[Var] = ()) -> list[list[Var]]:
   """The ``k`` program points where the most (replicated) bytes are held.
@@ -58,7 +58,6 @@ def liveness_peaks(jaxpr, num_consts: int, k: int,
   per buffer (the one that made it), and the values a convolution there
   copies (once more each).
   """
-  del num_consts                     # the inputs are not counted either way
   eqns = jaxpr.eqns
   end = len(eqns)
   last_use: dict[Var, int] = {}

@@ -283,14 +283,12 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
   cost = MeshCost(sizes, option.alpha if option else {}, option.beta if option else {})
   objective = sum(cost.collective(c.kind, c.bytes, c.axes) * c.per_step
                   for c in collectives)
-  memory = _memory_estimate(inputs, grads, sizes, batch_axes, n,
-                            method.grad_accumulation_dtype)
   d = math.prod(sizes[a] for a in batch_axes)
+  memory = _memory_estimate(inputs, grads, sizes, d, n, method.grad_accumulation_dtype)
   local = None
   if split.has_marker and trace_local is not None and d > 1:
     local = trace_local(traced.micro_batch_size // d)
-  memory += _preset_activation_peak(split, local, params, grads, sizes, batch_axes,
-                                    zero, n)
+  memory += _preset_activation_peak(split, local, params, grads, d, zero, n)
   return Plan(method=method.name, mesh_axis_names=axis_names_of(mesh),
               mesh_shape=tuple(sizes.values()), num_micro_batches=n,
               batch_axes=batch_axes, inputs=inputs, grads=grads,
@@ -338,17 +336,16 @@ def _preset_collectives(split, inputs, grads, params, batch_axes, sizes, n, zero
   return out
 
 
-def _memory_estimate(inputs, grads, sizes, batch_axes, n, accumulate) -> int:
+def _memory_estimate(inputs, grads, sizes, d, n, accumulate) -> int:
   """Bytes per device the step holds besides one micro-batch's pass: its
   inputs and the gradients held apart from the pass's own (which are
   counted with it, ``_preset_activation_peak``). Over several
   micro-batches, the sums carried between them (one whole gradient, in the
   accumulation dtype), with the reduced gradients beside them where they
   cannot take the sums' buffer (scattered over the batch axes, ZeRO, or of
-  another dtype); over one micro-batch split over devices, the reduced
-  gradients; else none."""
+  another dtype); over one micro-batch split over ``d`` > 1 devices, the
+  reduced gradients; else none."""
   state = sum(v.bytes_per_device(sizes) for v in inputs)
-  split = math.prod(sizes[a] for a in batch_axes) > 1
   held = 0
   for g in grads:
     acc = accumulation_dtype(g.dtype, accumulate)
@@ -356,27 +353,26 @@ def _memory_estimate(inputs, grads, sizes, batch_axes, n, accumulate) -> int:
       held += num_bytes(g.shape, acc)
       if any(g.spec) or acc != np.dtype(g.dtype):
         held += g.bytes_per_device(sizes)
-    elif split:
+    elif d > 1:
       held += g.bytes_per_device(sizes)
   return int(state + held)
 
 
 def _preset_activation_peak(split: SplitStep, local: SplitStep | None, params, grads,
-                            sizes, batch_axes, zero, n) -> int:
+                            d, zero, n) -> int:
   """Bytes per device of the values live at the peak of one device's
   forward/backward pass (its gradients included): read from ``local``, the
   step split at one device's rows, where given; else from ``split`` with
-  the values computed from the batch divided over the batch axes (the
-  pass's gradients too, which each device holds whole: an estimate). Under
-  ZeRO-3 the parameters gathered whole for the pass are among them; with
-  one micro-batch, a gradient scattered over the batch axes (``grads``'
-  spec) leaves the pass where it is made."""
+  the values computed from the batch divided over the ``d`` devices of the
+  batch axes (the pass's gradients too, which each device holds whole: an
+  estimate). Under ZeRO-3 the parameters gathered whole for the pass are
+  among them; with one micro-batch, a gradient scattered over the batch
+  axes (``grads``' spec) leaves the pass where it is made."""
   if not split.has_marker:
     return 0
+  share = d
   if local is not None:
-    split, d = local, 1
-  else:
-    d = math.prod(sizes[a] for a in batch_axes)
+    split, share = local, 1
   jaxpr = split.compute.jaxpr
   nconst = len(split.consts)
   leaves = jaxpr.invars[nconst:]
@@ -388,14 +384,16 @@ def _preset_activation_peak(split: SplitStep, local: SplitStep | None, params, g
   # In a step of one micro-batch, a gradient reduce-scattered over the
   # batch axes leaves the pass where it is made.
   released = [v for v, g in zip(jaxpr.outvars, grads) if any(g.spec)] \
-      if n == 1 and math.prod(sizes[a] for a in batch_axes) > 1 else []
-  peak = max((sum(num_bytes(v.aval.shape, v.aval.dtype) / (d if v in rows else 1)
+      if n == 1 and d > 1 else []
+  peak = max((sum(num_bytes(v.aval.shape, v.aval.dtype) / (share if v in rows else 1)
                   for v in live)
-              for live in liveness_peaks(jaxpr, nconst, k=3, gathered=gathered,
+              for live in liveness_peaks(jaxpr, k=3, gathered=gathered,
                                          released=released)),
              default=0.0)
   return int(peak)
 
+
+# -- ShardParallel: the ILP ---------------------------------------------------------
 
 def candidate_batch_axes(method: ShardParallel, mesh, micro_batch_size: int,
                          hints=()) -> list[tuple[str, ...]]:

@@ -10,7 +10,7 @@ from autopar.liveness import conv_relayouts, liveness_peaks
 
 def _peak(fn, *avals, gathered=(), released=()):
   jaxpr = jax.make_jaxpr(fn)(*avals).jaxpr
-  live = liveness_peaks(jaxpr, 0, k=1, gathered=[jaxpr.invars[i] for i in gathered],
+  live = liveness_peaks(jaxpr, k=1, gathered=[jaxpr.invars[i] for i in gathered],
                         released=[jaxpr.outvars[i] for i in released])[0]
   return sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in live)
 
@@ -61,7 +61,7 @@ def test_released_outputs_end_where_they_are_made():
   # An output that is a literal (an unused input's zero gradient) is ignored.
   jaxpr = jax.make_jaxpr(jax.grad(lambda p, x: (p["w"] * x).sum()))(
       {"w": jnp.ones(3), "b": jnp.float32(0)}, jnp.ones(3)).jaxpr
-  assert liveness_peaks(jaxpr, 0, k=1, released=jaxpr.outvars)
+  assert liveness_peaks(jaxpr, k=1, released=jaxpr.outvars)
 
 
 def test_a_filter_gradient_convolution_works_on_relaid_copies():
@@ -83,7 +83,7 @@ def test_a_filter_gradient_convolution_works_on_relaid_copies():
                                                                jnp.float32))
   convs = [e for e in closed.jaxpr.eqns if e.primitive.name == "conv_general_dilated"]
   assert conv_relayouts(convs[-1]) == [*convs[-1].invars, *convs[-1].outvars]
-  live = liveness_peaks(closed.jaxpr, 0, k=1)[0]
+  live = liveness_peaks(closed.jaxpr, k=1)[0]
   held = sum(math.prod(v.aval.shape) * 4 for v in live)
   kernel = 3 * 3 * 4 * 8 * 4
   assert held == 8 * 16 * 16 * 4 * 4 + out + 2 * kernel
