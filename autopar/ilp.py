@@ -49,6 +49,7 @@ smallest budget that would fit.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from typing import Any, Mapping, Sequence
@@ -59,6 +60,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from autopar.cost_model import MeshCost, itemsize
 from autopar.errors import PlanError
+from autopar.gradstack import find_grad_stacks, folded_values
 from autopar.method import accumulation_dtype
 from autopar.strategies import (RuleContext, Spec, Strategy, enumerate_specs,
                                 grad_sync_costs, local_bytes, strategies_for)
@@ -740,8 +742,11 @@ class ShardingProblem:
     if getattr(self, "_mem_items", None) is None:
       state = [(self.leaf_nodes[k], 0, aval, 1) for k, aval in enumerate(self.leaf_avals)]
       state += self._gradient_items()
+      cj = self.compute.jaxpr
+      folded = folded_values(cj, self._stacks) \
+          if self.n > 1 or self._batch_size_devices > 1 else []
       peaks = [[(*self.compute_val[v], v.aval, 1) for v in live if v in self.compute_val]
-               for live in liveness_peaks(self.compute.jaxpr, k=3)]
+               for live in liveness_peaks(cj, k=3, folded=folded)]
       self._mem_items = (state, peaks)
     return self._mem_items
 
@@ -759,9 +764,14 @@ class ShardingProblem:
     * several micro-batches, no batch axes: the sums, in the gradients'
       spec and the accumulation dtype;
     * neither: nothing (the pass's gradients are the step's).
+
+    A stacked gradient that a scan makes (``gradstack.py``) is folded into
+    the sums or reduced a layer at a time, never held whole in the pass;
+    its reduced gradients are a buffer of their own beside the sums.
     """
     cj = self.compute.jaxpr
     carried, split = self.n > 1, self._batch_size_devices > 1
+    stacked = {g for s in self._stacks for g in s.grads}
     items = []
     for g, node in enumerate(self.grad_nodes):
       v = cj.outvars[g]
@@ -772,9 +782,14 @@ class ShardingProblem:
         items.append((*self.compute_val[v], aval, ratio))
       elif carried:
         items.append((node, 0, aval, ratio))
-      if split and (not carried or ratio != 1):
+      if split and (not carried or ratio != 1 or g in stacked):
         items.append((node, 0, aval, 1))
     return items
+
+  @functools.cached_property
+  def _stacks(self):
+    """The gradients scans make stacked (whatever specs the plan gives)."""
+    return find_grad_stacks(self.compute.jaxpr, len(self.grad_nodes))
 
   def memory_terms(self):
     """(state bytes, [activation bytes at each liveness peak]) as expressions."""

@@ -29,7 +29,10 @@ batch on their own), except those named in ``gathered``: a copy made for
 the pass (ZeRO-3's gathered parameters), held from its first reader to its
 last. The program's outputs are held to its end, except those named in
 ``released``: handed on where they are made (a gradient reduce-scattered
-as soon as it is made, in a step of one micro-batch).
+as soon as it is made, in a step of one micro-batch). Values named in
+``folded`` are never held whole: the gradient stages add a scan's stacked
+gradient into the partial sums, or reduce it, one trip's slice at a time
+(``gradstack.py``), and count the sums and reduced gradients on their own.
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "transpose"})
 
 def liveness_peaks(jaxpr, k: int,
                    gathered: Iterable[Var] = (),
-                   released: Iterable[Var] = ()) -> list[list[Var]]:
+                   released: Iterable[Var] = (),
+                   folded: Iterable[Var] = ()) -> list[list[Var]]:
   """The ``k`` program points where the most (replicated) bytes are held.
 
   Each is the list of the values whose buffers are held there, one value
@@ -76,6 +80,7 @@ def liveness_peaks(jaxpr, k: int,
           unfused.add(v)
   fused -= unfused
   released = {v for v in released if type(v) is not Literal}
+  folded = set(folded)
   for v in jaxpr.outvars:
     if type(v) is not Literal and v not in released:
       last_use[v] = end
@@ -110,8 +115,8 @@ def liveness_peaks(jaxpr, k: int,
     for j, o in enumerate(eqn.outvars):
       if o in released:
         last_use[o] = max(last_use.get(o, i), i)
-      if o not in last_use or o in fused:   # never read, or fused into its readers
-        continue
+      if o not in last_use or o in fused or o in folded:
+        continue                      # never read, fused into its readers, or folded
       buf = None
       same = eqn.invars[0] if name in VIEWS else \
           eqn.invars[j] if name == "optimization_barrier" else None

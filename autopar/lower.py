@@ -46,6 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar import rng
 from autopar.errors import PlanError
+from autopar.gradstack import GradStack, find_grad_stacks, slots
 from autopar.hints import HINT_PRIMITIVES, in_stage, spec_of
 from autopar.method import accumulation_dtype, auto_mesh
 from autopar.plan import Plan
@@ -208,6 +209,9 @@ class _Rules:
     hint: applies a user's sharding hint (a ``sharding_constraint`` or
       ``reshard`` equation) in this stage: ``hint(value, spec)``; None when
       the jaxpr has no hint.
+    override: top-level path -> ``f(eqn, args, rules) -> outs``, evaluating
+      that equation in place of its primitive (the scans that make stacked
+      gradients, ``gradstack.py``).
   """
   pins: dict = dataclasses.field(default_factory=dict)
   pin: Callable | None = None
@@ -215,13 +219,14 @@ class _Rules:
   rows: tuple | None = None
   once_axes: tuple[str, ...] = ()
   hint: Callable | None = None
+  override: dict = dataclasses.field(default_factory=dict)
 
   def __bool__(self) -> bool:
-    return bool(self.pins or self.draws or self.once_axes or self.hint)
+    return bool(self.pins or self.draws or self.once_axes or self.hint or self.override)
 
   def inside(self, prefix: str) -> "_Rules":
     return dataclasses.replace(self, pins=_inside(self.pins, prefix),
-                               draws=_inside(self.draws, prefix))
+                               draws=_inside(self.draws, prefix), override={})
 
 
 def _eval_jaxpr(jaxpr, consts, args, rules: _Rules, constvals=()):
@@ -247,7 +252,9 @@ def _eval_jaxpr(jaxpr, consts, args, rules: _Rules, constvals=()):
             for k, x in enumerate(args)]
     name = eqn.primitive.name
     inner = rules.inside(f"{i}.") if name in _REGION_EVAL else None
-    if inner:
+    if path in rules.override:
+      outs = rules.override[path](eqn, args, rules.inside(f"{i}."))
+    elif inner:
       outs = _REGION_EVAL[name](eqn, args, inner)
     elif path in rules.draws:
       outs = rng.draw(eqn, path, rules.draws[path], args[0], *rules.rows)
@@ -297,19 +304,43 @@ def _carry_pins(closed, ncar: int, body: _Rules) -> list:
           for v in closed.jaxpr.outvars[:ncar]]
 
 
-def _scan(eqn, args, rules: _Rules):
+def _scan(eqn, args, rules: _Rules, folds=()):
+  """A scan under ``rules`` (which are the body's: ``rules.inside``).
+
+  ``folds``: ``(out, f, state)`` per stacked output ``out`` (an index among
+  the scan's outputs, one of its ys) folded as each trip makes its slice:
+  ``f(state, k, y_k) -> (state, emitted)`` with ``k`` the slice's index;
+  ``out`` is then the emitted slices stacked, or the final state when
+  ``f`` emits None (``gradstack.py``).
+  """
   p = eqn.params
   nc, ncar = p["num_consts"], p["num_carry"]
   consts, init, xs = args[:nc], args[nc:nc + ncar], args[nc + ncar:]
-  body = rules.inside("0.")
+  body = rules
   pins = _carry_pins(p["jaxpr"], ncar, body) if body.pin is not None else [None] * ncar
 
   def step(carry, x):
     carry = [c if s is None else body.pin(c, s) for c, s in zip(carry, pins, strict=True)]
     outs = _eval_closed(p["jaxpr"], [*consts, *carry, *x], body)
     return outs[:ncar], outs[ncar:]
-  carry, ys = lax.scan(step, list(init), list(xs), length=p["length"],
-                       reverse=p["reverse"], unroll=p["unroll"])
+
+  def folding_step(carry, x):
+    (carry, states), (k, x) = carry, x
+    carry, ys = step(carry, x)
+    states = list(states)
+    for j, (out, f, _) in enumerate(folds):
+      states[j], ys[out - ncar] = f(states[j], k, ys[out - ncar])
+    return (carry, states), ys
+
+  opts = dict(length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+  if not folds:
+    carry, ys = lax.scan(step, list(init), list(xs), **opts)
+    return [*carry, *ys]
+  (carry, states), ys = lax.scan(folding_step, (list(init), [st for _, _, st in folds]),
+                                 (jnp.arange(p["length"]), list(xs)), **opts)
+  for (out, _, _), state in zip(folds, states, strict=True):
+    if ys[out - ncar] is None:
+      ys[out - ncar] = state
   return [*carry, *ys]
 
 
@@ -351,7 +382,8 @@ def _checkpoint(eqn, args, rules: _Rules):
     return eqn.primitive.bind(*closed.consts, *args, **params)
 
 
-_REGION_EVAL = {"scan": _scan, "while": _while, "cond": _cond,
+_REGION_EVAL = {"scan": lambda eqn, args, rules: _scan(eqn, args, rules.inside("0.")),
+                "while": _while, "cond": _cond,
                 "remat2": _checkpoint}        # remat2: jax.checkpoint
 
 
@@ -376,8 +408,14 @@ def _across(x, op: str, manual: Sequence[str], groups: int):
 
 
 def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
-                sync: bool, micro_rows: int, accumulate: str | None):
-  """A jitted gradient stage (see LoweredStep for its signature)."""
+                sync: bool, micro_rows: int, accumulate: str | None,
+                stacks: Sequence[GradStack] = ()):
+  """A jitted gradient stage (see LoweredStep for its signature).
+
+  ``stacks``: the gradients that scans make stacked (``gradstack.py``),
+  accumulated and reduced inside their scan; the partial sums (and the
+  reduced gradients) of a stack of sliced gradients are one stacked slot.
+  """
   manual = tuple(plan.batch_axes)
   sizes = plan.axis_sizes
   n = plan.num_micro_batches
@@ -393,12 +431,16 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
   # Reductions over the rows that apply_grad computes outputs from
   # (combine.py): accumulated beside the gradients, each as it combines.
   reduced = split.reduced
-  num_acc = num_grads + len(reduced)
+  grad_slots = slots(num_grads, list(stacks))
+  num_slots = len(grad_slots)
+  whole = {s.grads[0]: s for s in stacks if s.whole}
   kinds = [k for k in split.out_kinds if k is not OutputKind.APPLY]
   row_dims = [d for k, d in zip(split.out_kinds, split.out_dims, strict=True)
               if k is not OutputKind.APPLY]
   in_specs = [v.spec for v in plan.inputs]
   grad_specs = [g.spec for g in plan.grads]
+  slot_specs = [s.spec(grad_specs) if isinstance(s, GradStack) else grad_specs[s]
+                for s in grad_slots]
   batch_entry = _make_entry(manual)
   micro_out_specs = [plan.outputs[j].spec for j, k in enumerate(split.out_kinds)
                      if k is not OutputKind.APPLY]
@@ -420,7 +462,57 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
   callbacks = any(e.primitive.name == "debug_callback" for _, e in eqns_by_path(compute))
   hinted = any(h.part == "compute" for h in split.hints)
 
+  def fold(st: GradStack, part):
+    """How the scan of ``st`` folds its stacked gradient into this device's
+    partial sums ``part`` (``[L, *shape]``; None in the first stage), as
+    ``lower._scan``'s ``fold``, and whether the folded value is reduced."""
+    g = st.grads[0]
+    dtype = acc_dtypes[g]
+    layer_spec = PartitionSpec(*tuple(grad_specs[g])[st.whole:])
+    # A stacked gradient the plan scatters over its layers is reduced after
+    # the loop: one trip's layer is not scattered.
+    split_layers = st.whole and any(a in manual for e in tuple(grad_specs[g])[:1]
+                                    for a in _entry_axes(e))
+    if sync and not split_layers:
+      # Each trip reduces its layer's total at once: the stage keeps only
+      # the reduced shares, never every layer's unreduced gradient.
+      def reduce_layer(state, k, y):
+        total = y.astype(dtype)
+        if part is not None:
+          total = total + lax.dynamic_index_in_dim(part, k, 0, keepdims=False)
+        red = _reduce_manual(total, layer_spec, manual) / groups
+        return state, red.astype(grad_vars[g].aval.dtype)
+      return (st.out, reduce_layer, None), True
+    if part is None:
+      return (st.out, lambda state, k, y: (state, y.astype(dtype)), None), False
+
+    def add_layer(state, k, y):
+      total = lax.dynamic_index_in_dim(state, k, 0, keepdims=False) + y.astype(dtype)
+      return lax.dynamic_update_index_in_dim(state, total, k, 0), None
+    return (st.out, add_layer, part), False
+
   def body(leaf_vals, i, acc):
+    # The stacks' scans, evaluated with their fold; what each folded to.
+    folded = {}
+
+    def fold_scan(scan_stacks):
+      def run(eqn, args, rules):
+        how = [fold(st, None if first else acc[0][slot_of[st.slot]][0])
+               for st in scan_stacks]
+        outs = _scan(eqn, args, rules.inside("0."), [h for h, _ in how])
+        for st, (_, is_reduced) in zip(scan_stacks, how, strict=True):
+          folded[st] = outs[st.out], is_reduced
+          # Nothing else reads the stacked output (gradstack.py); its
+          # slices are evaluated on zeros, which XLA drops.
+          y = eqn.outvars[st.out].aval
+          outs[st.out] = jnp.zeros(y.shape, y.dtype)
+        return outs
+      return run
+    slot_of = {s: j for j, s in enumerate(grad_slots)}
+    by_scan: dict[int, list] = {}
+    for st in stacks:
+      by_scan.setdefault(st.eqn, []).append(st)
+    override = {str(e): fold_scan(sts) for e, sts in by_scan.items()}
     args = []
     for k, (leaf, x) in enumerate(zip(leaves, leaf_vals, strict=True)):
       if leaf.is_batch:
@@ -435,16 +527,27 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
     rules = _Rules(pins=constraints, pin=pin, draws=draws,
                    rows=(first_row, groups * micro_rows),
                    once_axes=manual if callbacks else (),
-                   hint=(lambda x, spec: pin(x, in_stage(spec, manual))) if hinted else None)
+                   hint=(lambda x, spec: pin(x, in_stage(spec, manual))) if hinted else None,
+                   override=override)
     outs = _eval_jaxpr(compute, consts, args, rules)
+    num_acc = num_grads + len(reduced)
     grads, sums, micro = outs[:num_grads], outs[num_grads:num_acc], outs[num_acc:]
-    grads = [g.astype(t) for g, t in zip(grads, acc_dtypes, strict=True)]
+    # Per slot: this device's total over its micro-batches so far, and
+    # whether its scan reduced it already.
+    totals = []
+    for j, slot in enumerate(grad_slots):
+      st = slot if isinstance(slot, GradStack) else whole.get(slot)
+      if st is not None:
+        totals.append(folded[st])
+        continue
+      g = grads[slot].astype(acc_dtypes[slot])
+      totals.append((g if first else acc[0][j][0] + g, False))
     if first:
-      acc_g = [g[None] for g in (*grads, *sums)]
+      acc_g = [t[None] for t, _ in totals] + [r[None] for r in sums]
     else:
-      acc_g = [a + g[None] for a, g in zip(acc[0][:num_grads], grads, strict=True)]
+      acc_g = [t[None] for t, _ in totals]
       acc_g += [_COMBINE[op](a, r[None]) for a, r, op in
-                zip(acc[0][num_grads:], sums, reduced, strict=True)]
+                zip(acc[0][num_slots:], sums, reduced, strict=True)]
     acc_m = []
     for j, (kind, val) in enumerate(zip(kinds, micro, strict=True)):
       if kind is OutputKind.CONCAT:
@@ -463,10 +566,13 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
         acc_m.append(val)
     if not sync:
       return acc_g, acc_m
-    red_g = [(_reduce_manual(a[0], s, manual) / groups).astype(v.aval.dtype)
-             for a, s, v in zip(acc_g[:num_grads], grad_specs, grad_vars, strict=True)]
+    red_g = []
+    for slot, spec, (t, is_reduced) in zip(grad_slots, slot_specs, totals, strict=True):
+      g = slot.grads[0] if isinstance(slot, GradStack) else slot
+      red_g.append(t if is_reduced else
+                   (_reduce_manual(t, spec, manual) / groups).astype(grad_vars[g].aval.dtype))
     red_g += [_across(a[0], op, manual, groups)
-              for a, op in zip(acc_g[num_grads:], reduced, strict=True)]
+              for a, op in zip(acc_g[num_slots:], reduced, strict=True)]
     red_m = [_across(a[0], _BY_DEVICE[kind], manual, groups) if kind in _BY_DEVICE else a
              for kind, a in zip(kinds, acc_m, strict=True)]
     return red_g, red_m
@@ -483,10 +589,10 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
                  if k is not OutputKind.APPLY]
   leaf_specs_manual = [PartitionSpec(batch_entry) if l.is_batch else
                        _manual(s, manual) for l, s in zip(leaves, in_specs)]
-  acc_specs = ([PartitionSpec(batch_entry)] * num_acc,
+  acc_specs = ([PartitionSpec(batch_entry)] * (num_slots + len(reduced)),
                [rows_spec(j, k) for j, k in enumerate(kinds)])
   if sync:
-    out_specs = ([_manual(s, manual) for s in grad_specs] + [PartitionSpec()] * len(reduced),
+    out_specs = ([_manual(s, manual) for s in slot_specs] + [PartitionSpec()] * len(reduced),
                  [rows_spec(j, k) if k is OutputKind.CONCAT else PartitionSpec()
                   for j, k in enumerate(kinds)])
   else:
@@ -510,11 +616,11 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
 
   ns = lambda s, m=amesh: NamedSharding(m, s)
   leaf_shardings = [ns(s) for s in in_specs]
-  acc_shardings = ([ns(_stacked(s, manual)) for s in grad_specs] +
+  acc_shardings = ([ns(_stacked(s, manual)) for s in slot_specs] +
                    [ns(PartitionSpec(batch_entry))] * len(reduced),
                    [ns(rows_spec(j, k)) for j, k in enumerate(kinds)])
   if sync:
-    out_shardings = ([ns(s) for s in grad_specs] + [ns(PartitionSpec())] * len(reduced),
+    out_shardings = ([ns(s) for s in slot_specs] + [ns(PartitionSpec())] * len(reduced),
                      [ns(s, user_mesh) for s in micro_out_specs])
   else:
     out_shardings = acc_shardings
@@ -525,8 +631,12 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
 
 
 def _apply_stage(split: SplitStep, plan: Plan, amesh, user_mesh,
-                 donated: Sequence[int], kept: Sequence[int]):
+                 donated: Sequence[int], kept: Sequence[int],
+                 stacks: Sequence[GradStack] = ()):
+  """The jitted ``apply_grad``; its gradients come as the gradient stages'
+  slots (``gradstack.slots``): a stack of sliced gradients is sliced here."""
   leaves = split.traced.leaves
+  grad_slots = slots(split.num_grads, list(stacks))
   jaxpr = split.apply.jaxpr
   consts = split.consts
   apply_specs = [plan.outputs[j].spec for j, k in enumerate(split.out_kinds)
@@ -548,12 +658,21 @@ def _apply_stage(split: SplitStep, plan: Plan, amesh, user_mesh,
       vals[k] = x
     for k, x in zip(kept, kept_vals, strict=True):
       vals[k] = x
-    return _eval_jaxpr(jaxpr, consts, [*vals, *grads], rules)
+    each: list[Any] = [None] * split.num_grads
+    for slot, x in zip(grad_slots, grads, strict=False):
+      if isinstance(slot, GradStack):
+        for k, g in enumerate(slot.grads):
+          each[g] = x[k]
+      else:
+        each[slot] = x
+    rest = grads[len(grad_slots):]
+    return _eval_jaxpr(jaxpr, consts, [*vals, *each, *rest], rules)
 
   ns = lambda s, m=amesh: NamedSharding(m, s)
   in_shardings = ([ns(plan.inputs[k].spec) for k in donated],
                   [ns(plan.inputs[k].spec) for k in kept],
-                  [ns(g.spec) for g in plan.grads] +
+                  [ns(s.spec([g.spec for g in plan.grads]) if isinstance(s, GradStack)
+                      else plan.grads[s].spec) for s in grad_slots] +
                   [ns(PartitionSpec())] * len(split.reduced))
   out_shardings = [ns(s, user_mesh) for s in apply_specs]
   return jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
@@ -682,21 +801,23 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
     else:
       rows = split_local.traced.micro_batch_size
       names = grad_stage_names(n)
-      acc_avals = _acc_avals(split, plan, accumulate)
+      stacks = find_grad_stacks(split_local.compute.jaxpr, split.num_grads,
+                                [g.spec for g in plan.grads])
+      acc_avals = _acc_avals(split, plan, accumulate, stacks)
       for pos, name in enumerate(names):
         if name in stages:
           continue
         first, sync = pos == 0, pos == n - 1
         fn = _grad_stage(split_local, plan, amesh, mesh, first=first, sync=sync,
-                         micro_rows=rows, accumulate=accumulate)
+                         micro_rows=rows, accumulate=accumulate, stacks=stacks)
         if first:
           lowered = fn.lower(leaf_avals)
         else:
           lowered = fn.lower(leaf_avals, _abstract((), np.int32), acc_avals)
         stages[name] = lowered.compile(options)
-      fn = _apply_stage(split, plan, amesh, mesh, donated, kept)
+      fn = _apply_stage(split, plan, amesh, mesh, donated, kept, stacks)
       grad_avals = [_abstract(a.shape, a.dtype)
-                    for a in (*split.grad_avals, *split.reduced_avals)]
+                    for a in (*_slot_avals(split, stacks), *split.reduced_avals)]
       stages["apply_grad"] = fn.lower([leaf_avals[k] for k in donated],
                                       [leaf_avals[k] for k in kept],
                                       grad_avals).compile(options)
@@ -707,11 +828,21 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
                      micro_batch_index=index, donated=donated, kept=kept, batch=batch)
 
 
-def _acc_avals(split: SplitStep, plan: Plan, accumulate: str | None):
+def _slot_avals(split: SplitStep, stacks: Sequence[GradStack]) -> list:
+  """The shape and dtype of each gradient slot (``gradstack.slots``)."""
+  avals = split.grad_avals
+  return [jax.ShapeDtypeStruct((len(s.grads), *avals[s.grads[0]].shape),
+                               avals[s.grads[0]].dtype)
+          if isinstance(s, GradStack) else avals[s]
+          for s in slots(split.num_grads, list(stacks))]
+
+
+def _acc_avals(split: SplitStep, plan: Plan, accumulate: str | None,
+               stacks: Sequence[GradStack] = ()):
   sizes = plan.axis_sizes
   d = math.prod(sizes[a] for a in plan.batch_axes)
   grads = [_abstract((d, *a.shape), accumulation_dtype(a.dtype, accumulate))
-           for a in split.grad_avals]
+           for a in _slot_avals(split, stacks)]
   grads += [_abstract((d, *a.shape), a.dtype) for a in split.reduced_avals]
   micro = []
   outvars = split.traced.jaxpr.jaxpr.outvars

@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec
 
 from autopar.cost_model import MeshCost, assumed_costs, dtype_name, num_bytes
 from autopar.errors import InputError, PlanError
+from autopar.gradstack import find_grad_stacks, folded_values
 from autopar.hints import check_hints, check_pins, entry_axes, model_axes
 # Imported here, not where it is used: importing PuLP keeps the tracebacks of
 # the solver libraries it fails to import, and through them every frame on
@@ -284,7 +285,12 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
   objective = sum(cost.collective(c.kind, c.bytes, c.axes) * c.per_step
                   for c in collectives)
   d = math.prod(sizes[a] for a in batch_axes)
-  memory = _memory_estimate(inputs, grads, sizes, d, n, method.grad_accumulation_dtype)
+  stacked = set()
+  if split.has_marker:
+    stacked = {g for s in find_grad_stacks(split.compute.jaxpr, split.num_grads, grad_specs)
+               for g in s.grads}
+  memory = _memory_estimate(inputs, grads, sizes, d, n, method.grad_accumulation_dtype,
+                            stacked)
   local = None
   if split.has_marker and trace_local is not None and d > 1:
     local = trace_local(traced.micro_batch_size // d)
@@ -336,22 +342,23 @@ def _preset_collectives(split, inputs, grads, params, batch_axes, sizes, n, zero
   return out
 
 
-def _memory_estimate(inputs, grads, sizes, d, n, accumulate) -> int:
+def _memory_estimate(inputs, grads, sizes, d, n, accumulate, stacked=()) -> int:
   """Bytes per device the step holds besides one micro-batch's pass: its
   inputs and the gradients held apart from the pass's own (which are
   counted with it, ``_preset_activation_peak``). Over several
   micro-batches, the sums carried between them (one whole gradient, in the
   accumulation dtype), with the reduced gradients beside them where they
-  cannot take the sums' buffer (scattered over the batch axes, ZeRO, or of
-  another dtype); over one micro-batch split over ``d`` > 1 devices, the
-  reduced gradients; else none."""
+  cannot take the sums' buffer (scattered over the batch axes, ZeRO, of
+  another dtype, or made by their scan, ``stacked``: gradstack.py); over
+  one micro-batch split over ``d`` > 1 devices, the reduced gradients;
+  else none."""
   state = sum(v.bytes_per_device(sizes) for v in inputs)
   held = 0
-  for g in grads:
+  for i, g in enumerate(grads):
     acc = accumulation_dtype(g.dtype, accumulate)
     if n > 1:
       held += num_bytes(g.shape, acc)
-      if any(g.spec) or acc != np.dtype(g.dtype):
+      if any(g.spec) or acc != np.dtype(g.dtype) or i in stacked:
         held += g.bytes_per_device(sizes)
     elif d > 1:
       held += g.bytes_per_device(sizes)
@@ -367,7 +374,9 @@ def _preset_activation_peak(split: SplitStep, local: SplitStep | None, params, g
   batch axes (the pass's gradients too, which each device holds whole: an
   estimate). Under ZeRO-3 the parameters gathered whole for the pass are
   among them; with one micro-batch, a gradient scattered over the batch
-  axes (``grads``' spec) leaves the pass where it is made."""
+  axes (``grads``' spec) leaves the pass where it is made; a stacked
+  gradient a scan makes is never held whole where there is a sum to fold
+  it into or a reduction to make (gradstack.py)."""
   if not split.has_marker:
     return 0
   share = d
@@ -385,10 +394,13 @@ def _preset_activation_peak(split: SplitStep, local: SplitStep | None, params, g
   # batch axes leaves the pass where it is made.
   released = [v for v, g in zip(jaxpr.outvars, grads) if any(g.spec)] \
       if n == 1 and d > 1 else []
+  folded = folded_values(jaxpr, find_grad_stacks(jaxpr, split.num_grads,
+                                                 [g.spec for g in grads])) \
+      if n > 1 or d > 1 else []
   peak = max((sum(num_bytes(v.aval.shape, v.aval.dtype) / (share if v in rows else 1)
                   for v in live)
               for live in liveness_peaks(jaxpr, k=3, gathered=gathered,
-                                         released=released)),
+                                         released=released, folded=folded)),
              default=0.0)
   return int(peak)
 

@@ -11,7 +11,7 @@ import pytest
 from flax.training import train_state
 
 import autopar
-from autopar import hlo, remat
+from autopar import gradstack, hlo, lower, remat
 from autopar.lower import GPU_OVERLAP_OPTIONS, compiler_options
 from models import (ReluTransformer, ScanTransformer, assert_trees_close, lm_setup,
                     single_device, transformer_setup)
@@ -208,12 +208,13 @@ def test_remat_layers_equals_no_remat_and_saves_memory():
           < 0.5 * plain.memory_analysis().temp_size_in_bytes)
 
 
-@pytest.mark.parametrize("seq, bound", [(8, 1.01), (32, 0.7)])
+@pytest.mark.parametrize("seq, bound", [(8, 0.3), (32, 0.3)])
 def test_remat_layers_reads_the_weights_in_place(seq, bound):
   """12 layers of hidden 64, 2 rows per device: the weights are about as
   large as the activations. Stacking the weights for the scan made remat
   cost x1.95 (seq 8) and x1.20 (seq 32) the temp memory of no remat; read
-  in place, what remains is one stacked copy of the layers' gradients."""
+  in place, with the layers' gradients reduced in their loop (gradstack.py),
+  the gradient stage needs a fifth of it."""
   make_state, step, batch = transformer_setup(layers=12, d=64, seq=seq, batch=16)
   mesh = jax.make_mesh((8,), ("data",))
   temp = {}
@@ -222,6 +223,68 @@ def test_remat_layers_reads_the_weights_in_place(seq, bound):
     stage = _grad_stage(p.get_executable(make_state(), batch))
     temp[mode] = stage.memory_analysis().temp_size_in_bytes
   assert temp["layers"] <= bound * temp["none"], temp
+
+
+def _step_peak(exe) -> int:
+  """The most bytes per device any stage of the step holds: its arguments,
+  temporaries and outputs, less the outputs that reuse donated arguments."""
+  def peak(m):
+    return (m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
+            - m.alias_size_in_bytes)
+  return max(peak(st.memory_analysis()) for st in exe.stages.values())
+
+
+@pytest.mark.parametrize("method", ["DataParallel", "Zero2Parallel", "Zero3Parallel"])
+def test_remat_layers_never_costs_memory(method):
+  """The issue's case, where the weights outweigh the activations remat
+  saves (12 layers of hidden 64, 2 rows per device, sequence 8): the step's
+  peak with remat="layers" is no more than without, at one micro-batch and
+  at two. Before the layers' gradients were folded into their loop
+  (gradstack.py), ZeRO-2 and ZeRO-3 peaked x1.19-1.46 higher with remat."""
+  mesh = jax.make_mesh((8,), ("data",))
+  for n in (1, 2):
+    make_state, step, batch = transformer_setup(layers=12, d=64, seq=8, batch=16 * n)
+    peak = {}
+    for mode in ("none", "layers"):
+      p = autopar.parallelize(step, method=getattr(autopar, method)(
+          mesh=mesh, num_micro_batches=n, remat=mode))
+      peak[mode] = _step_peak(p.get_executable(make_state(), batch))
+    # 1 %: data parallelism at two micro-batches measured x1.007 (its last
+    # stage, 2.87 MB of temp against 2.82 MB).
+    assert peak["layers"] <= 1.01 * peak["none"], (n, peak)
+
+
+@pytest.mark.parametrize("method, mesh_shape", [
+    ("DataParallel", (8,)), ("Zero2Parallel", (8,)), ("Zero3Parallel", (8,)),
+    ("ShardParallel", (2, 4))])
+@pytest.mark.parametrize("scanned", [False, True], ids=["loop", "nn.scan"])
+def test_stacked_gradients_accumulated_in_their_scan(method, mesh_shape, scanned,
+                                                     monkeypatch):
+  """The layers' gradients a scan makes stacked are accumulated and reduced
+  inside it (gradstack.py): remat="layers" over a Python loop (one slot of
+  sliced gradients, sliced in apply_grad) and an nn.scan model (the stacked
+  gradient is the leaf). Three micro-batches run all three kinds of
+  gradient stage; the result must be single-device jax.jit's."""
+  found = []
+
+  def spy(*args):
+    found.append(gradstack.find_grad_stacks(*args))
+    return found[-1]
+  monkeypatch.setattr(lower, "find_grad_stacks", spy)
+  setup = (lm_setup(ScanTransformer(layers=3), batch=24) if scanned else
+           transformer_setup(layers=3, batch=24))
+  make_state, step, batch = setup
+  ref_state, ref_loss = single_device(step)(make_state(), batch)
+  mesh = jax.make_mesh(mesh_shape, ("data", "model")[:len(mesh_shape)])
+  p = autopar.parallelize(step, method=getattr(autopar, method)(
+      mesh=mesh, num_micro_batches=3, remat="none" if scanned else "layers"))
+  state, loss = p(make_state(), batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(state.params, ref_state.params)
+  assert_trees_close(state.opt_state, ref_state.opt_state)
+  # Every one of a block's 16 weight arrays: one stack of 3 layers each.
+  assert [(len(s), {(len(g.grads), g.whole) for g in s}) for s in found] == [
+      (16, {(1, True)} if scanned else {(3, False)})]
 
 
 def test_remat_layers_under_the_planner():
