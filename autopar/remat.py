@@ -16,9 +16,9 @@ layer ``k``'s inputs with ``lax.switch`` and saves only the carry entering
 each layer; a VJP of its own runs a reverse scan that picks the same inputs,
 recomputes layer ``k`` from its saved carry and differentiates it. No stacked
 copy of the weights exists. The layers' gradients leave the backward loop as
-one stacked array (the loop's output); that copy is what remat still costs
-beside the carries, so where the activations it saves are smaller than the
-layers' gradients, remat uses more memory than none. With a ``jax.checkpoint``
+one stacked output, a layer per trip, which the gradient stages fold into
+the partial sums (or reduce) trip by trip, never holding it whole
+(``gradstack.py``). With a ``jax.checkpoint``
 policy (which saves what it names inside a layer) the stretch is a
 ``lax.scan`` over the weights stacked on a new leading axis, with
 ``jax.checkpoint(policy)`` on its body: one more copy, of the weights.
@@ -298,7 +298,8 @@ def _run_stack_selected(jaxpr: Jaxpr, s: Stack, env: dict, run) -> None:
   with ``lax.switch`` (one layer's copy at a time) and keeps only the carry
   entering each layer. Backward: a reverse scan that picks the same inputs,
   recomputes layer ``k`` from its saved carry and takes its VJP. The layers'
-  gradients leave the backward loop stacked (one copy, the loop's output);
+  gradients leave the backward loop stacked, each sliced to its own leaf
+  (the gradient stages fold the stack as it is made: ``gradstack.py``);
   loop-invariant inputs' gradients are summed in its carry. Differentiating
   ``lax.scan`` itself instead would need the weights stacked (``xs``), or,
   with the weights as loop constants, would add every layer's zero
