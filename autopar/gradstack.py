@@ -22,9 +22,10 @@ one stacked input of ``apply_grad``, which slices it; the user's pytree is
 unchanged at the step's boundary.
 
 A group is found only where nothing else reads the stacked output or its
-slices, each slice is one whole layer, every layer appears once, and all the
-layers' gradients have one spec in the plan; anything else is evaluated as
-written.
+slices (no other equation, no output of the step), each slice is one whole
+layer, every layer appears once, all the layers' gradients have one spec in
+the plan, and (a stacked leaf) the plan does not scatter its layers over the
+batch axes; anything else is evaluated as written.
 """
 
 from __future__ import annotations
@@ -67,10 +68,15 @@ class GradStack:
     return spec if self.whole else PartitionSpec(None, *spec)
 
 
-def find_grad_stacks(compute: Jaxpr, num_grads: int, grad_specs=None) -> list[GradStack]:
+def find_grad_stacks(compute: Jaxpr, num_grads: int, grad_specs=None,
+                     batch_axes=()) -> list[GradStack]:
   """The stacked gradients of ``compute`` (its first ``num_grads`` outputs
   are the gradients; ``grad_specs`` their specs in the plan, or None
-  before there is one: every layer's spec is then taken to agree)."""
+  before there is one: every layer's spec is then taken to agree).
+
+  A stacked gradient leaf whose plan scatters its layers over the batch
+  axes is left as written: one trip's layer cannot be reduce-scattered
+  over them."""
   readers = collections.defaultdict(list)
   for i, e in enumerate(compute.eqns):
     for v in e.invars:
@@ -96,19 +102,22 @@ def find_grad_stacks(compute: Jaxpr, num_grads: int, grad_specs=None) -> list[Gr
     for o in range(ncar, len(e.outvars)):
       y = e.outvars[o]
       whole = grad_index(y)
+      if whole is not None and grad_specs is not None and any(
+          a in batch_axes for a in _axes(tuple(grad_specs[whole])[:1])):
+        continue
       if whole is not None:
         found.append(GradStack(i, o, (whole,), True))
         continue
-      layers = _layer_slices(compute, readers, y, length, grad_index)
+      layers = _layer_slices(compute, readers, at, y, length, grad_index)
       if layers and (grad_specs is None or len({grad_specs[g] for g in layers}) == 1):
         found.append(GradStack(i, o, tuple(layers), False))
   return found
 
 
-def _layer_slices(compute, readers, y, length, grad_index) -> list[int] | None:
+def _layer_slices(compute, readers, at, y, length, grad_index) -> list[int] | None:
   """Per layer ``k``, the gradient index of ``squeeze(slice(y, k))`` when
   those are all that reads ``y``, each layer once."""
-  if not readers.get(y) or len(readers[y]) != length:
+  if not readers.get(y) or len(readers[y]) != length or at.get(y):
     return None
   layers: list[int | None] = [None] * length
   for i in readers[y]:
@@ -124,7 +133,7 @@ def _layer_slices(compute, readers, y, length, grad_index) -> list[int] | None:
         (strides is not None and any(s != 1 for s in strides))):
       return None
     users = readers.get(e.outvars[0], [])
-    if len(users) != 1:
+    if len(users) != 1 or at.get(e.outvars[0]):
       return None
     sq = compute.eqns[users[0]]
     if sq.primitive.name != "squeeze" or tuple(sq.params["dimensions"]) != (0,):
@@ -134,6 +143,11 @@ def _layer_slices(compute, readers, y, length, grad_index) -> list[int] | None:
       return None
     layers[k] = g
   return layers if all(g is not None for g in layers) else None
+
+
+def _axes(entries) -> list[str]:
+  return [a for e in entries if e is not None
+          for a in ((e,) if isinstance(e, str) else e)]
 
 
 def folded_values(compute: Jaxpr, stacks: list[GradStack]) -> list:

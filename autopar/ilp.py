@@ -782,7 +782,7 @@ class ShardingProblem:
         items.append((*self.compute_val[v], aval, ratio))
       elif carried:
         items.append((node, 0, aval, ratio))
-      if split and (not carried or ratio != 1 or g in stacked):
+      if (split and (not carried or ratio != 1)) or (carried and g in stacked):
         items.append((node, 0, aval, 1))
     return items
 

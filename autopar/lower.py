@@ -469,11 +469,7 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
     g = st.grads[0]
     dtype = acc_dtypes[g]
     layer_spec = PartitionSpec(*tuple(grad_specs[g])[st.whole:])
-    # A stacked gradient the plan scatters over its layers is reduced after
-    # the loop: one trip's layer is not scattered.
-    split_layers = st.whole and any(a in manual for e in tuple(grad_specs[g])[:1]
-                                    for a in _entry_axes(e))
-    if sync and not split_layers:
+    if sync:
       # Each trip reduces its layer's total at once: the stage keeps only
       # the reduced shares, never every layer's unreduced gradient.
       def reduce_layer(state, k, y):
@@ -802,7 +798,7 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
       rows = split_local.traced.micro_batch_size
       names = grad_stage_names(n)
       stacks = find_grad_stacks(split_local.compute.jaxpr, split.num_grads,
-                                [g.spec for g in plan.grads])
+                                [g.spec for g in plan.grads], plan.batch_axes)
       acc_avals = _acc_avals(split, plan, accumulate, stacks)
       for pos, name in enumerate(names):
         if name in stages:

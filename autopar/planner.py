@@ -287,14 +287,15 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
   d = math.prod(sizes[a] for a in batch_axes)
   stacked = set()
   if split.has_marker:
-    stacked = {g for s in find_grad_stacks(split.compute.jaxpr, split.num_grads, grad_specs)
+    stacked = {g for s in find_grad_stacks(split.compute.jaxpr, split.num_grads,
+                                           grad_specs, batch_axes)
                for g in s.grads}
   memory = _memory_estimate(inputs, grads, sizes, d, n, method.grad_accumulation_dtype,
                             stacked)
   local = None
   if split.has_marker and trace_local is not None and d > 1:
     local = trace_local(traced.micro_batch_size // d)
-  memory += _preset_activation_peak(split, local, params, grads, d, zero, n)
+  memory += _preset_activation_peak(split, local, params, grads, d, zero, n, batch_axes)
   return Plan(method=method.name, mesh_axis_names=axis_names_of(mesh),
               mesh_shape=tuple(sizes.values()), num_micro_batches=n,
               batch_axes=batch_axes, inputs=inputs, grads=grads,
@@ -366,7 +367,7 @@ def _memory_estimate(inputs, grads, sizes, d, n, accumulate, stacked=()) -> int:
 
 
 def _preset_activation_peak(split: SplitStep, local: SplitStep | None, params, grads,
-                            d, zero, n) -> int:
+                            d, zero, n, batch_axes=()) -> int:
   """Bytes per device of the values live at the peak of one device's
   forward/backward pass (its gradients included): read from ``local``, the
   step split at one device's rows, where given; else from ``split`` with
@@ -395,7 +396,7 @@ def _preset_activation_peak(split: SplitStep, local: SplitStep | None, params, g
   released = [v for v, g in zip(jaxpr.outvars, grads) if any(g.spec)] \
       if n == 1 and d > 1 else []
   folded = folded_values(jaxpr, find_grad_stacks(jaxpr, split.num_grads,
-                                                 [g.spec for g in grads])) \
+                                                 [g.spec for g in grads], batch_axes)) \
       if n > 1 or d > 1 else []
   peak = max((sum(num_bytes(v.aval.shape, v.aval.dtype) / (share if v in rows else 1)
                   for v in live)
