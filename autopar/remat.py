@@ -10,20 +10,17 @@ stretch is one loop over the layers. XLA then compiles one loop body, and the
 backward pass keeps only what crosses layer boundaries (the carry) plus one
 layer's activations at a time.
 
-With ``remat="layers"`` the loop reads each layer's weights where they are
+The loop reads each layer's weights where they are
 (:func:`_run_stack_selected`): a forward scan over the layer index picks
-layer ``k``'s inputs with ``lax.switch`` and saves only the carry entering
-each layer; a VJP of its own runs a reverse scan that picks the same inputs,
-recomputes layer ``k`` from its saved carry and differentiates it. No stacked
-copy of the weights exists. The layers' gradients leave the backward loop as
-one stacked output, a layer per trip, which the gradient stages fold into
-the partial sums (or reduce) trip by trip, never holding it whole
-(``gradstack.py``). With a ``jax.checkpoint``
-policy (which saves what it names inside a layer) the stretch is a
-``lax.scan`` over the weights stacked on a new leading axis, with
-``jax.checkpoint(policy)`` on its body: one more copy, of the weights.
-The user's parameters keep their own pytree either way, so each layer's
-gradient comes back to its own leaf.
+layer ``k``'s inputs with ``lax.switch`` and saves the carry entering each
+layer, plus what a ``jax.checkpoint`` policy saves inside it (nothing, with
+``remat="layers"``); a VJP of its own runs a reverse scan that picks the
+same inputs and differentiates layer ``k`` from what was saved, recomputing
+the rest. No stacked copy of the weights exists. The layers' gradients
+leave the backward loop as one stacked output, a layer per trip, which the
+gradient stages fold into the partial sums (or reduce) trip by trip, never
+holding it whole (``gradstack.py``). The user's parameters keep their own
+pytree, so each layer's gradient comes back to its own leaf.
 
 How a stretch is found (:func:`find_layers`):
 
@@ -202,10 +199,7 @@ def _eval(jaxpr: Jaxpr, consts, args, stacks: list[Stack], policy) -> list:
   pos = 0
   for s in stacks:
     run(jaxpr.eqns[pos:s.start], env)
-    if policy is _NOTHING:
-      _run_stack_selected(jaxpr, s, env, run)
-    else:
-      _run_stack(jaxpr, s, env, run, policy)
+    _run_stack_selected(jaxpr, s, env, run, policy)
     pos = s.end
   run(jaxpr.eqns[pos:], env)
   return [read(v) for v in jaxpr.outvars]
@@ -237,20 +231,6 @@ def _checkpointed_scan(eqn, vals, policy) -> list:
                        list(init), list(xs), length=p["length"], reverse=p["reverse"],
                        unroll=p["unroll"])
   return [*carry, *ys]
-
-
-def _run_stack(jaxpr: Jaxpr, s: Stack, env: dict, run, policy) -> None:
-  body_eqns = jaxpr.eqns[s.start:s.start + s.length]
-  xs = [jnp.stack([_outer_value(env, v) for v in per_layer]) for per_layer in s.stacked]
-  init = _initial_carries(s, body_eqns, env)
-  outer = env
-
-  def body(carry, x):
-    return _run_layer(s, body_eqns, run, collections.ChainMap({}, outer), carry, x), None
-
-  final, _ = lax.scan(jax.checkpoint(body, policy=policy, prevent_cse=False),
-                      init, xs, length=s.count)
-  _set_outputs(jaxpr, s, env, final)
 
 
 def _run_layer(s: Stack, body_eqns, run, local, carry, inputs) -> list:
@@ -290,20 +270,29 @@ def _set_outputs(jaxpr: Jaxpr, s: Stack, env: dict, final) -> None:
     env[last[j].outvars[o]] = x
 
 
-def _run_stack_selected(jaxpr: Jaxpr, s: Stack, env: dict, run) -> None:
-  """``remat="layers"``: the stack as one call with a VJP of its own, which
-  reads each layer's weights where they are instead of stacking them.
+def _run_stack_selected(jaxpr: Jaxpr, s: Stack, env: dict, run, policy) -> None:
+  """The stack as one call with a VJP of its own, which reads each layer's
+  weights where they are instead of stacking them.
 
   Forward: a scan over the layer index whose body picks layer ``k``'s inputs
-  with ``lax.switch`` (one layer's copy at a time) and keeps only the carry
-  entering each layer. Backward: a reverse scan that picks the same inputs,
-  recomputes layer ``k`` from its saved carry and takes its VJP. The layers'
+  with ``lax.switch`` (one layer's copy at a time) and keeps the carry
+  entering each layer, plus what ``policy`` saves inside the layer
+  (nothing, for ``remat="layers"``). Backward: a reverse scan that picks the
+  same inputs and runs layer ``k``'s VJP from what was kept, recomputing
+  the rest. The layers'
   gradients leave the backward loop stacked, each sliced to its own leaf
   (the gradient stages fold the stack as it is made: ``gradstack.py``);
   loop-invariant inputs' gradients are summed in its carry. Differentiating
   ``lax.scan`` itself instead would need the weights stacked (``xs``), or,
   with the weights as loop constants, would add every layer's zero
   cotangent to every constant's gradient at every layer.
+
+  How a layer's VJP is kept: the forward pass takes ``jax.vjp`` of the layer
+  under ``jax.checkpoint(policy)``. The VJP is a pytree whose leaves are
+  its residuals; those that are the layer's own inputs (its carry, picked
+  weights, per-layer literals, loop invariants) are found again in the
+  backward pass, and only the rest, what the policy saves, leave the
+  forward loop stacked.
   """
   body_eqns = jaxpr.eqns[s.start:s.start + s.length]
   bound = {id(v) for v in (*s.carry_init, *s.stacked_template) if v is not None}
@@ -318,6 +307,13 @@ def _run_stack_selected(jaxpr: Jaxpr, s: Stack, env: dict, run) -> None:
   lit_xs = [np.stack([np.asarray(v.val, v.aval.dtype) for v in s.stacked[i]]) for i in lit]
   read = [i for i, v in enumerate(s.carry_init) if v is not None]   # slots layers read
   count, nv = s.count, len(var)
+  init = _initial_carries(s, body_eqns, env)
+  per_layer = [_outer_value(env, s.stacked[i][k]) for i in var for k in range(count)]
+  inv = [env[v] for v in invariant]
+  c_diff = [_differentiable(x) for x in init]
+  p_diff = [_differentiable(per_layer[i * count]) for i in range(nv)]
+  i_diff = [_differentiable(x) for x in inv]
+  kept: dict = {}       # from tracing the forward pass: how to rebuild a layer's VJP
 
   def layer(carry, picked, lits, inv):
     inputs = [None] * len(s.stacked_template)
@@ -333,11 +329,39 @@ def _run_stack_selected(jaxpr: Jaxpr, s: Stack, env: dict, run) -> None:
     branches = [lambda *a, k=k: [a[i * count + k] for i in range(nv)] for k in range(count)]
     return lax.switch(k, branches, *per_layer)
 
+  def layer_vjp(carry, picked, lits, inv):
+    """The layer's outputs and the residuals of its VJP that are not its
+    inputs (``kept`` records where each residual comes from)."""
+    def f(c, p, iv):
+      return layer(_merge(carry, c, c_diff), _merge(picked, p, p_diff),
+                   lits, _merge(inv, iv, i_diff))
+    outs, vjp = jax.vjp(jax.checkpoint(f, policy=policy, prevent_cse=False),
+                        _take(carry, c_diff), _take(picked, p_diff), _take(inv, i_diff))
+    leaves, tree = jax.tree.flatten(vjp)
+    inputs = {id(x): (name, i) for name, xs in (
+        ("carry", carry), ("picked", picked), ("lits", lits), ("inv", inv))
+        for i, x in enumerate(xs)}
+    where, saved = [], []
+    for leaf in leaves:
+      if id(leaf) in inputs:
+        where.append(inputs[id(leaf)])
+      elif isinstance(leaf, jax.core.Tracer):
+        where.append(("saved", len(saved)))
+        saved.append(leaf)
+      else:                           # a constant of the layer's program
+        where.append(("constant", leaf))
+    kept.update(tree=tree, where=where,
+                outs=[jax.ShapeDtypeStruct(jnp.shape(o), jnp.result_type(o)) for o in outs])
+    return outs, saved
+
   def forward(init, per_layer, inv, save):
     def body(carry, x):
       k, lits = x
-      out = layer(carry, pick(k, per_layer), lits, inv)
-      return out, ([carry[i] for i in read] if save else None)
+      picked = pick(k, per_layer)
+      if not save:
+        return layer(carry, picked, lits, inv), None
+      out, saved = layer_vjp(carry, picked, lits, inv)
+      return out, ([carry[i] for i in read], saved)
     return lax.scan(body, list(init), (jnp.arange(count), lit_xs), length=count)
 
   @jax.custom_vjp
@@ -349,33 +373,29 @@ def _run_stack_selected(jaxpr: Jaxpr, s: Stack, env: dict, run) -> None:
     return final, (init, per_layer, inv, saved)
 
   def stack_bwd(res, cts):
-    init, per_layer, inv, saved = res
-    c_diff = [_differentiable(x) for x in init]
-    p_diff = [_differentiable(per_layer[i * count]) for i in range(nv)]
-    i_diff = [_differentiable(x) for x in inv]
+    init, per_layer, inv, (carries, saved) = res
+    tree, where, out_avals = kept["tree"], kept["where"], kept["outs"]
 
     def body(acc, x):
       ct, inv_ct = acc
-      k, lits, carry_read = x
+      k, lits, carry_read, saved_k = x
       carry = [jnp.zeros_like(c) for c in init]
       for i, c in zip(read, carry_read, strict=True):
         carry[i] = c
-      picked = pick(k, per_layer)
-
-      def f(c, p, iv):
-        return layer(_merge(carry, c, c_diff), _merge(picked, p, p_diff),
-                     lits, _merge(inv, iv, i_diff))
-      outs, vjp = jax.vjp(f, _take(carry, c_diff), _take(picked, p_diff),
-                          _take(inv, i_diff))
-      out_cts = [ct_i if d else _zero_cotangent(o)
-                 for ct_i, o, d in zip(_merge(outs, ct, c_diff), outs, c_diff)]
+      found = {"carry": carry, "picked": pick(k, per_layer), "lits": lits, "inv": inv,
+               "saved": saved_k}
+      vjp = jax.tree.unflatten(tree, [w[1] if w[0] == "constant" else found[w[0]][w[1]]
+                                      for w in where])
+      out_cts = [ct_i if d else np.zeros(o.shape, jax.dtypes.float0)
+                 for ct_i, o, d in zip(_merge(out_avals, ct, c_diff), out_avals, c_diff)]
       d_c, d_p, d_i = vjp(out_cts)
       return (d_c, [a + b for a, b in zip(inv_ct, d_i, strict=True)]), d_p
 
     ct0 = _take(list(cts), c_diff)
     inv0 = [jnp.zeros_like(x) for x in _take(inv, i_diff)]
     (d_init, d_inv), d_layers = lax.scan(
-        body, (ct0, inv0), (jnp.arange(count), lit_xs, saved), length=count, reverse=True)
+        body, (ct0, inv0), (jnp.arange(count), lit_xs, carries, saved), length=count,
+        reverse=True)
     d_layers = iter(d_layers)
     d_per_layer = []
     for i in range(nv):
@@ -385,9 +405,7 @@ def _run_stack_selected(jaxpr: Jaxpr, s: Stack, env: dict, run) -> None:
     return (_fill(init, d_init, c_diff), d_per_layer, _fill(inv, d_inv, i_diff))
 
   stack.defvjp(stack_fwd, stack_bwd)
-  init = _initial_carries(s, body_eqns, env)
-  per_layer = [_outer_value(env, s.stacked[i][k]) for i in var for k in range(count)]
-  final = stack(init, per_layer, [env[v] for v in invariant])
+  final = stack(init, per_layer, inv)
   _set_outputs(jaxpr, s, env, final)
 
 

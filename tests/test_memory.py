@@ -225,6 +225,27 @@ def test_remat_layers_reads_the_weights_in_place(seq, bound):
   assert temp["layers"] <= bound * temp["none"], temp
 
 
+def test_remat_policy_reads_the_weights_in_place():
+  """A jax.checkpoint policy runs the same loops as remat="layers", saving
+  what it names beside each layer's carry: the weights are not stacked.
+  Stacked, this case's gradient stage held x2.03 the temp memory of no
+  remat; now x0.35 (the saved matmul outputs are what it holds more than
+  "layers", x0.19)."""
+  make_state, step, batch = transformer_setup(layers=12, d=64, seq=8, batch=16)
+  mesh = jax.make_mesh((8,), ("data",))
+  ref_state, ref_loss = single_device(step)(make_state(), batch)
+  temp = {}
+  for mode in ("none", "layers", jax.checkpoint_policies.dots_with_no_batch_dims_saveable):
+    p = autopar.parallelize(step, method=autopar.DataParallel(mesh=mesh, remat=mode))
+    state, loss = p(make_state(), batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_trees_close(state.params, ref_state.params)
+    stage = _grad_stage(p.get_executable(make_state(), batch))
+    temp[mode if isinstance(mode, str) else "policy"] = \
+        stage.memory_analysis().temp_size_in_bytes
+  assert temp["layers"] < temp["policy"] <= 0.5 * temp["none"], temp
+
+
 def _step_peak(exe) -> int:
   """The most bytes per device any stage of the step holds: its arguments,
   temporaries and outputs, less the outputs that reuse donated arguments."""
