@@ -120,9 +120,10 @@ METHODS = {
 }
 # Where the prediction is known to miss, and why (docs/planner.md): the
 # conv net's memory under ShardParallel, which keeps the batch whole on
-# every device (x1.3: XLA:CPU's buffer assignment keeps the convolutions'
-# results and their bias adds in buffers of their own, where the model
-# lets an element-wise result take a dying operand's buffer). Anything else
+# every device (x1.3: XLA recomputes each ReLU's mask in the backward pass
+# from the convolution's float32 result, which it holds instead of the
+# boolean mask, and XLA:CPU materialises the ReLU's zeros for the mean's
+# reduction). Anything else
 # off by more is a failure, and so is a listed miss that no longer misses
 # (the table is then out of date).
 KNOWN_MISSES = {("conv", "ShardParallel"): "memory"}
