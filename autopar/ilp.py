@@ -923,25 +923,12 @@ class ShardingProblem:
     return out
 
   def memory_at_solution(self) -> tuple[float, float]:
-    """(state and gradient bytes, activation bytes at the peak) per device.
-
-    The peak is found again with each value's bytes under the chosen
-    specs: where the plan splits the values that are largest replicated,
-    the peak moves to where the ones it keeps whole are held."""
+    """(state and gradient bytes, activation bytes at the peak) per device."""
     def total(items):
       return sum(f * self._bytes(node, pos, aval, self._chosen(node))
                  for node, pos, aval, f in items)
-    def local(v):
-      ref = self.compute_val.get(v)
-      if ref is None:                 # not in the graph: not counted (as above)
-        return 0
-      return self._bytes(*ref, v.aval, self._chosen(ref[0]))
-    state, _ = self._memory_items()
-    cj = self.compute.jaxpr
-    folded = folded_values(cj, self._stacks) \
-        if self.n > 1 or self._batch_size_devices > 1 else []
-    peak = liveness_peaks(cj, k=1, folded=folded, size=local)
-    return float(total(state)), float(sum(local(v) for v in peak[0]) if peak else 0.0)
+    state, peaks = self._memory_items()
+    return float(total(state)), float(max((total(p) for p in peaks), default=0.0))
 
   def _chosen_edges(self) -> list:
     """Per edge of the solution: ((producing node, output), the spec its

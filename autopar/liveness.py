@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Callable, Iterable
+from typing import Iterable
 
 from jax.extend.core import Literal, Var
 
@@ -55,10 +55,8 @@ VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "transpose"})
 def liveness_peaks(jaxpr, k: int,
                    gathered: Iterable[Var] = (),
                    released: Iterable[Var] = (),
-                   folded: Iterable[Var] = (),
-                   size: Callable[[Var], float] | None = None) -> list[list[Var]]:
-  """The ``k`` program points where the most bytes are held: replicated
-  bytes, or ``size(v)`` of each value (its bytes per device in a plan).
+                   folded: Iterable[Var] = ()) -> list[list[Var]]:
+  """The ``k`` program points where the most (replicated) bytes are held.
 
   Each is the list of the values whose buffers are held there, one value
   per buffer (the one that made it), and the values a convolution there
@@ -89,8 +87,6 @@ def liveness_peaks(jaxpr, k: int,
 
   aval_bytes: dict = {}              # aval -> bytes (a step has few distinct avals)
   def nbytes(v):
-    if size is not None:
-      return size(v)
     b = aval_bytes.get(v.aval)
     if b is None:
       b = aval_bytes[v.aval] = math.prod(v.aval.shape) * itemsize(v.aval.dtype)

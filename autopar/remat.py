@@ -71,7 +71,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
-from autopar.errors import InputError
+from autopar.errors import InputError, PlanError
 from autopar.pytrees import leaf_mask
 
 __all__ = ["remat_mode", "check_remat", "maybe_roll", "find_layers", "Stack"]
@@ -345,10 +345,13 @@ def _run_stack_selected(jaxpr: Jaxpr, s: Stack, env: dict, run, policy) -> None:
     for leaf in leaves:
       if id(leaf) in inputs:
         where.append(inputs[id(leaf)])
-      elif isinstance(leaf, jax.core.Tracer):
+      elif isinstance(leaf, (jax.Array, np.ndarray)):
+        # Saved per layer: a traced value, or under jax.disable_jit (where
+        # the scan runs its body eagerly) a concrete one, which differs from
+        # layer to layer just the same.
         where.append(("saved", len(saved)))
         saved.append(leaf)
-      else:                           # a constant of the layer's program
+      else:                           # a Python scalar: the same for every layer
         where.append(("constant", leaf))
     kept.update(tree=tree, where=where,
                 outs=[jax.ShapeDtypeStruct(jnp.shape(o), jnp.result_type(o)) for o in outs])
@@ -382,6 +385,12 @@ def _run_stack_selected(jaxpr: Jaxpr, s: Stack, env: dict, run, policy) -> None:
       carry = [jnp.zeros_like(c) for c in init]
       for i, c in zip(read, carry_read, strict=True):
         carry[i] = c
+      if len(saved_k) != sum(w[0] == "saved" for w in where):
+        raise PlanError(
+            f"autopar: remat traced the layers' forward pass with a different "
+            f"structure from the one their backward pass rebuilds ({len(saved_k)} "
+            f"saved values against {sum(w[0] == 'saved' for w in where)}). "
+            f"This is a bug in autopar; remat='none' avoids it.")
       found = {"carry": carry, "picked": pick(k, per_layer), "lits": lits, "inv": inv,
                "saved": saved_k}
       vjp = jax.tree.unflatten(tree, [w[1] if w[0] == "constant" else found[w[0]][w[1]]

@@ -246,6 +246,28 @@ def test_remat_policy_reads_the_weights_in_place():
   assert temp["layers"] < temp["policy"] <= 0.5 * temp["none"], temp
 
 
+def test_remat_policy_under_disable_jit():
+  """Under jax.disable_jit the loops run eagerly, so what a policy saves is
+  concrete, not traced: it must still be saved per layer (taking it for a
+  constant gave every layer the last layer's values)."""
+  ks = jax.random.split(jax.random.PRNGKey(0), 8)
+  ps = [{"w1": jax.random.normal(ks[i], (8, 8)) * 0.3,
+         "w2": jax.random.normal(ks[i + 4], (8, 8)) * 0.3} for i in range(4)]
+  x = jax.random.normal(jax.random.PRNGKey(9), (5, 8))
+
+  def f(ps):
+    h = x
+    for p in ps:
+      h = jnp.tanh(h @ p["w1"]) @ p["w2"] + h
+    return jnp.sum(h ** 2)
+
+  ref = jax.grad(f)(ps)
+  for mode in ("layers", jax.checkpoint_policies.dots_with_no_batch_dims_saveable):
+    with remat.remat_mode(mode), jax.disable_jit():
+      g = autopar.grad(f)(ps)
+    assert_trees_close(g, ref, rtol=1e-5, atol=1e-6)
+
+
 def _step_peak(exe) -> int:
   """The most bytes per device any stage of the step holds: its arguments,
   temporaries and outputs, less the outputs that reuse donated arguments."""
