@@ -7,8 +7,8 @@ equations once per layer, each reading its own weights. With a method's
 written: they trace it, find the longest stretch of equations that repeats
 layer after layer, and differentiate an equivalent program in which that
 stretch is one loop over the layers. XLA then compiles one loop body, and the
-backward pass keeps only what crosses layer boundaries (the carry) plus one
-layer's activations at a time.
+backward pass keeps only what crosses layer boundaries (the carry, and what
+a policy saves) plus one layer's activations at a time.
 
 The loop reads each layer's weights where they are
 (:func:`_run_stack_selected`): a forward scan over the layer index picks
@@ -378,6 +378,13 @@ def _run_stack_selected(jaxpr: Jaxpr, s: Stack, env: dict, run, policy) -> None:
   def stack_bwd(res, cts):
     init, per_layer, inv, (carries, saved) = res
     tree, where, out_avals = kept["tree"], kept["where"], kept["outs"]
+    expected = sum(w[0] == "saved" for w in where)
+    if len(saved) != expected:
+      raise PlanError(
+          f"autopar: remat traced the layers' forward pass with a different "
+          f"structure from the one their backward pass rebuilds ({len(saved)} "
+          f"saved values against {expected}). This is a bug in autopar; "
+          f"remat='none' avoids it.")
 
     def body(acc, x):
       ct, inv_ct = acc
@@ -385,12 +392,6 @@ def _run_stack_selected(jaxpr: Jaxpr, s: Stack, env: dict, run, policy) -> None:
       carry = [jnp.zeros_like(c) for c in init]
       for i, c in zip(read, carry_read, strict=True):
         carry[i] = c
-      if len(saved_k) != sum(w[0] == "saved" for w in where):
-        raise PlanError(
-            f"autopar: remat traced the layers' forward pass with a different "
-            f"structure from the one their backward pass rebuilds ({len(saved_k)} "
-            f"saved values against {sum(w[0] == 'saved' for w in where)}). "
-            f"This is a bug in autopar; remat='none' avoids it.")
       found = {"carry": carry, "picked": pick(k, per_layer), "lits": lits, "inv": inv,
                "saved": saved_k}
       vjp = jax.tree.unflatten(tree, [w[1] if w[0] == "constant" else found[w[0]][w[1]]
