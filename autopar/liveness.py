@@ -16,7 +16,10 @@ are followed, so that one buffer is not counted twice:
 
 An optimization barrier's results are its operands' buffers. A broadcast
 read only by element-wise operations holds no buffer: XLA fuses it into
-each of them. A
+each of them. Nor does a comparison's boolean result read by one
+element-wise operation (a ReLU's mask, read by the backward pass's
+select): XLA computes it inside that reader, so the compared values are
+held until there instead, four times the mask's bytes in float32. A
 convolution whose operands or result are not in the order XLA:CPU's
 convolutions take (``b01f_01io->b01f``: batch first and feature last, the
 kernel's input then output feature last; a filter gradient is the common
@@ -80,6 +83,28 @@ def liveness_peaks(jaxpr, k: int,
           unfused.add(v)
   fused -= unfused
   released = {v for v in released if type(v) is not Literal}
+  # A comparison's boolean result with one element-wise reader (a ReLU's
+  # mask, read by the backward pass's select) is computed inside that
+  # reader: XLA fuses it there, and holds the compared values until then.
+  readers: dict[Var, set[int]] = {}
+  for i, eqn in enumerate(eqns):
+    for v in eqn.invars:
+      if type(v) is not Literal:
+        readers.setdefault(v, set()).add(i)
+  recomputed: dict[Var, list[Var]] = {}  # value -> what its reader reads instead
+  for i in range(len(eqns) - 1, -1, -1):  # last first: chains of masks
+    eqn = eqns[i]
+    if len(eqn.outvars) != 1 or not fusible(eqn):
+      continue
+    o = eqn.outvars[0]
+    rs = readers.get(o, ())
+    if o.aval.dtype != bool or o in unfused or len(rs) != 1 or \
+        not fusible(eqns[next(iter(rs))]):
+      continue
+    fused.add(o)
+    recomputed[o] = [v for v in eqn.invars if type(v) is not Literal]
+    for v in recomputed[o]:
+      last_use[v] = max(last_use[v], last_use[o])
   folded = set(folded)
   for v in jaxpr.outvars:
     if type(v) is not Literal and v not in released:
@@ -126,8 +151,8 @@ def liveness_peaks(jaxpr, k: int,
           continue
         buf = owner.get(same)
       elif is_elementwise(eqn):
-        for v in eqn.invars:
-          b = owner.get(v) if type(v) is not Literal else None
+        for v in _read(eqn.invars, recomputed):
+          b = owner.get(v)
           if b is not None and b not in taken and stop[b] == i and \
               nbytes(b) == nbytes(o):
             buf = b
@@ -155,6 +180,24 @@ def liveness_peaks(jaxpr, k: int,
   peaks = heapq.nlargest(k, range(len(sizes)), key=sizes.__getitem__)
   return [[b for b in start if start[b] <= t <= stop[b]] + copies.get(t, [])
           for t in peaks]
+
+
+def fusible(eqn) -> bool:
+  """An element-wise operation XLA may fuse (not a barrier or a marker)."""
+  return is_elementwise(eqn) and eqn.primitive.name not in (
+      "optimization_barrier", "autopar_value")
+
+
+def _read(invars, recomputed) -> list[Var]:
+  """The buffers an equation reads: a recomputed operand's own operands."""
+  out, todo = [], [v for v in invars if type(v) is not Literal]
+  while todo:
+    v = todo.pop()
+    if v in recomputed:
+      todo.extend(recomputed[v])
+    else:
+      out.append(v)
+  return out
 
 
 def conv_relayouts(eqn) -> list:

@@ -95,9 +95,23 @@ def test_a_broadcast_read_only_element_wise_is_fused():
   def f(x, w):
     h = x @ w
     return jax.lax.select(h > 0, h, jnp.zeros_like(h)).sum()
-  assert _peak(f, X, W) == ONE + 64 * 128 * 1        # h and the mask
+  assert _peak(f, X, W) == ONE + 4                   # h (the mask is fused too), the sum
   # A broadcast a dot reads is made.
   def g(x, w):
     b = jnp.broadcast_to(w[:1], (64, 128))
     return (jnp.tanh(x @ w) @ b.T).sum()
   assert _peak(g, X, W) >= ONE + 64 * 128 * 4
+
+
+def test_a_mask_read_later_holds_the_compared_values():
+  # A ReLU's mask, read by the backward pass: XLA computes the comparison
+  # inside its one reader, so it holds h (float32) there, not a boolean mask.
+  def f(x, w):
+    h = x @ w
+    mask = h > 0
+    z = ((h * 2.0) @ w.T) @ w
+    return jax.lax.select(mask, z, jnp.zeros_like(z))
+  held = _peak(f, X, W)
+  assert held == 2 * ONE + 64 * 32 * 4               # h, z and the [64, 32] between
+  memory = jax.jit(f).lower(X, W).compile().memory_analysis()
+  assert held == memory.temp_size_in_bytes + memory.output_size_in_bytes

@@ -120,12 +120,11 @@ METHODS = {
 }
 # Where the prediction is known to miss, and why (docs/planner.md): the
 # conv net's memory under ShardParallel, which keeps the batch whole on
-# every device (x1.3: XLA recomputes each ReLU's mask in the backward pass
-# from the convolution's float32 result, which it holds instead of the
-# boolean mask, and XLA:CPU materialises the ReLU's zeros for the mean's
-# reduction). Anything else
-# off by more is a failure, and so is a listed miss that no longer misses
-# (the table is then out of date).
+# every device (x1.2: XLA:CPU duplicates each bias add into the forward
+# reader and the backward pass's ReLU mask, holding both the convolution's
+# result and the biased copy, and materialises the ReLU's zeros for the
+# mean's reduction). Anything else off by more is a failure, and so is a
+# listed miss that no longer misses (the table is then out of date).
 KNOWN_MISSES = {("conv", "ShardParallel"): "memory"}
 
 
