@@ -37,7 +37,8 @@ from autopar.calibrate import measured_option
 from autopar.devices import dominant_float_dtype, hardware_option
 from autopar.remat import remat_mode
 from autopar.tools.explain import Replanner
-from autopar.planner import Progress, batch_axes_for, plan_auto, plan_preset
+from autopar.planner import Progress, batch_axes_for, plan_auto
+from autopar.preset import plan_preset
 from autopar.split import (OutputKind, SplitStep, apply_at, instantiate_split,
                             outputs_at, split_step)
 from autopar.trace import (ArgFlags, LeafInfo, TracedStep, abstract_leaves, arg_names,

@@ -40,18 +40,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import core as jax_core
-from jax.extend.core import Literal
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar import rng
-from autopar.errors import PlanError
+from autopar.evaluate import Rules, check_pins, eqn_at, eval_jaxpr, eval_scan, plan_constraints
 from autopar.gradstack import GradStack, find_grad_stacks, slots
-from autopar.hints import HINT_PRIMITIVES, in_stage, spec_of
+from autopar.hints import in_stage
 from autopar.method import accumulation_dtype, auto_mesh
 from autopar.plan import Plan
 from autopar.planner import batch_spec, grad_stage_names, leaves_read_by_compute
-from autopar.trace import eqns_by_path, region_jaxprs
+from autopar.trace import eqns_by_path
 from autopar.split import OutputKind, SplitStep
 
 __all__ = ["LoweredStep", "lower_step"]
@@ -135,258 +133,6 @@ def _reduce_manual(x, spec: PartitionSpec, manual: Sequence[str]):
   return lax.psum(x, rest) if rest else x
 
 
-# -- evaluating a jaxpr under the plan's constraints ----------------------------
-
-def _constraints(plan: Plan, part: str) -> dict[str, dict]:
-  """Equation path -> {output index or "in<k>" for operand k: spec}.
-
-  Plan intermediates are named ``<part>/<equation>/<output>`` (the spec an
-  output is produced in) or ``<part>/<equation>/in<k>`` (the spec operand
-  ``k`` is resharded to before the equation). An equation inside control
-  flow has a path: ``12.0.5`` is equation 5 of sub-jaxpr 0 of equation 12.
-  """
-  out: dict[str, dict] = {}
-  for v in plan.intermediates:
-    prefix, i, j = v.name.split("/")
-    if prefix == part:
-      out.setdefault(i, {})[j if j.startswith("in") else int(j)] = v.spec
-  return out
-
-
-def _eqn_at(jaxpr, path: str):
-  """The equation at ``path`` (``trace.eqns_by_path``), or None."""
-  eqn, where = None, jaxpr
-  for depth, idx in enumerate(path.split(".")):
-    if depth % 2 == 0:
-      eqns = where.eqns
-      eqn = eqns[int(idx)] if int(idx) < len(eqns) else None
-    else:
-      subs = region_jaxprs(eqn) if eqn is not None else []
-      where = subs[int(idx)] if int(idx) < len(subs) else None
-    if eqn is None or where is None:
-      return None
-  return eqn
-
-
-def _check_pins(constraints: dict[str, dict], jaxpr, part: str) -> None:
-  """Every pin of the plan names a value of ``jaxpr`` of the spec's rank.
-
-  The plan's fingerprint already ties it to this program; this catches a
-  plan that disagrees with it anyway, so that no pin is dropped silently.
-  """
-  for path, pins in constraints.items():
-    eqn = _eqn_at(jaxpr, path)
-    for j, spec in pins.items():
-      values = (eqn.invars if isinstance(j, str) else eqn.outvars) if eqn else ()
-      k = int(j[2:]) if isinstance(j, str) else j
-      value = values[k] if k < len(values) else None
-      if value is None or len(spec) > len(getattr(value.aval, "shape", ())):
-        raise PlanError(
-            f"autopar: the plan pins {part}/{path}/{j} to {spec}, but this "
-            f"program has no such value of rank >= {len(spec)}: the plan was made "
-            f"for another program. Fix: plan again for this step.")
-
-
-def _inside(table: dict[str, Any], prefix: str) -> dict[str, Any]:
-  """The entries of one sub-jaxpr, with ``prefix`` taken off their paths."""
-  n = len(prefix)
-  return {k[n:]: v for k, v in table.items() if k.startswith(prefix)}
-
-
-@dataclasses.dataclass(frozen=True)
-class _Rules:
-  """What :func:`_eval_jaxpr` changes in a jaxpr, by equation path.
-
-  Attributes:
-    pins: path -> {output index or ``"in<k>"``: spec}: values the plan
-      decided, pinned with ``pin(value, spec)``.
-    draws: path -> ``rng.RowDraw``: random draws that must give this
-      device and micro-batch its rows of the whole batch's draw; ``rows`` is
-      ``(first_row, total_rows)`` then (``rng.draw``).
-    once_axes: manual mesh axes over which ``jax.debug.print`` /
-      ``jax.debug.callback`` run on the first device only, so that they run
-      once per micro-batch, as on one device, not once per device.
-    hint: applies a user's sharding hint (a ``sharding_constraint`` or
-      ``reshard`` equation) in this stage: ``hint(value, spec)``; None when
-      the jaxpr has no hint.
-    override: top-level path -> ``f(eqn, args, rules) -> outs``, evaluating
-      that equation in place of its primitive (the scans that make stacked
-      gradients, ``gradstack.py``).
-  """
-  pins: dict = dataclasses.field(default_factory=dict)
-  pin: Callable | None = None
-  draws: dict = dataclasses.field(default_factory=dict)
-  rows: tuple | None = None
-  once_axes: tuple[str, ...] = ()
-  hint: Callable | None = None
-  override: dict = dataclasses.field(default_factory=dict)
-
-  def __bool__(self) -> bool:
-    return bool(self.pins or self.draws or self.once_axes or self.hint or self.override)
-
-  def inside(self, prefix: str) -> "_Rules":
-    return dataclasses.replace(self, pins=_inside(self.pins, prefix),
-                               draws=_inside(self.draws, prefix), override={})
-
-
-def _eval_jaxpr(jaxpr, consts, args, rules: _Rules, constvals=()):
-  """``eval_jaxpr`` that applies ``rules``: pins the values the plan decided
-  to their specs and gives random draws their rows of the whole batch's
-  draw, inside scan / while / cond / checkpoint bodies too."""
-  if not rules:
-    return jax_core.eval_jaxpr(jaxpr, constvals, *consts, *args)
-  env = {}
-
-  def read(a):
-    return a.val if isinstance(a, Literal) else env[a]
-
-  for v, x in zip(jaxpr.constvars, constvals, strict=True):
-    env[v] = x
-  for v, x in zip(jaxpr.invars, [*consts, *args], strict=True):
-    env[v] = x
-  for i, eqn in enumerate(jaxpr.eqns):
-    path = str(i)
-    pinned = rules.pins.get(path, {})
-    args = [read(a) for a in eqn.invars]
-    args = [rules.pin(x, pinned[f"in{k}"]) if f"in{k}" in pinned else x
-            for k, x in enumerate(args)]
-    name = eqn.primitive.name
-    inner = rules.inside(f"{i}.") if name in _REGION_EVAL else None
-    if path in rules.override:
-      outs = rules.override[path](eqn, args, rules.inside(f"{i}."))
-    elif inner:
-      outs = _REGION_EVAL[name](eqn, args, inner)
-    elif path in rules.draws:
-      outs = rng.draw(eqn, path, rules.draws[path], args[0], *rules.rows)
-    elif name == "debug_callback" and rules.once_axes:
-      outs = _on_first_device(eqn, args, rules.once_axes)
-    elif name in HINT_PRIMITIVES and rules.hint is not None:
-      outs = [rules.hint(args[0], spec_of(eqn))]
-    else:
-      params = eqn.primitive.get_bind_params(eqn.params)
-      with eqn.ctx.manager:
-        ans = eqn.primitive.bind(*args, **params)
-      outs = ans if eqn.primitive.multiple_results else [ans]
-    if pinned:
-      outs = [rules.pin(x, pinned[j]) if j in pinned else x
-              for j, x in enumerate(outs)]
-    for v, x in zip(eqn.outvars, outs, strict=True):
-      env[v] = x
-  return [read(a) for a in jaxpr.outvars]
-
-
-def _on_first_device(eqn, args, axes):
-  """Runs a debug callback on the first device along ``axes`` only."""
-  params = eqn.primitive.get_bind_params(eqn.params)
-
-  def run(*xs):
-    with eqn.ctx.manager:
-      eqn.primitive.bind(*xs, **params)
-    return ()
-  lax.cond(lax.axis_index(axes) == 0, run, lambda *xs: (), *args)
-  return []
-
-
-def _eval_closed(closed, args, rules: _Rules):
-  return _eval_jaxpr(closed.jaxpr, (), args, rules, constvals=closed.consts)
-
-
-def _carry_pins(closed, ncar: int, body: _Rules) -> list:
-  """The spec the plan gives each carry where the body makes it (None: not
-  pinned). Pinning the carry entering the body to it as well keeps XLA
-  from holding the loop's carry in another sharding, which it would
-  reshard at every trip."""
-  made = {}
-  for i, e in enumerate(closed.jaxpr.eqns):
-    for j, v in enumerate(e.outvars):
-      made[v] = body.pins.get(str(i), {}).get(j)
-  return [made.get(v) if isinstance(v, jax_core.Var) else None
-          for v in closed.jaxpr.outvars[:ncar]]
-
-
-def _scan(eqn, args, rules: _Rules, folds=()):
-  """A scan under ``rules`` (which are the body's: ``rules.inside``).
-
-  ``folds``: ``(out, f, state)`` per stacked output ``out`` (an index among
-  the scan's outputs, one of its ys) folded as each trip makes its slice:
-  ``f(state, k, y_k) -> (state, emitted)`` with ``k`` the slice's index;
-  ``out`` is then the emitted slices stacked, or the final state when
-  ``f`` emits None (``gradstack.py``).
-  """
-  p = eqn.params
-  nc, ncar = p["num_consts"], p["num_carry"]
-  consts, init, xs = args[:nc], args[nc:nc + ncar], args[nc + ncar:]
-  body = rules
-  pins = _carry_pins(p["jaxpr"], ncar, body) if body.pin is not None else [None] * ncar
-
-  def step(carry, x):
-    carry = [c if s is None else body.pin(c, s) for c, s in zip(carry, pins, strict=True)]
-    outs = _eval_closed(p["jaxpr"], [*consts, *carry, *x], body)
-    return outs[:ncar], outs[ncar:]
-
-  def folding_step(carry, x):
-    (carry, states), (k, x) = carry, x
-    carry, ys = step(carry, x)
-    states = list(states)
-    for j, (out, f, _) in enumerate(folds):
-      states[j], ys[out - ncar] = f(states[j], k, ys[out - ncar])
-    return (carry, states), ys
-
-  opts = dict(length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
-  if not folds:
-    carry, ys = lax.scan(step, list(init), list(xs), **opts)
-    return [*carry, *ys]
-  (carry, states), ys = lax.scan(folding_step, (list(init), [st for _, _, st in folds]),
-                                 (jnp.arange(p["length"]), list(xs)), **opts)
-  for (out, _, _), state in zip(folds, states, strict=True):
-    if ys[out - ncar] is None:
-      ys[out - ncar] = state
-  return [*carry, *ys]
-
-
-def _while(eqn, args, rules: _Rules):
-  p = eqn.params
-  cn, bn = p["cond_nconsts"], p["body_nconsts"]
-  cconsts, bconsts, init = args[:cn], args[cn:cn + bn], args[cn + bn:]
-  body = rules.inside("1.")
-
-  def cond(carry):
-    return jax_core.eval_jaxpr(p["cond_jaxpr"].jaxpr, p["cond_jaxpr"].consts,
-                               *cconsts, *carry)[0]
-
-  def step(carry):
-    return _eval_closed(p["body_jaxpr"], [*bconsts, *carry], body)
-  return list(lax.while_loop(cond, step, list(init)))
-
-
-def _cond(eqn, args, rules: _Rules):
-  index, ops = args[0], args[1:]
-  def branch(b, closed):
-    inner = rules.inside(f"{b}.")
-    return lambda *xs: _eval_closed(closed, list(xs), inner)
-  return list(lax.switch(index, [branch(b, c) for b, c in
-                                 enumerate(eqn.params["branches"])], *ops))
-
-
-def _checkpoint(eqn, args, rules: _Rules):
-  """The remat body under the rules, re-bound as the same ``checkpoint``
-  primitive (same policy, same ``differentiated`` flag)."""
-  from jax._src.interpreters import partial_eval as pe
-  body = rules.inside("0.")
-  jaxpr = eqn.params["jaxpr"]
-  closed = jax.make_jaxpr(lambda *xs: _eval_jaxpr(jaxpr, (), xs, body))(
-      *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars])
-  new = pe.convert_constvars_jaxpr(closed.jaxpr)
-  params = dict(eqn.params, jaxpr=new)
-  with eqn.ctx.manager:
-    return eqn.primitive.bind(*closed.consts, *args, **params)
-
-
-_REGION_EVAL = {"scan": lambda eqn, args, rules: _scan(eqn, args, rules.inside("0.")),
-                "while": _while, "cond": _cond,
-                "remat2": _checkpoint}        # remat2: jax.checkpoint
-
-
 # -- stages -------------------------------------------------------------------
 
 # How values are combined over micro-batches (elementwise) ...
@@ -447,8 +193,8 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
   # The plan's constraints name only the automatic axes. Inside shard_map a
   # bare spec refers to its (partially manual) mesh.
   auto_axes = [a for a in plan.mesh_axis_names if a not in manual]
-  constraints = _constraints(plan, "compute") if auto_axes else {}
-  _check_pins(constraints, compute, "compute")
+  constraints = plan_constraints(plan, "compute") if auto_axes else {}
+  check_pins(constraints, compute, "compute")
   if manual:
     pin = lambda x, spec: lax.with_sharding_constraint(x, spec)
   else:
@@ -457,7 +203,7 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
   # With one device and one micro-batch every draw is already the whole batch's.
   draws = dict(split.draws or {}) if groups > 1 else {}
   for path in draws:
-    eqn = _eqn_at(compute, path)
+    eqn = eqn_at(compute, path)
     assert eqn is not None and eqn.primitive.name in rng.DRAW_PRIMITIVES, path
   callbacks = any(e.primitive.name == "debug_callback" for _, e in eqns_by_path(compute))
   hinted = any(h.part == "compute" for h in split.hints)
@@ -465,7 +211,7 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
   def fold(st: GradStack, part):
     """How the scan of ``st`` folds its stacked gradient into this device's
     partial sums ``part`` (``[L, *shape]``; None in the first stage), as
-    ``lower._scan``'s ``fold``, and whether the folded value is reduced."""
+    ``evaluate.eval_scan``'s ``folds``, and whether the folded value is reduced."""
     g = st.grads[0]
     dtype = acc_dtypes[g]
     layer_spec = PartitionSpec(*tuple(grad_specs[g])[st.whole:])
@@ -495,7 +241,7 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
       def run(eqn, args, rules):
         how = [fold(st, None if first else acc[0][slot_of[st.slot]][0])
                for st in scan_stacks]
-        outs = _scan(eqn, args, rules.inside("0."), [h for h, _ in how])
+        outs = eval_scan(eqn, args, rules.inside("0."), [h for h, _ in how])
         for st, (_, is_reduced) in zip(scan_stacks, how, strict=True):
           folded[st] = outs[st.out], is_reduced
           # Nothing else reads the stacked output (gradstack.py); its
@@ -520,12 +266,12 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
     # i is its rows [i*m, (i+1)*m) (see the module docstring).
     device = lax.axis_index(manual) if manual else 0
     first_row = (device * n + i) * micro_rows
-    rules = _Rules(pins=constraints, pin=pin, draws=draws,
+    rules = Rules(pins=constraints, pin=pin, draws=draws,
                    rows=(first_row, groups * micro_rows),
                    once_axes=manual if callbacks else (),
                    hint=(lambda x, spec: pin(x, in_stage(spec, manual))) if hinted else None,
                    override=override)
-    outs = _eval_jaxpr(compute, consts, args, rules)
+    outs = eval_jaxpr(compute, consts, args, rules)
     num_acc = num_grads + len(reduced)
     grads, sums, micro = outs[:num_grads], outs[num_grads:num_acc], outs[num_acc:]
     # Per slot: this device's total over its micro-batches so far, and
@@ -637,15 +383,15 @@ def _apply_stage(split: SplitStep, plan: Plan, amesh, user_mesh,
   consts = split.consts
   apply_specs = [plan.outputs[j].spec for j, k in enumerate(split.out_kinds)
                  if k is OutputKind.APPLY]
-  constraints = _constraints(plan, "apply")
-  _check_pins(constraints, jaxpr, "apply")
+  constraints = plan_constraints(plan, "apply")
+  check_pins(constraints, jaxpr, "apply")
   if plan.batch_axes:
     # The plan fixes only the planned axes here; dims it leaves unsplit stay
     # free for XLA to keep state split over the batch axes (ZeRO/FSDP).
     constraints = {i: {j: _unconstrained_where_unsplit(sp) for j, sp in outs.items()}
                    for i, outs in constraints.items()}
   pin = lambda x, spec: lax.with_sharding_constraint(x, NamedSharding(amesh, spec))
-  rules = _Rules(pins=constraints, pin=pin,
+  rules = Rules(pins=constraints, pin=pin,
                  hint=pin if any(h.part == "apply" for h in split.hints) else None)
 
   def fn(donated_vals, kept_vals, grads):
@@ -662,7 +408,7 @@ def _apply_stage(split: SplitStep, plan: Plan, amesh, user_mesh,
       else:
         each[slot] = x
     rest = grads[len(grad_slots):]
-    return _eval_jaxpr(jaxpr, consts, [*vals, *each, *rest], rules)
+    return eval_jaxpr(jaxpr, consts, [*vals, *each, *rest], rules)
 
   ns = lambda s, m=amesh: NamedSharding(m, s)
   in_shardings = ([ns(plan.inputs[k].spec) for k in donated],
@@ -688,14 +434,14 @@ def _whole_step(split: SplitStep, plan: Plan, amesh, user_mesh,
 
   # Only the user's hints apply: the whole step runs under XLA's partitioner.
   pin = lambda x, spec: lax.with_sharding_constraint(x, NamedSharding(amesh, spec))
-  rules = _Rules(hint=pin if split.hints else None)
+  rules = Rules(hint=pin if split.hints else None)
 
   def fn(donated_vals, kept_vals, batch_vals):
     vals: list[Any] = [None] * len(leaves)
     for idx, group in ((donated, donated_vals), (kept, kept_vals), (batch, batch_vals)):
       for k, x in zip(idx, group, strict=True):
         vals[k] = x
-    return _eval_jaxpr(jaxpr, consts, vals, rules)
+    return eval_jaxpr(jaxpr, consts, vals, rules)
 
   ns = lambda s, m=amesh: NamedSharding(m, s)
   in_shardings = tuple([ns(plan.inputs[k].spec) for k in idx]

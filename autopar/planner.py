@@ -1,24 +1,11 @@
-"""Choose a :class:`~autopar.plan.Plan` for a split step under a method.
+"""Choose a :class:`~autopar.plan.Plan` for a split step under a method:
+the helpers every planner shares, and ``ShardParallel``'s.
 
-The preset methods are decided here directly:
-
-=============  ============  =============  ===================  ==============
-method         batch         parameters     optimizer state      gradients
-=============  ============  =============  ===================  ==============
-DataParallel   batch axes    replicated     replicated           all-reduce
-Zero2Parallel  batch axes    replicated     sharded              reduce-scatter
-Zero3Parallel  batch axes    sharded        sharded              reduce-scatter
-=============  ============  =============  ===================  ==============
-
-"Parameters" are the state leaves the gradient computation reads;
-"optimizer state" is every other non-batch leaf. A leaf is sharded on its
-first dimension that the batch axes divide (or kept replicated if none
-does).
-
-``ShardParallel`` is planned by :func:`plan_auto`: one ILP (``ilp.py``) per
-choice of batch axes, the cheapest solution becoming the plan. A step
-without a grad marker is planned as data parallel over the largest set of
-axes that divides its batch.
+The preset methods (DataParallel, ZeRO-2, ZeRO-3) are planned in
+``preset.py``. ``ShardParallel`` is planned by :func:`plan_auto`: one ILP
+(``ilp.py``) per choice of batch axes, the cheapest solution becoming the
+plan. A step without a grad marker is planned as data parallel over the
+largest set of axes that divides its batch.
 
 Donated inputs are paired with the outputs that replace them (the new train
 state), and each pair gets one sharding, so that XLA can update in place.
@@ -32,32 +19,26 @@ import sys
 import time
 from typing import Sequence
 
-import numpy as np
-from jax.extend.core import Var
 from jax.sharding import PartitionSpec
 
-from autopar.cost_model import MeshCost, assumed_costs, dtype_name, num_bytes
-from autopar.errors import InputError, PlanError
-from autopar.gradstack import find_grad_stacks, folded_values
+from autopar.cost_model import MeshCost, assumed_costs, dtype_name
+from autopar.errors import PlanError
 from autopar.hints import check_hints, check_pins, entry_axes, model_axes
 # Imported here, not where it is used: importing PuLP keeps the tracebacks of
 # the solver libraries it fails to import, and through them every frame on
 # the stack at the time; from inside plan_auto that would keep its problem
 # and traced step alive for the rest of the process.
 from autopar.ilp import ShardingProblem
-from autopar.liveness import liveness_peaks
-from autopar.method import (ParallelMethod, ShardParallel, accumulation_dtype,
-                            Zero2Parallel, Zero3Parallel, axis_names_of,
+from autopar.method import (ParallelMethod, ShardParallel, axis_names_of,
                             axis_sizes_of, check_axes)
 from autopar.plan import CollectivePlan, Plan, ValuePlan
 from autopar.pytrees import ends_with_key
-from autopar.split import (OutputKind, SizedOutputs, SplitStep, depends_on,
-                           outputs_at, reads)
+from autopar.split import (OutputKind, SizedOutputs, SplitStep, outputs_at, reads)
 from autopar.strategies import grad_sync_costs, local_bytes
 from autopar.strategies.dot import dot_flops
 from autopar.trace import TracedStep, eqns_by_path
 
-__all__ = ["plan_preset", "donation_pairs", "leaves_read_by_compute", "grad_inputs",
+__all__ = ["plan_auto", "donation_pairs", "leaves_read_by_compute", "grad_inputs",
            "batch_axes_for", "shard_first_divisible", "grad_stage_names"]
 
 
@@ -89,7 +70,7 @@ def batch_axes_for(method: ParallelMethod, mesh, hints=()) -> tuple[str, ...]:
   return tuple(axes)
 
 
-def _spec_axes(spec) -> tuple[tuple[str, ...], ...]:
+def spec_axes(spec) -> tuple[tuple[str, ...], ...]:
   return tuple(entry_axes(e) for e in spec)
 
 
@@ -195,215 +176,6 @@ def batch_spec(rank: int, dim: int, entry) -> PartitionSpec:
   """A spec splitting dimension ``dim`` of a rank-``rank`` value over the
   batch axes (``entry``) and nothing else."""
   return PartitionSpec(*([None] * dim), entry, *([None] * (rank - dim - 1)))
-
-
-def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
-                batch_size: int, outputs: SizedOutputs | None = None,
-                trace_local=None) -> Plan:
-  """The plan of a preset method (see the module docstring).
-
-  ``outputs``: the step's outputs at the whole batch (default: ``split``'s).
-  ``trace_local(rows)``: the step split at ``rows`` rows, for the memory
-  estimate of what one device runs (default: ``split`` read with each
-  value that depends on the batch divided over the batch axes).
-  """
-  traced = split.traced
-  sizes = axis_sizes_of(mesh)
-  batch_axes = batch_axes_for(method, mesh, split.hints)
-  if isinstance(method, ShardParallel) and not method.option.force_batch_dim_to_mesh_dim:
-    # The largest set of axes that divides the batch (all of them if it can).
-    micro = batch_size // method.micro_batches if batch_size else 0
-    batch_axes = max(candidate_batch_axes(method, mesh, micro, split.hints),
-                     key=lambda axes: math.prod(sizes[a] for a in axes))
-  check_hints({h.path: h for h in split.hints}, axis_names_of(mesh), batch_axes,
-              f"{method.name} (batch axes {batch_axes})")
-  zero = 3 if isinstance(method, Zero3Parallel) else \
-      2 if isinstance(method, Zero2Parallel) else 0
-  n = method.micro_batches
-  batch_entry = (None if not batch_axes else
-                 batch_axes[0] if len(batch_axes) == 1 else tuple(batch_axes))
-  params = leaves_read_by_compute(split)
-
-  pins = {}
-  if isinstance(method, ShardParallel) and method.option.pins:
-    pins = check_pins(method.option.pin_map, traced.leaves, sizes)
-  in_specs = []
-  for k, l in enumerate(traced.leaves):
-    if l.is_batch:
-      spec = PartitionSpec(batch_entry)
-    elif zero == 3 or (zero == 2 and k not in params):
-      spec = shard_first_divisible(l.shape, batch_axes, sizes)
-    else:
-      spec = PartitionSpec()
-    if k in pins and _spec_axes(pins[k]) != _spec_axes(spec):
-      if l.is_batch or any(a in batch_axes for e in pins[k] for a in entry_axes(e)):
-        raise InputError(
-            f"AutoShardingOption(pins=...): {l.path} is pinned to {pins[k]}, but "
-            f"{method.name} without the solver splits the batch over {batch_axes} "
-            f"(the step has no grad marker, or force_data_parallel is set), which "
-            f"{'gives this batch leaf' if l.is_batch else 'the pin also uses; it gives'} "
-            f"{spec}. Fix: pin over the other mesh axes, or let the solver plan.")
-      spec = pins[k]
-    in_specs.append(spec)
-
-  grad_specs = []
-  if split.has_marker:
-    for aval in split.grad_avals:
-      grad_specs.append(shard_first_divisible(aval.shape, batch_axes, sizes)
-                        if zero else PartitionSpec())
-
-  pairs = donation_pairs(traced)
-  jaxpr = traced.jaxpr.jaxpr
-  on_batch = depends_on(jaxpr, [v for v, l in zip(jaxpr.invars, traced.leaves)
-                                if l.is_batch])
-  out_avals = (outputs.avals if outputs is not None
-               else [v.aval for v in jaxpr.outvars])
-  out_specs = []
-  for j, (kind, v, rows) in enumerate(zip(split.out_kinds, jaxpr.outvars,
-                                          split.out_dims, strict=True)):
-    if j in pairs:
-      out_specs.append(in_specs[pairs[j]])
-    elif rows is not None and (kind is OutputKind.CONCAT or (
-        not split.has_marker and isinstance(v, Var) and v in on_batch)):
-      out_specs.append(batch_spec(len(v.aval.shape), rows.dim, batch_entry))
-    else:
-      out_specs.append(PartitionSpec())
-
-  inputs = tuple(ValuePlan(l.path, l.shape, dtype_name(l.dtype), s)
-                 for l, s in zip(traced.leaves, in_specs, strict=True))
-  grads = tuple(ValuePlan(name, tuple(a.shape), dtype_name(a.dtype), s)
-                for name, a, s in zip(split.grad_names, split.grad_avals
-                                      if split.has_marker else [], grad_specs))
-  planned_outputs = tuple(ValuePlan(p, tuple(a.shape), dtype_name(a.dtype), s)
-                          for p, a, s in zip(traced.out_paths, out_avals, out_specs,
-                                             strict=True))
-
-  collectives = _preset_collectives(split, inputs, grads, params, batch_axes,
-                                    sizes, n, zero, out_avals)
-  option = method.option if isinstance(method, ShardParallel) else None
-  cost = MeshCost(sizes, option.alpha if option else {}, option.beta if option else {})
-  objective = sum(cost.collective(c.kind, c.bytes, c.axes) * c.per_step
-                  for c in collectives)
-  d = math.prod(sizes[a] for a in batch_axes)
-  stacked = set()
-  if split.has_marker:
-    stacked = {g for s in find_grad_stacks(split.compute.jaxpr, split.num_grads,
-                                           grad_specs, batch_axes)
-               for g in s.grads}
-  memory = _memory_estimate(inputs, grads, sizes, d, n, method.grad_accumulation_dtype,
-                            stacked)
-  local = None
-  if split.has_marker and trace_local is not None and d > 1:
-    local = trace_local(traced.micro_batch_size // d)
-  memory += _preset_activation_peak(split, local, params, grads, d, zero, n, batch_axes)
-  return Plan(method=method.name, mesh_axis_names=axis_names_of(mesh),
-              mesh_shape=tuple(sizes.values()), num_micro_batches=n,
-              batch_axes=batch_axes, inputs=inputs, grads=grads,
-              outputs=planned_outputs, collectives=tuple(collectives),
-              memory_per_device=memory,
-              objective=float(objective), costs=assumed_costs(sizes, option),
-              grad_inputs=grad_inputs(split), in_tree=traced.inputs, mesh=mesh)
-
-
-def _preset_collectives(split, inputs, grads, params, batch_axes, sizes, n, zero,
-                        out_avals):
-  if not split.has_marker or not batch_axes or \
-      math.prod(sizes[a] for a in batch_axes) == 1:
-    return []
-  sync = grad_stage_names(n)[-1]
-  grad_bytes = sum(num_bytes(g.shape, g.dtype) for g in grads)
-  out = [CollectivePlan(stage=sync,
-                        kind="reduce-scatter" if zero else "all-reduce",
-                        axes=batch_axes, bytes=grad_bytes, per_step=1,
-                        what="gradients")]
-  combined = [a for k, a in zip(split.out_kinds, out_avals)
-              if k in (OutputKind.MEAN, OutputKind.SUM, OutputKind.MAX, OutputKind.MIN)]
-  combined += split.reduced_avals
-  if combined:
-    out.append(CollectivePlan(stage=sync, kind="all-reduce", axes=batch_axes,
-                              bytes=sum(num_bytes(a.shape, a.dtype) for a in combined),
-                              per_step=1, what="sums over the batch's rows (loss, "
-                              "metrics)"))
-  sharded_params = [inputs[k] for k in sorted(params)
-                    if any(inputs[k].spec) and not split.traced.leaves[k].is_batch]
-  if zero == 3 and sharded_params:
-    b = sum(v.bytes_per_device(sizes) for v in sharded_params)
-    out.append(CollectivePlan(stage="compute_grad", kind="all-gather",
-                              axes=batch_axes, bytes=b, per_step=n,
-                              what="parameters for the forward/backward pass"))
-  if zero == 2:
-    replicated = [inputs[k] for k in sorted(params)
-                  if not split.traced.leaves[k].is_batch and not any(inputs[k].spec)]
-    sharded = [g for g in grads if any(g.spec)]
-    if replicated and sharded:
-      b = sum(g.bytes_per_device(sizes) for g in sharded)
-      out.append(CollectivePlan(stage="apply_grad", kind="all-gather",
-                                axes=batch_axes, bytes=b, per_step=1,
-                                what="updated parameters"))
-  return out
-
-
-def _memory_estimate(inputs, grads, sizes, d, n, accumulate, stacked=()) -> int:
-  """Bytes per device the step holds besides one micro-batch's pass: its
-  inputs and the gradients held apart from the pass's own (which are
-  counted with it, ``_preset_activation_peak``). Over several
-  micro-batches, the sums carried between them (one whole gradient, in the
-  accumulation dtype), with the reduced gradients beside them where they
-  cannot take the sums' buffer (scattered over the batch axes, ZeRO, of
-  another dtype, or made by their scan, ``stacked``: gradstack.py); over
-  one micro-batch split over ``d`` > 1 devices, the reduced gradients;
-  else none."""
-  state = sum(v.bytes_per_device(sizes) for v in inputs)
-  held = 0
-  for i, g in enumerate(grads):
-    acc = accumulation_dtype(g.dtype, accumulate)
-    if n > 1:
-      held += num_bytes(g.shape, acc)
-      if any(g.spec) or acc != np.dtype(g.dtype) or i in stacked:
-        held += g.bytes_per_device(sizes)
-    elif d > 1:
-      held += g.bytes_per_device(sizes)
-  return int(state + held)
-
-
-def _preset_activation_peak(split: SplitStep, local: SplitStep | None, params, grads,
-                            d, zero, n, batch_axes=()) -> int:
-  """Bytes per device of the values live at the peak of one device's
-  forward/backward pass (its gradients included): read from ``local``, the
-  step split at one device's rows, where given; else from ``split`` with
-  the values computed from the batch divided over the ``d`` devices of the
-  batch axes (the pass's gradients too, which each device holds whole: an
-  estimate). Under ZeRO-3 the parameters gathered whole for the pass are
-  among them; with one micro-batch, a gradient scattered over the batch
-  axes (``grads``' spec) leaves the pass where it is made; a stacked
-  gradient a scan makes is never held whole where there is a sum to fold
-  it into or a reduction to make (gradstack.py)."""
-  if not split.has_marker:
-    return 0
-  share = d
-  if local is not None:
-    split, share = local, 1
-  jaxpr = split.compute.jaxpr
-  nconst = len(split.consts)
-  leaves = jaxpr.invars[nconst:]
-  rows = depends_on(jaxpr, [v for v, l in zip(leaves, split.traced.leaves) if l.is_batch])
-  # ZeRO-3 gathers each parameter whole for the pass, from its first reader
-  # to its last.
-  gathered = [leaves[k] for k in params if not split.traced.leaves[k].is_batch] \
-      if zero == 3 else []
-  # In a step of one micro-batch, a gradient reduce-scattered over the
-  # batch axes leaves the pass where it is made.
-  released = [v for v, g in zip(jaxpr.outvars, grads) if any(g.spec)] \
-      if n == 1 and d > 1 else []
-  folded = folded_values(jaxpr, find_grad_stacks(jaxpr, split.num_grads,
-                                                 [g.spec for g in grads], batch_axes)) \
-      if n > 1 or d > 1 else []
-  peak = max((sum(num_bytes(v.aval.shape, v.aval.dtype) / (share if v in rows else 1)
-                  for v in live)
-              for live in liveness_peaks(jaxpr, k=3, gathered=gathered,
-                                         released=released, folded=folded)),
-             default=0.0)
-  return int(peak)
 
 
 # -- ShardParallel: the ILP ---------------------------------------------------------
@@ -529,7 +301,7 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
         memory_budget=option.memory_budget_per_device,
         read_by_compute=leaves_read_by_compute(local),
         share_layers=option.share_layers,
-        pins={k: _spec_axes(spec) for k, spec in pins.items()},
+        pins={k: spec_axes(spec) for k, spec in pins.items()},
         accumulate=method.grad_accumulation_dtype,
         leaf_names=[l.path for l in traced.leaves], keep=keep)
     try:

@@ -21,7 +21,8 @@ from jax.sharding import AbstractMesh, PartitionSpec
 
 from autopar.cost_model import assumed_costs, dtype_name
 from autopar.errors import InputError, MarkerError, PlanError
-from autopar.lower import _BY_DEVICE, _Rules, _eval_jaxpr
+from autopar.evaluate import Rules, eval_jaxpr
+from autopar.lower import _BY_DEVICE
 from autopar.method import PipeshardParallel, auto_mesh, axis_sizes_of, resolve_mesh
 from autopar.pipeline.capture import capture_mode
 from autopar.pipeline.executables import StageLayout, build_stage
@@ -375,7 +376,7 @@ def _apply_segments(pre: Prepared, cut_, exes, home_specs) -> list[ApplySegment]
                  for sp in out_specs]
 
     def fn(*xs, seg=seg):
-      return _eval_jaxpr(seg.jaxpr, (), xs, _Rules())
+      return eval_jaxpr(seg.jaxpr, (), xs, Rules())
     out.append(ApplySegment(segment=seg, fn=jax.jit(fn, donate_argnums=donate,
                                                     out_shardings=shardings),
                             donate=donate, out_specs=out_specs))

@@ -37,8 +37,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from autopar.lower import (_Rules, _eval_jaxpr, _make_entry, _manual,
-                           _reduce_manual, _stacked)
+from autopar.evaluate import Rules, eval_jaxpr
+from autopar.lower import _make_entry, _manual, _reduce_manual, _stacked
 from autopar.method import accumulation_dtype
 from autopar.pipeline.stages import StageFunctions, StageProgram
 from autopar.planner import batch_spec
@@ -185,7 +185,7 @@ def build_stage(st: StageProgram, fns: StageFunctions, layout: StageLayout, *,
 
   def fwd_body(i, roots, acts, leaves):
     ins = local_inputs(i, roots, acts, leaves)
-    outs = _eval_jaxpr(fj.jaxpr, (), ins, _Rules(pins=fwd_pins, pin=pin),
+    outs = eval_jaxpr(fj.jaxpr, (), ins, Rules(pins=fwd_pins, pin=pin),
                        constvals=fj.consts)
     main = [x if r is not None else _stack(x) for x, r in zip(outs[:n_out], out_rows)]
     return main, [_stack(x) for x in outs[n_out:]]
@@ -223,7 +223,7 @@ def build_stage(st: StageProgram, fns: StageFunctions, layout: StageLayout, *,
       else:
         j = st.finals[k - n_acts]
         ct_all.append(jnp.full(v.aval.shape, np.asarray(seeds[j]) / D, v.aval.dtype))
-    r = _eval_jaxpr(bj.jaxpr, (), [*res, *ct_all], _Rules(pins=bwd_pins, pin=pin),
+    r = eval_jaxpr(bj.jaxpr, (), [*res, *ct_all], Rules(pins=bwd_pins, pin=pin),
                     constvals=bj.consts)
     grads, ct_in = r[:nr], r[nr:]
     acc = [a + g.astype(t)[None] for a, g, t in zip(acc, grads, acc_dtypes, strict=True)]

@@ -37,7 +37,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from autopar.errors import PlanError
 from autopar.hints import HINT_PRIMITIVES, find_hints
-from autopar.lower import _Rules, _eval_jaxpr
+from autopar.evaluate import Rules, eval_jaxpr
 from autopar.pipeline.program import Analysis, Program
 from autopar.retype import Instantiator
 from autopar.rng import DRAW_PRIMITIVES, find_draws
@@ -289,10 +289,10 @@ def forward_backward(stage: StageProgram, g: Jaxpr, draws: dict, *,
   box: dict[str, Any] = {}
 
   def evaluate(first_row, ins):
-    rules = _Rules(draws=draws, rows=(first_row, total_rows)) if draws else _Rules()
+    rules = Rules(draws=draws, rows=(first_row, total_rows)) if draws else Rules()
     if remat_groups:
       return _eval_grouped(g, ins, rules, remat_groups, policy)
-    return _eval_jaxpr(g, (), ins, rules)
+    return eval_jaxpr(g, (), ins, rules)
 
   def forward(first_row, *ins):
     ins = list(ins)
@@ -346,7 +346,7 @@ def forward_backward(stage: StageProgram, g: Jaxpr, draws: dict, *,
                         out_order=tuple(diff_out + other_out), diff_in=tuple(diff_in))
 
 
-def _eval_grouped(g: Jaxpr, ins, rules: _Rules, groups, policy):
+def _eval_grouped(g: Jaxpr, ins, rules: Rules, groups, policy):
   """``g`` evaluated with each group of equations under ``jax.checkpoint``."""
   env = dict(zip(g.invars, ins, strict=True))
   read = lambda a: a.val if isinstance(a, Literal) else env[a]
@@ -364,11 +364,11 @@ def _eval_grouped(g: Jaxpr, ins, rules: _Rules, groups, policy):
                                       if isinstance(v, Var) and v not in made)]
     outs_g = [v for v in dict.fromkeys(v for e in eqns for v in e.outvars) if v in after]
     sub = Jaxpr([], ins_g, outs_g, eqns, g.effects, g.debug_info)
-    inner = _Rules(draws={_shift(p, -lo): d for p, d in rules.draws.items()
+    inner = Rules(draws={_shift(p, -lo): d for p, d in rules.draws.items()
                           if lo <= int(p.split(".")[0]) < hi}, rows=rules.rows)
 
     def run(*xs, sub=sub, inner=inner):
-      return _eval_jaxpr(sub, (), xs, inner)
+      return eval_jaxpr(sub, (), xs, inner)
     outs = jax.checkpoint(run, policy=policy, prevent_cse=False)(*[env[v] for v in ins_g])
     env.update(zip(outs_g, outs, strict=True))
   return [read(v) for v in g.outvars]
