@@ -27,18 +27,20 @@ __all__ = ["Rules", "check_pins", "eqn_at", "eval_jaxpr", "eval_scan", "plan_con
 
 
 def plan_constraints(plan: Plan, part: str) -> dict[str, dict]:
-  """Equation path -> {output index or "in<k>" for operand k: spec}.
+  """Equation path -> {output index, "in<k>" or "x<k>" for operand k: spec}.
 
   Plan intermediates are named ``<part>/<equation>/<output>`` (the spec an
-  output is produced in) or ``<part>/<equation>/in<k>`` (the spec operand
-  ``k`` is resharded to before the equation). An equation inside control
-  flow has a path: ``12.0.5`` is equation 5 of sub-jaxpr 0 of equation 12.
+  output is produced in), ``<part>/<equation>/in<k>`` (the spec operand
+  ``k`` is resharded to before the equation) or, for a scan,
+  ``<part>/<equation>/x<k>`` (the spec each trip's slice of scanned operand
+  ``k`` enters the body in). An equation inside control flow has a path:
+  ``12.0.5`` is equation 5 of sub-jaxpr 0 of equation 12.
   """
   out: dict[str, dict] = {}
   for v in plan.intermediates:
     prefix, i, j = v.name.split("/")
     if prefix == part:
-      out.setdefault(i, {})[j if j.startswith("in") else int(j)] = v.spec
+      out.setdefault(i, {})[int(j) if j.isdigit() else j] = v.spec
   return out
 
 
@@ -67,9 +69,12 @@ def check_pins(constraints: dict[str, dict], jaxpr, part: str) -> None:
     eqn = eqn_at(jaxpr, path)
     for j, spec in pins.items():
       values = (eqn.invars if isinstance(j, str) else eqn.outvars) if eqn else ()
-      k = int(j[2:]) if isinstance(j, str) else j
+      k = int(j.lstrip("inx")) if isinstance(j, str) else j
       value = values[k] if k < len(values) else None
-      if value is None or len(spec) > len(getattr(value.aval, "shape", ())):
+      rank = len(getattr(value.aval, "shape", ())) if value is not None else -1
+      if isinstance(j, str) and j.startswith("x"):
+        rank -= 1                       # a slice of the scanned operand
+      if value is None or len(spec) > rank:
         raise PlanError(
             f"autopar: the plan pins {part}/{path}/{j} to {spec}, but this "
             f"program has no such value of rank >= {len(spec)}: the plan was made "
@@ -101,6 +106,8 @@ class Rules:
     override: top-level path -> ``f(eqn, args, rules) -> outs``, evaluating
       that equation in place of its primitive (the scans that make stacked
       gradients, ``gradstack.py``).
+    trips: for the rules a scan is evaluated under (``eval_scan``): scanned
+      operand index -> the spec each trip's slice enters the body in.
   """
   pins: dict = dataclasses.field(default_factory=dict)
   pin: Callable | None = None
@@ -109,13 +116,15 @@ class Rules:
   once_axes: tuple[str, ...] = ()
   hint: Callable | None = None
   override: dict = dataclasses.field(default_factory=dict)
+  trips: dict = dataclasses.field(default_factory=dict)
 
   def __bool__(self) -> bool:
-    return bool(self.pins or self.draws or self.once_axes or self.hint or self.override)
+    return bool(self.pins or self.draws or self.once_axes or self.hint or self.override
+                or self.trips)
 
   def inside(self, prefix: str) -> "Rules":
     return dataclasses.replace(self, pins=_inside(self.pins, prefix),
-                               draws=_inside(self.draws, prefix), override={})
+                               draws=_inside(self.draws, prefix), override={}, trips={})
 
 
 def eval_jaxpr(jaxpr, consts, args, rules: Rules, constvals=()):
@@ -140,9 +149,14 @@ def eval_jaxpr(jaxpr, consts, args, rules: Rules, constvals=()):
     args = [rules.pin(x, pinned[f"in{k}"]) if f"in{k}" in pinned else x
             for k, x in enumerate(args)]
     name = eqn.primitive.name
-    inner = rules.inside(f"{i}.") if name in _REGION_EVAL else None
+    inner = rules.inside(f"{i}.") if name in _REGION_EVAL or path in rules.override \
+        else None
+    if inner is not None and name == "scan":
+      inner = dataclasses.replace(inner, trips={
+          int(j[1:]): spec for j, spec in pinned.items()
+          if isinstance(j, str) and j.startswith("x")})
     if path in rules.override:
-      outs = rules.override[path](eqn, args, rules.inside(f"{i}."))
+      outs = rules.override[path](eqn, args, inner)
     elif inner:
       outs = _REGION_EVAL[name](eqn, args, inner)
     elif path in rules.draws:
@@ -194,7 +208,8 @@ def _carry_pins(closed, ncar: int, body: Rules) -> list:
 
 
 def eval_scan(eqn, args, rules: Rules, folds=()):
-  """A scan under ``rules`` (which are the body's: ``rules.inside``).
+  """A scan under ``rules`` (the scan's own: its body's are
+  ``rules.inside("0.")``; ``rules.trips`` pins each trip's slices).
 
   ``folds``: ``(out, f, state)`` per stacked output ``out`` (an index among
   the scan's outputs, one of its ys) folded as each trip makes its slice:
@@ -205,11 +220,13 @@ def eval_scan(eqn, args, rules: Rules, folds=()):
   p = eqn.params
   nc, ncar = p["num_consts"], p["num_carry"]
   consts, init, xs = args[:nc], args[nc:nc + ncar], args[nc + ncar:]
-  body = rules
+  body = rules.inside("0.")
   pins = _carry_pins(p["jaxpr"], ncar, body) if body.pin is not None else [None] * ncar
+  trips = [rules.trips.get(k) for k in range(nc + ncar, len(args))]
 
   def step(carry, x):
     carry = [c if s is None else body.pin(c, s) for c, s in zip(carry, pins, strict=True)]
+    x = [a if s is None else body.pin(a, s) for a, s in zip(x, trips, strict=True)]
     outs = _eval_closed(p["jaxpr"], [*consts, *carry, *x], body)
     return outs[:ncar], outs[ncar:]
 
@@ -271,6 +288,6 @@ def _checkpoint(eqn, args, rules: Rules):
     return eqn.primitive.bind(*closed.consts, *args, **params)
 
 
-_REGION_EVAL = {"scan": lambda eqn, args, rules: eval_scan(eqn, args, rules.inside("0.")),
+_REGION_EVAL = {"scan": eval_scan,
                 "while": _while, "cond": _cond,
                 "remat2": _checkpoint}        # remat2: jax.checkpoint

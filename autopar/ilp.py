@@ -173,6 +173,9 @@ class Solution:
   num_constraints: int
   collectives: tuple[tuple[str, str, tuple[str, ...], float, int], ...]
   memory: float           # bytes per device: state, gradients, activation peak
+  # part ("compute"/"apply") -> loop path -> "in<k>" (carry operand k) or
+  # "x<k>" (each trip's slice of scanned operand k) -> the spec it enters in
+  region_in_specs: dict = dataclasses.field(default_factory=dict)
 
 
 class ShardingProblem(ChoiceGraph):
@@ -695,6 +698,9 @@ class ShardingProblem(ChoiceGraph):
       specs = {i: st.out_specs for i, st in strat.items()}
       for i, (node, pos) in self._followers[part].items():
         specs[i] = (self.nodes[node].specs[self._chosen(node)][pos],)
+      for i, outs in self._region_outs[part].items():
+        specs[i] = tuple(self.nodes[node].specs[self._chosen(node)][pos]
+                         for node, pos in outs)
       return specs
 
     return Solution(
@@ -710,7 +716,11 @@ class ShardingProblem(ChoiceGraph):
         solver=solver_name, seconds=seconds,
         num_variables=self.num_variables,
         num_constraints=self.num_constraints, collectives=tuple(colls),
-        memory=self._memory_at_solution())
+        memory=self._memory_at_solution(),
+        region_in_specs={part: {i: {k: self.nodes[node].specs[self._chosen(node)][pos]
+                                    for k, (node, pos) in ins.items()}
+                                for i, ins in regions.items()}
+                         for part, regions in self._region_ins.items()})
 
 
 def _variable(prob, name: str, lowBound=None, cat="Continuous"):

@@ -102,6 +102,15 @@ class ChoiceGraph:
     self._follow_edges: list = []    # (src, dst, aval, mult, part)
     self._followers: dict[str, dict[int, tuple[int, int]]] = {"compute": {},
                                                                "apply": {}}
+    # Path of a scan / while / cond -> (node, position) of the value node of
+    # each of its outputs, and of what enters a loop: "in<k>" the carry
+    # operand k, "x<k>" each trip's slice of scanned operand k. The lowering
+    # pins them to what the plan chose, so that XLA reshards them where the
+    # plan does, not inside the body wherever its propagation puts it.
+    self._region_outs: dict[str, dict[str, list[tuple[int, int]]]] = {
+        "compute": {}, "apply": {}}
+    self._region_ins: dict[str, dict[str, dict[str, tuple[int, int]]]] = {
+        "compute": {}, "apply": {}}
     self._strategy_cache: dict = {}
   # -- nodes ---------------------------------------------------------------------
 
@@ -310,6 +319,9 @@ class ChoiceGraph:
         inner[v] = (node, 1)
         self._follow(ins[nc + ncar + k], (node, 0), eqn.invars[nc + ncar + k].aval,
                      mult, part)
+      self._region_ins[part][i] = {
+          **{f"in{nc + k}": (node, 0) for k, node in enumerate(carry)},
+          **{f"x{k}": inner[v] for k, v in enumerate(bj.invars[nc + ncar:], start=nc + ncar)}}
       inner = {k: v for k, v in inner.items() if v is not None}
       self._add_eqns(bj, inner, mult * length, part, f"{i}.0.", eqn_nodes)
       for k, (v, node) in enumerate(zip(bj.outvars[:ncar], carry)):
@@ -319,6 +331,7 @@ class ChoiceGraph:
         node = self._value_node(f"{part}/{i}:ys{k}", v.aval, mult, stack="out")
         self._follow(get_inner(inner, v), (node, 0), v.aval, mult * length, part)
         val[eqn.outvars[ncar + k]] = (node, 1)
+      self._region_outs[part][i] = [val[v] for v in eqn.outvars]
     elif name == "while":
       cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
       bj = eqn.params["body_jaxpr"].jaxpr
@@ -329,12 +342,15 @@ class ChoiceGraph:
         carry.append(node)
         inner[v] = (node, 0)
         self._follow(ins[cn + bn + k], (node, 0), v.aval, mult, part)
+      self._region_ins[part][i] = {f"in{cn + bn + k}": (node, 0)
+                                   for k, node in enumerate(carry)}
       inner = {k: v for k, v in inner.items() if v is not None}
       # The trip count is unknown: the body is costed once.
       self._add_eqns(bj, inner, mult, part, f"{i}.1.", eqn_nodes)
       for k, (v, node) in enumerate(zip(bj.outvars, carry)):
         self._follow(get_inner(inner, v), (node, 0), v.aval, mult, part)
         val[eqn.outvars[k]] = (node, 0)
+      self._region_outs[part][i] = [val[v] for v in eqn.outvars]
     elif name == "cond":
       branches = eqn.params["branches"]
       outs = [self._value_node(f"{part}/{i}:out{k}", v.aval, mult)
@@ -348,6 +364,7 @@ class ChoiceGraph:
           self._follow(get_inner(inner, v), (node, 0), v.aval, mult, part)
       for v, node in zip(eqn.outvars, outs):
         val[v] = (node, 0)
+      self._region_outs[part][i] = [(node, 0) for node in outs]
     else:                                     # checkpoint (remat): a call
       bj = eqn.params["jaxpr"]
       inner = {v: n for v, n in zip(bj.invars, ins) if n is not None}

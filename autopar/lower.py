@@ -241,7 +241,7 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
       def run(eqn, args, rules):
         how = [fold(st, None if first else acc[0][slot_of[st.slot]][0])
                for st in scan_stacks]
-        outs = eval_scan(eqn, args, rules.inside("0."), [h for h, _ in how])
+        outs = eval_scan(eqn, args, rules, [h for h, _ in how])
         for st, (_, is_reduced) in zip(scan_stacks, how, strict=True):
           folded[st] = outs[st.out], is_reduced
           # Nothing else reads the stacked output (gradstack.py); its

@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Sequence
 
+from jax.extend.core import Literal
 from jax.sharding import PartitionSpec
 
 from autopar.cost_model import MeshCost, assumed_costs, dtype_name
@@ -593,6 +594,16 @@ def _plan_from_solution(split, outputs, local, method, mesh, S, sol, stats,
         if need is not None and v in produced and produced[v] != need:
           # Resharded on this edge: pin the operand where the plan reshards it.
           inter.append(ValuePlan(f"{part}/{i}/in{k}", tuple(v.aval.shape),
+                                 dtype_name(v.aval.dtype), to_partition_spec(need)))
+    # What enters a loop (its carries, each trip's slice of its scanned
+    # inputs) in the plan's spec.
+    paths = dict(eqns_by_path(jaxpr))
+    for i, ins in sol.region_in_specs.get(part, {}).items():
+      for key, need in ins.items():
+        v = paths[i].invars[int(key.lstrip("inx"))]
+        if need is not None and not isinstance(v, Literal):
+          shape = v.aval.shape[1:] if key.startswith("x") else v.aval.shape
+          inter.append(ValuePlan(f"{part}/{i}/{key}", tuple(shape),
                                  dtype_name(v.aval.dtype), to_partition_spec(need)))
 
   colls = {}
