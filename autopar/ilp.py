@@ -459,7 +459,8 @@ class ShardingProblem(ChoiceGraph):
       cj = self.compute.jaxpr
       folded = folded_values(cj, self._stacks) \
           if self.n > 1 or self._batch_size_devices > 1 else []
-      peaks = [[(*self.compute_val[v], v.aval, 1) for v in live if v in self.compute_val]
+      val = {**self.body_val["compute"], **self.compute_val}
+      peaks = [[(*val[v], v.aval, 1) for v in live if v in val]
                for live in liveness_peaks(cj, k=3, folded=folded)]
       self._mem_items = (state, peaks)
     return self._mem_items

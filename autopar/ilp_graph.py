@@ -111,6 +111,9 @@ class ChoiceGraph:
         "compute": {}, "apply": {}}
     self._region_ins: dict[str, dict[str, dict[str, tuple[int, int]]]] = {
         "compute": {}, "apply": {}}
+    # The values of control-flow bodies -> (node, position), for the memory
+    # their bodies hold while they run.
+    self.body_val: dict[str, dict[Var, tuple[int, int]]] = {"compute": {}, "apply": {}}
     self._strategy_cache: dict = {}
   # -- nodes ---------------------------------------------------------------------
 
@@ -324,6 +327,7 @@ class ChoiceGraph:
           **{f"x{k}": inner[v] for k, v in enumerate(bj.invars[nc + ncar:], start=nc + ncar)}}
       inner = {k: v for k, v in inner.items() if v is not None}
       self._add_eqns(bj, inner, mult * length, part, f"{i}.0.", eqn_nodes)
+      self.body_val[part].update(inner)
       for k, (v, node) in enumerate(zip(bj.outvars[:ncar], carry)):
         self._follow(get_inner(inner, v), (node, 0), v.aval, mult * length, part)
         val[eqn.outvars[k]] = (node, 0)
@@ -347,6 +351,7 @@ class ChoiceGraph:
       inner = {k: v for k, v in inner.items() if v is not None}
       # The trip count is unknown: the body is costed once.
       self._add_eqns(bj, inner, mult, part, f"{i}.1.", eqn_nodes)
+      self.body_val[part].update(inner)
       for k, (v, node) in enumerate(zip(bj.outvars, carry)):
         self._follow(get_inner(inner, v), (node, 0), v.aval, mult, part)
         val[eqn.outvars[k]] = (node, 0)
@@ -360,6 +365,7 @@ class ChoiceGraph:
         inner = {v: n for v, n in zip(bj.invars, ins[1:]) if n is not None}
         # One branch runs: each is costed at its share.
         self._add_eqns(bj, inner, mult / len(branches), part, f"{i}.{b}.", eqn_nodes)
+        self.body_val[part].update(inner)
         for v, node in zip(bj.outvars, outs):
           self._follow(get_inner(inner, v), (node, 0), v.aval, mult, part)
       for v, node in zip(eqn.outvars, outs):
@@ -369,6 +375,7 @@ class ChoiceGraph:
       bj = eqn.params["jaxpr"]
       inner = {v: n for v, n in zip(bj.invars, ins) if n is not None}
       self._add_eqns(bj, inner, mult, part, f"{i}.0.", eqn_nodes)
+      self.body_val[part].update(inner)
       for v, out in zip(bj.outvars, eqn.outvars):
         src = get_inner(inner, v)
         if src is not None:

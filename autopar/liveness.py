@@ -25,7 +25,11 @@ convolutions take (``b01f_01io->b01f``: batch first and feature last, the
 kernel's input then output feature last; a filter gradient is the common
 case) works on copies laid out in that order, held while it runs. (The
 GPU backend picks its own layouts for cuDNN; this rule is not checked
-there.)
+there.) A scan, while, cond or checkpoint holds, while it runs, what its
+body holds at the body's own peak (the largest branch's for a cond),
+less the body's results, which are the equation's outputs (a scan writes
+each trip's slice into its stacked output): remat's backward loop
+recomputes a layer there.
 
 The program's inputs are not counted (the planners count the state and the
 batch on their own), except those named in ``gathered``: a copy made for
@@ -48,6 +52,7 @@ from jax.extend.core import Literal, Var
 
 from autopar.cost_model import itemsize
 from autopar.strategies.elementwise import is_elementwise
+from autopar.trace import region_jaxprs
 
 __all__ = ["liveness_peaks"]
 
@@ -117,13 +122,20 @@ def liveness_peaks(jaxpr, k: int,
       b = aval_bytes[v.aval] = math.prod(v.aval.shape) * itemsize(v.aval.dtype)
     return b
 
-  copies: dict[int, list[Var]] = {}  # point -> values copied there
+  copies: dict[int, list[Var]] = {}  # point -> values held only there
   for i, eqn in enumerate(eqns):
     if eqn.primitive.name == "conv_general_dilated":
       copied = [v for v in conv_relayouts(eqn)
                 if type(v) is not Literal and v in last_use]
       if copied:
         copies[i] = copied
+    # A loop's or branch's body holds its own values while it runs; its
+    # results are the equation's (a scan's slices of its stacked outputs),
+    # counted here already.
+    inner = [[v for v in liveness_peaks(sub, k=1, released=sub.outvars)[0]
+              if v not in set(sub.outvars)] for sub in region_jaxprs(eqn)]
+    if inner:
+      copies.setdefault(i, []).extend(max(inner, key=_held_bytes))
 
   # Buffers by the value that made them: their first and last point.
   owner: dict[Var, Var] = {}         # value -> the value whose buffer it is in
@@ -180,6 +192,10 @@ def liveness_peaks(jaxpr, k: int,
   peaks = heapq.nlargest(k, range(len(sizes)), key=sizes.__getitem__)
   return [[b for b in start if start[b] <= t <= stop[b]] + copies.get(t, [])
           for t in peaks]
+
+
+def _held_bytes(values) -> int:
+  return sum(math.prod(v.aval.shape) * itemsize(v.aval.dtype) for v in values)
 
 
 def fusible(eqn) -> bool:

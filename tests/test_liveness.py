@@ -115,3 +115,19 @@ def test_a_mask_read_later_holds_the_compared_values():
   assert held == 2 * ONE + 64 * 32 * 4               # h, z and the [64, 32] between
   memory = jax.jit(f).lower(X, W).compile().memory_analysis()
   assert held == memory.temp_size_in_bytes + memory.output_size_in_bytes
+
+
+def test_a_loop_body_holds_its_own_values_while_it_runs():
+  # Each trip makes a [64, 128] value the body reads and drops: held while
+  # the scan runs, beside the scan's result; the body's result (the new
+  # carry) is the scan's own output, counted once.
+  def f(x, w):
+    def body(c, _):
+      h = jnp.tanh(c @ w)                            # [64, 128], the body's own
+      return c + (h @ w.T), None
+    return jax.lax.scan(body, x, None, length=3)[0].sum()
+  held = _peak(f, X, W)
+  # The scan's result; in the body, h and h @ w.T (both [64, 32] ones).
+  assert held == 64 * 32 * 4 + ONE + 64 * 32 * 4
+  memory = jax.jit(f).lower(X, W).compile().memory_analysis()   # 49176 + 4
+  assert abs(held - memory.temp_size_in_bytes) <= 32
