@@ -132,8 +132,7 @@ def liveness_peaks(jaxpr, k: int,
     # A loop's or branch's body holds its own values while it runs; its
     # results are the equation's (a scan's slices of its stacked outputs),
     # counted here already.
-    inner = [[v for v in liveness_peaks(sub, k=1, released=sub.outvars)[0]
-              if v not in set(sub.outvars)] for sub in region_jaxprs(eqn)]
+    inner = [_body_held(sub) for sub in region_jaxprs(eqn)]
     if inner:
       copies.setdefault(i, []).extend(max(inner, key=_held_bytes))
 
@@ -192,6 +191,13 @@ def liveness_peaks(jaxpr, k: int,
   peaks = heapq.nlargest(k, range(len(sizes)), key=sizes.__getitem__)
   return [[b for b in start if start[b] <= t <= stop[b]] + copies.get(t, [])
           for t in peaks]
+
+
+def _body_held(jaxpr) -> list[Var]:
+  """What a control-flow body holds at its peak, less its results."""
+  results = {v for v in jaxpr.outvars if type(v) is not Literal}
+  return [v for v in liveness_peaks(jaxpr, k=1, released=jaxpr.outvars)[0]
+          if v not in results]
 
 
 def _held_bytes(values) -> int:
