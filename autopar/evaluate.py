@@ -92,8 +92,8 @@ class Rules:
   """What :func:`eval_jaxpr` changes in a jaxpr, by equation path.
 
   Attributes:
-    pins: path -> {output index or ``"in<k>"``: spec}: values the plan
-      decided, pinned with ``pin(value, spec)``.
+    pins: path -> {output index, ``"in<k>"`` or ``"x<k>"``: spec}: values
+      the plan decided, pinned with ``pin(value, spec)`` (``plan_constraints``).
     draws: path -> ``rng.RowDraw``: random draws that must give this
       device and micro-batch its rows of the whole batch's draw; ``rows`` is
       ``(first_row, total_rows)`` then (``rng.draw``).

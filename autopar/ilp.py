@@ -159,8 +159,8 @@ class Solution:
   leaf_specs: tuple[Spec, ...]
   leaf_batch_dims: tuple[int | None, ...]      # dim also split over the batch axes
   grad_specs: tuple[Spec, ...]
-  compute_specs: dict[int, tuple[Spec, ...]]      # eqn index -> output specs
-  apply_specs: dict[int, tuple[Spec, ...]]
+  compute_specs: dict[str, tuple[Spec, ...]]      # eqn path (loops too) -> output specs
+  apply_specs: dict[str, tuple[Spec, ...]]
   compute_strategies: dict[int, Strategy]
   apply_strategies: dict[int, Strategy]
   apply_out_specs: tuple[Spec | None, ...]

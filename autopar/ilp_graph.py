@@ -381,7 +381,7 @@ class ChoiceGraph:
         if src is not None:
           val[out] = src
 
-# Control-flow primitives whose bodies are planned (see ShardingProblem._add_region).
+# Control-flow primitives whose bodies are planned (see ChoiceGraph._add_region).
 REGIONS = ("scan", "while", "cond", "remat2")   # remat2: jax.checkpoint
 
 

@@ -132,7 +132,10 @@ def liveness_peaks(jaxpr, k: int,
     # A loop's or branch's body holds its own values while it runs; its
     # results are the equation's (a scan's slices of its stacked outputs),
     # counted here already.
-    inner = [_body_held(sub) for sub in region_jaxprs(eqn)]
+    bodies = region_jaxprs(eqn)
+    if eqn.primitive.name == "while":
+      bodies = bodies[1:]               # its cond's values are few and brief
+    inner = [_body_held(sub) for sub in bodies]
     if inner:
       copies.setdefault(i, []).extend(max(inner, key=_held_bytes))
 

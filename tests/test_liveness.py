@@ -127,7 +127,7 @@ def test_a_loop_body_holds_its_own_values_while_it_runs():
       return c + (h @ w.T), None
     return jax.lax.scan(body, x, None, length=3)[0].sum()
   held = _peak(f, X, W)
-  # The scan's result; in the body, h and h @ w.T (both [64, 32] ones).
+  # The scan's result ([64, 32]); in the body, h ([64, 128]) and h @ w.T ([64, 32]).
   assert held == 64 * 32 * 4 + ONE + 64 * 32 * 4
   memory = jax.jit(f).lower(X, W).compile().memory_analysis()   # 49176 + 4
   assert abs(held - memory.temp_size_in_bytes) <= 32

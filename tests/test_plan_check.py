@@ -159,14 +159,13 @@ def test_plan_check_under_remat_loops():
   make_state, step, batch = transformer_setup(layers=6, d=64, seq=8, batch=16)
   state = make_state()
   mesh = jax.make_mesh((8,), ("x",))
-  sent = 0
   for remat in ("layers", jax.checkpoint_policies.dots_with_no_batch_dims_saveable):
     exe = autopar.parallelize(step, method=autopar.ShardParallel(
         mesh=mesh, remat=remat)).get_executable(state, batch)
     result = exe.plan.check(exe)
-    sent += result.compiled_bytes
     assert not result.differences(), str(result)
-  assert sent > 0          # a plan that splits something (the loops' pins matter)
+    if remat == "layers":  # a plan that splits the batch inside the layers
+      assert result.compiled_bytes > 0
 
 
 def test_plan_check_reports_what_differs():
