@@ -38,7 +38,9 @@ Constraints (one method each)
     ``Σ_{c: s} x[out,c] = x[leaf,s]`` for every spec ``s``        (``_donation``)
   * memory per device at the liveness peaks, when a budget is set:
     ``Σ_{values live at t} Σ_c bytes(value, c) · x[v,c] + state ≤ budget``
-                                                                  (``_memory``)
+    at the three peaks of replicated bytes (``_memory``), and at the
+    solution's own peak under its specs where that is over the budget,
+    added and solved again (``solve``, at most ``_BUDGET_ROUNDS`` times)
 
 Solved with PuLP and HiGHS (CBC if HiGHS is missing): the LP relaxation
 first, which the edge flows make tight, and branch and bound only if its
@@ -456,14 +458,37 @@ class ShardingProblem(ChoiceGraph):
     if getattr(self, "_mem_items", None) is None:
       state = [(self.leaf_nodes[k], 0, aval, 1) for k, aval in enumerate(self.leaf_avals)]
       state += self._gradient_items()
-      cj = self.compute.jaxpr
-      folded = folded_values(cj, self._stacks) \
-          if self.n > 1 or self._batch_size_devices > 1 else []
-      val = {**self.body_val["compute"], **self.compute_val}
-      peaks = [[(*val[v], v.aval, 1) for v in live if v in val]
-               for live in liveness_peaks(cj, k=3, folded=folded)]
+      peaks = [self._items(live) for live in self._liveness(k=3)]
       self._mem_items = (state, peaks)
     return self._mem_items
+
+  def _liveness(self, k: int, size=None) -> list[list[Var]]:
+    """The pass's ``k`` liveness peaks (by replicated bytes, or ``size``)."""
+    cj = self.compute.jaxpr
+    folded = folded_values(cj, self._stacks) \
+        if self.n > 1 or self._batch_size_devices > 1 else []
+    return liveness_peaks(cj, k=k, folded=folded, size=size)
+
+  def _items(self, live) -> list:
+    """Memory items of the values in ``live`` that the graph has."""
+    val = self._values
+    return [(*val[v], v.aval, 1) for v in live if v in val]
+
+  @functools.cached_property
+  def _values(self) -> dict:
+    """The pass's values (its bodies' too) -> (node, output)."""
+    return {**self.body_val["compute"], **self.compute_val}
+
+  def _peak_at_solution(self) -> list:
+    """Memory items at the pass's peak under the chosen specs: where the
+    plan splits the values largest replicated, the peak moves to where
+    the ones it keeps whole are held."""
+    val = self._values
+    def local(v):
+      ref = val.get(v)
+      return 0 if ref is None else self._bytes(*ref, v.aval, self._chosen(ref[0]))
+    live = self._liveness(k=1, size=local)
+    return self._items(live[0]) if live else []
 
   def _gradient_items(self):
     """The gradients held besides one micro-batch's pass (whose own
@@ -508,11 +533,13 @@ class ShardingProblem(ChoiceGraph):
 
   def memory_terms(self):
     """(state bytes, [activation bytes at each liveness peak]) as expressions."""
+    return self._memory_exprs(*self._memory_items())
+
+  def _memory_exprs(self, state, peaks):
     def expr(items):
       return pulp.lpSum(f * b * x for node, pos, aval, f in items
                         for b, x in zip(self._bytes_per_choice(node, pos, aval),
                                         self.nodes[node].vars))
-    state, peaks = self._memory_items()
     return expr(state), [expr(p) for p in peaks]
 
   def _memory(self):
@@ -548,14 +575,22 @@ class ShardingProblem(ChoiceGraph):
     """
     t0 = time.perf_counter()
     try:
-      # The edge flows make the LP relaxation tight (see _edge), so its
-      # solution is most often already integral, and then optimal for the
-      # ILP; the branch-and-bound solve runs only when it is not.
-      solver, solver_name = _solver(time_limit, relax=True)
-      self.prob.solve(solver)
-      if self.prob.status != pulp.LpStatusOptimal or not self._integral():
-        solver, solver_name = _solver(time_limit)
-        self.prob.solve(solver)
+      solver_name = self._run_solver(time_limit)
+      # The budget is held at the peaks of replicated bytes; where the
+      # plan's own peak (its specs' bytes) is elsewhere and over it, it is
+      # held there too and the problem solved again.
+      for _ in range(_BUDGET_ROUNDS if self.memory_budget is not None else 0):
+        if self.prob.status != pulp.LpStatusOptimal:
+          break
+        self._chosen_memo = {}
+        state, _ = self._memory_items()
+        peak = self._peak_at_solution()
+        if self._total(state) + self._total(peak) <= self.memory_budget * (1 + 1e-6):
+          break
+        s_expr, (p_expr,) = self._memory_exprs(state, [peak])
+        self.prob += s_expr + p_expr <= self.memory_budget, f"memory_{self.num_constraints}"
+        self.num_constraints += 1
+        solver_name = self._run_solver(time_limit)
     finally:
       self.solve_seconds = seconds = time.perf_counter() - t0
     status = pulp.LpStatus[self.prob.status]
@@ -566,6 +601,18 @@ class ShardingProblem(ChoiceGraph):
                       f"Fix: report this with the step's jaxpr.")
     self._solved = (status, solver_name, seconds)
     return float(pulp.value(self.prob.objective) or 0.0)
+
+  def _run_solver(self, time_limit: float) -> str:
+    """Solves ``self.prob``; returns the solver's name."""
+    # The edge flows make the LP relaxation tight (see _edge), so its
+    # solution is most often already integral, and then optimal for the
+    # ILP; the branch-and-bound solve runs only when it is not.
+    solver, solver_name = _solver(time_limit, relax=True)
+    self.prob.solve(solver)
+    if self.prob.status != pulp.LpStatusOptimal or not self._integral():
+      solver, solver_name = _solver(time_limit)
+      self.prob.solve(solver)
+    return solver_name
 
   def solution(self) -> Solution:
     """What the solver chose (after :meth:`solve`)."""
@@ -638,12 +685,14 @@ class ShardingProblem(ChoiceGraph):
     return out
 
   def memory_at_solution(self) -> tuple[float, float]:
-    """(state and gradient bytes, activation bytes at the peak) per device."""
-    def total(items):
-      return sum(f * self._bytes(node, pos, aval, self._chosen(node))
-                 for node, pos, aval, f in items)
-    state, peaks = self._memory_items()
-    return float(total(state)), float(max((total(p) for p in peaks), default=0.0))
+    """(state and gradient bytes, activation bytes at the peak) per device,
+    the peak found under the chosen specs."""
+    state, _ = self._memory_items()
+    return float(self._total(state)), float(self._total(self._peak_at_solution()))
+
+  def _total(self, items) -> float:
+    return sum(f * self._bytes(node, pos, aval, self._chosen(node))
+               for node, pos, aval, f in items)
 
   def _chosen_edges(self) -> list:
     """Per edge of the solution: ((producing node, output), the spec its
@@ -722,6 +771,11 @@ class ShardingProblem(ChoiceGraph):
                                     for k, (node, pos) in ins.items()}
                                 for i, ins in regions.items()}
                          for part, regions in self._region_ins.items()})
+
+
+# Solves at most this many times more to hold the memory budget at the
+# plan's own peak (each adds the peak found as a constraint).
+_BUDGET_ROUNDS = 4
 
 
 def _variable(prob, name: str, lowBound=None, cat="Continuous"):

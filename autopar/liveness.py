@@ -1,35 +1,45 @@
 """Which values of a program are in memory together: the peaks of its
 liveness, for the planners' memory estimates.
 
-A value holds a buffer from the equation that makes it to its last reader
-(the program's outputs to the end). Two rules of XLA's buffer assignment
-are followed, so that one buffer is not counted twice:
+A value XLA makes holds a buffer from the equation that makes it to its
+last reader (the program's outputs to the end). What XLA makes, and where
+its buffers are shared, follows XLA's fusion and buffer assignment:
 
-* a reshape, squeeze, expand_dims or transpose reads its operand's buffer
-  another way (a bitcast, or a layout XLA picks so that it is one): the
-  result shares the operand's buffer, which lives until the last reader
-  of either;
+* fusion (``_Fusions``): a cheap element-wise producer, a broadcast or an
+  iota is computed again inside each reader a loop fusion can take it
+  into (an element-wise operation, a reduction, a broadcast, a view, a
+  slice), an expensive one (``EXPENSIVE``: tanh, exp, division ...) only
+  into a sole reader; a reader that recomputes a value reads its operands
+  instead. So GELU's backward holds ``x`` and ``tanh(...)``, not five
+  intermediates, and a ReLU's mask read by the backward pass holds the
+  compared values until there. What a dot, a convolution, a gather, a
+  collective or a loop reads is made. XLA:CPU runs float reductions as
+  YNNPACK kernels, which take in only what no other equation reads; a
+  broadcast that such a kernel shares with other readers (ReLU's zero
+  before a global average pool, a LayerNorm's scale) is made for it;
+* a reshape, squeeze, expand_dims or transpose of a made value reads its
+  operand's buffer another way (a bitcast, or a layout XLA picks so that
+  it is one): the result shares the operand's buffer, which lives until
+  the last reader of either; of a recomputed value it is a copy;
 * an element-wise operation writes its result into an operand's buffer
   when that operand is read for the last time there and is as large
-  (``HloDataflowAnalysis::CanShareOperandBufferWithUser``): a chain such
-  as ``tanh(x * w + b)`` holds one buffer, not three.
+  (``HloDataflowAnalysis::CanShareOperandBufferWithUser``);
+* an operand of a convolution or dot not in the order XLA:CPU takes
+  (``conv_relayouts``, ``dot_relayouts``: a filter gradient's operands;
+  attention's query, key and value, whose heads sit between batch and
+  sequence; a [d, heads, head_dim] kernel in the backward pass) is copied
+  where it is made (an input's where it is first read), and the copy,
+  one per order, is held until its last reader; a convolution's result
+  in another order is written to a copy while it runs. (The GPU backend
+  picks its own layouts for cuDNN and cuBLAS; these rules are not checked
+  there.)
 
-An optimization barrier's results are its operands' buffers. A broadcast
-read only by element-wise operations holds no buffer: XLA fuses it into
-each of them. Nor does a comparison's boolean result read by one
-element-wise operation (a ReLU's mask, read by the backward pass's
-select): XLA computes it inside that reader, so the compared values are
-held until there instead, four times the mask's bytes in float32. A
-convolution whose operands or result are not in the order XLA:CPU's
-convolutions take (``b01f_01io->b01f``: batch first and feature last, the
-kernel's input then output feature last; a filter gradient is the common
-case) works on copies laid out in that order, held while it runs. (The
-GPU backend picks its own layouts for cuDNN; this rule is not checked
-there.) A scan, while, cond or checkpoint holds, while it runs, what its
-body holds at the body's own peak (the largest branch's for a cond),
-less the body's results, which are the equation's outputs (a scan writes
-each trip's slice into its stacked output): remat's backward loop
-recomputes a layer there.
+An optimization barrier's results are its operands' buffers. A scan,
+while, cond or checkpoint holds, while it runs, what its body holds at
+the body's own peak (the largest branch's for a cond), less the body's
+results, which are the equation's outputs (a scan writes each trip's
+slice into its stacked output): remat's backward loop recomputes a layer
+there.
 
 The program's inputs are not counted (the planners count the state and the
 batch on their own), except those named in ``gathered``: a copy made for
@@ -46,8 +56,9 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Iterable
+from typing import Callable, Iterable
 
+import jax.numpy as jnp
 from jax.extend.core import Literal, Var
 
 from autopar.cost_model import itemsize
@@ -63,56 +74,61 @@ VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "transpose"})
 def liveness_peaks(jaxpr, k: int,
                    gathered: Iterable[Var] = (),
                    released: Iterable[Var] = (),
-                   folded: Iterable[Var] = ()) -> list[list[Var]]:
-  """The ``k`` program points where the most (replicated) bytes are held.
+                   folded: Iterable[Var] = (),
+                   size: Callable[[Var], float] | None = None) -> list[list[Var]]:
+  """The ``k`` program points where the most bytes are held.
 
   Each is the list of the values whose buffers are held there, one value
-  per buffer (the one that made it), and the values a convolution there
-  copies (once more each).
+  per buffer (the one that made it), and the values standing for the
+  copies and broadcasts XLA makes there (each counted once more). A
+  value's bytes are ``size(value)`` (default: the whole array's), so a
+  plan's own peak is found with the bytes per device of its specs.
   """
   eqns = jaxpr.eqns
   end = len(eqns)
+  producer: dict[Var, int] = {}
+  readers: dict[Var, list[int]] = {}
+  for i, eqn in enumerate(eqns):
+    for o in eqn.outvars:
+      producer[o] = i
+    for v in dict.fromkeys(v for v in eqn.invars if type(v) is not Literal):
+      readers.setdefault(v, []).append(i)
+  outputs = {v for v in jaxpr.outvars if type(v) is not Literal}
+  fusions = _Fusions(eqns, producer, readers, outputs)
+
+  # Where each buffer is read: the equations that run (not fused into their
+  # readers), through what they recompute.
   last_use: dict[Var, int] = {}
   first_use: dict[Var, int] = {}
-  fused: set[Var] = set()            # broadcasts only element-wise readers read
-  unfused: set[Var] = set(v for v in jaxpr.outvars if type(v) is not Literal)
+  reads: dict[int, list[Var]] = {}
+  early: list = []                   # [a copy's stand-in, first, last point]
+  copied: dict[tuple, list] = {}     # (value, order) -> its copy in ``early``
   for i, eqn in enumerate(eqns):
-    if eqn.primitive.name == "broadcast_in_dim":
-      fused.add(eqn.outvars[0])
-    elementwise = is_elementwise(eqn)
-    for v in eqn.invars:
+    if not fusions.runs(i):
+      continue
+    reads[i] = fusions.reads(i)
+    # An operand not in the order XLA:CPU's convolutions and dots take is
+    # copied where it is made (the copy fused into its producer,
+    # recomputing a ReLU, say), and the copy is held until the last
+    # equation that reads it, which reads only it.
+    for v, order in relayouts(eqn):
       if type(v) is not Literal:
-        last_use[v] = i
-        first_use.setdefault(v, i)
-        if not elementwise:
-          unfused.add(v)
-  fused -= unfused
+        key = (v, order)
+        if key not in copied:
+          copied[key] = [v, producer.get(v), i]
+          early.append(copied[key])
+        copied[key][2] = i
+        reads[i] = [u for u in reads[i] if u is not v]
+    for v in reads[i]:
+      last_use[v] = i
+      first_use.setdefault(v, i)
+  # An input's copy is made where the input is first read.
+  early = [(v, first_use.get(v, last) if first is None else first, last)
+           for v, first, last in early] + fusions.made_broadcasts()
   released = {v for v in released if type(v) is not Literal}
-  # A comparison's boolean result with one element-wise reader (a ReLU's
-  # mask, read by the backward pass's select) is computed inside that
-  # reader: XLA fuses it there, and holds the compared values until then.
-  readers: dict[Var, set[int]] = {}
-  for i, eqn in enumerate(eqns):
-    for v in eqn.invars:
-      if type(v) is not Literal:
-        readers.setdefault(v, set()).add(i)
-  recomputed: dict[Var, list[Var]] = {}  # value -> what its reader reads instead
-  for i in range(len(eqns) - 1, -1, -1):  # last first: chains of masks
-    eqn = eqns[i]
-    if len(eqn.outvars) != 1 or not fusible(eqn):
-      continue
-    o = eqn.outvars[0]
-    rs = readers.get(o, ())
-    if o.aval.dtype != bool or o in unfused or len(rs) != 1 or \
-        not fusible(eqns[next(iter(rs))]):
-      continue
-    fused.add(o)
-    recomputed[o] = [v for v in eqn.invars if type(v) is not Literal]
-    for v in recomputed[o]:
-      last_use[v] = max(last_use[v], last_use[o])
   folded = set(folded)
-  for v in jaxpr.outvars:
-    if type(v) is not Literal and v not in released:
+  for v in outputs:
+    if v not in released:
       last_use[v] = end
 
   aval_bytes: dict = {}              # aval -> bytes (a step has few distinct avals)
@@ -125,23 +141,24 @@ def liveness_peaks(jaxpr, k: int,
   copies: dict[int, list[Var]] = {}  # point -> values held only there
   for i, eqn in enumerate(eqns):
     if eqn.primitive.name == "conv_general_dilated":
-      copied = [v for v in conv_relayouts(eqn)
-                if type(v) is not Literal and v in last_use]
-      if copied:
-        copies[i] = copied
+      # A result not in the convolution's order is written to a copy.
+      out = [v for v in conv_relayouts(eqn)[2:] if v in last_use]
+      if out:
+        copies.setdefault(i, []).extend(out)
     # A loop's or branch's body holds its own values while it runs; its
     # results are the equation's (a scan's slices of its stacked outputs),
     # counted here already.
     bodies = region_jaxprs(eqn)
     if eqn.primitive.name == "while":
       bodies = bodies[1:]               # its cond's values are few and brief
-    inner = [_body_held(sub) for sub in bodies]
+    inner = [_body_held(sub, size) for sub in bodies]
     if inner:
-      copies.setdefault(i, []).extend(max(inner, key=_held_bytes))
+      copies.setdefault(i, []).extend(
+          max(inner, key=lambda vs: sum(map(size or nbytes, vs))))
 
   # Buffers by the value that made them: their first and last point.
   owner: dict[Var, Var] = {}         # value -> the value whose buffer it is in
-  inputs = set(jaxpr.invars) | fused  # and views of them: not counted
+  inputs = set(jaxpr.invars)         # and views of them: not counted
   start: dict[Var, int] = {}
   stop: dict[Var, int] = {}
   for v in gathered:
@@ -154,8 +171,8 @@ def liveness_peaks(jaxpr, k: int,
     for j, o in enumerate(eqn.outvars):
       if o in released:
         last_use[o] = max(last_use.get(o, i), i)
-      if o not in last_use or o in fused or o in folded:
-        continue                      # never read, fused into its readers, or folded
+      if o not in last_use or o in folded:
+        continue                      # never read (or fused into its readers), or folded
       buf = None
       same = eqn.invars[0] if name in VIEWS else \
           eqn.invars[j] if name == "optimization_barrier" else None
@@ -165,7 +182,7 @@ def liveness_peaks(jaxpr, k: int,
           continue
         buf = owner.get(same)
       elif is_elementwise(eqn):
-        for v in _read(eqn.invars, recomputed):
+        for v in reads[i]:
           b = owner.get(v)
           if b is not None and b not in taken and stop[b] == i and \
               nbytes(b) == nbytes(o):
@@ -179,32 +196,37 @@ def liveness_peaks(jaxpr, k: int,
         taken.add(buf)
         stop[buf] = max(stop[buf], last_use[o])
 
+  # Copies and broadcasts XLA makes, each a buffer of the shape of the
+  # value that stands for it in the result.
+  stands_for: dict[Var, Var] = {}
+  for v, first, last in early:
+    b = Var(v.aval)
+    stands_for[b] = v
+    start[b], stop[b] = first, last
+
   # The bytes held at each point: add at the start, drop after the stop.
+  held = nbytes if size is None else lambda b: size(stands_for.get(b, b))
   delta = [0] * (end + 2)
   for b in start:
-    delta[start[b]] += nbytes(b)
-    delta[stop[b] + 1] -= nbytes(b)
+    delta[start[b]] += held(b)
+    delta[stop[b] + 1] -= held(b)
   for i, vs in copies.items():
-    delta[i] += sum(nbytes(v) for v in vs)
-    delta[i + 1] -= sum(nbytes(v) for v in vs)
+    delta[i] += sum(held(v) for v in vs)
+    delta[i + 1] -= sum(held(v) for v in vs)
   sizes, size = [], 0
   for i in range(max(end, 1)):
     size += delta[i]
     sizes.append(size)
   peaks = heapq.nlargest(k, range(len(sizes)), key=sizes.__getitem__)
-  return [[b for b in start if start[b] <= t <= stop[b]] + copies.get(t, [])
-          for t in peaks]
+  return [[stands_for.get(b, b) for b in start if start[b] <= t <= stop[b]] +
+          copies.get(t, []) for t in peaks]
 
 
-def _body_held(jaxpr) -> list[Var]:
+def _body_held(jaxpr, size) -> list[Var]:
   """What a control-flow body holds at its peak, less its results."""
   results = {v for v in jaxpr.outvars if type(v) is not Literal}
-  return [v for v in liveness_peaks(jaxpr, k=1, released=jaxpr.outvars)[0]
+  return [v for v in liveness_peaks(jaxpr, k=1, released=jaxpr.outvars, size=size)[0]
           if v not in results]
-
-
-def _held_bytes(values) -> int:
-  return sum(math.prod(v.aval.shape) * itemsize(v.aval.dtype) for v in values)
 
 
 def fusible(eqn) -> bool:
@@ -213,16 +235,227 @@ def fusible(eqn) -> bool:
       "optimization_barrier", "autopar_value")
 
 
-def _read(invars, recomputed) -> list[Var]:
-  """The buffers an equation reads: a recomputed operand's own operands."""
-  out, todo = [], [v for v in invars if type(v) is not Literal]
-  while todo:
-    v = todo.pop()
-    if v in recomputed:
-      todo.extend(recomputed[v])
-    else:
-      out.append(v)
+# Element-wise operations XLA will not compute twice
+# (``InstructionFusion::IsExpensive``): a value they make that has several
+# readers is made once and held. Float division is one; integer division
+# is not.
+EXPENSIVE = frozenset({
+    "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sqrt", "rsqrt",
+    "cbrt", "pow", "atan2", "erf", "erfc", "erf_inv", "lgamma", "digamma", "tan",
+    "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "div", "rem"})
+
+_REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min")
+
+# What a loop fusion can take a producer into: element-wise operations,
+# reductions (as the fusion's root), broadcasts, views and slicing.
+_CONSUMERS = frozenset({
+    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
+    "reduce_or", "argmax", "argmin", "broadcast_in_dim", "concatenate", "pad",
+    "slice", "dynamic_slice", *VIEWS})
+
+
+class _Fusions:
+  """Which values XLA computes inside their readers instead of making.
+
+  ``fused_into(v, i)``: whether reader ``i`` recomputes ``v``. A loop
+  fusion takes in a cheap element-wise producer, a broadcast or an iota
+  (recomputing it in each such reader, even where another reader needs it
+  made), an expensive one only as its sole reader. A YNNPACK reduction
+  (``kernel_of``) takes in only what nothing outside it reads. ``runs(i)``:
+  whether equation ``i`` runs where it stands (some reader needs its
+  result made); ``reads(i)``: the made values it reads, through what it
+  recomputes. ``made_broadcasts()``: the broadcasts a kernel shares with
+  other readers (XLA merges equal broadcasts), which are made for it.
+  """
+
+  def __init__(self, eqns, producer, readers, outputs):
+    self.eqns, self.producer, self.readers = eqns, producer, readers
+    self.outputs = outputs
+    self._sources: dict[Var, list[Var]] = {}
+    self._kernel: dict[int, bool] = {}
+    # In program order, so that each value's sources are found from its
+    # operands' without a deep recursion.
+    for i, eqn in enumerate(eqns):
+      if len(eqn.outvars) == 1 and any(self.fused_into(eqn.outvars[0], r)
+                                       for r in readers.get(eqn.outvars[0], ())):
+        self._sources[eqn.outvars[0]] = self.reads(i)
+
+  def made_broadcasts(self) -> list[tuple[Var, int, int]]:
+    """The broadcasts made for YNNPACK kernels: (a value of the
+    broadcast's shape and type standing for it, the first and the last
+    kernel that reads it).
+
+    An element-wise operation broadcasts an operand of fewer elements (a
+    literal, or size-1 dimensions) to its own shape; XLA merges equal
+    broadcasts (CSE), and a kernel takes one in only if nothing else reads
+    it."""
+    readers: dict[tuple, list[int]] = {}
+    for i, eqn in enumerate(self.eqns):
+      if not eqn.outvars or not any(o in self.outputs or o in self.readers
+                                    for o in eqn.outvars):
+        continue                      # dead
+      out = eqn.outvars[0].aval
+      if eqn.primitive.name == "broadcast_in_dim" and type(eqn.invars[0]) is Literal:
+        key = _broadcast_key(eqn.invars[0], out)
+        readers.setdefault(key, []).extend(self.readers.get(eqn.outvars[0], ()))
+      elif fusible(eqn) and out.shape:
+        for v in eqn.invars:
+          if tuple(v.aval.shape) != tuple(out.shape):
+            readers.setdefault(_broadcast_key(v, out), []).append(i)
+    made = []
+    for key, rs in readers.items():
+      where = {self.kernel_of(r) for r in rs}
+      kernels = sorted(where - {None})
+      if not kernels or len(where) < 2:
+        continue                      # no kernel reads it, or one kernel alone
+      dtype = key[-1]
+      like = [self.eqns[r].outvars[0] for r in rs
+              if str(self.eqns[r].outvars[0].aval.dtype) == dtype and
+              tuple(self.eqns[r].outvars[0].aval.shape) == key[-2]]
+      if like:
+        made.append((like[0], kernels[0], kernels[-1]))
+    return made
+
+  def kernel_of(self, i: int) -> int | None:
+    """The YNNPACK reduction of XLA:CPU's that equation ``i`` is, or runs
+    inside: an element-wise operation, broadcast or iota all of whose
+    readers are inside one."""
+    got = self._kernel.get(i, -1)
+    if got != -1:
+      return got
+    # Readers come later in the program: settle them first, last to first.
+    todo = [i]
+    while todo:
+      j = todo[-1]
+      eqn = self.eqns[j]
+      got = None
+      if eqn.primitive.name in _REDUCTIONS:
+        got = j if jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating) else None
+      elif (fusible(eqn) or eqn.primitive.name in ("broadcast_in_dim", "iota")) and \
+          len(eqn.outvars) == 1 and eqn.outvars[0] not in self.outputs:
+        rs = self.readers.get(eqn.outvars[0], ())
+        pending = [r for r in rs if r not in self._kernel]
+        if pending:
+          todo.extend(pending)
+          continue
+        kernels = {self._kernel[r] for r in rs}
+        if len(kernels) == 1:
+          got = kernels.pop()
+      self._kernel[j] = got
+      todo.pop()
+    return self._kernel[i]
+
+  def fused_into(self, v: Var, i: int) -> bool:
+    """Whether reader ``i`` computes ``v`` itself."""
+    p = self.producer.get(v)
+    if p is None or v in self.outputs:
+      return False
+    made = self.eqns[p]
+    if len(made.outvars) != 1:
+      return False
+    if made.primitive.name not in ("broadcast_in_dim", "iota"):
+      if not fusible(made) or (len(self.readers[v]) > 1 and _expensive(made)):
+        return False
+    kernel = self.kernel_of(i)
+    if kernel is not None:            # a kernel takes in what only it reads
+      return self.kernel_of(p) == kernel
+    return self._takes(self.eqns[i])
+
+  @staticmethod
+  def _takes(reader) -> bool:
+    return fusible(reader) or reader.primitive.name in _CONSUMERS
+
+  def runs(self, i: int) -> bool:
+    """Whether equation ``i`` runs where it stands (some result of it is
+    held), rather than only inside its readers."""
+    eqn = self.eqns[i]
+    return any(o in self.outputs or
+               any(not self.fused_into(o, r) for r in self.readers.get(o, ()))
+               for o in eqn.outvars) or not eqn.outvars
+
+  def reads(self, i: int) -> list[Var]:
+    """The held values equation ``i`` reads, through what it recomputes."""
+    out: dict[Var, None] = {}
+    for v in self.eqns[i].invars:
+      if type(v) is Literal:
+        continue
+      if self.fused_into(v, i):
+        out.update(dict.fromkeys(self._sources_of(v)))
+      else:
+        out[v] = None
+    return list(out)
+
+  def _sources_of(self, v: Var) -> list[Var]:
+    """What recomputing ``v`` reads."""
+    got = self._sources.get(v)
+    if got is None:
+      got = self._sources[v] = self.reads(self.producer[v])
+    return got
+
+
+def _broadcast_key(v, out) -> tuple:
+  """What XLA's CSE tells broadcasts apart by: the operand (a literal by
+  its value), the shape and the type."""
+  what = ("literal", repr(v.val)) if type(v) is Literal else ("value", id(v))
+  return (*what, tuple(out.shape), str(v.aval.dtype))
+
+
+def _expensive(eqn) -> bool:
+  name = eqn.primitive.name
+  if name in ("div", "rem"):
+    return not jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.integer)
+  return name in EXPENSIVE
+
+
+def relayouts(eqn) -> list[tuple[Var, tuple]]:
+  """The operands of a convolution or dot XLA:CPU reads through a copy in
+  another order: (operand, the order it is copied to)."""
+  name = eqn.primitive.name
+  if name == "conv_general_dilated":
+    lhs, rhs, _ = eqn.params["dimension_numbers"]
+    copied = conv_relayouts(eqn)
+    return [(v, tuple(order)) for v, order in zip(eqn.invars[:2], (lhs, rhs))
+            if any(v is c for c in copied)]
+  if name == "dot_general":
+    return dot_relayouts(eqn)
+  return []
+
+
+def dot_relayouts(eqn) -> list[tuple[Var, tuple]]:
+  """The operands of a ``dot_general`` that XLA:CPU copies before the dot.
+
+  Its dots take each operand as a matrix after the batch dimensions, which
+  lead: the left one's dimensions as (batch, free, contracted) or (batch,
+  contracted, free), the right one's as (batch, contracted, free), or a
+  matrix whose rows are the free dimension. Anything else (attention's
+  query, key and value, whose heads sit between the batch and the
+  sequence; a kernel of shape [d, heads, head_dim] contracted over its
+  last two dimensions in the backward pass) is copied into the first
+  order."""
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  out = []
+  for side, (v, contract, batch) in enumerate(((eqn.invars[0], lc, lb),
+                                               (eqn.invars[1], rc, rb))):
+    n = len(v.aval.shape)
+    free = tuple(d for d in range(n) if d not in contract and d not in batch)
+    ok = [(*batch, *free, *contract)] if side == 0 else [(*batch, *contract, *free)]
+    if side == 0:
+      ok.append((*batch, *contract, *free))
+    elif n == 2 and not batch:
+      ok.append((*free, *contract))
+    if not _ordered_as(v.aval.shape, ok):
+      out.append((v, ok[0]))
   return out
+
+
+def _ordered_as(shape, orders) -> bool:
+  """Whether ``shape``'s dimensions are, leaving out those of size 1 (a
+  copy moves nothing for them), in one of ``orders``."""
+  for order in orders:
+    kept = [d for d in order if shape[d] != 1]
+    if kept == sorted(kept):
+      return True
+  return False
 
 
 def conv_relayouts(eqn) -> list:

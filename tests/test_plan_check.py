@@ -118,14 +118,10 @@ METHODS = {
     "Zero3Parallel": lambda m: autopar.Zero3Parallel(mesh=m, num_micro_batches=2),
     "ShardParallel": lambda m: autopar.ShardParallel(mesh=m, num_micro_batches=2),
 }
-# Where the prediction is known to miss, and why (docs/planner.md): the
-# conv net's memory under ShardParallel, which keeps the batch whole on
-# every device (x1.2: XLA:CPU duplicates each bias add into the forward
-# reader and the backward pass's ReLU mask, holding both the convolution's
-# result and the biased copy, and materialises the ReLU's zeros for the
-# mean's reduction). Anything else off by more is a failure, and so is a
-# listed miss that no longer misses (the table is then out of date).
-KNOWN_MISSES = {("conv", "ShardParallel"): "memory"}
+# Where the prediction is known to miss, and why (docs/planner.md): none
+# now. Anything off by more is a failure, and so is a listed miss that no
+# longer misses (the table is then out of date).
+KNOWN_MISSES: dict = {}
 
 
 @pytest.mark.parametrize("model", MODELS)
