@@ -213,11 +213,11 @@ def liveness_peaks(jaxpr, k: int,
   for i, vs in copies.items():
     delta[i] += sum(held(v) for v in vs)
     delta[i + 1] -= sum(held(v) for v in vs)
-  sizes, size = [], 0
+  totals, total = [], 0
   for i in range(max(end, 1)):
-    size += delta[i]
-    sizes.append(size)
-  peaks = heapq.nlargest(k, range(len(sizes)), key=sizes.__getitem__)
+    total += delta[i]
+    totals.append(total)
+  peaks = heapq.nlargest(k, range(len(totals)), key=totals.__getitem__)
   return [[stands_for.get(b, b) for b in start if start[b] <= t <= stop[b]] +
           copies.get(t, []) for t in peaks]
 
@@ -272,7 +272,7 @@ class _Fusions:
     self.eqns, self.producer, self.readers = eqns, producer, readers
     self.outputs = outputs
     self._sources: dict[Var, list[Var]] = {}
-    self._kernel: dict[int, bool] = {}
+    self._kernel: dict[int, int | None] = {}
     # In program order, so that each value's sources are found from its
     # operands' without a deep recursion.
     for i, eqn in enumerate(eqns):
@@ -425,13 +425,12 @@ def dot_relayouts(eqn) -> list[tuple[Var, tuple]]:
   """The operands of a ``dot_general`` that XLA:CPU copies before the dot.
 
   Its dots take each operand as a matrix after the batch dimensions, which
-  lead: the left one's dimensions as (batch, free, contracted) or (batch,
-  contracted, free), the right one's as (batch, contracted, free), or a
-  matrix whose rows are the free dimension. Anything else (attention's
-  query, key and value, whose heads sit between the batch and the
-  sequence; a kernel of shape [d, heads, head_dim] contracted over its
-  last two dimensions in the backward pass) is copied into the first
-  order."""
+  lead: (batch, free, contracted) or (batch, contracted, free), except
+  that the right one without batch dimensions must be (contracted, free)
+  unless it is a plain matrix. Anything else (attention's query, key and
+  value, whose heads sit between the batch and the sequence; a kernel of
+  shape [d, heads, head_dim] contracted over its last two dimensions in
+  the backward pass) is copied into the first order."""
   (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
   out = []
   for side, (v, contract, batch) in enumerate(((eqn.invars[0], lc, lb),
@@ -439,10 +438,8 @@ def dot_relayouts(eqn) -> list[tuple[Var, tuple]]:
     n = len(v.aval.shape)
     free = tuple(d for d in range(n) if d not in contract and d not in batch)
     ok = [(*batch, *free, *contract)] if side == 0 else [(*batch, *contract, *free)]
-    if side == 0:
-      ok.append((*batch, *contract, *free))
-    elif n == 2 and not batch:
-      ok.append((*free, *contract))
+    if side == 0 or batch or n == 2:
+      ok.append((*batch, *contract, *free) if side == 0 else (*batch, *free, *contract))
     if not _ordered_as(v.aval.shape, ok):
       out.append((v, ok[0]))
   return out
