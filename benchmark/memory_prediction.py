@@ -29,24 +29,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax.training import train_state  # noqa: E402
 
 import autopar  # noqa: E402
-from models import (ReluTransformer, ScanTransformer, Transformer,  # noqa: E402
-                    lm_setup, mlp_setup)
-
-
-class ConvNet(nn.Module):
-  """ReLU convolutions, then a global average pool."""
-  c1: int = 16
-  c2: int = 32
-
-  @nn.compact
-  def __call__(self, x):
-    x = nn.relu(nn.Conv(self.c1, (3, 3))(x))
-    x = nn.relu(nn.Conv(self.c2, (3, 3))(x))
-    return nn.Dense(10)(x.mean(axis=(1, 2)))
+from models import (ConvNet, ReluTransformer, ScanTransformer, Transformer,  # noqa: E402
+                    image_setup, lm_setup, mlp_setup)
 
 
 class ConvNet2(nn.Module):
@@ -58,26 +44,6 @@ class ConvNet2(nn.Module):
     x = nn.relu(nn.LayerNorm()(nn.Conv(16, (3, 3), strides=2)(x)))
     x = nn.relu(nn.Conv(32, (3, 3))(x))
     return nn.Dense(10)(x.reshape(x.shape[0], -1))
-
-
-def image_setup(model, batch, hw):
-  rng = np.random.RandomState(0)
-  x = rng.randn(batch, hw, hw, 3).astype(np.float32)
-  y = rng.randint(0, 10, size=(batch,)).astype(np.int32)
-  params = model.init(jax.random.PRNGKey(0), x[:1])
-
-  def make_state():
-    return train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                         tx=optax.adam(1e-3))
-
-  def step(state, batch):
-    def loss_fn(p):
-      logits = state.apply_fn(p, batch["x"])
-      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-    loss, grads = autopar.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), loss
-
-  return make_state, step, {"x": x, "y": y}
 
 
 MODELS = {

@@ -227,3 +227,36 @@ def boundary_mlp_setup(layers=4, batch=16, d=8, tx=None):
     return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
 
   return make_state, step, {"x": x, "y": y}
+
+
+class ConvNet(nn.Module):
+  """ReLU convolutions, then a global average pool."""
+  c1: int = 16
+  c2: int = 32
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Conv(self.c1, (3, 3))(x))
+    x = nn.relu(nn.Conv(self.c2, (3, 3))(x))
+    return nn.Dense(10)(x.mean(axis=(1, 2)))
+
+
+def image_setup(model, batch=32, hw=8):
+  """A classification step for any ``model(images) -> logits`` (Adam)."""
+  rng = np.random.RandomState(0)
+  x = rng.randn(batch, hw, hw, 3).astype(np.float32)
+  y = rng.randint(0, 10, size=(batch,)).astype(np.int32)
+  params = model.init(jax.random.PRNGKey(0), x[:1])
+
+  def make_state():
+    return train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                         tx=optax.adam(1e-3))
+
+  def step(state, batch):
+    def loss_fn(p):
+      logits = state.apply_fn(p, batch["x"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  return make_state, step, {"x": x, "y": y}

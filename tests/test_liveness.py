@@ -2,7 +2,6 @@
 
 import math
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -10,6 +9,7 @@ from jax.extend.core import Literal
 
 from autopar.liveness import _Fusions, conv_relayouts, liveness_peaks
 from autopar.trace import _inline_marked_calls
+from models import ConvNet
 
 
 def _peak(fn, *avals, gathered=(), released=()):
@@ -108,18 +108,11 @@ def test_a_broadcast_a_kernel_shares_is_made():
   # average pool's reduction (a YNNPACK kernel on XLA:CPU) and for the
   # backward pass's select, is made at full size for the kernel, which
   # takes in only what it alone reads.
-  class Net(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      x = nn.relu(nn.Conv(16, (3, 3))(x))
-      x = nn.relu(nn.Conv(32, (3, 3))(x))
-      return nn.Dense(10)(x.mean(axis=(1, 2)))
-
   x = jnp.ones((16, 8, 8, 3))
-  params = Net().init(jax.random.PRNGKey(0), x)
+  params = ConvNet().init(jax.random.PRNGKey(0), x)
 
   def grad(p, x):
-    return jax.grad(lambda p: (Net().apply(p, x) ** 2).sum())(p)
+    return jax.grad(lambda p: (ConvNet().apply(p, x) ** 2).sum())(p)
   jaxpr = _inline_marked_calls(jax.make_jaxpr(grad)(params, x), fn_name="grad").jaxpr
   eqns = jaxpr.eqns
   producer = {o: i for i, e in enumerate(eqns) for o in e.outvars}

@@ -1,19 +1,16 @@
 """The cost model against the hardware and against what XLA compiles:
 the compute roofline, ``plan.check`` and loop-aware HLO reading."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 import pytest
-from flax.training import train_state
 
 import autopar
 from autopar import hlo
 from autopar.cost_model import MeshCost
 from autopar.strategies import RuleContext, strategies_for
-from models import ScanTransformer, Transformer, lm_setup, mlp_setup, transformer_setup
+from models import (ConvNet, ScanTransformer, Transformer, image_setup, lm_setup,
+                    mlp_setup, transformer_setup)
 
 
 def _eqn(fn, *avals):
@@ -75,42 +72,13 @@ def test_hlo_counts_collectives_in_loops_and_reads_their_mesh_axes():
   assert hlo.bytes_sent(compiled) == pytest.approx(5 * 2 * one * 3 / 4)
 
 
-class ConvNet(nn.Module):
-  @nn.compact
-  def __call__(self, x):
-    x = nn.relu(nn.Conv(16, (3, 3))(x))
-    x = nn.relu(nn.Conv(32, (3, 3))(x))
-    return nn.Dense(10)(x.mean(axis=(1, 2)))
-
-
-def conv_setup(batch=32):
-  rng = np.random.RandomState(0)
-  x = rng.randn(batch, 8, 8, 3).astype(np.float32)
-  y = rng.randint(0, 10, size=(batch,)).astype(np.int32)
-  model = ConvNet()
-  params = model.init(jax.random.PRNGKey(0), x[:1])
-
-  def make_state():
-    return train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                         tx=optax.adam(1e-3))
-
-  def step(state, batch):
-    def loss_fn(p):
-      logits = state.apply_fn(p, batch["x"])
-      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-    loss, grads = autopar.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), loss
-
-  return make_state, step, {"x": x, "y": y}
-
-
 MODELS = {
     "mlp": lambda: mlp_setup(batch=64, din=256, hidden=1024, dout=256),
     "gpt": lambda: lm_setup(Transformer(vocab=256, d=128, heads=4, layers=2),
                             batch=16, seq=16),
     "scanned gpt": lambda: lm_setup(ScanTransformer(vocab=256, d=128, heads=4, layers=3),
                                     batch=16, seq=16),
-    "conv": conv_setup,
+    "conv": lambda: image_setup(ConvNet(), batch=32, hw=8),
 }
 METHODS = {
     "DataParallel": lambda m: autopar.DataParallel(mesh=m, num_micro_batches=2),
