@@ -40,7 +40,8 @@ Constraints (one method each)
     ``Σ_{values live at t} Σ_c bytes(value, c) · x[v,c] + state ≤ budget``
     at the three peaks of replicated bytes (``_memory``), and at the
     solution's own peak under its specs where that is over the budget,
-    added and solved again (``solve``, at most ``_BUDGET_ROUNDS`` times)
+    added and solved again (``solve``, at most ``_BUDGET_ROUNDS`` times; a
+    ``PlanError`` if the plan's own peak is still over it)
 
 Solved with PuLP and HiGHS (CBC if HiGHS is missing): the LP relaxation
 first, which the edge flows make tight, and branch and bound only if its
@@ -229,6 +230,7 @@ class ShardingProblem(ChoiceGraph):
     self._edge_count = 0
     self._reshard_cache: dict = {}
     self._chosen_memo: dict = {}
+    self._added_peaks: list = []      # the plan's own peaks held to the budget (solve)
     self.timings: dict[str, float] = {}
 
   def decisions(self) -> dict[str, tuple]:
@@ -574,23 +576,29 @@ class ShardingProblem(ChoiceGraph):
     objectives of several problems and reads only the best one's solution.
     """
     t0 = time.perf_counter()
+    deadline = t0 + time_limit
+    over = None
     try:
       solver_name = self._run_solver(time_limit)
       # The budget is held at the peaks of replicated bytes; where the
       # plan's own peak (its specs' bytes) is elsewhere and over it, it is
       # held there too and the problem solved again.
-      for _ in range(_BUDGET_ROUNDS if self.memory_budget is not None else 0):
+      for rounds in range(_BUDGET_ROUNDS + 1 if self.memory_budget is not None else 0):
         if self.prob.status != pulp.LpStatusOptimal:
           break
-        self._chosen_memo = {}
         state, _ = self._memory_items()
         peak = self._peak_at_solution()
-        if self._total(state) + self._total(peak) <= self.memory_budget * (1 + 1e-6):
+        over = self._total(state) + self._total(peak)
+        if over <= self.memory_budget * (1 + 1e-6):
+          over = None
           break
+        if rounds == _BUDGET_ROUNDS:
+          break
+        self._added_peaks.append(peak)
         s_expr, (p_expr,) = self._memory_exprs(state, [peak])
         self.prob += s_expr + p_expr <= self.memory_budget, f"memory_{self.num_constraints}"
         self.num_constraints += 1
-        solver_name = self._run_solver(time_limit)
+        solver_name = self._run_solver(max(1.0, deadline - time.perf_counter()))
     finally:
       self.solve_seconds = seconds = time.perf_counter() - t0
     status = pulp.LpStatus[self.prob.status]
@@ -599,6 +607,13 @@ class ShardingProblem(ChoiceGraph):
         raise PlanError(self._infeasible_message(status))
       raise PlanError(f"autopar: the sharding ILP ended with status {status!r}. "
                       f"Fix: report this with the step's jaxpr.")
+    if over is not None:
+      raise PlanError(
+          f"autopar: no sharding found within memory_budget_per_device="
+          f"{self.memory_budget:.0f} bytes on batch axes {self.S}: after "
+          f"{_BUDGET_ROUNDS} rounds the plan's own peak is still {over:.0f} bytes. "
+          f"Fix: raise memory_budget_per_device, use more micro-batches or a "
+          f"larger mesh.")
     self._solved = (status, solver_name, seconds)
     return float(pulp.value(self.prob.objective) or 0.0)
 
@@ -612,6 +627,7 @@ class ShardingProblem(ChoiceGraph):
     if self.prob.status != pulp.LpStatusOptimal or not self._integral():
       solver, solver_name = _solver(time_limit)
       self.prob.solve(solver)
+    self._chosen_memo = {}            # the choices read so far are the last solve's
     return solver_name
 
   def solution(self) -> Solution:
@@ -640,7 +656,8 @@ class ShardingProblem(ChoiceGraph):
     prob = pulp.LpProblem("autopar_min_memory", pulp.LpMinimize)
     peak = _variable(prob, "peak", lowBound=0)
     state, acts = self.memory_terms()
-    for t, act in enumerate(acts or [0]):
+    _, added = self._memory_exprs(self._memory_items()[0], self._added_peaks)
+    for t, act in enumerate([*acts, *added] or [0]):
       prob += peak >= state + act
     for idx, node in enumerate(self.nodes):
       prob += pulp.lpSum(node.vars) == 1

@@ -59,6 +59,7 @@ import math
 from typing import Callable, Iterable
 
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Literal, Var
 
 from autopar.cost_model import itemsize
@@ -86,15 +87,8 @@ def liveness_peaks(jaxpr, k: int,
   """
   eqns = jaxpr.eqns
   end = len(eqns)
-  producer: dict[Var, int] = {}
-  readers: dict[Var, list[int]] = {}
-  for i, eqn in enumerate(eqns):
-    for o in eqn.outvars:
-      producer[o] = i
-    for v in dict.fromkeys(v for v in eqn.invars if type(v) is not Literal):
-      readers.setdefault(v, []).append(i)
-  outputs = {v for v in jaxpr.outvars if type(v) is not Literal}
-  fusions = _Fusions(eqns, producer, readers, outputs)
+  fusions = _Fusions.of(jaxpr)
+  producer, outputs = fusions.producer, fusions.outputs
 
   # Where each buffer is read: the equations that run (not fused into their
   # readers), through what they recompute.
@@ -114,17 +108,16 @@ def liveness_peaks(jaxpr, k: int,
     for v, order in relayouts(eqn):
       if type(v) is not Literal:
         key = (v, order)
-        if key not in copied:
-          copied[key] = [v, producer.get(v), i]
+        if key not in copied:           # an input's copy: where it is first read
+          copied[key] = [v, producer.get(v, first_use.get(v, i)), i]
           early.append(copied[key])
         copied[key][2] = i
         reads[i] = [u for u in reads[i] if u is not v]
+        first_use.setdefault(v, i)
     for v in reads[i]:
       last_use[v] = i
       first_use.setdefault(v, i)
-  # An input's copy is made where the input is first read.
-  early = [(v, first_use.get(v, last) if first is None else first, last)
-           for v, first, last in early] + fusions.made_broadcasts()
+  early = [tuple(e) for e in early] + fusions.made_broadcasts()
   released = {v for v in released if type(v) is not Literal}
   folded = set(folded)
   for v in outputs:
@@ -142,7 +135,7 @@ def liveness_peaks(jaxpr, k: int,
   for i, eqn in enumerate(eqns):
     if eqn.primitive.name == "conv_general_dilated":
       # A result not in the convolution's order is written to a copy.
-      out = [v for v in conv_relayouts(eqn)[2:] if v in last_use]
+      out = [v for v in conv_relayouts(eqn) if v is eqn.outvars[0] and v in last_use]
       if out:
         copies.setdefault(i, []).extend(out)
     # A loop's or branch's body holds its own values while it runs; its
@@ -162,9 +155,9 @@ def liveness_peaks(jaxpr, k: int,
   start: dict[Var, int] = {}
   stop: dict[Var, int] = {}
   for v in gathered:
-    if v in first_use:
+    if v in first_use:                # (read only through copies: until the first)
       owner[v] = v
-      start[v], stop[v] = first_use[v], last_use[v]
+      start[v], stop[v] = first_use[v], last_use.get(v, first_use[v])
   for i, eqn in enumerate(eqns):
     name = eqn.primitive.name
     taken: set[Var] = set()
@@ -235,10 +228,10 @@ def fusible(eqn) -> bool:
       "optimization_barrier", "autopar_value")
 
 
-# Element-wise operations XLA will not compute twice
-# (``InstructionFusion::IsExpensive``): a value they make that has several
-# readers is made once and held. Float division is one; integer division
-# is not.
+# Element-wise operations XLA will not compute twice (after
+# ``InstructionFusion::IsExpensive``: transcendental functions, division
+# but an integer one by a constant): a value they make that has several
+# readers is made once and held.
 EXPENSIVE = frozenset({
     "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sqrt", "rsqrt",
     "cbrt", "pow", "atan2", "erf", "erfc", "erf_inv", "lgamma", "digamma", "tan",
@@ -268,6 +261,18 @@ class _Fusions:
   other readers (XLA merges equal broadcasts), which are made for it.
   """
 
+  @classmethod
+  def of(cls, jaxpr) -> "_Fusions":
+    producer: dict[Var, int] = {}
+    readers: dict[Var, list[int]] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+      for o in eqn.outvars:
+        producer[o] = i
+      for v in dict.fromkeys(v for v in eqn.invars if type(v) is not Literal):
+        readers.setdefault(v, []).append(i)
+    outputs = {v for v in jaxpr.outvars if type(v) is not Literal}
+    return cls(jaxpr.eqns, producer, readers, outputs)
+
   def __init__(self, eqns, producer, readers, outputs):
     self.eqns, self.producer, self.readers = eqns, producer, readers
     self.outputs = outputs
@@ -290,6 +295,7 @@ class _Fusions:
     broadcasts (CSE), and a kernel takes one in only if nothing else reads
     it."""
     readers: dict[tuple, list[int]] = {}
+    already = set()                   # made by a broadcast equation that runs
     for i, eqn in enumerate(self.eqns):
       if not eqn.outvars or not any(o in self.outputs or o in self.readers
                                     for o in eqn.outvars):
@@ -298,6 +304,8 @@ class _Fusions:
       if eqn.primitive.name == "broadcast_in_dim" and type(eqn.invars[0]) is Literal:
         key = _broadcast_key(eqn.invars[0], out)
         readers.setdefault(key, []).extend(self.readers.get(eqn.outvars[0], ()))
+        if self.runs(i):
+          already.add(key)
       elif fusible(eqn) and out.shape:
         for v in eqn.invars:
           if tuple(v.aval.shape) != tuple(out.shape):
@@ -306,12 +314,10 @@ class _Fusions:
     for key, rs in readers.items():
       where = {self.kernel_of(r) for r in rs}
       kernels = sorted(where - {None})
-      if not kernels or len(where) < 2:
-        continue                      # no kernel reads it, or one kernel alone
-      dtype = key[-1]
-      like = [self.eqns[r].outvars[0] for r in rs
-              if str(self.eqns[r].outvars[0].aval.dtype) == dtype and
-              tuple(self.eqns[r].outvars[0].aval.shape) == key[-2]]
+      if not kernels or len(where) < 2 or key in already:
+        continue                      # no kernel reads it, one alone, or made anyway
+      like = [o for o in (self.eqns[r].outvars[0] for r in rs if self.eqns[r].outvars)
+              if str(o.aval.dtype) == key[-1] and tuple(o.aval.shape) == key[-2]]
       if like:
         made.append((like[0], kernels[0], kernels[-1]))
     return made
@@ -353,13 +359,33 @@ class _Fusions:
     made = self.eqns[p]
     if len(made.outvars) != 1:
       return False
+    rs = self.readers[v]
     if made.primitive.name not in ("broadcast_in_dim", "iota"):
-      if not fusible(made) or (len(self.readers[v]) > 1 and _expensive(made)):
+      if not fusible(made) or (len(rs) > 1 and _expensive(made)):
+        return False
+      # XLA computes a value twice (made for one reader, again inside
+      # another) only where that reads no more than one operand of its
+      # size (``InstructionFusion::ComputeGloballyUnfusible``).
+      if len(rs) > 1 and self._full_operands(made) > 1 and \
+          not all(self._takes(self.eqns[r]) and self.kernel_of(r) is None for r in rs):
         return False
     kernel = self.kernel_of(i)
     if kernel is not None:            # a kernel takes in what only it reads
       return self.kernel_of(p) == kernel
     return self._takes(self.eqns[i])
+
+  def _full_operands(self, eqn) -> int:
+    """How many of an element-wise operation's operands are as large as its
+    result and not a broadcast or an iota."""
+    size = math.prod(eqn.outvars[0].aval.shape)
+    n = 0
+    for v in eqn.invars:
+      if type(v) is Literal or math.prod(v.aval.shape) != size:
+        continue
+      p = self.producer.get(v)
+      if p is None or self.eqns[p].primitive.name not in ("broadcast_in_dim", "iota"):
+        n += 1
+    return n
 
   @staticmethod
   def _takes(reader) -> bool:
@@ -369,9 +395,9 @@ class _Fusions:
     """Whether equation ``i`` runs where it stands (some result of it is
     held), rather than only inside its readers."""
     eqn = self.eqns[i]
-    return any(o in self.outputs or
-               any(not self.fused_into(o, r) for r in self.readers.get(o, ()))
-               for o in eqn.outvars) or not eqn.outvars
+    return not eqn.outvars or bool(eqn.effects) or any(
+        o in self.outputs or any(not self.fused_into(o, r) for r in self.readers.get(o, ()))
+        for o in eqn.outvars)
 
   def reads(self, i: int) -> list[Var]:
     """The held values equation ``i`` reads, through what it recomputes."""
@@ -386,24 +412,25 @@ class _Fusions:
     return list(out)
 
   def _sources_of(self, v: Var) -> list[Var]:
-    """What recomputing ``v`` reads."""
-    got = self._sources.get(v)
-    if got is None:
-      got = self._sources[v] = self.reads(self.producer[v])
-    return got
+    """What recomputing ``v`` reads (found in ``__init__``)."""
+    return self._sources[v]
 
 
 def _broadcast_key(v, out) -> tuple:
   """What XLA's CSE tells broadcasts apart by: the operand (a literal by
   its value), the shape and the type."""
-  what = ("literal", repr(v.val)) if type(v) is Literal else ("value", id(v))
+  if type(v) is Literal:
+    what = ("literal", np.asarray(v.val, v.aval.dtype).tobytes())
+  else:
+    what = ("value", id(v))
   return (*what, tuple(out.shape), str(v.aval.dtype))
 
 
 def _expensive(eqn) -> bool:
   name = eqn.primitive.name
-  if name in ("div", "rem"):
-    return not jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.integer)
+  if name in ("div", "rem"):          # integer division by a constant is cheap
+    return not (jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.integer) and
+                type(eqn.invars[1]) is Literal)
   return name in EXPENSIVE
 
 
