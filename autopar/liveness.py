@@ -9,8 +9,9 @@ its buffers are shared, follows XLA's fusion and buffer assignment:
   iota is computed again inside each reader a loop fusion can take it
   into (an element-wise operation, a reduction, a broadcast, a view, a
   slice), an expensive one (``EXPENSIVE``: tanh, exp, division ...) only
-  into a sole reader; a reader that recomputes a value reads its operands
-  instead. So GELU's backward holds ``x`` and ``tanh(...)``, not five
+  into a sole reader, and one that reads two operands of its size only if
+  every reader takes it in; a reader that recomputes a value reads its
+  operands instead. So GELU's backward holds ``x`` and ``tanh(...)``, not five
   intermediates, and a ReLU's mask read by the backward pass holds the
   compared values until there. What a dot, a convolution, a gather, a
   collective or a loop reads is made. XLA:CPU runs float reductions as
@@ -95,7 +96,7 @@ def liveness_peaks(jaxpr, k: int,
   last_use: dict[Var, int] = {}
   first_use: dict[Var, int] = {}
   reads: dict[int, list[Var]] = {}
-  early: list = []                   # [a copy's stand-in, first, last point]
+  early: list = []                   # [copied value, first, last point]
   copied: dict[tuple, list] = {}     # (value, order) -> its copy in ``early``
   for i, eqn in enumerate(eqns):
     if not fusions.runs(i):
@@ -242,9 +243,8 @@ _REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min")
 # What a loop fusion can take a producer into: element-wise operations,
 # reductions (as the fusion's root), broadcasts, views and slicing.
 _CONSUMERS = frozenset({
-    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
-    "reduce_or", "argmax", "argmin", "broadcast_in_dim", "concatenate", "pad",
-    "slice", "dynamic_slice", *VIEWS})
+    *_REDUCTIONS, "reduce_prod", "reduce_and", "reduce_or", "argmax", "argmin",
+    "broadcast_in_dim", "concatenate", "pad", "slice", "dynamic_slice", *VIEWS})
 
 
 class _Fusions:
@@ -253,7 +253,8 @@ class _Fusions:
   ``fused_into(v, i)``: whether reader ``i`` recomputes ``v``. A loop
   fusion takes in a cheap element-wise producer, a broadcast or an iota
   (recomputing it in each such reader, even where another reader needs it
-  made), an expensive one only as its sole reader. A YNNPACK reduction
+  made, unless it reads more than one operand of its size), an expensive
+  one only as its sole reader. A YNNPACK reduction
   (``kernel_of``) takes in only what nothing outside it reads. ``runs(i)``:
   whether equation ``i`` runs where it stands (some reader needs its
   result made); ``reads(i)``: the made values it reads, through what it
