@@ -27,6 +27,7 @@ from autopar.executor import Executable
 from autopar.pipeline import compile as pipeline_compile
 from autopar.pipeline.runtime import PipelineExecutable
 from autopar.hints import check_hints
+from autopar.loss import check_loss
 from autopar.lower import lower_step
 from autopar.method import (ParallelMethod, PipeshardParallel, ShardParallel, auto_mesh,
                             axis_sizes_of, resolve_mesh)
@@ -40,7 +41,7 @@ from autopar.tools.explain import Replanner
 from autopar.planner import Progress, batch_axes_for, plan_auto
 from autopar.preset import plan_preset
 from autopar.split import (OutputKind, SplitStep, apply_at, instantiate_split,
-                            outputs_at, split_step)
+                            outputs_at, scale_at, split_step)
 from autopar.trace import (ArgFlags, LeafInfo, TracedStep, abstract_leaves, arg_names,
                            check_batch_leaves, classify_args, trace_step,
                            trace_step_any_batch)
@@ -401,6 +402,8 @@ class ParallelizedFunction:
                     h.spec) for h in split.hints if h.axes()))
     data_size = math.prod(sizes[a] for a in plan.batch_axes)
     if split.has_marker and n * data_size > 1:
+      check_loss(split.loss, self._name,
+                 f"{n} micro-batch(es) x {data_size} device(s) along {plan.batch_axes}")
       for j, (path, kind, aval) in enumerate(zip(
           split.traced.out_paths, split.out_kinds,
           self._outputs(prep, split, micro).avals, strict=True)):
@@ -440,7 +443,8 @@ class ParallelizedFunction:
                                       mesh=auto_mesh(resolve_mesh(self.method)),
                                       names=prep.names)
       self._any_split[prep.key] = (None if traced is None else split_step(
-          traced, fn_name=self._name, output_reductions=self.output_reductions))
+          traced, fn_name=self._name, output_reductions=self.output_reductions,
+          remat=self.method.remat))
     return self._any_split[prep.key]
 
   def _split(self, prep: _Prepared, micro_batch_size: int) -> SplitStep:
@@ -468,13 +472,13 @@ class ParallelizedFunction:
     reference = None
     if rows and (self.method.micro_batches > 1 or math.prod(mesh.axis_sizes) > 1):
       known = [self._reference.get(prep.key), *(
-          s.traced for (k, _), s in self._splits.items() if k == prep.key)]
+          s.raw for (k, _), s in self._splits.items() if k == prep.key)]
       reference = next((t for t in known
                         if t is not None and t.micro_batch_size != rows), None)
       if reference is None:
         reference = self._reference.setdefault(prep.key, self._trace_at(prep, 2 * rows))
     return split_step(traced, fn_name=self._name, reference=reference,
-                      output_reductions=self.output_reductions)
+                      output_reductions=self.output_reductions, remat=self.method.remat)
 
   def _trace_at(self, prep: _Prepared, rows: int):
     """The step traced at ``rows`` rows (uncached)."""
@@ -527,12 +531,20 @@ class ParallelizedFunction:
         apply = apply_at(self._symbolic(prep), whole)
       else:
         apply = self._split(prep, whole).apply
+      # Each group (a device's rows of a micro-batch) seeds the loss with the
+      # whole batch's cotangents (loss.py), computed at the whole batch's size.
+      scale = None
+      if split.loss is not None and plan.num_micro_batches * data_size > 1:
+        if self._symbolic(prep) is not None:
+          scale = scale_at(self._symbolic(prep), whole)
+        else:
+          scale = self._split(prep, whole).loss.scale
       # autopar's stages compute on meshes of their own: a mesh the caller
       # set (jax.set_mesh) applies to the step's own code, not to them.
       with jax.set_mesh(None):
         lowered = lower_step(dataclasses.replace(split, apply=apply), split_local,
-                             plan, mesh,
-                             accumulate=self.method.grad_accumulation_dtype)
+                             plan, mesh, accumulate=self.method.grad_accumulation_dtype,
+                             scale=scale)
       exe = Executable(plan=plan, lowered=lowered, split=split,
                        static_argnums=prep.flags.static)
       self._executables[prep.key] = exe

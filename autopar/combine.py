@@ -14,11 +14,9 @@ batch's.
 :func:`derive` reads that from the program. Walking back from an output
 through values that hold no rows, it stops at *reductions over the rows*: a
 ``reduce_sum`` / ``reduce_max`` / ``reduce_min`` over a dimension that holds
-rows (``rows.py``), a ``dot_general`` that contracts one, or the value of
-``autopar.value_and_grad`` (a mean over the rows, the assumption the
-gradient's averaging rests on too). Those values are accumulated over
-micro-batches and reduced over devices like the gradients (summed, maxed,
-mined, or averaged), and everything the output computes from them runs once
+rows (``rows.py``) or a ``dot_general`` that contracts one. Those values are
+accumulated over micro-batches and reduced over devices like the gradients
+(summed, maxed or mined), and everything the output computes from them runs once
 per step in ``apply_grad``, on the whole batch's shapes (so ``x.shape[0]``
 there is the whole batch's). An output whose value needs the rows in another
 way (one row, a sort over the rows, a second pass over the rows after a
@@ -42,7 +40,7 @@ from jax.extend.core import Literal, Var
 
 from autopar.rows import RowDim
 
-__all__ = ["Derivation", "derive", "REDUCTIONS"]
+__all__ = ["Derivation", "derive", "reduction_of", "REDUCTIONS"]
 
 # How values are combined over micro-batches and devices.
 REDUCTIONS = ("sum", "mean", "max", "min")
@@ -68,14 +66,13 @@ class Derivation:
 
 
 def derive(jaxpr, outputs: Sequence[int], on_batch: set,
-           row_dims: Callable[[Var], list[RowDim] | None], means: set) -> Derivation:
+           row_dims: Callable[[Var], list[RowDim] | None]) -> Derivation:
   """Derives ``jaxpr``'s outputs at positions ``outputs`` (those that depend
   on the batch and hold no rows) from reductions over the rows.
 
   ``on_batch``: the variables that depend on the batch's values;
   ``row_dims(v)``: the dimensions of ``v`` that hold rows, or None where
-  that is not known; ``means``: values known to be means over the rows (the
-  value of ``autopar.value_and_grad``).
+  that is not known.
   """
   producer = {}
   for eqn in jaxpr.eqns:
@@ -84,7 +81,7 @@ def derive(jaxpr, outputs: Sequence[int], on_batch: set,
   reduced: dict[Var, str] = {}
   derived, failures = set(), {}
   for pos in outputs:
-    found, why = _walk(jaxpr.outvars[pos], producer, on_batch, row_dims, means)
+    found, why = _walk(jaxpr.outvars[pos], producer, on_batch, row_dims)
     if why:
       failures[pos] = why
     else:
@@ -96,21 +93,21 @@ def derive(jaxpr, outputs: Sequence[int], on_batch: set,
   second = _second_passes(jaxpr, reduced, producer)
   if second:
     for pos in list(derived):
-      found, _ = _walk(jaxpr.outvars[pos], producer, on_batch, row_dims, means)
+      found, _ = _walk(jaxpr.outvars[pos], producer, on_batch, row_dims)
       if set(found) & second:
         derived.discard(pos)
         failures[pos] = ("it reduces the rows a second time after a first reduction "
                          "over them (as a variance after a mean): each micro-batch "
                          "would see its own first reduction")
     reduced = {v: op for v, op in reduced.items() if any(
-        v in _walk(jaxpr.outvars[p], producer, on_batch, row_dims, means)[0]
+        v in _walk(jaxpr.outvars[p], producer, on_batch, row_dims)[0]
         for p in derived)}
   order = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
   return Derivation(tuple(sorted(reduced.items(), key=lambda kv: order[kv[0]])),
                     frozenset(derived), failures)
 
 
-def _walk(out, producer, on_batch, row_dims, means) -> tuple[dict, str]:
+def _walk(out, producer, on_batch, row_dims) -> tuple[dict, str]:
   """(the reductions ``out`` is computed from, why it cannot be: "" if it can)."""
   found: dict[Var, str] = {}
   stack, seen = [out], set()
@@ -119,9 +116,6 @@ def _walk(out, producer, on_batch, row_dims, means) -> tuple[dict, str]:
     if isinstance(v, Literal) or v in seen or v not in on_batch:
       continue
     seen.add(v)
-    if v in means:
-      found[v] = "mean"
-      continue
     dims = row_dims(v)
     if dims is None:
       return found, ("autopar cannot tell which of its values hold the batch's rows "
@@ -133,7 +127,7 @@ def _walk(out, producer, on_batch, row_dims, means) -> tuple[dict, str]:
     eqn = producer.get(v)
     if eqn is None:
       return found, "it is an input that depends on the batch"
-    op = _reduction(eqn, row_dims)
+    op = reduction_of(eqn, row_dims)
     if op is not None:
       found[v] = op
       continue
@@ -146,7 +140,7 @@ def _walk(out, producer, on_batch, row_dims, means) -> tuple[dict, str]:
   return found, ""
 
 
-def _reduction(eqn, row_dims) -> str | None:
+def reduction_of(eqn, row_dims) -> str | None:
   """How ``eqn`` reduces the rows of its operand, if it is a reduction over
   them: "sum", "max" or "min"."""
   name = eqn.primitive.name

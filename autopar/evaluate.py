@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax._src import core as jax_core
+from jax._src import source_info_util
 from jax.extend.core import Literal
 
 from autopar import rng
@@ -167,7 +168,11 @@ def eval_jaxpr(jaxpr, consts, args, rules: Rules, constvals=()):
       outs = [rules.hint(args[0], spec_of(eqn))]
     else:
       params = eqn.primitive.get_bind_params(eqn.params)
-      with eqn.ctx.manager:
+      # The equation's name stack (``transpose(jvp(...))``) goes into the
+      # HLO's metadata, as jax.core.eval_jaxpr puts it (hlo.py reads it).
+      name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+      with source_info_util.user_context(eqn.source_info.traceback,
+                                         name_stack=name_stack), eqn.ctx.manager:
         ans = eqn.primitive.bind(*args, **params)
       outs = ans if eqn.primitive.multiple_results else [ans]
     if pinned:

@@ -2,12 +2,15 @@
 
 Stage 8 of the pipeline. For ``n`` micro-batches one call runs::
 
-    acc = compute_grad(leaves)                    # micro-batch 0
-    acc = accumulate_grad(leaves, i, acc)         # micro-batches 1 .. n-2, in place
-    grads, outs = accumulate_grad_sync(leaves, n-1, acc)   # reduce once
+    sums = loss_sums(leaves)                      # only if the loss needs them
+    acc = compute_grad(leaves, sums)              # micro-batch 0
+    acc = accumulate_grad(leaves, i, acc, sums)   # micro-batches 1 .. n-2, in place
+    grads, outs = accumulate_grad_sync(leaves, n-1, acc, sums)   # reduce once
     new_state, ... = apply_grad(state, other, grads)       # state donated
 
-(``compute_grad_sync`` when ``n == 1``). Every check that can fail runs
+(``compute_grad_sync`` when ``n == 1``). ``loss_sums`` is the first pass
+over the batch for the sums the loss's gradient is scaled by, such as the
+token count of a mean over a padding mask (``loss.py``). Every check that can fail runs
 before the first stage, and the state is donated only to the last stage, so
 a call that raises leaves the caller's arrays usable.
 """
@@ -20,7 +23,7 @@ from typing import Any, Sequence
 import jax
 
 from autopar.errors import InputError
-from autopar.lower import LoweredStep
+from autopar.lower import SUMS_STAGE, LoweredStep
 from autopar.plan import Plan
 from autopar.pytrees import partition
 from autopar.trace import split_updates
@@ -84,12 +87,16 @@ class Executable:
                                  [leaves[k] for k in lw.kept],
                                  [leaves[k] for k in lw.batch]))
     schedule = lw.schedule
+    sums = []
+    if schedule[0] == SUMS_STAGE:
+      sums = stages[SUMS_STAGE](leaves)
+      schedule = schedule[1:]
     acc = None
     for i, name in enumerate(schedule[:-1]):
       if i == 0:
-        acc = stages[name](leaves)
+        acc = stages[name](leaves, sums)
       else:
-        acc = stages[name](leaves, lw.micro_batch_index[i], acc)
+        acc = stages[name](leaves, lw.micro_batch_index[i], acc, sums)
     grads, micro_outs = acc
     del acc
     apply_outs = stages["apply_grad"]([leaves[k] for k in lw.donated],

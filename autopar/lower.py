@@ -40,19 +40,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src import core as jax_core
+from jax._src.interpreters import partial_eval as pe
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar import rng
 from autopar.evaluate import Rules, check_pins, eqn_at, eval_jaxpr, eval_scan, plan_constraints
+from autopar.gradients import (COMBINE, add_partial, across, gather_manual, loss_marker,
+                               make_entry, manual_spec, reduce_manual, seed_loss,
+                               stacked_spec, sums_pass)
 from autopar.gradstack import GradStack, find_grad_stacks, slots
 from autopar.hints import in_stage
 from autopar.method import accumulation_dtype, auto_mesh
 from autopar.plan import Plan
 from autopar.planner import batch_spec, grad_stage_names, leaves_read_by_compute
 from autopar.trace import eqns_by_path
-from autopar.split import OutputKind, SplitStep
+from autopar.split import OutputKind, SplitStep, dce, scale_at
 
-__all__ = ["LoweredStep", "lower_step"]
+__all__ = ["LoweredStep", "lower_step", "SUMS_STAGE"]
+
+# The first pass over the batch, for the sums the loss's cotangents read.
+SUMS_STAGE = "loss_sums"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,10 +70,12 @@ class LoweredStep:
   Stage calling conventions (``leaves`` = all non-static argument leaves,
   ``donated``/``kept`` = the non-batch ones that are / are not donated):
 
-  * ``compute_grad(leaves) -> acc``
-  * ``accumulate_grad(leaves, i, acc) -> acc`` (acc donated)
-  * ``compute_grad_sync(leaves) -> (grads, micro_outs)``
-  * ``accumulate_grad_sync(leaves, i, acc) -> (grads, micro_outs)``
+  * ``loss_sums(leaves) -> sums`` (only where the loss's cotangents read
+    sums over the whole batch, a token count: the first pass)
+  * ``compute_grad(leaves, sums) -> acc``
+  * ``accumulate_grad(leaves, i, acc, sums) -> acc`` (acc donated)
+  * ``compute_grad_sync(leaves, sums) -> (grads, micro_outs)``
+  * ``accumulate_grad_sync(leaves, i, acc, sums) -> (grads, micro_outs)``
   * ``apply_grad(donated, kept, grads) -> apply_outs`` (donated donated)
   * ``step(donated, kept, batch) -> outs`` (a step without a grad marker)
   """
@@ -78,89 +88,22 @@ class LoweredStep:
   batch: tuple[int, ...]
 
 
-# -- specs --------------------------------------------------------------------
-
-def _entry_axes(entry) -> tuple[str, ...]:
-  if entry is None:
-    return ()
-  return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _make_entry(axes: Sequence[str]):
-  axes = tuple(axes)
-  return None if not axes else axes[0] if len(axes) == 1 else axes
-
-
-def _restrict(spec: PartitionSpec, keep) -> PartitionSpec:
-  """``spec`` with only the mesh axes for which ``keep(axis)`` holds."""
-  return PartitionSpec(*(_make_entry([a for a in _entry_axes(e) if keep(a)])
-                         for e in spec))
-
-
-def _manual(spec, manual):
-  return _restrict(spec, lambda a: a in manual)
-
-
-def _auto(spec, manual):
-  return _restrict(spec, lambda a: a not in manual)
-
-
-def _stacked(spec: PartitionSpec, manual: Sequence[str]) -> PartitionSpec:
-  """Spec of a ``[D, *shape]`` stack of per-device partial sums."""
-  return PartitionSpec(_make_entry(manual), *_auto(spec, manual))
-
-
-# -- collectives inside the manual region --------------------------------------
-
-def _gather_manual(x, spec: PartitionSpec, manual: Sequence[str]):
-  """All-gathers the manual-axis sharding of a leaf (ZeRO-3 parameters)."""
-  for d, entry in enumerate(spec):
-    axes = [a for a in _entry_axes(entry) if a in manual]
-    if axes:
-      x = lax.all_gather(x, tuple(axes), axis=d, tiled=True)
-  return x
-
-
-def _reduce_manual(x, spec: PartitionSpec, manual: Sequence[str]):
-  """Sums ``x`` over the manual axes, scattering where ``spec`` shards it."""
-  scattered = set()
-  for d, entry in enumerate(spec):
-    axes = tuple(a for a in _entry_axes(entry) if a in manual)
-    if axes:
-      x = lax.psum_scatter(x, axes, scatter_dimension=d, tiled=True)
-      scattered.update(axes)
-  rest = tuple(a for a in manual if a not in scattered)
-  return lax.psum(x, rest) if rest else x
-
-
-# -- stages -------------------------------------------------------------------
-
-# How values are combined over micro-batches (elementwise) ...
-_COMBINE = {"sum": jnp.add, "mean": jnp.add, "max": jnp.maximum, "min": jnp.minimum}
-# ... and which combination the outputs the caller said how to combine take.
+# How the outputs the caller said how to combine are combined.
 _BY_DEVICE = {OutputKind.MEAN: "mean", OutputKind.SUM: "sum", OutputKind.MAX: "max",
               OutputKind.MIN: "min"}
 
 
-def _across(x, op: str, manual: Sequence[str], groups: int):
-  """``x`` (one device's combination of its micro-batches) combined over the
-  manual (batch) axes: summed, averaged over all ``groups``, maxed, mined."""
-  if op in ("sum", "mean"):
-    x = lax.psum(x, manual) if manual else x
-    return x / groups if op == "mean" else x
-  if not manual:
-    return x
-  return lax.pmax(x, manual) if op == "max" else lax.pmin(x, manual)
-
-
 def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
                 sync: bool, micro_rows: int, accumulate: str | None,
-                stacks: Sequence[GradStack] = ()):
+                stacks: Sequence[GradStack] = (), scale=None):
   """A jitted gradient stage (see LoweredStep for its signature).
 
   ``stacks``: the gradients that scans make stacked (``gradstack.py``),
   accumulated and reduced inside their scan; the partial sums (and the
   reduced gradients) of a stack of sliced gradients are one stacked slot.
+  ``scale``: the loss's cotangents from the whole batch's sums
+  (``split.scale_at``), with which each group seeds the loss (None: one
+  group, whose own cotangents are the whole batch's).
   """
   manual = tuple(plan.batch_axes)
   sizes = plan.axis_sizes
@@ -187,7 +130,7 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
   grad_specs = [g.spec for g in plan.grads]
   slot_specs = [s.spec(grad_specs) if isinstance(s, GradStack) else grad_specs[s]
                 for s in grad_slots]
-  batch_entry = _make_entry(manual)
+  batch_entry = make_entry(manual)
   micro_out_specs = [plan.outputs[j].spec for j, k in enumerate(split.out_kinds)
                      if k is not OutputKind.APPLY]
   # The plan's constraints name only the automatic axes. Inside shard_map a
@@ -222,7 +165,7 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
         total = y.astype(dtype)
         if part is not None:
           total = total + lax.dynamic_index_in_dim(part, k, 0, keepdims=False)
-        red = _reduce_manual(total, layer_spec, manual) / groups
+        red = reduce_manual(total, layer_spec, manual)
         return state, red.astype(grad_vars[g].aval.dtype)
       return (st.out, reduce_layer, None), True
     if part is None:
@@ -233,7 +176,9 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
       return lax.dynamic_update_index_in_dim(state, total, k, 0), None
     return (st.out, add_layer, part), False
 
-  def body(leaf_vals, i, acc):
+  marker = loss_marker(compute)
+
+  def body(leaf_vals, i, acc, sums):
     # The stacks' scans, evaluated with their fold; what each folded to.
     folded = {}
 
@@ -255,12 +200,14 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
     for st in stacks:
       by_scan.setdefault(st.eqn, []).append(st)
     override = {str(e): fold_scan(sts) for e, sts in by_scan.items()}
+    if scale is not None and marker is not None:
+      override[str(marker)] = seed_loss(scale, groups, sums)
     args = []
     for k, (leaf, x) in enumerate(zip(leaves, leaf_vals, strict=True)):
       if leaf.is_batch:
         x = lax.dynamic_slice_in_dim(x, i * micro_rows, micro_rows, axis=0)
       elif k in read:
-        x = _gather_manual(x, in_specs[k], manual)
+        x = gather_manual(x, in_specs[k], manual)
       args.append(x)
     # This device holds rows [d*n*m, (d+1)*n*m) of the batch, and micro-batch
     # i is its rows [i*m, (i+1)*m) (see the module docstring).
@@ -282,13 +229,13 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
       if st is not None:
         totals.append(folded[st])
         continue
-      g = grads[slot].astype(acc_dtypes[slot])
-      totals.append((g if first else acc[0][j][0] + g, False))
+      totals.append((add_partial(None if first else acc[0][j][0], grads[slot],
+                                acc_dtypes[slot]), False))
     if first:
       acc_g = [t[None] for t, _ in totals] + [r[None] for r in sums]
     else:
       acc_g = [t[None] for t, _ in totals]
-      acc_g += [_COMBINE[op](a, r[None]) for a, r, op in
+      acc_g += [COMBINE[op](a, r[None]) for a, r, op in
                 zip(acc[0][num_slots:], sums, reduced, strict=True)]
     acc_m = []
     for j, (kind, val) in enumerate(zip(kinds, micro, strict=True)):
@@ -303,7 +250,7 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
         acc_m.append(lax.dynamic_update_slice_in_dim(buf, val, i * size, dim))
       elif kind in _BY_DEVICE:
         op = _BY_DEVICE[kind]
-        acc_m.append(val[None] if first else _COMBINE[op](acc[1][j], val[None]))
+        acc_m.append(val[None] if first else COMBINE[op](acc[1][j], val[None]))
       else:  # OTHER: only possible with one micro-batch on one device
         acc_m.append(val)
     if not sync:
@@ -312,10 +259,10 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
     for slot, spec, (t, is_reduced) in zip(grad_slots, slot_specs, totals, strict=True):
       g = slot.grads[0] if isinstance(slot, GradStack) else slot
       red_g.append(t if is_reduced else
-                   (_reduce_manual(t, spec, manual) / groups).astype(grad_vars[g].aval.dtype))
-    red_g += [_across(a[0], op, manual, groups)
+                   reduce_manual(t, spec, manual).astype(grad_vars[g].aval.dtype))
+    red_g += [across(a[0], op, manual, groups)
               for a, op in zip(acc_g[num_slots:], reduced, strict=True)]
-    red_m = [_across(a[0], _BY_DEVICE[kind], manual, groups) if kind in _BY_DEVICE else a
+    red_m = [across(a[0], _BY_DEVICE[kind], manual, groups) if kind in _BY_DEVICE else a
              for kind, a in zip(kinds, acc_m, strict=True)]
     return red_g, red_m
 
@@ -330,11 +277,12 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
   micro_avals = [v.aval for k, v in zip(split.out_kinds, split.traced.jaxpr.jaxpr.outvars)
                  if k is not OutputKind.APPLY]
   leaf_specs_manual = [PartitionSpec(batch_entry) if l.is_batch else
-                       _manual(s, manual) for l, s in zip(leaves, in_specs)]
+                       manual_spec(s, manual) for l, s in zip(leaves, in_specs)]
   acc_specs = ([PartitionSpec(batch_entry)] * (num_slots + len(reduced)),
                [rows_spec(j, k) for j, k in enumerate(kinds)])
   if sync:
-    out_specs = ([_manual(s, manual) for s in slot_specs] + [PartitionSpec()] * len(reduced),
+    out_specs = ([manual_spec(s, manual) for s in slot_specs] +
+                 [PartitionSpec()] * len(reduced),
                  [rows_spec(j, k) if k is OutputKind.CONCAT else PartitionSpec()
                   for j, k in enumerate(kinds)])
   else:
@@ -347,18 +295,22 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
     return jax.shard_map(f, mesh=amesh, in_specs=in_specs, out_specs=out_specs,
                          axis_names=set(manual), check_vma=False)
 
+  # The whole batch's sums the loss's cotangents read (the first pass's).
+  num_sums = split.loss.num_sums if scale is not None else 0
+  sums_specs = [PartitionSpec()] * num_sums
   if first:
-    def fn(leaf_vals):
-      return manual_over_batch_axes(lambda lv: body(lv, 0, None),
-                                    (leaf_specs_manual,))(leaf_vals)
+    def fn(leaf_vals, sums):
+      return manual_over_batch_axes(lambda lv, sm: body(lv, 0, None, sm),
+                                    (leaf_specs_manual, sums_specs))(leaf_vals, sums)
   else:
-    def fn(leaf_vals, i, acc):
+    def fn(leaf_vals, i, acc, sums):
       return manual_over_batch_axes(
-          body, (leaf_specs_manual, PartitionSpec(), acc_specs))(leaf_vals, i, acc)
+          body, (leaf_specs_manual, PartitionSpec(), acc_specs, sums_specs))(
+              leaf_vals, i, acc, sums)
 
   ns = lambda s, m=amesh: NamedSharding(m, s)
   leaf_shardings = [ns(s) for s in in_specs]
-  acc_shardings = ([ns(_stacked(s, manual)) for s in slot_specs] +
+  acc_shardings = ([ns(stacked_spec(s, manual)) for s in slot_specs] +
                    [ns(PartitionSpec(batch_entry))] * len(reduced),
                    [ns(rows_spec(j, k)) for j, k in enumerate(kinds)])
   if sync:
@@ -366,10 +318,73 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
                      [ns(s, user_mesh) for s in micro_out_specs])
   else:
     out_shardings = acc_shardings
+  sums_shardings = [ns(PartitionSpec())] * num_sums
   if first:
-    return jax.jit(fn, in_shardings=(leaf_shardings,), out_shardings=out_shardings)
-  return jax.jit(fn, in_shardings=(leaf_shardings, ns(PartitionSpec()), acc_shardings),
+    return jax.jit(fn, in_shardings=(leaf_shardings, sums_shardings),
+                   out_shardings=out_shardings)
+  return jax.jit(fn, in_shardings=(leaf_shardings, ns(PartitionSpec()), acc_shardings,
+                                   sums_shardings),
                  out_shardings=out_shardings, donate_argnums=(2,))
+
+
+def _sums_stage(split: SplitStep, plan: Plan, amesh, *, micro_rows: int):
+  """The jitted first pass, ``loss_sums(leaves) -> sums``: the whole batch's
+  sums that the loss's cotangents read (a token count), replicated.
+
+  Each device evaluates the program that makes them on its rows of every
+  micro-batch (with the gradient stages' random draws, without their
+  effects), and they are combined over micro-batches and devices.
+  """
+  manual = tuple(plan.batch_axes)
+  sizes = plan.axis_sizes
+  n = plan.num_micro_batches
+  groups = n * math.prod(sizes[a] for a in manual)
+  leaves = split.traced.leaves
+  compute = split.compute.jaxpr
+  eqn = compute.eqns[loss_marker(compute)]
+  k = len(eqn.outvars)
+  ops = split.loss.sum_ops
+  quiet = compute.replace(
+      eqns=[e for e in compute.eqns if not (e.effects and pe.has_effects(e))],
+      outvars=list(eqn.invars[k:k + len(ops)]))
+  program = dce(quiet)
+  # Its random draws, found again by equation (dce keeps them).
+  at = {id(e): str(i) for i, e in enumerate(program.eqns)}
+  draws = {}
+  for path, d in (split.draws or {}).items():
+    top, _, rest = path.partition(".")
+    new = at.get(id(compute.eqns[int(top)]))
+    if new is not None:
+      draws[new + ("." + rest if rest else "")] = d
+  nc = len(split.consts)
+  used = {v for e in program.eqns for v in e.invars if isinstance(v, jax_core.Var)}
+  read = [k for k, v in enumerate(program.invars[nc:]) if v in used]
+  in_specs = [v.spec for v in plan.inputs]
+  batch_entry = make_entry(manual)
+
+  def body(leaf_vals):
+    device = lax.axis_index(manual) if manual else 0
+
+    def evaluate(i):
+      args = []
+      for j, (leaf, x) in enumerate(zip(leaves, leaf_vals, strict=True)):
+        if leaf.is_batch:
+          x = lax.dynamic_slice_in_dim(x, i * micro_rows, micro_rows, axis=0)
+        elif j in read:
+          x = gather_manual(x, in_specs[j], manual)
+        args.append(x)
+      rules = Rules(draws=draws, rows=((device * n + i) * micro_rows, groups * micro_rows))
+      return eval_jaxpr(program, split.consts, args, rules)
+    return sums_pass(evaluate, n, ops, manual, groups)
+
+  specs = [PartitionSpec(batch_entry) if l.is_batch else manual_spec(s, manual)
+           for l, s in zip(leaves, in_specs)]
+  fn = body if not manual else jax.shard_map(
+      body, mesh=amesh, in_specs=(specs,), out_specs=[PartitionSpec()] * len(ops),
+      axis_names=set(manual), check_vma=False)
+  ns = lambda s: NamedSharding(amesh, s)
+  return jax.jit(fn, in_shardings=([ns(s) for s in in_specs],),
+                 out_shardings=[ns(PartitionSpec())] * len(ops))
 
 
 def _apply_stage(split: SplitStep, plan: Plan, amesh, user_mesh,
@@ -510,13 +525,15 @@ def _known_option(name: str, value: Any, device) -> bool:
 
 
 def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
-               accumulate: str | None = "float32") -> LoweredStep:
+               accumulate: str | None = "float32", scale=None) -> LoweredStep:
   """Compiles every stage of ``split`` under ``plan`` on the concrete ``mesh``.
 
   ``split`` is the step traced at the global micro-batch size; ``split_local``
   the same step traced at the rows one device holds of a micro-batch (they
   are the same object when the batch axes hold one device). ``accumulate``:
-  the method's ``grad_accumulation_dtype``.
+  the method's ``grad_accumulation_dtype``. ``scale``: the loss's
+  cotangents from the sums at the whole batch's size (``split.scale_at``),
+  given when the batch is split (over micro-batches or devices).
   """
   amesh = auto_mesh(mesh)
   leaves = split.traced.leaves
@@ -546,16 +563,26 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
       stacks = find_grad_stacks(split_local.compute.jaxpr, split.num_grads,
                                 [g.spec for g in plan.grads], plan.batch_axes)
       acc_avals = _acc_avals(split, plan, accumulate, stacks)
+      sums_avals = []
+      if scale is not None and split_local.loss is not None and split_local.loss.num_sums:
+        compute = split_local.compute.jaxpr
+        marker = compute.eqns[loss_marker(compute)]
+        k = len(marker.outvars)
+        sums_avals = [_abstract(v.aval.shape, v.aval.dtype)
+                      for v in marker.invars[k:k + split_local.loss.num_sums]]
+        fn = _sums_stage(split_local, plan, amesh, micro_rows=rows)
+        stages[SUMS_STAGE] = fn.lower(leaf_avals).compile(options)
       for pos, name in enumerate(names):
         if name in stages:
           continue
         first, sync = pos == 0, pos == n - 1
         fn = _grad_stage(split_local, plan, amesh, mesh, first=first, sync=sync,
-                         micro_rows=rows, accumulate=accumulate, stacks=stacks)
+                         micro_rows=rows, accumulate=accumulate, stacks=stacks,
+                         scale=scale)
         if first:
-          lowered = fn.lower(leaf_avals)
+          lowered = fn.lower(leaf_avals, sums_avals)
         else:
-          lowered = fn.lower(leaf_avals, _abstract((), np.int32), acc_avals)
+          lowered = fn.lower(leaf_avals, _abstract((), np.int32), acc_avals, sums_avals)
         stages[name] = lowered.compile(options)
       fn = _apply_stage(split, plan, amesh, mesh, donated, kept, stacks)
       grad_avals = [_abstract(a.shape, a.dtype)
@@ -563,7 +590,7 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
       stages["apply_grad"] = fn.lower([leaf_avals[k] for k in donated],
                                       [leaf_avals[k] for k in kept],
                                       grad_avals).compile(options)
-      schedule = (*names, "apply_grad")
+      schedule = ((SUMS_STAGE,) if SUMS_STAGE in stages else ()) + (*names, "apply_grad")
       replicated = NamedSharding(amesh, PartitionSpec())
       index = tuple(jax.device_put(np.int32(i), replicated) for i in range(n))
   return LoweredStep(stages=stages, schedule=schedule, in_shardings=in_shardings,

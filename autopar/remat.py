@@ -74,7 +74,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 from autopar.errors import InputError, PlanError
 from autopar.pytrees import leaf_mask
 
-__all__ = ["remat_mode", "check_remat", "maybe_roll", "find_layers", "Stack"]
+__all__ = ["remat_mode", "check_remat", "maybe_roll", "rolled_eval", "find_layers", "Stack"]
 
 _MODE: contextvars.ContextVar = contextvars.ContextVar("autopar_remat", default="none")
 _NOTHING = jax.checkpoint_policies.nothing_saveable
@@ -158,17 +158,28 @@ def _rolled_call(fun, policy, args, kwargs):
 
   arrays = [x for a, x in zip(is_array, flat) if a]
   closed = jax.make_jaxpr(flat_fun)(*arrays)
-  stacks = find_layers(closed.jaxpr)
-  if not stacks and not any(_is_layer_scan(e) for e in closed.jaxpr.eqns):
-    name = getattr(fun, "__name__", "the function")
+  outs = rolled_eval(closed.jaxpr, closed.consts, arrays, policy,
+                     getattr(fun, "__name__", "the function"), stacklevel=5)
+  outs = [x if c is None else c[0] for x, c in zip(outs, constant_outs[0], strict=True)]
+  return jax.tree.unflatten(out_tree[0], outs)
+
+
+def rolled_eval(jaxpr: Jaxpr, consts, args, remat: Any, name: str, *,
+                stacklevel: int = 2) -> list:
+  """``jaxpr`` evaluated on ``args`` with its repeated layers rolled into a
+  checkpointed loop (``remat``: ``"layers"`` or a ``jax.checkpoint``
+  policy), for differentiating: what ``autopar.value_and_grad`` runs under a
+  method's remat. ``name``: the function's, for the warning when it has no
+  repeated layers."""
+  policy = _NOTHING if remat == "layers" else remat
+  stacks = find_layers(jaxpr)
+  if not stacks and not any(_is_layer_scan(e) for e in jaxpr.eqns):
     warnings.warn(
         f"autopar: remat={'layers' if policy is _NOTHING else policy!r} found no "
         f"repeated layers in {name} (a stretch of equations that repeats with "
         f"different weights, or a scan over per-layer inputs), so nothing is "
-        f"rematerialised.", stacklevel=4)
-  outs = _eval(closed.jaxpr, closed.consts, arrays, stacks, policy)
-  outs = [x if c is None else c[0] for x, c in zip(outs, constant_outs[0], strict=True)]
-  return jax.tree.unflatten(out_tree[0], outs)
+        f"rematerialised.", stacklevel=stacklevel + 1)
+  return _eval(jaxpr, consts, args, stacks, policy)
 
 
 def _eval(jaxpr: Jaxpr, consts, args, stacks: list[Stack], policy) -> list:

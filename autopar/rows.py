@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import numpy as np
 from jax._src import core as jax_core
 from jax.extend.core import Literal
 
@@ -106,9 +107,10 @@ class RowOracle:
   matched; the rest is not known).
   """
 
-  def __init__(self, rows: Rows, other: dict | None = None):
+  def __init__(self, rows: Rows, other: dict | None = None, sized: set | None = None):
     self.rows = rows
     self.other = other           # variable -> its shape in the second trace
+    self.sized = sized or set()  # ids of equations reading a literal that differs
 
   @classmethod
   def symbolic(cls) -> "RowOracle":
@@ -119,6 +121,7 @@ class RowOracle:
     """From jaxprs ``a`` (traced at ``rows_a`` rows) and ``b`` (``rows_b``)."""
     from autopar.trace import eqns_by_path
     other: dict = {}
+    sized: set = set()
 
     def match(vs, ws):
       for v, w in zip(vs, ws):
@@ -134,7 +137,10 @@ class RowOracle:
         ea, eb = [], []
     for (_, e), (_, f) in zip(ea, eb):
       match(e.outvars, f.outvars)
-    return cls(Rows.pair(rows_a, rows_b), other)
+      if any(isinstance(x, Literal) and isinstance(y, Literal) and
+             not _same_literal(x, y) for x, y in zip(e.invars, f.invars)):
+        sized.add(id(e))
+    return cls(Rows.pair(rows_a, rows_b), other, sized)
 
   def shapes(self, v) -> tuple[tuple, tuple | None] | None:
     """(``v``'s shape, its shape in the second trace or None), or None where
@@ -153,3 +159,26 @@ class RowOracle:
       return []
     s = self.shapes(v)
     return None if s is None else self.rows.dims(*s)
+
+  def varies(self, v) -> bool | None:
+    """Whether ``v``'s shape depends on the batch size (None: not known)."""
+    if isinstance(v, Literal):
+      return False
+    s = self.shapes(v)
+    return None if s is None else self.rows.varies(*s)
+
+  def size_dependent(self, eqn) -> bool:
+    """Whether ``eqn`` makes a value from the batch size itself: a
+    ``dim_as_value`` of a symbolic dimension, or (traced at two concrete
+    sizes) an equation whose literal operand differs between the traces."""
+    if eqn.primitive.name == "dim_as_value":
+      return True
+    return id(eqn) in self.sized
+
+
+def _same_literal(a, b) -> bool:
+  try:
+    x, y = np.asarray(a.val), np.asarray(b.val)
+    return x.shape == y.shape and x.dtype == y.dtype and bool(np.all(x == y))
+  except Exception:  # noqa: BLE001 - an opaque literal (a key): not a size
+    return True

@@ -55,10 +55,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import NamedTuple
-
 import fnmatch
-from typing import Mapping
+from typing import Any, Mapping, NamedTuple
 
 from jax._src import core as jax_core
 from jax._src.interpreters import partial_eval as pe
@@ -67,14 +65,17 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 from autopar.combine import derive
 from autopar.errors import InputError, MarkerError
 from autopar.hints import HINT_PRIMITIVES, Hint, find_hints
+from autopar.loss import (LOSS_KEY, LossGradient, cotangents, expand, find_head,
+                          inline_loss)
 from autopar.marker import grad_marker_p, value_marker_p
+from autopar.retype import without_meshes
 from autopar.rng import DRAW_PRIMITIVES, RowDraw, find_draws
 from autopar.rows import RowDim, RowOracle
-from autopar.trace import (TracedStep, count_markers, eqns_by_path, instantiate,
-                           instantiator)
+from autopar.trace import (TracedStep, count_markers, eqns_by_path, inline_calls,
+                           inline_loss_rules, instantiate, instantiator)
 
 __all__ = ["OutputKind", "SplitStep", "split_step", "instantiate_split",
-           "outputs_at", "reads", "depends_on", "apply_at"]
+           "outputs_at", "reads", "depends_on", "dce", "apply_at", "scale_at"]
 
 
 class OutputKind(enum.Enum):
@@ -115,9 +116,14 @@ class SplitStep:
     hints: the user's sharding hints in ``compute`` and ``apply``
       (``hints.py``).
     reduced: how each reduction over the rows that ``apply`` computes
-      outputs from is combined ("sum", "mean", "max", "min"); they follow the
-      gradients among ``compute``'s results and ``apply``'s inputs.
+      outputs from is combined ("sum", "max", "min", or "mean" where the
+      caller said so); they follow the gradients among ``compute``'s
+      results and ``apply``'s inputs.
     why: per output that cannot be combined (``OTHER``), the reason.
+    loss: how the gradient stages seed the loss's cotangents (``loss.py``);
+      None for a step without a loss function's call.
+    raw: the step as traced, before its loss function was differentiated
+      (``traced`` is after): what another trace is compared with.
   """
   traced: TracedStep
   compute: ClosedJaxpr | None
@@ -131,6 +137,8 @@ class SplitStep:
   hints: tuple[Hint, ...] = ()
   reduced: tuple[str, ...] = ()
   why: Mapping[int, str] = dataclasses.field(default_factory=dict)
+  loss: LossGradient | None = None
+  raw: TracedStep | None = None
 
   @property
   def has_marker(self) -> bool:
@@ -180,7 +188,7 @@ def depends_on(jaxpr, sources, *, stop=None) -> set:
   return dep
 
 
-def _dce(jaxpr: Jaxpr, keep=None) -> Jaxpr:
+def dce(jaxpr: Jaxpr, keep=None) -> Jaxpr:
   """``jaxpr`` without the equations its outputs do not need (and those
   ``keep(eqn)`` holds for, such as markers with no outputs); every input
   is kept. The same as ``pe.dce_jaxpr(jaxpr, [True] * n, instantiate=True)``
@@ -212,7 +220,8 @@ def _dce(jaxpr: Jaxpr, keep=None) -> Jaxpr:
 
 def split_step(traced: TracedStep, *, fn_name: str = "step",
                reference: TracedStep | None = None,
-               output_reductions: Mapping[str, str] | None = None) -> SplitStep:
+               output_reductions: Mapping[str, str] | None = None,
+               remat: Any = "none", pipeline: bool = False) -> SplitStep:
   """Cuts ``traced`` at its grad marker (see the module docstring).
 
   Which dimensions hold rows is read from ``traced`` itself when it was
@@ -220,8 +229,14 @@ def split_step(traced: TracedStep, *, fn_name: str = "step",
   the step traced at another size; with neither (one device, one
   micro-batch, where it does not matter) outputs without rows are ``OTHER``.
   ``output_reductions``: output path (or glob) -> "sum" / "mean" / "max" /
-  "min", for outputs the program does not say how to combine.
+  "min", for outputs the program does not say how to combine; its key
+  ``"loss"``: how to combine the loss itself (``loss.py``). ``remat``: the
+  method's, applied where the loss function is differentiated.
   """
+  how = _loss_how(output_reductions)
+  raw = traced
+  traced, reference, loss_grad = _differentiate(traced, reference, fn_name, how, remat,
+                                                pipeline)
   closed = traced.jaxpr
   jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
   nconst = len(closed.consts)
@@ -231,6 +246,12 @@ def split_step(traced: TracedStep, *, fn_name: str = "step",
 
   total = count_markers(jaxpr)
   markers = [i for i, e in enumerate(jaxpr.eqns) if e.primitive is grad_marker_p]
+  if total == 1 and loss_grad is None:
+    raise MarkerError(
+        f"{fn_name}: the gradients are marked for autopar (autopar.mark_gradients) "
+        f"but not computed by autopar.value_and_grad / autopar.grad, so autopar "
+        f"cannot tell how the loss combines over micro-batches and devices. Fix: "
+        f"compute them with autopar.value_and_grad.")
   if total > 1:
     raise MarkerError(
         f"{fn_name}: the step calls autopar.grad / autopar.value_and_grad "
@@ -247,7 +268,7 @@ def split_step(traced: TracedStep, *, fn_name: str = "step",
                      apply=ClosedJaxpr(jaxpr, ()), consts=tuple(closed.consts),
                      grad_names=(), out_kinds=(OutputKind.APPLY,) * len(jaxpr.outvars),
                      out_index=tuple(range(len(jaxpr.outvars))), out_dims=out_dims,
-                     draws={}, hints=_hints(None, jaxpr, oracle))
+                     draws={}, hints=_hints(None, jaxpr, oracle), raw=raw)
   at = markers[0]
   marker = jaxpr.eqns[at]
 
@@ -256,6 +277,11 @@ def split_step(traced: TracedStep, *, fn_name: str = "step",
   on_grads = depends_on(jaxpr, marker.outvars, stop=marker)
 
   by_user = _by_user(output_reductions, traced.out_paths)
+  if how is not None:
+    # Outputs that are the loss itself combine as the caller said it does.
+    values = {v for e in jaxpr.eqns if e.primitive is value_marker_p for v in e.outvars}
+    by_user.update({j: _BY_USER[how] for j, v in enumerate(jaxpr.outvars)
+                    if isinstance(v, Var) and v in values and j not in by_user})
   kinds: list = []
   why: dict[int, str] = {}
   candidates = []                 # outputs to derive from reductions over the rows
@@ -275,8 +301,7 @@ def split_step(traced: TracedStep, *, fn_name: str = "step",
     else:
       kinds.append(None)
       candidates.append(j)
-  means = {v for e in jaxpr.eqns if e.primitive is value_marker_p for v in e.outvars}
-  derivation = derive(jaxpr, candidates, on_batch, dims, means)
+  derivation = derive(jaxpr, candidates, on_batch, dims)
   why.update(derivation.failures)
   for j in candidates:
     kinds[j] = OutputKind.APPLY if j in derivation.derived else OutputKind.OTHER
@@ -296,11 +321,11 @@ def split_step(traced: TracedStep, *, fn_name: str = "step",
   # An effect runs in the stage on its side of the marker, once.
   effects = [i for i, e in enumerate(jaxpr.eqns) if e.effects and pe.has_effects(e)]
   after = {i for i in effects if i > at}
-  compute = _dce(jaxpr.replace(outvars=[*marker.invars, *reduced, *micro_outs],
+  compute = dce(jaxpr.replace(outvars=[*marker.invars, *reduced, *micro_outs],
                                eqns=[e for i, e in enumerate(jaxpr.eqns) if i not in after]))
   # apply_grad takes the reductions as inputs, as it takes the gradients:
   # what made them (over the rows) is not in it.
-  apply = _dce(jaxpr.replace(
+  apply = dce(jaxpr.replace(
       invars=[*jaxpr.invars, *marker.outvars, *reduced], outvars=apply_outs,
       eqns=[e for i, e in enumerate(jaxpr.eqns)
             if e is not marker and id(e) not in makers and (i > at or i not in effects)]))
@@ -316,7 +341,61 @@ def split_step(traced: TracedStep, *, fn_name: str = "step",
                    grad_names=names, out_kinds=tuple(kinds),
                    out_index=tuple(index), out_dims=out_dims, draws=draws,
                    hints=_hints(compute, apply, oracle),
-                   reduced=tuple(op for _, op in derivation.reduced), why=why)
+                   reduced=tuple(op for _, op in derivation.reduced), why=why,
+                   loss=loss_grad, raw=raw)
+
+
+def _loss_how(output_reductions) -> str | None:
+  """``output_reductions["loss"]``: how the caller says the loss combines."""
+  how = (output_reductions or {}).get(LOSS_KEY)
+  if how is not None and how not in ("mean", "sum"):
+    raise InputError(f"output_reductions[{LOSS_KEY!r}] = {how!r}; the loss combines "
+                     f"as a 'mean' (each device's and micro-batch's loss and gradient "
+                     f"averaged) or a 'sum'.")
+  return how
+
+
+def _differentiate(traced: TracedStep, reference: TracedStep | None, fn_name: str,
+                   how: str | None, remat, pipeline: bool = False) -> tuple:
+  """``traced`` (and ``reference``, the same step at another size) with the
+  loss function differentiated as the whole batch's (``loss.py``), and how
+  the gradient stages seed it; as they are, with None, for a step without
+  a loss function's call. For a pipeline, the loss function is inlined and
+  not differentiated: the pipeline differentiates each stage itself."""
+  closed = inline_loss_rules(traced.jaxpr, fn_name=fn_name) if pipeline else traced.jaxpr
+  view, call = inline_loss(closed, fn_name)
+  if call is None:
+    return traced, reference, None
+  ref_view = ref_call = None
+  if reference is not None:
+    ref_view, ref_call = inline_loss(reference.jaxpr, fn_name)
+    if ref_call is None:
+      ref_view = None
+  if jax_core.is_symbolic_dim(traced.micro_batch_size):
+    oracles = (RowOracle.symbolic(), None)
+  elif ref_view is not None:
+    a, b = traced.micro_batch_size, reference.micro_batch_size
+    oracles = (RowOracle.paired(view.jaxpr, ref_view.jaxpr, a, b),
+               RowOracle.paired(ref_view.jaxpr, view.jaxpr, b, a))
+  else:
+    oracles = (None, None)
+
+  def differentiated(t: TracedStep, v: ClosedJaxpr, c, oracle):
+    batch = {x for x, l in zip(v.jaxpr.invars, t.leaves, strict=True) if l.is_batch}
+    head = find_head(v, c, batch=batch, oracle=oracle, how=how)
+    closed, grad = expand(v, c, head, remat=remat, how=how)
+    closed = without_meshes(inline_calls(closed, fn_name=fn_name))
+    return dataclasses.replace(t, jaxpr=closed), grad
+
+  if pipeline:
+    batch = {x for x, l in zip(view.jaxpr.invars, traced.leaves, strict=True) if l.is_batch}
+    head = find_head(view, call, batch=batch, oracle=oracles[0], how=how)
+    grad = cotangents(view, call, head, how).gradient(head, call, how, with_values=True)
+    return dataclasses.replace(traced, jaxpr=view), None, grad
+  traced, grad = differentiated(traced, view, call, oracles[0])
+  if ref_view is not None:
+    reference, _ = differentiated(reference, ref_view, ref_call, oracles[1])
+  return traced, reference, grad
 
 
 def _one(dims):
@@ -340,6 +419,8 @@ def _by_user(output_reductions, out_paths) -> dict[int, OutputKind]:
   """Output position -> the kind ``output_reductions`` gives it."""
   out = {}
   for pattern, how in (output_reductions or {}).items():
+    if pattern == LOSS_KEY:
+      continue
     if how not in _BY_USER:
       raise InputError(f"output_reductions[{pattern!r}] = {how!r}; expected one of "
                        f"{tuple(_BY_USER)}.")
@@ -420,6 +501,16 @@ def apply_at(split: SplitStep, rows: int) -> ClosedJaxpr:
     assert split.traced.micro_batch_size == rows, (split.traced.micro_batch_size, rows)
     return split.apply
   return ClosedJaxpr(instantiator(rows).jaxpr(split.apply.jaxpr), ())
+
+
+def scale_at(split: SplitStep, rows: int) -> ClosedJaxpr:
+  """``split.loss.scale`` (the loss's cotangents from the sums) at the
+  whole batch's ``rows``: a stage seeds each group with the whole batch's."""
+  scale = split.loss.scale
+  if not jax_core.is_symbolic_dim(split.traced.micro_batch_size):
+    assert split.traced.micro_batch_size == rows, (split.traced.micro_batch_size, rows)
+    return scale
+  return ClosedJaxpr(instantiator(rows).jaxpr(scale.jaxpr), scale.consts)
 
 
 class SizedOutputs(NamedTuple):

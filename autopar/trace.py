@@ -37,6 +37,7 @@ from jax.sharding import NamedSharding
 
 from autopar.errors import AutoparError, InputError, MarkerError
 from autopar.marker import grad_marker_p
+from autopar.pipeline.capture import backward_p, capture_mode, forward_lin_p, forward_p
 from autopar.pytrees import Partition, mutable_args, partition, write_back
 from autopar.retype import Instantiator, jaxprs_in, without_meshes
 
@@ -362,14 +363,18 @@ def trace_step(fn: Callable, args: Sequence[Any], flags: ArgFlags,
               for l in leaves]
   in_context = not jax_mesh.get_abstract_mesh().empty
   try:
-    try:
-      closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*abstract)
-    except RuntimeError as e:
-      if mesh is None or in_context or "mesh in context" not in str(e):
-        raise
-      with _in_context(mesh):
+    # The loss function autopar.value_and_grad differentiates is one call in
+    # the trace (pipeline/capture.py), so that split.py can derive its
+    # gradient as the whole batch's (loss.py).
+    with capture_mode():
+      try:
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*abstract)
-      in_context = True
+      except RuntimeError as e:
+        if mesh is None or in_context or "mesh in context" not in str(e):
+          raise
+        with _in_context(mesh):
+          closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*abstract)
+        in_context = True
   except AutoparError:
     raise
   except Exception as e:   # noqa: BLE001 - the step's own error, said with the batch
@@ -503,6 +508,10 @@ def eqns_by_path(jaxpr, prefix: str = ""):
 # needed and its primal body is what runs.
 _INLINABLE = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call",
               "custom_vjp_call", "custom_vjp_call_jaxpr")
+# Inside the loss function autopar differentiates later (``loss.py``), only
+# plain calls: a custom derivative rule is still needed there.
+_PLAIN_CALLS = ("jit", "pjit", "closed_call", "core_call")
+_LOSS_CALLS = (forward_p, forward_lin_p, backward_p)
 
 
 def count_markers(jaxpr) -> int:
@@ -533,13 +542,35 @@ def _inline_marked_calls(closed: ClosedJaxpr, *, fn_name: str) -> ClosedJaxpr:
   return ClosedJaxpr(jaxpr, consts)
 
 
-def _has_calls(jaxpr) -> bool:
-  return any(e.primitive.name in _INLINABLE or
-             any(_has_calls(s) or count_markers(s) for s in jaxprs_in(e))
+def inline_calls(closed: ClosedJaxpr, *, fn_name: str) -> ClosedJaxpr:
+  """:func:`_inline_marked_calls` for a jaxpr autopar made (``loss.py``)."""
+  return _inline_marked_calls(closed, fn_name=fn_name)
+
+
+def inline_loss_rules(closed: ClosedJaxpr, *, fn_name: str) -> ClosedJaxpr:
+  """``closed`` with the custom derivative calls inside its loss function's
+  forward call inlined too, for a pipeline: it differentiates each stage's
+  share of the loss function on its own, from its primal equations (the
+  Instantiator cannot write a rule's Python closure out at a size)."""
+  eqns = []
+  for eqn in closed.jaxpr.eqns:
+    if eqn.primitive is forward_p:
+      f = eqn.params["jaxpr"]
+      jaxpr, consts = _inline(f.jaxpr, list(f.consts), fn_name)
+      eqn = eqn.replace(params={**eqn.params, "jaxpr": ClosedJaxpr(jaxpr, consts)})
+    eqns.append(eqn)
+  return ClosedJaxpr(closed.jaxpr.replace(eqns=eqns), closed.consts)
+
+
+def _has_calls(jaxpr, inlinable=_INLINABLE) -> bool:
+  return any(e.primitive.name in inlinable or
+             any(_has_calls(s, _PLAIN_CALLS if e.primitive in _LOSS_CALLS else inlinable)
+                 or count_markers(s) for s in jaxprs_in(e))
              for e in jaxpr.eqns)
 
 
-def _inline(top: Jaxpr, top_consts: list, fn_name: str) -> tuple[Jaxpr, list]:
+def _inline(top: Jaxpr, top_consts: list, fn_name: str,
+            inlinable=_INLINABLE) -> tuple[Jaxpr, list]:
   """(``top`` with its calls inlined, its consts): callees' consts become
   constvars of ``top``."""
   constvars, consts = list(top.constvars), list(top_consts)
@@ -551,7 +582,7 @@ def _inline(top: Jaxpr, top_consts: list, fn_name: str) -> tuple[Jaxpr, list]:
     for eqn in jaxpr.eqns:
       invars = [read(a) for a in eqn.invars]
       name = eqn.primitive.name
-      if name not in _INLINABLE:
+      if name not in inlinable:
         if any(count_markers(s) for s in jaxprs_in(eqn)):
           raise MarkerError(
               f"{fn_name}: the grad marker (autopar.grad / autopar.value_and_grad) "
@@ -564,7 +595,8 @@ def _inline(top: Jaxpr, top_consts: list, fn_name: str) -> tuple[Jaxpr, list]:
           outvars = [v if isinstance(v, DropVar) else Var(v.aval) for v in outvars]
           env.update((v, w) for v, w in zip(eqn.outvars, outvars)
                      if not isinstance(v, DropVar))
-        params = _inline_params(eqn, fn_name)
+        params = _inline_params(eqn, fn_name, _PLAIN_CALLS if eqn.primitive in _LOSS_CALLS
+                                else inlinable)
         if (outvars is eqn.outvars and params is eqn.params and
             all(a is b for a, b in zip(invars, eqn.invars))):
           eqns.append(eqn)             # reads nothing inlined: kept as it is
@@ -608,18 +640,18 @@ def _hint(eqns: list, x, sharding, call):
   return out
 
 
-def _inline_params(eqn, fn_name: str) -> dict:
+def _inline_params(eqn, fn_name: str, inlinable=_INLINABLE) -> dict:
   """Params of a control-flow equation with calls in its bodies inlined."""
   params = eqn.params
-  if not any(_has_calls(s) for s in jaxprs_in(eqn)):
+  if not any(_has_calls(s, inlinable) for s in jaxprs_in(eqn)):
     return params
 
   def closed(c):
-    jaxpr, consts = _inline(c.jaxpr, list(c.consts), fn_name)
+    jaxpr, consts = _inline(c.jaxpr, list(c.consts), fn_name, inlinable)
     return ClosedJaxpr(jaxpr, consts)
 
   def opened(j):
-    jaxpr, consts = _inline(j, [], fn_name)
+    jaxpr, consts = _inline(j, [], fn_name, inlinable)
     return j if consts else jaxpr    # a checkpoint body cannot take consts
 
   new = {}

@@ -61,11 +61,11 @@ def test_split_puts_forward_backward_in_compute_and_update_in_apply():
 
   s = _split(step, W, X)
   assert s.has_marker and s.num_grads == 1
-  # The loss (a mean over the rows) is accumulated beside the gradient and
+  # The loss (a sum over the rows) is accumulated beside the gradient and
   # handed to apply_grad; the per-example sums are concatenated.
   assert s.out_kinds == (OutputKind.APPLY, OutputKind.APPLY, OutputKind.CONCAT,
                          OutputKind.APPLY)
-  assert s.reduced == ("mean",)
+  assert s.reduced == ("sum",)
   compute_prims = {e.primitive.name for e in s.compute.jaxpr.eqns}
   apply_prims = {e.primitive.name for e in s.apply.jaxpr.eqns}
   assert "dot_general" in compute_prims and "tanh" in compute_prims
@@ -87,7 +87,7 @@ def test_marker_inside_jit_is_inlined():
 
   s = _split(step, W, X)
   assert s.has_marker and s.out_kinds == (OutputKind.APPLY, OutputKind.APPLY)
-  assert s.reduced == ("mean",)
+  assert s.reduced == ("sum",)
 
 
 def test_step_without_marker_is_one_apply_part():
@@ -96,11 +96,11 @@ def test_step_without_marker_is_one_apply_part():
 
 
 def test_dead_code_elimination_matches_jax():
-  """split._dce (a fast path for equations without a DCE rule) removes what
+  """split.dce (a fast path for equations without a DCE rule) removes what
   JAX's dce_jaxpr removes: dead equations, unused loop outputs and carries
   inside scan / while / cond, and nothing with an effect."""
   from jax._src.interpreters import partial_eval as pe
-  from autopar.split import _dce
+  from autopar.split import dce
 
   def fn(w, x):
     dead = jnp.sin(x) * 3.0                          # unused
@@ -117,8 +117,8 @@ def test_dead_code_elimination_matches_jax():
   for keep in ([0], [1], [0, 1]):
     j = jaxpr.replace(outvars=[jaxpr.outvars[i] for i in keep])
     ref, _ = pe.dce_jaxpr(j, [True] * len(keep), instantiate=True)
-    new = _dce(j)
+    new = dce(j)
     assert str(new) == str(ref)
     assert new.effects == ref.effects
     assert str(new) != str(j)          # the scan's unused outputs at least
-  assert len(_dce(jaxpr.replace(outvars=jaxpr.outvars[:1])).eqns) < len(jaxpr.eqns)
+  assert len(dce(jaxpr.replace(outvars=jaxpr.outvars[:1])).eqns) < len(jaxpr.eqns)

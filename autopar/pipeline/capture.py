@@ -80,12 +80,17 @@ def _forward_jvp(primals, tangents, *, jaxpr, name):
   diff = tuple(type(t) is not ad.Zero for t in tangents)
   outd = tuple(_differentiable(v.aval) for v in jaxpr.jaxpr.outvars)
   if not any(diff) or not any(outd):
-    return outs, [ad.Zero.from_primal_value(o) for o in outs]
+    return outs, [_zero_tangent(o) for o in outs]
   ts = [t for t in tangents if type(t) is not ad.Zero]
   tout = iter(forward_lin_p.bind(*primals, *ts, jaxpr=jaxpr, name=name, diff=diff,
                                  outd=outd))
-  return outs, [next(tout) if d else ad.Zero.from_primal_value(o)
+  return outs, [next(tout) if d else _zero_tangent(o)
                 for d, o in zip(outd, outs, strict=True)]
+
+
+def _zero_tangent(x):
+  """The symbolic zero tangent of ``x`` (float0 for an integer)."""
+  return ad.Zero(jax.typeof(x).to_tangent_aval())
 
 
 ad.primitive_jvps[forward_p] = _forward_jvp

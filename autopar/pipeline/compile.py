@@ -16,19 +16,26 @@ import math
 from typing import Any
 
 import jax
-from jax.extend.core import Var
+import numpy as np
+from jax import lax
+from jax._src import core as jax_core
+from jax._src.interpreters import partial_eval as pe
+from jax.extend.core import Literal, Var
 from jax.sharding import AbstractMesh, PartitionSpec
 
 from autopar.cost_model import assumed_costs, dtype_name
 from autopar.errors import InputError, MarkerError, PlanError
 from autopar.evaluate import Rules, eval_jaxpr
+from autopar.gradients import sums_pass
+from autopar.loss import check_loss
 from autopar.lower import _BY_DEVICE
 from autopar.method import PipeshardParallel, auto_mesh, axis_sizes_of, resolve_mesh
 from autopar.pipeline.capture import capture_mode
 from autopar.pipeline.executables import StageLayout, build_stage
 from autopar.pipeline.planner import Context, _functions, cut
 from autopar.pipeline.program import build_program, layer_starts
-from autopar.pipeline.runtime import ApplySegment, FinalInfo, PipelineStep
+from autopar.pipeline.runtime import (ApplySegment, FinalInfo, LossSeeds, PipelineStep,
+                                      SumsPass)
 from autopar.pipeline.schedule import dispatch_order, stage_tasks
 from autopar.pipeline.search import search
 from autopar.pipeline.transfer import check_movable
@@ -36,8 +43,10 @@ from autopar.pipeline.submesh import tile
 from autopar.plan import Plan, StagePlan, ValuePlan, submesh
 from autopar.planner import donation_pairs
 from autopar.remat import remat_mode
-from autopar.rows import RowOracle
-from autopar.split import OutputKind, SplitStep, apply_at, split_step
+from autopar.retype import Instantiator
+from autopar.rng import DRAW_PRIMITIVES
+from autopar.rows import ROWS_NAME, RowOracle
+from autopar.split import OutputKind, SplitStep, apply_at, dce, scale_at, split_step
 from autopar.trace import check_batch_leaves, trace_step_any_batch
 
 __all__ = ["Prepared", "prepare", "plan_pipeline", "compile_pipeline"]
@@ -75,12 +84,17 @@ def prepare(pf, prep, method: PipeshardParallel) -> Prepared:
         f"step cannot be traced so (its shapes depend on the batch size in a way "
         f"autopar cannot follow). Fix: use ShardParallel, or keep the batch size "
         f"out of the step's Python logic.")
-  split = split_step(traced, fn_name=name, output_reductions=pf.output_reductions)
+  split = split_step(traced, fn_name=name, output_reductions=pf.output_reductions,
+                     pipeline=True)
   if not split.has_marker:
     raise MarkerError(f"{name}: PipeshardParallel needs the gradients from "
                       f"autopar.value_and_grad / autopar.grad (the grad marker).")
-  program = build_program(split.compute, num_consts=len(split.consts),
-                          leaves=traced.leaves, num_grads=split.num_grads, fn_name=name)
+  _check_loss(split, name, n)
+  compute = split.compute.jaxpr
+  program = build_program(split.traced.jaxpr, leaves=traced.leaves,
+                          grads=compute.outvars[:split.num_grads],
+                          outs=compute.outvars[split.num_grads:], loss=split.loss,
+                          fn_name=name)
   analysis = program.analysis(RowOracle.symbolic())
   total = math.prod(axis_sizes_of(mesh).values())
   layers = layer_starts(program, analysis, method.layers, max_layers=max(2 * total, 8),
@@ -97,6 +111,33 @@ def prepare(pf, prep, method: PipeshardParallel) -> Prepared:
                 leaf_names=tuple(l.path for l in traced.leaves), option=method.option,
                 accumulate=method.grad_accumulation_dtype, remat=method.remat)
   return Prepared(split=split, ctx=ctx, batch=batch, finals=_finals(split, program, name))
+
+
+def _check_loss(split: SplitStep, name: str, n: int) -> None:
+  """The loss as a pipeline can seed it (``loss.py``): derived, with
+  cotangents that read at most sums over the batch that the parameters do
+  not change (a token count), from constant seeds."""
+  loss = split.loss
+  check_loss(loss, name, f"{n} micro-batch(es) and the pipeline stages' devices")
+  values = loss.values
+  fix = ("Fix: use ShardParallel (its first pass computes them), or compute the "
+         "loss as a sum or mean over the rows, or a token mean over a mask.")
+  if values.inputs:
+    raise InputError(
+        f"{name}: the loss's gradient under PipeshardParallel would need values of "
+        f"the parameters the loss function reads besides the rows (its cotangents "
+        f"read {len(values.inputs)} of them), which no stage holds when the "
+        f"cotangents are set. {fix}")
+  if loss.forward_sums:
+    raise InputError(
+        f"{name}: the loss of {loss.name} is a nonlinear function of sums over the "
+        f"rows that depend on the parameters (a ratio of two such sums, say): its "
+        f"gradient needs them over the whole batch before any backward pass, which "
+        f"a pipeline does not compute. {fix}")
+  if any(not isinstance(v, Literal) for v in values.seeds):
+    raise MarkerError(f"{name}: the loss's cotangent seed is computed from the "
+                      f"step's inputs; PipeshardParallel needs a constant seed (as "
+                      f"autopar.value_and_grad gives).")
 
 
 def _finals(split: SplitStep, program, name: str) -> dict[int, FinalInfo]:
@@ -329,17 +370,75 @@ def compile_pipeline(pre: Prepared, method: PipeshardParallel, mesh, cut_,
     fns = _functions(ctx, st, layout.rows)
     exes.append(build_stage(
         st, fns, layout, step_consts=[ctx.consts[k] for k in st.step_consts],
-        fn_consts=[program.consts[k] for k in st.fn_consts], seeds=program.seeds))
+        fn_consts=[program.consts[k] for k in st.fn_consts]))
   home_specs = _home_specs(ctx, cut_, choices)
   segments = _apply_segments(pre, cut_, exes, home_specs)
   order = dispatch_order(stage_tasks(method.schedule, cut_.num_stages, ctx.n))
   return PipelineStep(
+      seeds=_loss_seeds(pre, cut_, exes),
       split=dataclasses.replace(split, apply=ctx.apply), program=program,
       stages=list(cut_.stages), exes=exes, segments=segments, order=order, n=ctx.n,
       micro=ctx.micro, root_home=dict(cut_.root_home),
       final_stage=dict(cut_.final_stage), finals=pre.finals,
       apply_consts=tuple(ctx.consts), leaf_home=dict(cut_.leaf_home),
       home_specs=home_specs)
+
+
+def _loss_seeds(pre: Prepared, cut_, exes) -> LossSeeds:
+  """How a pipelined step seeds the loss's entries (``loss.py``): with the
+  whole batch's cotangents, over the micro-batches and devices of the stage
+  that makes an entry where every group shares it; the sums they read (a
+  token count) come from a first pass on the last entry's stage."""
+  ctx, split = pre.ctx, pre.split
+  loss = split.loss
+  program = ctx.program
+  owner = tuple(cut_.final_stage[j] for j in range(program.num_seeded))
+  groups = tuple(ctx.n * exes[s].layout.devices for s in owner)
+  seeds = tuple(np.asarray(v.val) for v in loss.values.seeds)
+  first = None
+  if loss.num_sums:
+    s = owner[-1] if owner else len(exes) - 1
+    first = _sums_pass(pre, exes[s].layout, s)
+  return LossSeeds(scale=scale_at(split, ctx.batch), kinds=tuple(loss.kinds),
+                   seeds=seeds, owner=owner, groups=groups, first=first)
+
+
+def _sums_pass(pre: Prepared, layout: StageLayout, stage: int) -> SumsPass:
+  """The first pass: the whole batch's sums the loss's cotangents read,
+  computed on stage ``stage``'s submesh from the argument leaves they read
+  (batch leaves as the stages take them, ``[n, M, ...]``)."""
+  ctx, split = pre.ctx, pre.split
+  loss = split.loss
+  view = pe.convert_constvars_jaxpr(split.traced.jaxpr.jaxpr)
+  program = dce(view.replace(outvars=list(loss.values.sums)))
+  if any(e.primitive.name in DRAW_PRIMITIVES for e in program.eqns):
+    raise InputError(f"{ctx.program.fn_name}: the sums the loss is scaled by draw random "
+                     f"numbers; PipeshardParallel does not draw them as on one device. "
+                     f"Fix: use ShardParallel.")
+  nc = ctx.num_consts
+  used = {v for e in program.eqns for v in e.invars if isinstance(v, Var)}
+  used |= {v for v in program.outvars if isinstance(v, Var)}
+  leaves = tuple(k for k, v in enumerate(program.invars[nc:]) if v in used)
+  batch = tuple(ctx.program.leaves[k].is_batch for k in leaves)
+  manual = tuple(layout.batch_axes)
+  m, n = layout.rows, ctx.n
+  written = Instantiator({ROWS_NAME: m}).jaxpr(program)
+  consts = ctx.consts
+  ops = loss.sum_ops
+
+  def body(*xs):
+    def evaluate(i):
+      args = [None] * len(program.invars[nc:])
+      for k, b, x in zip(leaves, batch, xs, strict=True):
+        args[k] = lax.dynamic_index_in_dim(x, i, 0, keepdims=False) if b else x
+      return jax_core.eval_jaxpr(written, (), *consts, *args)
+    return sums_pass(evaluate, n, ops, manual, n * layout.devices)
+
+  specs = tuple(layout.batch_leaf_spec() if b else PartitionSpec() for b in batch)
+  fn = body if not manual else jax.shard_map(
+      body, mesh=layout.mesh, in_specs=specs, out_specs=[PartitionSpec()] * len(ops),
+      axis_names=set(manual), check_vma=False)
+  return SumsPass(fn=jax.jit(fn), stage=stage, leaves=leaves, batch=batch, specs=specs)
 
 
 def _update_leaf_specs(ctx, ch: StageChoice):

@@ -10,19 +10,20 @@ the other axes under XLA's partitioner pinned to the stage's plan:
   A device holds rows ``[i*M + d*m, i*M + (d+1)*m)`` of the whole batch
   (``d``: its index over ``B``, ``m = M / |B|``), which is where its random
   draws start.
-* ``backward(i, acc, roots, acts_in, leaves, outputs, stored, cotangents)
-  -> (acc, cotangents of the tangent acts_in)``: adds this device's
+* ``backward(i, acc, roots, acts_in, leaves, outputs, stored, cotangents,
+  seeds) -> (acc, cotangents of the tangent acts_in)``: adds this device's
   gradient of the stage's roots to ``acc`` (``[|B|, ...]``, one partial sum
-  per device, updated in place); no gradient crosses devices.
-* ``sync(acc) -> grads``: sums the partial sums over ``B`` and divides by
-  ``n``: the only gradient communication of a step, after the last
-  micro-batch.
+  per device, updated in place); no gradient crosses devices. ``seeds``:
+  the cotangents of the loss's entries the stage makes, the whole batch's
+  (``loss.py``; the runtime gives them per step).
+* ``sync(acc) -> grads``: sums the partial sums over ``B``: the only
+  gradient communication of a step, after the last micro-batch. As the
+  groups' seeds are the whole batch's, the sum is the whole batch's
+  gradient (``gradients.py``).
 
-Values that are not split by rows (a device's loss, its partial sums, its
-residuals) leave the manual region stacked on a leading ``[|B|]`` axis.
-The loss's cotangent seed is divided by ``|B|`` of the stage that computes
-it: each device's loss is the mean over its rows, and the gradient of the
-micro-batch's mean is the sum of the devices' gradients over ``|B|``.
+Values that are not split by rows (a device's reductions over its rows, its
+partial sums, its residuals) leave the manual region stacked on a leading
+``[|B|]`` axis.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.evaluate import Rules, eval_jaxpr
-from autopar.lower import _make_entry, _manual, _reduce_manual, _stacked
+from autopar.gradients import (add_partial, make_entry, manual_spec, reduce_manual,
+                               stacked_spec)
 from autopar.method import accumulation_dtype
 from autopar.pipeline.stages import StageFunctions, StageProgram
 from autopar.planner import batch_spec
@@ -90,7 +92,7 @@ class StageLayout:
 
   @property
   def entry(self):
-    return _make_entry(self.batch_axes)
+    return make_entry(self.batch_axes)
 
   def rows_spec(self, rank: int, dim: int) -> PartitionSpec:
     return batch_spec(rank, dim, self.entry)
@@ -129,11 +131,9 @@ def _stack(x):
 
 
 def build_stage(st: StageProgram, fns: StageFunctions, layout: StageLayout, *,
-                step_consts: Sequence[Any], fn_consts: Sequence[Any],
-                seeds: Sequence[Any]) -> StageExecutables:
+                step_consts: Sequence[Any], fn_consts: Sequence[Any]) -> StageExecutables:
   """The stage's jitted functions. ``step_consts``/``fn_consts``: the values
-  of the consts the stage reads (``StageProgram.step_consts``/``fn_consts``);
-  ``seeds``: the cotangent seed of each of ``P``'s seeded outputs."""
+  of the consts the stage reads (``StageProgram.step_consts``/``fn_consts``)."""
   L = layout
   manual = tuple(L.batch_axes)
   D, m, M = L.devices, L.rows, L.micro
@@ -161,8 +161,8 @@ def build_stage(st: StageProgram, fns: StageFunctions, layout: StageLayout, *,
                   zip(st.acts_in, st.row_in, strict=True)]
   tangent_in = [k for k, t in enumerate(st.tangent_in) if t]
   ct_out_specs = [act_in_specs[k] for k in tangent_in]
-  root_in = [_manual(s, manual) for s in L.root_specs]
-  leaf_in = [PartitionSpec(None, L.entry) if b else _manual(s, manual)
+  root_in = [manual_spec(s, manual) for s in L.root_specs]
+  leaf_in = [PartitionSpec(None, L.entry) if b else manual_spec(s, manual)
              for b, s in zip(L.batch_leaf, L.leaf_specs, strict=True)]
   grad_specs = list(L.grad_specs or L.root_specs)
   grad_avals = [bj.jaxpr.outvars[k].aval for k in range(nr)]
@@ -195,13 +195,13 @@ def build_stage(st: StageProgram, fns: StageFunctions, layout: StageLayout, *,
                          (out_specs, stored_specs))(i, roots, acts, leaves)
 
   # The cotangents the backward pass is given: the next stages' for the
-  # tangent acts_out, the seeds (over |B|) for the seeded finals.
+  # tangent acts_out, the seeds for the seeded finals (the loss's entries).
   diff_out = fns.out_order[:fns.num_diff_out]
   ct_from_next = [k for k in diff_out if k < n_acts]
   ct_specs = [L.rows_spec(len(st.acts_out[k].aval.shape), st.row_out[k])
               for k in ct_from_next]
 
-  def bwd_body(i, acc, roots, acts, leaves, outs, stored, cts):
+  def bwd_body(i, acc, roots, acts, leaves, outs, stored, cts, seeds):
     ins = local_inputs(i, roots, acts, leaves)
     outs = [x if r is not None else x[0] for x, r in zip(outs, out_rows)]
     stored = [x[0] for x in stored]
@@ -215,46 +215,45 @@ def build_stage(st: StageProgram, fns: StageFunctions, layout: StageLayout, *,
         res.append(outs[k])
       else:
         res.append(jnp.asarray(k, v.aval.dtype))
-    ct_iter = iter(cts)
+    ct_iter, seed_iter = iter(cts), iter(seeds)
     ct_all = []
     for k, v in zip(diff_out, bj.jaxpr.invars[len(res):], strict=True):
       if k < n_acts:
         ct_all.append(next(ct_iter))
       else:
-        j = st.finals[k - n_acts]
-        ct_all.append(jnp.full(v.aval.shape, np.asarray(seeds[j]) / D, v.aval.dtype))
+        ct_all.append(jnp.broadcast_to(next(seed_iter), v.aval.shape).astype(v.aval.dtype))
     r = eval_jaxpr(bj.jaxpr, (), [*res, *ct_all], Rules(pins=bwd_pins, pin=pin),
                     constvals=bj.consts)
     grads, ct_in = r[:nr], r[nr:]
-    acc = [a + g.astype(t)[None] for a, g, t in zip(acc, grads, acc_dtypes, strict=True)]
+    acc = [add_partial(a, g[None], t) for a, g, t in zip(acc, grads, acc_dtypes, strict=True)]
     return acc, ct_in
 
   acc_local = [PartitionSpec(L.entry)] * nr
 
-  def backward(i, acc, roots, acts, leaves, outs, stored, cts):
+  seed_specs = [PartitionSpec()] * len(st.seeded_finals)
+
+  def backward(i, acc, roots, acts, leaves, outs, stored, cts, seeds):
     return manual_region(
         bwd_body, (PartitionSpec(), acc_local, root_in, act_in_specs, leaf_in,
-                   out_specs, stored_specs, ct_specs),
-        (acc_local, ct_out_specs))(i, acc, roots, acts, leaves, outs, stored, cts)
-
-  n = L.n
+                   out_specs, stored_specs, ct_specs, seed_specs),
+        (acc_local, ct_out_specs))(i, acc, roots, acts, leaves, outs, stored, cts, seeds)
 
   def sync_body(acc):
-    return [(_reduce_manual(a[0], s, manual) / n).astype(v.dtype)
+    return [reduce_manual(a[0], s, manual).astype(v.dtype)
             for a, s, v in zip(acc, grad_specs, grad_avals, strict=True)]
 
   def sync(acc):
     return manual_region(sync_body, (acc_local,),
-                         [_manual(s, manual) for s in grad_specs])(acc)
+                         [manual_spec(s, manual) for s in grad_specs])(acc)
 
   ns = L.sharding
-  acc_shardings = [ns(_stacked(s, manual)) for s in grad_specs]
+  acc_shardings = [ns(stacked_spec(s, manual)) for s in grad_specs]
 
   def init():
     return [jnp.zeros((D, *a.shape), t) for a, t in zip(grad_avals, acc_dtypes,
                                                          strict=True)]
   replicated = ns(PartitionSpec())
-  index = tuple(jax.device_put(np.int32(i), replicated) for i in range(n))
+  index = tuple(jax.device_put(np.int32(i), replicated) for i in range(L.n))
   return StageExecutables(
       layout=L,
       forward=jax.jit(forward),
@@ -268,18 +267,3 @@ def build_stage(st: StageProgram, fns: StageFunctions, layout: StageLayout, *,
                           zip(st.acts_out, st.row_out, strict=True)),
       fns_out_order=tuple(fns.out_order), ct_from_next=tuple(ct_from_next),
       num_stored=len(stored_specs), index=index)
-
-
-def combine_final(values: Sequence[Any], op: str | None, row_dim: int | None,
-                  groups: int):
-  """One final over all micro-batches: per-device values stacked ``[D,
-  ...]`` combined by ``op`` (a mean over ``groups = n * D``), or row-split
-  values concatenated along ``row_dim``."""
-  if row_dim is not None:
-    return jnp.concatenate(values, axis=row_dim) if len(values) > 1 else values[0]
-  x = jnp.stack(values)                       # [n, D, ...]
-  if op in ("sum", "mean"):
-    total = jnp.sum(x, axis=(0, 1))
-    return total / groups if op == "mean" else total
-  return jnp.max(x, axis=(0, 1)) if op == "max" else jnp.min(x, axis=(0, 1))
-

@@ -1,17 +1,19 @@
 """One micro-batch's gradient computation, as the pipeline cuts it.
 
-``build_program`` turns the ``compute_grad`` jaxpr of a step traced for a
-pipeline (``capture.py``) into :class:`Program`: the jaxpr ``P`` of one
-micro-batch's forward pass, with the loss function's ``autopar_forward``
-call inlined and its ``autopar_backward`` call taken out. The gradients are
-then the cotangents of ``P``'s *roots* (the loss function's differentiated
-inputs) when ``P``'s *seeded* outputs (the loss) are given their cotangent
-seeds (1.0)::
+``build_program`` turns a step traced for a pipeline (``capture.py``) and
+split with its loss function inlined (``loss.inline_loss``: the view) into
+:class:`Program`: the jaxpr ``P`` of one micro-batch's forward pass, with the
+loss function's ``autopar_backward`` call taken out. The gradients are then
+the cotangents of ``P``'s *roots* (the loss function's differentiated
+inputs) when ``P``'s *seeded* outputs, the loss's entries (``loss.py``: its
+reductions over the rows and the row-free values it reads that depend on the
+parameters), are given the whole batch's cotangents::
 
-    compute_grad:                              P:
-      l = autopar_forward[F] w x          ->     ... F's equations on a_w, x ...
-      g = autopar_backward[F] w x 1.0            in (l, <the other outputs>)
-      in (g, l)                                  roots: a_w (value: leaf w), seeds: (1.0,)
+    view:                                      P:
+      a = autopar_loss_input[diff] w     ->      ... F's equations on a, x ...
+      ... F's equations on a, x ...              in (<entries>, <the other outputs>)
+      g = autopar_backward[F] w x 1.0            roots: a (value: leaf w)
+      in (g, l)
 
 A root's value is the argument leaf it reads (the usual case: the loss
 function's parameters), or for a differentiated value computed in the step,
@@ -37,6 +39,7 @@ import dataclasses
 import math
 from typing import Any, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 from jax._src import core as jax_core
 from jax._src.interpreters import partial_eval as pe
@@ -45,9 +48,10 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from autopar.cost_model import itemsize
 from autopar.errors import InputError, MarkerError
-from autopar.pipeline.capture import backward_p, boundary_p, forward_p
+from autopar.loss import LossGradient, loss_input_p
+from autopar.pipeline.capture import backward_p, boundary_p
 from autopar.remat import find_layers
-from autopar.split import _dce
+from autopar.split import dce
 from autopar.rows import RowOracle
 from autopar.retype import jaxprs_in
 from autopar.strategies.dot import dot_flops
@@ -84,7 +88,8 @@ class Program:
       after the consts.
     roots: the roots, in invar order after the leaves.
     grad_roots: per gradient of the step (marker order), its root's index.
-    seeds: per seeded output, its cotangent (a numpy value).
+    num_seeded: how many of the outputs are seeded: the loss's entries
+      (``loss.py``), whose cotangents the runtime gives per step.
     boundaries: positions (equation indices of ``P``) of the user's
       ``mark_pipeline_boundary`` calls.
     fn_name: the step's name, for messages.
@@ -95,17 +100,13 @@ class Program:
   leaves: tuple[LeafInfo, ...]
   roots: tuple[Root, ...]
   grad_roots: tuple[int, ...]
-  seeds: tuple[Any, ...]
+  num_seeded: int
   boundaries: tuple[int, ...]
   fn_name: str = "step"
 
   @property
   def eqns(self):
     return self.jaxpr.eqns
-
-  @property
-  def num_seeded(self) -> int:
-    return len(self.seeds)
 
   @property
   def leaf_vars(self) -> list[Var]:
@@ -131,131 +132,69 @@ def _find(jaxpr, prim, where="") -> list[str]:
   return out
 
 
-def _constant(v, producers: dict):
-  """The value of ``v`` if it is computed from literals alone, else None."""
-  if isinstance(v, Literal):
-    return np.asarray(v.val)
-  eqn = producers.get(v)
-  if eqn is None:
-    return None
-  args = [_constant(a, producers) for a in eqn.invars]
-  if any(a is None for a in args) or any(
-      not isinstance(d, int) for d in getattr(v.aval, "shape", ())):
-    return None
-  outs = eqn.primitive.bind(*args, **eqn.params)
-  outs = outs if eqn.primitive.multiple_results else [outs]
-  return np.asarray(outs[eqn.outvars.index(v)])
-
-
-def build_program(compute: ClosedJaxpr, *, num_consts: int, leaves: Sequence[LeafInfo],
-                  num_grads: int, fn_name: str = "step") -> Program:
-  """``P`` of a ``compute_grad`` jaxpr traced under ``capture.capture_mode``.
-
-  ``compute.jaxpr`` has the step's consts then its argument leaves as invars
-  and the gradients first among its outvars (``split.SplitStep.compute``).
+def build_program(view: ClosedJaxpr, *, leaves: Sequence[LeafInfo], grads: Sequence,
+                  outs: Sequence, loss: LossGradient, fn_name: str = "step") -> Program:
+  """``P`` of a step traced under ``capture.capture_mode`` and split for a
+  pipeline: ``view`` is the step with the loss function inlined
+  (``loss.inline_loss``; its consts are leading inputs of ``P``), ``grads``
+  its gradients (the marker's operands), ``outs`` what ``compute_grad``
+  returns after them (the reductions over the rows, the per-micro-batch
+  outputs), ``loss`` how the loss's entries are seeded (``loss.py``): they
+  are ``P``'s seeded outputs.
   """
-  jaxpr = compute.jaxpr
-  fwd_at = [i for i, e in enumerate(jaxpr.eqns) if e.primitive is forward_p]
+  jaxpr = pe.convert_constvars_jaxpr(view.jaxpr)
+  num_consts = len(view.consts)
   bwd_at = [i for i, e in enumerate(jaxpr.eqns) if e.primitive is backward_p]
-  if len(fwd_at) != 1 or len(bwd_at) != 1:
-    nested = _find(jaxpr, forward_p)
-    if len(fwd_at) + len(bwd_at) == 0 and nested:
-      raise MarkerError(
-          f"{fn_name}: PipeshardParallel cuts the function given to "
-          f"autopar.value_and_grad / autopar.grad into stages, but it is called "
-          f"inside control flow or a nested call (equation {nested[0]}). Fix: "
-          f"call autopar.value_and_grad at the step's top level.")
-    raise MarkerError(
-        f"{fn_name}: PipeshardParallel needs the gradients from exactly one "
-        f"autopar.value_and_grad / autopar.grad / autopar.filter_value_and_grad "
-        f"call at the step's top level (found {len(fwd_at)} forward and "
-        f"{len(bwd_at)} backward passes of a loss function; jax.grad inside the "
-        f"step is not cut into stages). Fix: compute the gradients with one "
-        f"autopar.value_and_grad call.")
-  ef, eb = jaxpr.eqns[fwd_at[0]], jaxpr.eqns[bwd_at[0]]
-  F: ClosedJaxpr = ef.params["jaxpr"]
-  nested = [p for p in _find(F.jaxpr, boundary_p) if "." in p]
-  if nested:
+  # (The backward call holds the loss function again: its markers do not count.)
+  forward = jaxpr.replace(eqns=[e for e in jaxpr.eqns if e.primitive is not backward_p])
+  bad = [p for p in _find(forward, boundary_p) if "." in p]
+  if bad:
     raise MarkerError(
         f"{fn_name}: autopar.mark_pipeline_boundary() is called inside a loop or "
         f"under a condition (lax.scan / fori_loop / while_loop / cond; equation "
-        f"{nested[0]} of the loss function), where no stage can end. Fix: call it "
-        f"at the loss function's top level, between layers (unroll the loop of "
-        f"layers, or mark the boundaries around it).")
-  diff, outd, cmask = eb.params["diff"], eb.params["outd"], eb.params["cmask"]
-  nin = len(diff)
-  if len(ef.invars) != nin or any(
-      not (a is b or isinstance(a, Literal) and isinstance(b, Literal))
-      for a, b in zip(ef.invars, eb.invars[:nin])):
-    raise MarkerError(f"{fn_name}: the loss function's backward pass reads other "
-                      f"values than its forward pass; autopar cannot pipeline it.")
-
+        f"{bad[0]} of the step), where no stage can end. Fix: call it at the loss "
+        f"function's top level, between layers (unroll the loop of layers, or mark "
+        f"the boundaries around it).")
+  if len(bwd_at) != 1 or loss.values is None:
+    raise MarkerError(
+        f"{fn_name}: PipeshardParallel needs the gradients from exactly one "
+        f"autopar.value_and_grad / autopar.grad / autopar.filter_value_and_grad "
+        f"call at the step's top level (jax.grad inside the step is not cut into "
+        f"stages). Fix: compute the gradients with one autopar.value_and_grad call.")
+  eb = jaxpr.eqns[bwd_at[0]]
   invars = list(jaxpr.invars)
   leaf_index = {v: k for k, v in enumerate(invars[num_consts:])}
-  producers = {v: e for e in jaxpr.eqns for v in e.outvars}
 
-  # Roots: the loss function's differentiated inputs.
+  # Roots: the loss function's differentiated inputs (their bindings).
   roots: list[Root] = []
-  root_of_input: dict[int, int] = {}
-  extra_eqns = []
-  sub: dict = {}                       # F's variables -> P's
-  for p, (fv, u) in enumerate(zip(F.jaxpr.invars, ef.invars, strict=True)):
-    if not diff[p]:
-      sub[fv] = u
-      continue
-    a = Var(fv.aval)
-    if isinstance(u, Var) and u in leaf_index:
-      roots.append(Root(a, leaf_index[u]))
-      sub[fv] = a
-    else:
-      eps = a
-      total = Var(fv.aval)
-      extra_eqns.append(jax_core.new_jaxpr_eqn(
-          [u, eps], [total], lax_internal.add_p, {}, jax_core.no_effects,
-          ef.source_info, ef.ctx))
-      roots.append(Root(eps, None))
-      sub[fv] = total
-    root_of_input[p] = len(roots) - 1
-  constvars = [Var(v.aval) for v in F.jaxpr.constvars]
-  sub.update(zip(F.jaxpr.constvars, constvars))
-
-  def read(a):
-    return a if isinstance(a, Literal) else sub.get(a, a)
-
+  sub: dict = {}
   eqns = []
   for i, eqn in enumerate(jaxpr.eqns):
     if i == bwd_at[0]:
       continue
-    if i == fwd_at[0]:
-      eqns.extend(extra_eqns)
-      for e in F.jaxpr.eqns:
-        eqns.append(e.replace(invars=[read(a) for a in e.invars]))
-      for o, fo in zip(ef.outvars, F.jaxpr.outvars, strict=True):
-        sub[o] = read(fo)
+    if eqn.primitive is loss_input_p:
+      (u,), (fv,) = eqn.invars, eqn.outvars
+      if not eqn.params["diff"]:
+        sub[fv] = u if isinstance(u, Literal) else sub.get(u, u)
+      elif isinstance(u, Var) and u in leaf_index:
+        roots.append(Root(fv, leaf_index[u]))
+      else:
+        eps = Var(fv.aval)
+        eqns.append(jax_core.new_jaxpr_eqn(
+            [u if isinstance(u, Literal) else sub.get(u, u), eps], [fv],
+            lax_internal.add_p, {}, jax_core.no_effects, eqn.source_info, eqn.ctx))
+        roots.append(Root(eps, None))
       continue
     if any(not isinstance(a, Literal) and a in sub for a in eqn.invars):
-      eqn = eqn.replace(invars=[read(a) for a in eqn.invars])
+      eqn = eqn.replace(invars=[a if isinstance(a, Literal) else sub.get(a, a)
+                                for a in eqn.invars])
     eqns.append(eqn)
 
-  # The cotangent seeds of the differentiated outputs (1.0 for the loss).
-  douts = [j for j, m in enumerate(outd) if m]
-  seeded = [douts[k] for k, m in enumerate(cmask) if m]
-  seeds = []
-  for v in eb.invars[nin:]:
-    value = _constant(v, producers)
-    if value is None:
-      raise MarkerError(f"{fn_name}: the loss's cotangent seed is computed from the "
-                        f"step's inputs; PipeshardParallel needs a constant seed (as "
-                        f"autopar.value_and_grad gives).")
-    seeds.append(value)
-
-  # Each gradient is the cotangent of one root.
-  by_grad_var = {}
-  diff_inputs = [p for p, m in enumerate(diff) if m]
-  for t, gv in enumerate(eb.outvars):
-    by_grad_var[gv] = root_of_input[diff_inputs[t]]
+  # Each gradient is the cotangent of one root (in the order of the
+  # differentiated inputs, as the backward call returns them).
+  by_grad_var = dict(zip(eb.outvars, range(len(roots)), strict=True))
   grad_roots = []
-  for j, g in enumerate(jaxpr.outvars[:num_grads]):
+  for j, g in enumerate(grads):
     if not isinstance(g, Var) or g not in by_grad_var:
       raise MarkerError(
           f"{fn_name}: gradient {j} is not the loss function's gradient as "
@@ -265,20 +204,21 @@ def build_program(compute: ClosedJaxpr, *, num_consts: int, leaves: Sequence[Lea
           f"returns them, in the update.")
     grad_roots.append(by_grad_var[g])
 
-  outvars = [read(F.jaxpr.outvars[j]) for j in seeded]
-  outvars += [read(v) for v in jaxpr.outvars[num_grads:]]
-  program = Jaxpr(constvars, [*invars, *(r.var for r in roots)], outvars, eqns,
+  read = lambda v: v if isinstance(v, Literal) else sub.get(v, v)
+  outvars = [read(v) for v in loss.values.entries] + [read(v) for v in outs]
+  program = Jaxpr([], [*invars, *(r.var for r in roots)], outvars, eqns,
                   jaxpr.effects, jaxpr.debug_info)
   program, boundaries = _dce_with_boundaries(program)
-  return Program(jaxpr=program, consts=tuple(F.consts), num_step_consts=num_consts,
+  return Program(jaxpr=program, consts=(), num_step_consts=num_consts,
                  leaves=tuple(leaves), roots=tuple(roots), grad_roots=tuple(grad_roots),
-                 seeds=tuple(seeds), boundaries=boundaries, fn_name=fn_name)
+                 num_seeded=len(loss.values.entries), boundaries=boundaries,
+                 fn_name=fn_name)
 
 
 def _dce_with_boundaries(jaxpr: Jaxpr) -> tuple[Jaxpr, tuple[int, ...]]:
   """``jaxpr`` without unneeded equations and without its boundary markers,
   and where the markers were (the index of the equation after each)."""
-  kept = _dce(jaxpr, keep=lambda eqn: eqn.primitive is boundary_p).eqns
+  kept = dce(jaxpr, keep=lambda eqn: eqn.primitive is boundary_p).eqns
   eqns, cuts = [], []
   for eqn in kept:
     if eqn.primitive is boundary_p:
@@ -345,7 +285,7 @@ class Analysis:
   def is_tangent(self, v) -> bool:
     """Whether ``v`` carries a derivative: computed from a root, inexact."""
     return (v in self.on_roots and
-            np.issubdtype(np.dtype(v.aval.dtype), np.inexact))
+            jnp.issubdtype(v.aval.dtype, jnp.inexact))
 
   def row_dim(self, v) -> int | None:
     dims = self.rows.get(v)

@@ -35,18 +35,21 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import core as jax_core
 from jax.extend.core import Var
 from jax.sharding import NamedSharding, PartitionSpec
 
+from autopar.gradients import combine_groups
+from autopar.loss import SHARE
 from autopar.pipeline.apply import Segment
-from autopar.pipeline.executables import StageExecutables, combine_final
+from autopar.pipeline.executables import StageExecutables
 from autopar.pipeline.program import Program
 from autopar.pipeline.schedule import Task
 from autopar.pipeline.stages import StageProgram
 from autopar.pipeline.transfer import move
 from autopar.split import OutputKind, SplitStep
 
-__all__ = ["PipelineStep", "ApplySegment", "FinalInfo"]
+__all__ = ["PipelineStep", "ApplySegment", "FinalInfo", "LossSeeds", "SumsPass"]
 
 
 def _per_device_bytes(tree) -> int:
@@ -76,6 +79,62 @@ class FinalInfo:
   row_dim: int | None
 
 
+@dataclasses.dataclass(frozen=True)
+class SumsPass:
+  """The first pass on one stage's submesh: ``fn(*leaves)`` gives the whole
+  batch's sums the loss's cotangents read, from the argument ``leaves`` it
+  reads (batch ones as ``[n, M, ...]``), each placed with its spec."""
+  fn: Any
+  stage: int
+  leaves: tuple[int, ...]
+  batch: tuple[bool, ...]
+  specs: tuple
+
+
+@dataclasses.dataclass(eq=False)
+class LossSeeds:
+  """The cotangents of the loss's entries (``P``'s seeded outputs), the
+  whole batch's (``loss.py``): ``scale(sums, seeds)`` at the whole batch's
+  size, over ``groups`` (micro-batches x devices of the stage that makes
+  it) for the entries every group shares. ``owner``: per entry, that
+  stage; ``first``: the first pass, where ``scale`` reads sums."""
+  scale: Any
+  kinds: tuple[str, ...]
+  seeds: tuple
+  owner: tuple[int, ...]
+  groups: tuple[int, ...]
+  first: SumsPass | None = None
+  _constant: dict | None = None
+  _fn: Any = None
+
+  def values(self, step: "PipelineStep", leaves: Sequence[Any]) -> dict[int, Any]:
+    """Per entry, its cotangent on its stage's submesh."""
+    if self.first is None and self._constant is not None:
+      return self._constant
+    sums = []
+    if self.first is not None:
+      f = self.first
+      args = []
+      for k, b, spec in zip(f.leaves, f.batch, f.specs, strict=True):
+        x = leaves[k]
+        if b:
+          x = jnp.reshape(x, (step.n, step.micro, *x.shape[1:]))
+        args.append(step._on(f.stage, x, spec))
+      sums = f.fn(*args)
+    if self._fn is None:
+      scale = self.scale
+      self._fn = jax.jit(lambda s, t: jax_core.eval_jaxpr(scale.jaxpr, scale.consts,
+                                                          *s, *t))
+    c = self._fn(list(sums), list(self.seeds))
+    out = {}
+    for j, (x, kind, s, g) in enumerate(zip(c, self.kinds, self.owner, self.groups,
+                                            strict=True)):
+      out[j] = step._on(s, x / g if kind == SHARE else x, PartitionSpec())
+    if self.first is None:
+      self._constant = out
+    return out
+
+
 @dataclasses.dataclass(eq=False)
 class PipelineStep:
   """A pipelined step compiled for one input signature (see the module
@@ -94,6 +153,7 @@ class PipelineStep:
   apply_consts: tuple
   leaf_home: dict                   # argument leaf -> stage of its update
   home_specs: dict                  # argument leaf -> spec on its home stage
+  seeds: LossSeeds | None = None    # the loss's cotangents (per step)
   record: list = dataclasses.field(default_factory=list)
   recording: bool = False
   timing: bool = False
@@ -159,6 +219,7 @@ class PipelineStep:
     """Runs one step; returns the flat outputs (as ``Executable.run``)."""
     program, S, n = self.program, self.num_stages, self.n
     per_stage, home = self.place(leaves)
+    seeds = self.seeds.values(self, leaves)
     consumers: dict[Var, list[int]] = {}
     for s, st in enumerate(self.stages):
       for v in st.acts_in:
@@ -212,7 +273,8 @@ class PipelineStep:
             x = jnp.zeros_like(outs[ex.fns_out_order.index(k)])
           ct.append(x)
         acc[s], ct_in = self._call(f"stage{s}/backward", ex.backward, ex.index[i],
-                                   acc[s], roots, a_in, ls, outs, stored, ct)
+                                   acc[s], roots, a_in, ls, outs, stored, ct,
+                                   [seeds[j] for j in st.seeded_finals])
         tangent = [v for v, tg in zip(st.acts_in, st.tangent_in) if tg]
         for v, x in zip(tangent, ct_in, strict=True):
           p = producer_stage[v]
@@ -249,7 +311,7 @@ class PipelineStep:
         continue
       s = self.final_stage[j]
       groups = n * self.exes[s].layout.devices
-      combined[j] = combine_final(xs, info.op, info.row_dim, groups)
+      combined[j] = combine_groups(xs, info.op, info.row_dim, groups)
     # The update, segment by segment.
     aj = self.split.apply.jaxpr
     nc, nl = len(self.apply_consts), len(program.leaves)

@@ -169,6 +169,10 @@ def replicated_fallback(eqn, ctx: RuleContext) -> list[Strategy]:
   return [Strategy("replicated", outs, ins)]
 
 
+# autopar's own: the loss's cotangents (loss.py), a few small values.
+register("autopar_loss_cotangent")(replicated_fallback)
+
+
 def strategies_for(eqn, ctx: RuleContext) -> list[Strategy]:
   """The candidate strategies of ``eqn`` (never empty)."""
   rule = RULES.get(eqn.primitive.name)
