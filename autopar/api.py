@@ -538,7 +538,20 @@ class ParallelizedFunction:
         if self._symbolic(prep) is not None:
           scale = scale_at(self._symbolic(prep), whole)
         else:
-          scale = self._split(prep, whole).loss.scale
+          local, at_whole = split_local.loss, self._split(prep, whole).loss
+          check_loss(local, self._name, f"{plan.num_micro_batches} micro-batch(es) x "
+                     f"{data_size} device(s) along {plan.batch_axes}")
+          if (local.kinds, local.sum_ops) != (at_whole.kinds, at_whole.sum_ops):
+            raise InputError(
+                f"{self._name}: the loss of {local.name} is computed from other sums "
+                f"at {split_local.traced.micro_batch_size} rows (a device's share of "
+                f"a micro-batch) than at the whole batch's {whole} (its program "
+                f"changes with the batch size, and the step cannot be traced at a "
+                f"symbolic one), so autopar cannot give each device the whole "
+                f"batch's gradient. Fix: keep the loss's program the same for every "
+                f"batch size, or say how the loss combines with "
+                f"parallelize(..., output_reductions={{'loss': 'mean'}}).")
+          scale = at_whole.scale
       # autopar's stages compute on meshes of their own: a mesh the caller
       # set (jax.set_mesh) applies to the step's own code, not to them.
       with jax.set_mesh(None):

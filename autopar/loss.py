@@ -288,6 +288,12 @@ def find_head(view: ClosedJaxpr, call: LossCall, *, batch: set, oracle: RowOracl
       oracle.varies(v) for v in e.outvars))
   producer = {v: e for e in eqns for v in e.outvars}
   order = {id(e): i for i, e in enumerate(eqns)}
+  # Values computed from literals alone belong to the head (a constant
+  # jnp.where(count == 0, 1.0, count) converts): no stage need send them.
+  constant: set = set()
+  for e in eqns:
+    if not e.effects and all(isinstance(a, Literal) or a in constant for a in e.invars):
+      constant.update(e.outvars)
   reductions: dict = {}
   inputs: dict = {}
   head: dict = {}
@@ -298,6 +304,10 @@ def find_head(view: ClosedJaxpr, call: LossCall, *, batch: set, oracle: RowOracl
     if isinstance(v, Literal) or v in seen:
       continue
     seen.add(v)
+    if v in constant:
+      head[id(producer[v])] = producer[v]
+      stack.extend(producer[v].invars)
+      continue
     if v not in on_batch:
       inputs[v] = None
       continue

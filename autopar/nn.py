@@ -26,6 +26,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import core as jax_core
 
 from autopar.errors import InputError
 
@@ -144,12 +145,15 @@ def chunked_cross_entropy(hidden: jax.Array, unembedding: jax.Array,
                      f"a positive int.")
 
   tokens = math.prod(labels.shape)
-  chunk = min(chunk_size, max(tokens, 1))
+  # At a symbolic batch size (autopar traces steps once for every size) the
+  # token count is not known: chunks of chunk_size, the last one padded.
+  symbolic = jax_core.is_symbolic_dim(tokens)
+  chunk = chunk_size if symbolic else min(chunk_size, max(tokens, 1))
   num_chunks = -(-tokens // chunk)
   pad = num_chunks * chunk - tokens
   h = hidden.reshape(tokens, hidden.shape[-1])
   y = labels.reshape(tokens).astype(jnp.int32)
-  if pad:
+  if symbolic or pad:
     h = jnp.pad(h, ((0, pad), (0, 0)))
     y = jnp.pad(y, (0, pad))
   logprobs = _label_logprobs(h.reshape(num_chunks, chunk, -1), unembedding,

@@ -1,0 +1,225 @@
+"""The losses language models are trained with, as on one device, under
+every method: a token mean over a padding mask, a sum, per-example weights,
+a micro-batch with no valid row, autopar.nn.chunked_cross_entropy(mask=),
+an integer auxiliary output; bfloat16 parameters; and the steps that mix
+rows, refused."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import autopar
+from models import assert_trees_close, single_device
+
+V, D, T, B = 16, 16, 6, 16
+
+
+def init_params(dtype=jnp.float32, seed=0):
+  k = jax.random.split(jax.random.PRNGKey(seed), 5)
+  n = lambda key, shape, s: (jax.random.normal(key, shape) * s).astype(dtype)
+  return {"embed": n(k[0], (V, D), 1.0),
+          "layers": [{"w": n(k[1 + i], (D, D), 0.4), "b": jnp.zeros((D,), dtype)}
+                     for i in range(2)],
+          "head": n(k[3], (D, V), 0.4)}
+
+
+def hidden_of(params, tokens):
+  h = params["embed"][tokens]
+  for layer in params["layers"]:
+    h = h + jnp.tanh(h @ layer["w"] + layer["b"])
+  return h
+
+
+def nll_of(params, tokens):
+  logits = (hidden_of(params, tokens[:, :-1]) @ params["head"]).astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+
+
+def batch_of(seed=0, empty_rows=0):
+  rng = np.random.RandomState(seed)
+  tokens = rng.randint(0, V, size=(B, T + 1)).astype(np.int32)
+  mask = (rng.rand(B, T) < 0.6).astype(np.float32)
+  mask[:, 0] = 1.0
+  mask[:empty_rows] = 0.0          # rows with no valid token at all
+  weights = rng.rand(B).astype(np.float32) * 2
+  return {"tokens": tokens, "mask": mask, "weights": weights}
+
+
+def token_mean(p, b):
+  return jnp.sum(nll_of(p, b["tokens"]) * b["mask"]) / jnp.sum(b["mask"])
+
+
+def summed(p, b):
+  return jnp.sum(nll_of(p, b["tokens"]))
+
+
+def weighted(p, b):
+  per_example = jnp.mean(nll_of(p, b["tokens"]), axis=1)
+  return jnp.sum(b["weights"] * per_example) / jnp.sum(b["weights"])
+
+
+def chunked(p, b):
+  h = hidden_of(p, b["tokens"][:, :-1])
+  return autopar.nn.chunked_cross_entropy(h, p["head"], b["tokens"][:, 1:],
+                                          chunk_size=8, mask=b["mask"])
+
+
+def with_int_aux(p, b):
+  loss = token_mean(p, b)
+  return loss, {"tokens": jnp.sum(b["mask"] > 0).astype(jnp.int32),
+                "counter": jnp.int32(7)}
+
+
+LOSSES = {"token mean": (token_mean, 0), "sum": (summed, 0), "weights": (weighted, 0),
+          "empty micro-batch": (token_mean, 8), "chunked": (chunked, 0),
+          "int aux": (with_int_aux, 0)}
+
+
+def make_step(loss_fn, *, grads_out=False):
+  has_aux = loss_fn is with_int_aux
+
+  def step(state, batch):
+    (loss, aux), grads = autopar.value_and_grad(
+        lambda p: loss_fn(p, batch) if has_aux else (loss_fn(p, batch), {}),
+        has_aux=True)(state.params)
+    new = state.apply_gradients(grads=grads)
+    if grads_out:
+      return new, loss, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    return new, loss, aux
+  return step
+
+
+def make_state(dtype=jnp.float32):
+  return train_state.TrainState.create(apply_fn=None, params=init_params(dtype),
+                                       tx=optax.sgd(0.1, momentum=0.9))
+
+
+def mesh8():
+  return jax.make_mesh((8,), ("data",))
+
+
+def mesh24():
+  return jax.make_mesh((2, 4), ("data", "model"))
+
+
+METHODS = {
+    "DataParallel n=1": lambda: autopar.DataParallel(mesh=mesh8()),
+    "DataParallel n=2": lambda: autopar.DataParallel(mesh=mesh8(), num_micro_batches=2),
+    "Zero2Parallel": lambda: autopar.Zero2Parallel(mesh=mesh8(), num_micro_batches=2),
+    "Zero3Parallel": lambda: autopar.Zero3Parallel(mesh=mesh8(), num_micro_batches=2),
+    "ShardParallel 2x4 n=2": lambda: autopar.ShardParallel(mesh=mesh24(),
+                                                           num_micro_batches=2),
+    "Pipeshard 1f1b": lambda: autopar.PipeshardParallel(
+        mesh=mesh24(), num_micro_batches=2, num_stages=2, schedule="1f1b"),
+    "Pipeshard gpipe": lambda: autopar.PipeshardParallel(
+        mesh=mesh24(), num_micro_batches=2, num_stages=2, schedule="gpipe"),
+}
+
+
+def run(step, method, batch, dtype=jnp.float32):
+  pf = autopar.parallelize(step, method=method, donate_argnums=(0,), batch_argnums=(1,))
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    got = pf(make_state(dtype), batch)
+  return got, single_device(step)(make_state(dtype), batch)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_losses_equal_single_device_jit(method):
+  for name, (loss_fn, empty) in LOSSES.items():
+    batch = batch_of(empty_rows=empty)
+    (state, loss, aux), (ref, ref_loss, ref_aux) = run(make_step(loss_fn),
+                                                       METHODS[method](), batch)
+    assert np.isfinite(float(loss)), name
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=name)
+    assert_trees_close(state.params, ref.params)
+    assert jax.tree.structure(aux) == jax.tree.structure(ref_aux), name
+    for a, r in zip(jax.tree.leaves(aux), jax.tree.leaves(ref_aux)):
+      assert a.dtype == r.dtype and int(a) == int(r), name
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_bfloat16_gradients_equal_single_device_jit(method):
+  """bf16 parameters (Gemma's dtype): every gradient within bf16's precision
+  of single-device jit's, none zero where jit's is not (a pipeline's first
+  stage got none at all)."""
+  batch = batch_of()
+  step = make_step(token_mean, grads_out=True)
+  (_, loss, grads), (_, ref_loss, ref_grads) = run(step, METHODS[method](), batch,
+                                                   dtype=jnp.bfloat16)
+  np.testing.assert_allclose(np.float32(loss), np.float32(ref_loss), rtol=2e-2)
+  for path, g in jax.tree_util.tree_leaves_with_path(grads):
+    r = dict(jax.tree_util.tree_leaves_with_path(ref_grads))[path]
+    scale = float(jnp.max(jnp.abs(r)))
+    assert scale > 0 and float(jnp.max(jnp.abs(g))) > 0, path
+    # bf16 has 8 bits of mantissa: the sums run in another order.
+    np.testing.assert_allclose(g, r, rtol=0, atol=4e-2 * scale, err_msg=str(path))
+
+
+def test_output_reductions_loss_is_the_escape_hatch():
+  """A loss autopar cannot derive (a row's value) is an error that names the
+  escape hatch; with it, each group's loss and gradient are averaged."""
+  def first_row(p, b):
+    return jnp.sum(nll_of(p, b["tokens"])[0])
+
+  batch = batch_of()
+  pf = autopar.parallelize(make_step(first_row), method=autopar.DataParallel(mesh=mesh8()),
+                           batch_argnums=(1,), donate_argnums=())
+  with pytest.raises(autopar.InputError, match="output_reductions"):
+    pf(make_state(), batch)
+  pf = autopar.parallelize(make_step(first_row), method=autopar.DataParallel(mesh=mesh8()),
+                           batch_argnums=(1,), donate_argnums=(),
+                           output_reductions={"loss": "mean"})
+  state, loss, _ = pf(make_state(), batch)
+  per_device = [first_row(make_state().params, jax.tree.map(lambda x: x[k:k + 2], batch))
+                for k in range(0, B, 2)]
+  np.testing.assert_allclose(loss, np.mean(per_device), rtol=1e-5)
+
+
+def test_batch_statistics_in_the_loss_are_refused():
+  def normalised(p, b):
+    h = hidden_of(p, b["tokens"][:, :-1])
+    h = (h - jnp.mean(h, axis=0)) / (jnp.std(h, axis=0) + 1e-5)     # over the rows
+    return jnp.mean((h @ p["head"]) ** 2)
+
+  for method in (autopar.DataParallel(mesh=mesh8()),
+                 autopar.DataParallel(mesh=mesh8(), batch_axes=(), num_micro_batches=2)):
+    pf = autopar.parallelize(make_step(normalised), method=method, batch_argnums=(1,),
+                             donate_argnums=())
+    with pytest.raises(autopar.InputError, match="mixes the batch's rows.*summarises"):
+      pf(make_state(), batch_of())
+  # One micro-batch on one device: the batch is whole, as on one device.
+  pf = autopar.parallelize(make_step(normalised),
+                           method=autopar.DataParallel(mesh=mesh8(), batch_axes=()),
+                           batch_argnums=(1,), donate_argnums=())
+  (state, loss, _), (ref, ref_loss, _) = (pf(make_state(), batch_of()),
+                                          single_device(make_step(normalised))(
+                                              make_state(), batch_of()))
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+
+
+def test_a_time_major_batch_is_refused():
+  """A batch laid out [time, batch, feature] is split along time; the scan
+  over time then reads another device's rows."""
+  w = jnp.eye(4) * 0.5
+
+  def step(w, x):
+    def loss_fn(w):
+      def cell(h, x_t):
+        h = jnp.tanh(h @ w + x_t)
+        return h, h
+      _, hs = jax.lax.scan(cell, jnp.zeros(x.shape[1:]), x)
+      return jnp.mean(hs ** 2)
+    loss, g = autopar.value_and_grad(loss_fn)(w)
+    return w - 0.1 * g, loss
+
+  x = jnp.ones((16, 3, 4))                     # [time, batch, feature]
+  pf = autopar.parallelize(step, method=autopar.DataParallel(mesh=mesh8()),
+                           batch_argnums=(1,), donate_argnums=())
+  with pytest.raises(autopar.InputError, match="time-major"):
+    pf(w, x)
