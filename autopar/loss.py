@@ -405,10 +405,15 @@ def _mixes(eqn, on_batch: set, oracle: RowOracle) -> str:
         return (f"'{name}' ({where(eqn)}) computes per-row values of shape "
                 f"{tuple(outs[0].aval.shape)} from a value of shape "
                 f"{tuple(a.aval.shape)} that summarises the batch's rows (batch "
-                f"statistics, or a sum over the rows read back by each row)")
+                f"statistics, or a sum over the rows read back by each row). Fix: keep "
+                f"the statistics as state (a BatchNorm's running averages) or compute "
+                f"them outside the step; to normalise by a count, sum first and "
+                f"divide after (jnp.sum(nll * mask) / jnp.sum(mask))")
     if oracle.size_dependent(eqn):
       return (f"'{name}' ({where(eqn)}) computes per-row values with the batch's size, "
-              f"which each device and micro-batch would take as its own rows' count")
+              f"which each device and micro-batch would take as its own rows' "
+              f"count. Fix: divide after summing (jnp.sum(x) / x.shape[0], or "
+              f"jnp.mean(x))")
   axes: tuple = ()
   if name in _CUMULATIVE:
     axes = (eqn.params["axis"],)
@@ -422,22 +427,28 @@ def _mixes(eqn, on_batch: set, oracle: RowOracle) -> str:
     for a in eqn.invars[start:]:
       if isinstance(a, Var) and a in on_batch and any(d.dim == 0 for d in oracle.dims(a) or ()):
         return (f"a scan ({where(eqn)}) runs over dimension 0 of a value of shape "
-                f"{tuple(a.aval.shape)}, which holds the batch's rows: each step of "
-                f"the scan reads the one before (is the batch time-major, "
-                f"[time, batch, ...]?)")
+                f"{tuple(a.aval.shape)}, which autopar takes for the batch's rows: "
+                f"each step of the scan reads the one before (is the batch "
+                f"time-major, [time, batch, ...]?). Fix: lay the batch out "
+                f"batch-major ([batch, time, ...]) and scan over its axis 1, or name "
+                f"the batch argument with batch_argnums=")
   if axes:
     a = eqn.invars[0]
     dims = oracle.dims(a) if isinstance(a, Var) else []
     if dims and any(d.dim in axes for d in dims):
       return (f"'{name}' ({where(eqn)}) runs along the dimension of a value of "
-              f"shape {tuple(a.aval.shape)} that holds the batch's rows")
+              f"shape {tuple(a.aval.shape)} that holds the batch's rows. Fix: if "
+              f"that dimension is not the batch's, lay the batch out with its rows "
+              f"first or name the batch argument with batch_argnums=")
   for v in eqn.outvars:
     dims = oracle.dims(v) or []
     if len(dims) > 1 and not any(len(oracle.dims(a) or []) > 1 for a in eqn.invars
                                  if isinstance(a, Var)):
       return (f"'{name}' ({where(eqn)}) pairs rows with rows (a value of shape "
               f"{tuple(v.aval.shape)} holds the batch's rows in two dimensions, "
-              f"as in-batch negatives do)")
+              f"as in-batch negatives do). Fix: pair each micro-batch's rows with "
+              f"its own (then say so: it is another loss), or let ShardParallel plan "
+              f"it with num_micro_batches=1: it keeps such a batch whole")
   for sub in jaxprs_in(eqn):
     inner = _body_batch(eqn, sub, on_batch, oracle)
     for e in sub.eqns:
@@ -531,14 +542,10 @@ def check_loss(loss: LossGradient | None, fn_name: str, split_over: str) -> None
   if loss.mixing:
     raise InputError(
         f"{fn_name}: the step mixes the batch's rows on the way to the loss of "
-        f"{loss.name}: {loss.mixing}. autopar runs the step on each device's rows of "
-        f"each micro-batch ({split_over}), so it would give other numbers than on "
-        f"one device. Fix: keep batch statistics as state (a BatchNorm's running "
-        f"averages) or compute them outside the step; divide by a count after "
-        f"summing (sum(nll * mask) / sum(mask)), not before; if the batch's first "
-        f"dimension is not its rows (a time-major [time, batch, ...] array), make it "
-        f"batch-major or name the batch with batch_argnums=; or run with "
-        f"num_micro_batches=1 and the batch on one device (batch_axes=()).")
+        f"{loss.name}, and autopar runs it on each device's rows of each "
+        f"micro-batch ({split_over}), so it would give other numbers than on one "
+        f"device: {loss.mixing}; or run with num_micro_batches=1 and the batch "
+        f"whole (ShardParallel keeps it so by itself; DataParallel(batch_axes=())).")
   if loss.why and loss.how is None:
     raise InputError(
         f"{fn_name}: the loss of {loss.name} (the value autopar.value_and_grad "

@@ -40,7 +40,8 @@ from autopar.strategies.dot import dot_flops
 from autopar.trace import TracedStep, eqns_by_path
 
 __all__ = ["plan_auto", "donation_pairs", "leaves_read_by_compute", "grad_inputs",
-           "batch_axes_for", "shard_first_divisible", "grad_stage_names"]
+           "batch_axes_for", "shard_first_divisible", "grad_stage_names",
+           "candidate_batch_axes", "keeps_batch_whole"]
 
 
 def grad_stage_names(n: int) -> list[str]:
@@ -182,10 +183,11 @@ def batch_spec(rank: int, dim: int, entry) -> PartitionSpec:
 # -- ShardParallel: the ILP ---------------------------------------------------------
 
 def candidate_batch_axes(method: ShardParallel, mesh, micro_batch_size: int,
-                         hints=()) -> list[tuple[str, ...]]:
+                         hints=(), *, whole: bool = False) -> list[tuple[str, ...]]:
   """Choices of batch axes to try: every subset of the mesh axes that divides
   the micro-batch, leaves at most ``option.max_model_axes`` axes to plan and
-  none that a sharding hint needs away from the rows (or the forced one)."""
+  none that a sharding hint needs away from the rows (or the forced one).
+  ``whole``: the batch must stay whole (:func:`keeps_batch_whole`): no axis."""
   names = axis_names_of(mesh)
   sizes = axis_sizes_of(mesh)
   option = method.option
@@ -195,6 +197,8 @@ def candidate_batch_axes(method: ShardParallel, mesh, micro_batch_size: int,
   forced = option.forced_batch_axes(mesh)
   if forced is not None:
     return [forced]
+  if whole:
+    return [()]
   out = []
   for mask in range(1 << len(names)):
     axes = tuple(a for i, a in enumerate(names) if mask >> i & 1)
@@ -209,6 +213,17 @@ def candidate_batch_axes(method: ShardParallel, mesh, micro_batch_size: int,
       out.append(axes)
   # A batch too small to split over enough axes: plan every axis.
   return out or [()]
+
+
+def keeps_batch_whole(split: SplitStep, method) -> bool:
+  """Whether ``method`` must keep the batch whole on ``split``: one
+  micro-batch, and a loss that cannot be split over devices (it mixes rows,
+  as in-batch negatives do, or is not derived from reductions over them;
+  ``loss.py``). The planner then splits the batch's dimensions like any
+  other, which is exact."""
+  loss = split.loss
+  return (method.micro_batches == 1 and loss is not None and
+          bool(loss.mixing or (loss.why and loss.how is None)))
 
 
 class Progress:
@@ -353,7 +368,8 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
     # Larger batch splits first: of plans that cost the same, the one that
     # splits the batch over more devices wins (its gradients cross devices
     # once a step, whatever the number of micro-batches).
-    candidates = sorted(candidate_batch_axes(method, mesh, micro, split.hints),
+    candidates = sorted(candidate_batch_axes(method, mesh, micro, split.hints,
+                                             whole=keeps_batch_whole(split, method)),
                         key=lambda S: -math.prod(sizes[a] for a in S))
     for S in _distinct_up_to_axis_names(candidates, names, sizes, option):
       check_hints(hints, names, S, f"the plan with batch axes {S}")

@@ -34,7 +34,8 @@ from autopar.method import (ParallelMethod, ShardParallel, accumulation_dtype,
 from autopar.plan import CollectivePlan, Plan, ValuePlan
 from autopar.planner import (batch_axes_for, batch_spec, candidate_batch_axes,
                              donation_pairs, grad_inputs, grad_stage_names,
-                             leaves_read_by_compute, shard_first_divisible, spec_axes)
+                             keeps_batch_whole, leaves_read_by_compute,
+                             shard_first_divisible, spec_axes)
 from autopar.split import OutputKind, SizedOutputs, SplitStep, depends_on
 
 __all__ = ["plan_preset"]
@@ -56,7 +57,8 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
   if isinstance(method, ShardParallel) and not method.option.force_batch_dim_to_mesh_dim:
     # The largest set of axes that divides the batch (all of them if it can).
     micro = batch_size // method.micro_batches if batch_size else 0
-    batch_axes = max(candidate_batch_axes(method, mesh, micro, split.hints),
+    batch_axes = max(candidate_batch_axes(method, mesh, micro, split.hints,
+                                          whole=keeps_batch_whole(split, method)),
                      key=lambda axes: math.prod(sizes[a] for a in axes))
   check_hints({h.path: h for h in split.hints}, axis_names_of(mesh), batch_axes,
               f"{method.name} (batch axes {batch_axes})")

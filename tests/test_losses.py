@@ -223,3 +223,29 @@ def test_a_time_major_batch_is_refused():
                            batch_argnums=(1,), donate_argnums=())
   with pytest.raises(autopar.InputError, match="time-major"):
     pf(w, x)
+
+
+def test_in_batch_negatives_keep_the_batch_whole():
+  """A contrastive loss over a batch x batch matrix pairs rows with rows:
+  ShardParallel with one micro-batch keeps the batch whole (its dimensions
+  planned like any other: exact), more micro-batches or a data-parallel
+  split are an error."""
+  def contrastive(p, b):
+    z = jnp.tanh(hidden_of(p, b["tokens"][:, :-1]).mean(axis=1))
+    logits = z @ z.T
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, jnp.arange(z.shape[0])).mean()
+
+  batch = batch_of()
+  (state, loss, _), (ref, ref_loss, _) = run(
+      make_step(contrastive), autopar.ShardParallel(mesh=mesh24()), batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(state.params, ref.params)
+  pf = autopar.parallelize(make_step(contrastive), method=autopar.ShardParallel(
+      mesh=mesh24()), batch_argnums=(1,))
+  assert pf.get_executable(make_state(), batch).plan.batch_axes == ()
+  for method in (autopar.ShardParallel(mesh=mesh24(), num_micro_batches=2),
+                 autopar.DataParallel(mesh=mesh8())):
+    pf = autopar.parallelize(make_step(contrastive), method=method, batch_argnums=(1,))
+    with pytest.raises(autopar.InputError, match="pairs rows with rows"):
+      pf(make_state(), batch)
