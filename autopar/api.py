@@ -43,10 +43,10 @@ from autopar.preset import plan_preset
 from autopar.split import (OutputKind, SplitStep, apply_at, instantiate_split,
                             outputs_at, scale_at, split_step)
 from autopar.trace import (ArgFlags, LeafInfo, TracedStep, abstract_leaves, arg_names,
-                           check_batch_leaves, classify_args, trace_step,
-                           trace_step_any_batch)
+                           batch_candidates, check_batch_leaves, classify_args,
+                           state_args, trace_step, trace_step_any_batch)
 
-__all__ = ["parallelize", "ParallelizedFunction", "StepSignature"]
+__all__ = ["parallelize", "ParallelizedFunction", "StepSignature", "check_donation"]
 
 
 def parallelize(fun: Callable | None = None, *, method: ParallelMethod | None = None,
@@ -175,6 +175,7 @@ class ParallelizedFunction:
     self._any_split: dict[Any, SplitStep | None] = {}   # symbolic-batch split
     # Without a symbolic split: one concrete trace to compare others with.
     self._reference: dict[Any, Any] = {}      # key -> TracedStep
+    self._state: dict[Any, frozenset] = {}    # signature -> arguments holding state
     self._lock = threading.Lock()
     self._costs_resolved = False
     functools.update_wrapper(self, fun)
@@ -198,10 +199,17 @@ class ParallelizedFunction:
     the traced step that says how to write them back
     (``trace.split_updates``)."""
     prep = self._prepare(args)
-    exe = self._executable(prep)
     _check_not_donated(prep, self._name)
+    check_donation(prep.leaves, prep.values, self._name)
+    exe = self._executable(prep)
     traced = exe.split.traced
     return traced.outputs.merge(exe.run(exe.place(prep.values))), traced
+
+  def check_donation(self, args: Sequence[Any]) -> None:
+    """Raises if ``args`` pass one array as two donated leaves, or as a
+    donated and a kept one (:func:`check_donation`)."""
+    prep = self._prepare(args)
+    check_donation(prep.leaves, prep.values, self._name)
 
   def signature(self, args: Sequence[Any]) -> StepSignature:
     """What a runtime needs before running a call on ``args`` (arrays or
@@ -257,7 +265,7 @@ class ParallelizedFunction:
     flags = classify_args(args, static_argnums=self.static_argnums,
                           batch_argnums=self.batch_argnums,
                           donate_argnums=self.donate_argnums, fn_name=self._name,
-                          names=names)
+                          names=names, not_batch=self._state_args(args, names))
     leaves, inputs, values = abstract_leaves(args, flags, names)
     statics = []
     for i in flags.static:
@@ -274,6 +282,34 @@ class ParallelizedFunction:
            tuple((l.shape, l.dtype, l.weak_type) for l in leaves))
     return _Prepared(flags=flags, leaves=tuple(leaves), inputs=inputs,
                      values=values, key=key, names=tuple(names))
+
+  def _state_args(self, args: Sequence[Any], names: Sequence[str]) -> frozenset[int]:
+    """With ``batch_argnums="auto"`` and more than one argument it could take
+    for the batch: the arguments that hold state instead, the step's own
+    word on it (``trace.state_args``: what the gradient is taken of, what the
+    update reads), from one trace of the step on the arguments as given,
+    once per signature. ``step(w, x)`` with plain arrays then takes ``x``,
+    whatever the two's leading sizes."""
+    if self.batch_argnums != "auto":
+      return frozenset()
+    flags = classify_args(args, static_argnums=self.static_argnums, batch_argnums=(),
+                          donate_argnums=(), fn_name=self._name, names=names)
+    static = flags.static
+    if len(batch_candidates(args, static)) < 2:
+      return frozenset()
+    leaves, inputs, _ = abstract_leaves(args, flags, names)
+    key = (static, inputs.key, tuple((l.shape, l.dtype) for l in leaves),
+           tuple((i, args[i]) for i in static))
+    if key not in self._state:
+      try:
+        statics = {i: args[i] for i in static}
+        traced = trace_step(self.fun, [statics.get(i) for i in range(len(args))], flags,
+                            leaves, inputs, micro_batch_size=0,
+                            mesh=auto_mesh(resolve_mesh(self.method)), names=names)
+        self._state[key] = state_args(traced.jaxpr, leaves)
+      except Exception:  # noqa: BLE001 - a step that fails says so when traced again
+        self._state[key] = frozenset()
+    return self._state[key]
 
   def _plan(self, prep: _Prepared) -> tuple[Plan, int]:
     """The plan for these arguments, and the micro-batch size (rows)."""
@@ -574,6 +610,32 @@ def _check_not_donated(prep: _Prepared, name: str) -> None:
           f"an earlier call of this step, which reused its buffer for the state it "
           f"returned. Fix: pass the state that call returned (state, loss = "
           f"step(state, batch)), or keep the inputs with donate_argnums=().")
+
+
+def check_donation(leaves: Sequence[LeafInfo], values: Sequence[Any], name: str) -> None:
+  """One array passed as two donated leaves (tied weights built by reuse),
+  or as a donated leaf and a kept one, is an error before anything runs: a
+  donated buffer is overwritten by one result (plain ``jax.jit`` crashes
+  the process on it)."""
+  donated: dict[int, LeafInfo] = {}
+  for leaf, x in zip(leaves, values, strict=True):
+    if leaf.is_donated and isinstance(x, jax.Array):
+      first = donated.setdefault(id(x), leaf)
+      if first is not leaf:
+        raise InputError(
+            f"{name}: donated argument leaves {first.path} and {leaf.path} are the "
+            f"same array (shape {leaf.shape}): tied weights built by passing one "
+            f"array twice. A donated buffer holds one result after the step, so "
+            f"this state cannot be donated. Fix: give each leaf its own array "
+            f"(jnp.copy one of them; to tie weights, keep one leaf and read it "
+            f"twice in the model), or keep the inputs: donate_argnums=().")
+  for leaf, x in zip(leaves, values, strict=True):
+    if not leaf.is_donated and isinstance(x, jax.Array) and id(x) in donated:
+      raise InputError(
+          f"{name}: argument leaf {leaf.path} (shape {leaf.shape}) is the same array "
+          f"as the donated leaf {donated[id(x)].path}, whose buffer the step "
+          f"overwrites with a result. Fix: pass a copy (jnp.copy), or keep the "
+          f"inputs: donate_argnums=().")
 
 
 @contextlib.contextmanager

@@ -514,6 +514,7 @@ class RayCluster(runtime.Runtime):
     """Runs ``pf`` (a ParallelizedFunction) on the workers."""
     from ray import cloudpickle
     pf = _with_global_mesh(pf, self)
+    pf.check_donation(args)
     # Planned (and traced) once per signature on the driver; every later call
     # finds both in pf's caches.
     sig = pf.signature(abstractify(list(args)))

@@ -23,6 +23,7 @@ Arguments are classified once per call, by :func:`classify_args`:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import sys
@@ -41,7 +42,8 @@ from autopar.pipeline.capture import backward_p, capture_mode, forward_lin_p, fo
 from autopar.pytrees import Partition, mutable_args, partition, write_back
 from autopar.retype import Instantiator, jaxprs_in, without_meshes
 
-__all__ = ["ArgFlags", "LeafInfo", "TracedStep", "classify_args",
+__all__ = ["ArgFlags", "LeafInfo", "TracedStep", "classify_args", "batch_candidates",
+           "state_args",
            "abstract_leaves", "trace_step", "check_batch_leaves", "eqns_by_path",
            "region_jaxprs"]
 
@@ -138,10 +140,55 @@ def _normalize_argnums(argnums: int | Sequence[int], nargs: int, what: str,
   return tuple(sorted(set(out)))
 
 
+def batch_candidates(args: Sequence[Any], static: Sequence[int]) -> list[int]:
+  """The arguments ``batch_argnums="auto"`` chooses among (before knowing
+  which the step differentiates): those whose array leaves share a leading
+  size, other than model and optimizer states and ``static`` ones."""
+  return [i for i, a in enumerate(args) if i not in static and not _holds_state(a)
+          and _leading_size(a) is not None]
+
+
+def state_args(closed: ClosedJaxpr, leaves: Sequence[LeafInfo]) -> frozenset[int]:
+  """The arguments of a step traced with nothing split (``closed``: over
+  ``leaves``) that hold state, never the batch: those whose leaves the loss
+  function is differentiated with respect to (``autopar.value_and_grad``'s
+  operands, and what they are computed from), or that the update reads
+  besides the gradients (``w - lr * g``)."""
+  jaxpr = closed.jaxpr
+  arg = {v: l.argnum for v, l in zip(jaxpr.invars, leaves, strict=True)}
+  producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+  found: set[int] = set()
+  stack = []
+  for e in jaxpr.eqns:
+    if e.primitive is backward_p:
+      stack += [v for v, d in zip(e.invars, e.params["diff"]) if d and isinstance(v, Var)]
+  seen: set = set()
+  while stack:
+    v = stack.pop()
+    if v in seen:
+      continue
+    seen.add(v)
+    if v in arg:
+      found.add(arg[v])
+    elif v in producer:
+      stack.extend(a for a in producer[v].invars if isinstance(a, Var))
+  grads: set = set()
+  for e in jaxpr.eqns:
+    if e.primitive is grad_marker_p:
+      grads.update(e.outvars)
+    elif any(isinstance(a, Var) and a in grads for a in e.invars):
+      grads.update(e.outvars)
+      found.update(arg[a] for a in e.invars if isinstance(a, Var) and a in arg)
+  return frozenset(found)
+
+
 def classify_args(args: Sequence[Any], *, static_argnums, batch_argnums,
                   donate_argnums, fn_name: str,
-                  names: Sequence[str] | None = None) -> ArgFlags:
-  """Resolves ``"auto"`` argnums against concrete (or abstract) arguments."""
+                  names: Sequence[str] | None = None,
+                  not_batch: Sequence[int] = ()) -> ArgFlags:
+  """Resolves ``"auto"`` argnums against concrete (or abstract) arguments.
+  ``not_batch``: arguments ``batch_argnums="auto"`` must not take (the
+  state the step differentiates or updates: :func:`state_args`)."""
   nargs = len(args)
   names = names or [f"args[{i}]" for i in range(nargs)]
   explicit_batch = () if batch_argnums == "auto" else _normalize_argnums(
@@ -157,7 +204,7 @@ def classify_args(args: Sequence[Any], *, static_argnums, batch_argnums,
   else:
     donate = _normalize_argnums(donate_argnums, nargs, "donate_argnums", fn_name)
   batch = explicit_batch if batch_argnums != "auto" else find_batch(
-      args, set(static), names, fn_name)
+      args, set(static) | set(not_batch), names, fn_name)
   for name, nums in (("static_argnums", static), ("donate_argnums", donate)):
     both = sorted(set(nums) & set(batch))
     if both:
@@ -377,10 +424,11 @@ def trace_step(fn: Callable, args: Sequence[Any], flags: ArgFlags,
         in_context = True
   except AutoparError:
     raise
-  except Exception as e:   # noqa: BLE001 - the step's own error, said with the batch
+  except Exception as e:   # noqa: BLE001 - said with the batch, if the cut caused it
     batch = sorted({names[l.argnum] for l in leaves if l.is_batch})
-    if not batch or jax_core.is_symbolic_dim(micro_batch_size):
-      raise
+    if (not batch or jax_core.is_symbolic_dim(micro_batch_size) or
+        _fails_whole(flat_fn, leaves, mesh)):
+      raise                     # the step's own error, as the user wrote it
     raise InputError(
         f"{getattr(fn, '__name__', 'step')}: the step failed when traced with its "
         f"batch argument(s) {', '.join(batch)} cut to {micro_batch_size} rows (a "
@@ -396,6 +444,26 @@ def trace_step(fn: Callable, args: Sequence[Any], flags: ArgFlags,
   return TracedStep(jaxpr=closed, leaves=tuple(leaves), inputs=inputs,
                     outputs=outputs, out_paths=out_paths,
                     micro_batch_size=micro_batch_size, updated=flags.update)
+
+
+def _fails_whole(flat_fn, leaves: Sequence[LeafInfo], mesh) -> bool:
+  """Whether the step fails when traced on the batch as given (not cut):
+  then its error is its own, not the batch split's."""
+  # (jax.set_mesh sets the mesh when called: make each context when entered.)
+  contexts = [contextlib.nullcontext] + ([lambda: _in_context(mesh)] if mesh is not None
+                                         else [])
+  for context in contexts:
+    try:
+      with capture_mode(), context():
+        jax.make_jaxpr(flat_fn)(*[l.abstract() for l in leaves])
+    except RuntimeError as e:
+      if "mesh in context" in str(e):
+        continue
+      return True
+    except Exception:  # noqa: BLE001 - any failure: the step's own
+      return True
+    return False
+  return True
 
 
 def split_updates(traced: TracedStep, result, args: Sequence[Any]):
@@ -430,8 +498,8 @@ def _in_context(mesh):
 
 def trace_step_any_batch(fn: Callable, args: Sequence[Any], flags: ArgFlags,
                          leaves: Sequence[LeafInfo], inputs: Partition, *,
-                         mesh=None, names: Sequence[str] | None = None
-                         ) -> TracedStep | None:
+                         mesh=None, names: Sequence[str] | None = None,
+                         failures: list | None = None) -> TracedStep | None:
   """Traces ``fn`` once with a symbolic micro-batch size, or None if it can't be.
 
   The planner needs the step at several per-device batch sizes (one per
@@ -439,7 +507,10 @@ def trace_step_any_batch(fn: Callable, args: Sequence[Any], flags: ArgFlags,
   it is traced once with JAX's shape polymorphism and :func:`instantiate`
   writes out the jaxpr at each concrete size in one pass over the equations.
   A step whose Python code needs a concrete batch size (e.g. it branches on
-  it) cannot be traced this way and is traced per size instead.
+  it) cannot be traced this way and is traced per size instead; the
+  exception that said so is appended to ``failures``, for messages. (A step
+  that fails for another reason fails again, with its own error, when it is
+  traced at a concrete size.)
   """
   from jax import export
   rows, = export.symbolic_shape("autopar_rows")
@@ -448,7 +519,9 @@ def trace_step_any_batch(fn: Callable, args: Sequence[Any], flags: ArgFlags,
                       mesh=mesh, names=names)
   except MarkerError:
     raise
-  except Exception:   # noqa: BLE001 - any failure means: trace per batch size
+  except Exception as e:   # noqa: BLE001 - any failure means: trace per batch size
+    if failures is not None:
+      failures.append(e)
     return None
 
 

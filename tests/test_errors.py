@@ -164,3 +164,57 @@ def test_abstract_mesh_cannot_run():
   with pytest.raises(autopar.PlanError, match="AbstractMesh"):
     p(state, batch)
   assert_state_usable(state)
+
+
+def test_tied_donated_weights_are_an_error_before_anything_runs():
+  """One array passed as two donated leaves (tied weights built by reuse),
+  or as a donated and a kept leaf: an autopar error naming both paths
+  (plain jax.jit on a multi-device mesh crashes the process here)."""
+  import optax
+  from flax.training import train_state
+
+  w = jnp.ones((8, 8)) / 8
+  state = train_state.TrainState.create(apply_fn=None, params={"a": w, "b": w},
+                                        tx=optax.sgd(0.1))
+
+  def step(state, x):
+    def loss_fn(p):
+      return jnp.mean((x @ p["a"] @ p["b"]) ** 2)
+    loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  x = jnp.ones((16, 8))
+  with pytest.raises(autopar.InputError, match=r"state.params\['a'\] and "
+                     r"state.params\['b'\] are the same array"):
+    run(step, n=1)(state, x)
+  assert_state_usable(state)
+
+  def step_kept(state, x, extra):
+    new, loss = step(state, x)
+    return new, loss + jnp.sum(extra)
+  state = train_state.TrainState.create(apply_fn=None, params={"a": w, "b": w + 1},
+                                        tx=optax.sgd(0.1))
+  with pytest.raises(autopar.InputError, match=r"extra .* same array as the donated "
+                     r"leaf state.params\['a'\]"):
+    run(step_kept, n=1, batch_argnums=(1,))(state, x, state.params["a"])
+  assert_state_usable(state)
+
+
+def test_the_steps_own_error_comes_first():
+  """A step that fails whatever the batch split (a shape error of its own)
+  fails with its own error, under every method, not with advice about
+  batch_argnums or symbolic batch sizes."""
+  make_state, _, batch = mlp_setup()
+
+  def step(state, batch):
+    def loss_fn(p):
+      h = state.apply_fn(p, batch["x"])
+      return jnp.mean(h @ jnp.ones((3, 3)))           # h is [batch, 4]
+    loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  for method in (autopar.DataParallel(mesh=mesh8(), num_micro_batches=2),
+                 autopar.PipeshardParallel(mesh=mesh8(), num_micro_batches=2,
+                                           num_stages=2)):
+    with pytest.raises(TypeError, match="dot_general requires contracting"):
+      autopar.parallelize(step, method=method)(make_state(), batch)

@@ -381,14 +381,19 @@ def test_batch_argument_found_and_errors_name_the_fix():
   p = autopar.parallelize(step, method=methods()["dp"](2))
   assert p._prepare((w, x, y)).flags.batch == (1, 2)       # x and y, one size
   p(w, x, y)
-  # A matrix first and the batch second, or the other way round: the second
-  # is ambiguous (the weight could be the batch), and the error says so.
+  # A matrix first and the batch second, or the other way round: the step
+  # says which is the weight (the gradient is taken of it), whatever the
+  # leading sizes; naming the batch gives the same.
   swapped = lambda x, w: step(w, x, x @ w)
-  with pytest.raises(autopar.InputError, match=r"cannot tell which argument is the "
-                     r"batch: x \(argument 0, leading size 32\), w .*batch_argnums="):
-    autopar.parallelize(swapped, method=methods()["dp"](2))(x, w)
+  p = autopar.parallelize(swapped, method=methods()["dp"](2))
+  assert p._prepare((x, w)).flags.batch == (0,)
+  assert_trees_close(p(x, w), jax.jit(swapped)(x, w))
   out = autopar.parallelize(swapped, method=methods()["dp"](2), batch_argnums=0)(x, w)
   assert_trees_close(out, jax.jit(swapped)(x, w))
+  square = jnp.ones((32, 32)) / 32                 # as many rows as the batch
+  sq = autopar.parallelize(step, method=methods()["dp"](2))
+  assert sq._prepare((square, x @ np.ones((4, 32), np.float32), y @ np.ones(
+      (3, 32), np.float32))).flags.batch == (1, 2)
   with pytest.raises(autopar.InputError, match="(?s)w cut to 2 rows.*TypeError.*"
                      "if w is not the batch, name the batch with batch_argnums="):
     autopar.parallelize(step, method=methods()["dp"](2), batch_argnums=0)(w, x, y)

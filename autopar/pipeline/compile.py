@@ -47,7 +47,7 @@ from autopar.retype import Instantiator
 from autopar.rng import DRAW_PRIMITIVES
 from autopar.rows import ROWS_NAME, RowOracle
 from autopar.split import OutputKind, SplitStep, apply_at, dce, scale_at, split_step
-from autopar.trace import check_batch_leaves, trace_step_any_batch
+from autopar.trace import check_batch_leaves, trace_step, trace_step_any_batch
 
 __all__ = ["Prepared", "prepare", "plan_pipeline", "compile_pipeline"]
 
@@ -74,16 +74,25 @@ def prepare(pf, prep, method: PipeshardParallel) -> Prepared:
                      f"stages, but the step has no batch argument. Fix: say which "
                      f"arguments hold the batch with batch_argnums=.")
   micro = batch // n
+  failures: list = []
   with capture_mode(), remat_mode("none"):
     traced = trace_step_any_batch(pf.fun, pf._args_for_trace(prep), prep.flags,
                                   prep.leaves, prep.inputs, mesh=auto_mesh(mesh),
-                                  names=prep.names)
+                                  names=prep.names, failures=failures)
   if traced is None:
+    # The step's own error first: traced at a micro-batch's rows, it fails
+    # as the user wrote it (or with what the batch split does to it).
+    with capture_mode(), remat_mode("none"):
+      trace_step(pf.fun, pf._args_for_trace(prep), prep.flags, prep.leaves,
+                 prep.inputs, micro_batch_size=micro, mesh=auto_mesh(mesh),
+                 names=prep.names)
+    why = failures[0] if failures else None
     raise InputError(
         f"{name}: PipeshardParallel plans the step at a symbolic batch size, and this "
         f"step cannot be traced so (its shapes depend on the batch size in a way "
-        f"autopar cannot follow). Fix: use ShardParallel, or keep the batch size "
-        f"out of the step's Python logic.")
+        f"autopar cannot follow"
+        f"{f': {type(why).__name__}: {why}' if why is not None else ''}). Fix: use "
+        f"ShardParallel, or keep the batch size out of the step's Python logic.")
   split = split_step(traced, fn_name=name, output_reductions=pf.output_reductions,
                      pipeline=True)
   if not split.has_marker:
