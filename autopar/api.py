@@ -12,6 +12,7 @@ import gc
 import math
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, Callable, Mapping, Sequence
 
@@ -588,6 +589,13 @@ class ParallelizedFunction:
                 f"batch size, or say how the loss combines with "
                 f"parallelize(..., output_reductions={{'loss': 'mean'}}).")
           scale = at_whole.scale
+      if scale is not None and split.loss.forward_sums:
+        warnings.warn(
+            f"autopar: the loss of {split.loss.name} is a nonlinear function of sums "
+            f"over the rows that depend on the parameters (a ratio of two such "
+            f"sums, a log of one); to give each device the whole batch's gradient, a "
+            f"first pass runs the forward pass once more per step (stage "
+            f"'loss_sums').", stacklevel=3)
       # autopar's stages compute on meshes of their own: a mesh the caller
       # set (jax.set_mesh) applies to the step's own code, not to them.
       with jax.set_mesh(None):

@@ -617,15 +617,16 @@ def cotangents(view: ClosedJaxpr, call: LossCall, head: LossHead,
   nin = len(call.fn.invars)
   seeds = list(eqns[call.backward].invars[nin:])
   entries, kinds = head.entries(how)
+  outputs = list(head.outputs)
   if not head.why and how is None:
     head_in = [v for v, _ in head.reductions] + list(head.inputs)
-    body = list(head.eqns)
+    body, outputs = _without_bindings(head.eqns, outputs)
     nr = len(head.reductions)
   else:
     head_in = list(dict.fromkeys(v for v in head.outputs if isinstance(v, Var)))
     body, nr = [], 0
-  hj = Jaxpr([], head_in, list(head.outputs), body,
-             debug_info=_debug("loss head", len(head_in), len(head.outputs)))
+  hj = Jaxpr([], head_in, outputs, body,
+             debug_info=_debug("loss head", len(head_in), len(outputs)))
   draft = _Cotangents(entries, kinds, head_in, hj, seeds, None, [], [], ())
   cj = jax.make_jaxpr(draft.local)([_sds(v.aval) for v in head_in],
                                    [_sds(v.aval) for v in seeds])
@@ -634,6 +635,21 @@ def cotangents(view: ClosedJaxpr, call: LossCall, head: LossHead,
   return dataclasses.replace(
       draft, scale=scale, sums=sums, inputs=[k for k in used if k >= nr],
       sum_ops=tuple(head.reductions[k][1] for k in sums))
+
+
+def _without_bindings(eqns, outputs) -> tuple[list, list]:
+  """The head's equations without the loss function's input bindings (a
+  mask sum taken before the loss function, read through one), and its
+  outputs: what a stage evaluates of it are plain equations."""
+  rename: dict = {}
+  read = lambda a: a if isinstance(a, Literal) else rename.get(a, a)
+  body = []
+  for e in eqns:
+    if e.primitive is loss_input_p:
+      rename[e.outvars[0]] = read(e.invars[0])
+    else:
+      body.append(e.replace(invars=[read(a) for a in e.invars]))
+  return body, [read(v) for v in outputs]
 
 
 def expand(view: ClosedJaxpr, call: LossCall, head: LossHead, *, remat: Any = "none",

@@ -69,6 +69,20 @@ def chunked(p, b):
                                           chunk_size=8, mask=b["mask"])
 
 
+def with_z_loss(p, b):
+  """A token mean plus a second one (PaLM's z-loss, in spirit): two
+  reductions that depend on the parameters, one count."""
+  h = hidden_of(p, b["tokens"][:, :-1])
+  z = jnp.sum(jnp.mean(h ** 2, axis=-1) * b["mask"]) / jnp.sum(b["mask"])
+  return token_mean(p, b) + 0.1 * z
+
+
+def with_weight_decay(p, b):
+  """A token mean plus a term of the parameters alone: each device and
+  micro-batch seeds its share of it."""
+  return token_mean(p, b) + 1e-2 * sum(jnp.sum(x ** 2) for x in jax.tree.leaves(p))
+
+
 def with_int_aux(p, b):
   loss = token_mean(p, b)
   return loss, {"tokens": jnp.sum(b["mask"] > 0).astype(jnp.int32),
@@ -77,6 +91,7 @@ def with_int_aux(p, b):
 
 LOSSES = {"token mean": (token_mean, 0), "sum": (summed, 0), "weights": (weighted, 0),
           "empty micro-batch": (token_mean, 8), "chunked": (chunked, 0),
+          "z-loss": (with_z_loss, 0), "weight decay": (with_weight_decay, 0),
           "int aux": (with_int_aux, 0)}
 
 
@@ -94,9 +109,11 @@ def make_step(loss_fn, *, grads_out=False):
   return step
 
 
+TX = optax.sgd(0.1, momentum=0.9)     # one object: a new one is a new signature
+
+
 def make_state(dtype=jnp.float32):
-  return train_state.TrainState.create(apply_fn=None, params=init_params(dtype),
-                                       tx=optax.sgd(0.1, momentum=0.9))
+  return train_state.TrainState.create(apply_fn=None, params=init_params(dtype), tx=TX)
 
 
 def mesh8():
@@ -249,3 +266,26 @@ def test_in_batch_negatives_keep_the_batch_whole():
     pf = autopar.parallelize(make_step(contrastive), method=method, batch_argnums=(1,))
     with pytest.raises(autopar.InputError, match="pairs rows with rows"):
       pf(make_state(), batch)
+
+
+def test_a_loss_nonlinear_in_parameter_sums_is_exact_or_refused():
+  """log(sum(exp(-nll))): its cotangent reads a sum that depends on the
+  parameters. The SPMD methods compute it first (a warning says the forward
+  pass runs twice), exactly; a pipeline cannot, and says so."""
+  def log_sum(p, b):
+    return -jnp.log(jnp.sum(jnp.exp(-nll_of(p, b["tokens"])) * b["mask"]))
+
+  batch = batch_of()
+  for method in ("DataParallel n=2", "Zero3Parallel", "ShardParallel 2x4 n=2"):
+    pf = autopar.parallelize(make_step(log_sum), method=METHODS[method](),
+                             batch_argnums=(1,))
+    with pytest.warns(UserWarning, match="forward pass once more"):
+      state, loss, _ = pf(make_state(), batch)
+    ref, ref_loss, _ = single_device(make_step(log_sum))(make_state(), batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=method)
+    assert_trees_close(state.params, ref.params)
+    assert pf.get_executable(make_state(), batch).schedule[0] == "loss_sums"
+  pf = autopar.parallelize(make_step(log_sum), method=METHODS["Pipeshard 1f1b"](),
+                           batch_argnums=(1,))
+  with pytest.raises(autopar.InputError, match="nonlinear function of sums"):
+    pf(make_state(), batch)
