@@ -11,7 +11,9 @@ one device, measured side by side in one run:
 * optax jitted whole: ``tx.update`` + ``optax.apply_updates`` over the
   whole tree in one ``jax.jit`` with the parameters and state donated, as a
   hand-written JAX training loop runs it: the baseline the ratios are
-  against (``x jit``);
+  against (``x jit``). (JAX pairs donated buffers with outputs by shape and
+  dtype, and a leaf's parameter and moments share both, so XLA may copy:
+  see docs/memory.md);
 * optax leaf by leaf: the same jitted per parameter leaf (one program per
   leaf, buffers donated), as a loop over parameters would run it;
 * optax eager: the same update on the whole tree without ``jit`` (one
