@@ -40,6 +40,7 @@ from autopar.loss import SHARE, loss_cotangent_p
 __all__ = ["entry_axes", "make_entry", "restrict", "manual_spec", "auto_spec",
            "stacked_spec", "gather_manual", "reduce_manual", "COMBINE", "across",
            "combine_groups", "seed_loss", "loss_marker", "add_partial", "sums_pass",
+           "micro_batch_inputs",
            "num_groups"]
 
 
@@ -100,6 +101,21 @@ def reduce_manual(x, spec: PartitionSpec, manual: Sequence[str]):
       scattered.update(axes)
   rest = tuple(a for a in manual if a not in scattered)
   return lax.psum(x, rest) if rest else x
+
+
+def micro_batch_inputs(leaves, values, i, rows: int, read, specs, manual) -> list:
+  """A device's inputs for its micro-batch ``i``: the ``rows`` rows of each
+  batch leaf's local slice (selecting them moves no data), and the
+  parameters ``read`` (indices) gathered where ``specs`` split them over
+  the manual axes (ZeRO-3)."""
+  args = []
+  for k, (leaf, x) in enumerate(zip(leaves, values, strict=True)):
+    if leaf.is_batch:
+      x = lax.dynamic_slice_in_dim(x, i * rows, rows, axis=0)
+    elif k in read:
+      x = gather_manual(x, specs[k], manual)
+    args.append(x)
+  return args
 
 
 def add_partial(total, g, dtype):

@@ -46,9 +46,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar import rng
 from autopar.evaluate import Rules, check_pins, eqn_at, eval_jaxpr, eval_scan, plan_constraints
-from autopar.gradients import (COMBINE, add_partial, across, gather_manual, loss_marker,
-                               make_entry, manual_spec, reduce_manual, seed_loss,
-                               stacked_spec, sums_pass)
+from autopar.gradients import (COMBINE, add_partial, across, loss_marker, make_entry,
+                               manual_spec, micro_batch_inputs, reduce_manual,
+                               seed_loss, stacked_spec, sums_pass)
 from autopar.gradstack import GradStack, find_grad_stacks, slots
 from autopar.hints import in_stage
 from autopar.method import accumulation_dtype, auto_mesh
@@ -202,13 +202,7 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
     override = {str(e): fold_scan(sts) for e, sts in by_scan.items()}
     if scale is not None and marker is not None:
       override[str(marker)] = seed_loss(scale, groups, sums)
-    args = []
-    for k, (leaf, x) in enumerate(zip(leaves, leaf_vals, strict=True)):
-      if leaf.is_batch:
-        x = lax.dynamic_slice_in_dim(x, i * micro_rows, micro_rows, axis=0)
-      elif k in read:
-        x = gather_manual(x, in_specs[k], manual)
-      args.append(x)
+    args = micro_batch_inputs(leaves, leaf_vals, i, micro_rows, read, in_specs, manual)
     # This device holds rows [d*n*m, (d+1)*n*m) of the batch, and micro-batch
     # i is its rows [i*m, (i+1)*m) (see the module docstring).
     device = lax.axis_index(manual) if manual else 0
@@ -366,13 +360,7 @@ def _sums_stage(split: SplitStep, plan: Plan, amesh, *, micro_rows: int):
     device = lax.axis_index(manual) if manual else 0
 
     def evaluate(i):
-      args = []
-      for j, (leaf, x) in enumerate(zip(leaves, leaf_vals, strict=True)):
-        if leaf.is_batch:
-          x = lax.dynamic_slice_in_dim(x, i * micro_rows, micro_rows, axis=0)
-        elif j in read:
-          x = gather_manual(x, in_specs[j], manual)
-        args.append(x)
+      args = micro_batch_inputs(leaves, leaf_vals, i, micro_rows, read, in_specs, manual)
       rules = Rules(draws=draws, rows=((device * n + i) * micro_rows, groups * micro_rows))
       return eval_jaxpr(program, split.consts, args, rules)
     return sums_pass(evaluate, n, ops, manual, groups)
