@@ -73,12 +73,11 @@ rows autopar cannot tell) the entries are the loss itself, seeded with
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax._src import core as jax_core
-from jax._src import source_info_util
 from jax._src.interpreters import partial_eval as pe
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Primitive, Var
 from jax.interpreters import mlir
@@ -87,11 +86,10 @@ from autopar.combine import reduction_of
 from autopar.errors import InputError, MarkerError
 from autopar.pipeline.capture import backward_p, forward_p
 from autopar.remat import rolled_eval
-from autopar.retype import jaxprs_in
-from autopar.rows import RowOracle
+from autopar.rows import RowOracle, depends, row_mixing, where
 
 __all__ = ["loss_input_p", "loss_cotangent_p", "LossCall", "LossHead", "LossGradient",
-           "LossValues", "inline_loss", "find_head", "row_mixing", "cotangents", "expand",
+           "LossValues", "inline_loss", "find_head", "cotangents", "expand",
            "check_loss", "LOSS_KEY",
            "WHOLE", "SHARE"]
 
@@ -250,22 +248,6 @@ def _differentiable(v, on_params) -> bool:
           jnp.issubdtype(v.aval.dtype, jnp.inexact))
 
 
-def where(eqn) -> str:
-  """The user's source line of ``eqn`` (for messages)."""
-  return source_info_util.summarize(eqn.source_info)
-
-
-def _depends(jaxpr: Jaxpr, sources: set, extra: Callable | None = None) -> set:
-  """Variables computed from ``sources`` (``sources`` included); with
-  ``extra(eqn)``, also the results of equations for which it holds."""
-  dep = set(sources)
-  for eqn in jaxpr.eqns:
-    if any(isinstance(v, Var) and v in dep for v in eqn.invars) or (
-        extra is not None and extra(eqn)):
-      dep.update(eqn.outvars)
-  return dep
-
-
 def find_head(view: ClosedJaxpr, call: LossCall, *, batch: set, oracle: RowOracle | None,
               how: str | None = None) -> LossHead:
   """``L = head(R, H)`` for the loss of ``call`` in ``view`` (see the module
@@ -277,14 +259,14 @@ def find_head(view: ClosedJaxpr, call: LossCall, *, batch: set, oracle: RowOracl
   fn = call.fn
   outputs = tuple(fn.outvars[j] for j in call.seeded)
   params = {fv for fv, d in zip(fn.invars, call.diff, strict=True) if d}
-  on_params = frozenset(_depends(jaxpr, params))
+  on_params = frozenset(depends(jaxpr, params))
   if oracle is None:
     return LossHead((), (), (), outputs, on_params,
                     why="autopar cannot tell which of the program's values hold the "
                         "batch's rows (the step could not be traced at a symbolic "
                         "batch size, and its program differs from size to size)")
   # Values that depend on the batch: its values, or its size.
-  on_batch = _depends(jaxpr, set(batch), lambda e: oracle.size_dependent(e) or any(
+  on_batch = depends(jaxpr, set(batch), lambda e: oracle.size_dependent(e) or any(
       oracle.varies(v) for v in e.outvars))
   producer = {v: e for e in eqns for v in e.outvars}
   order = {id(e): i for i, e in enumerate(eqns)}
@@ -353,128 +335,6 @@ def find_head(view: ClosedJaxpr, call: LossCall, *, batch: set, oracle: RowOracl
   h = tuple(v for v in inputs if isinstance(v, Var))
   return LossHead(r, h, tuple(sorted(head.values(), key=lambda e: order[id(e)])),
                   outputs, on_params, mixing=mixing)
-
-
-# -- rows that must stay apart --------------------------------------------------------
-
-_CUMULATIVE = ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
-
-
-def row_mixing(jaxpr: Jaxpr, targets: Sequence, *, on_batch: set,
-               oracle: RowOracle) -> str:
-  """"" if the rows stay apart on the way to ``targets`` (the loss's
-  reductions over the rows); else what mixes them and where.
-
-  Each group computes on its own rows, so a value of one row must not read
-  another group's rows: autopar refuses a per-row value computed from a
-  value summarised over the rows (batch statistics: ``x - x.mean(0)``;
-  ``nll / mask.sum()``), an operation along the rows (a cumulative sum, a
-  sort, a reversal, a scan over them: a time-major ``[time, batch, ...]``
-  argument taken as the batch), rows paired with rows (``q @ k.T`` over the
-  batch: in-batch negatives), and a per-row value scaled by the batch's
-  size (``x / x.shape[0]``), which each group would take as its own.
-  """
-  producer = {v: e for e in jaxpr.eqns for v in e.outvars}
-  needed, stack = set(), [v for v in targets if isinstance(v, Var)]
-  front = set()
-  while stack:
-    v = stack.pop()
-    if v in needed:
-      continue
-    needed.add(v)
-    e = producer.get(v)
-    if e is not None and id(e) not in front:
-      front.add(id(e))
-      stack.extend(a for a in e.invars if isinstance(a, Var))
-  for eqn in jaxpr.eqns:
-    if id(eqn) in front:
-      found = _mixes(eqn, on_batch, oracle)
-      if found:
-        return found
-  return ""
-
-
-def _mixes(eqn, on_batch: set, oracle: RowOracle) -> str:
-  """What ``eqn`` does that mixes rows ("" if nothing), with where; its
-  bodies too."""
-  name = eqn.primitive.name
-  outs = [v for v in eqn.outvars if oracle.varies(v)]
-  if outs:
-    for a in eqn.invars:
-      if isinstance(a, Var) and a in on_batch and oracle.varies(a) is False:
-        return (f"'{name}' ({where(eqn)}) computes per-row values of shape "
-                f"{tuple(outs[0].aval.shape)} from a value of shape "
-                f"{tuple(a.aval.shape)} that summarises the batch's rows (batch "
-                f"statistics, or a sum over the rows read back by each row). Fix: keep "
-                f"the statistics as state (a BatchNorm's running averages) or compute "
-                f"them outside the step; to normalise by a count, sum first and "
-                f"divide after (jnp.sum(nll * mask) / jnp.sum(mask))")
-    if oracle.size_dependent(eqn):
-      return (f"'{name}' ({where(eqn)}) computes per-row values with the batch's size, "
-              f"which each device and micro-batch would take as its own rows' "
-              f"count. Fix: divide after summing (jnp.sum(x) / x.shape[0], or "
-              f"jnp.mean(x))")
-  axes: tuple = ()
-  if name in _CUMULATIVE:
-    axes = (eqn.params["axis"],)
-  elif name == "sort":
-    axes = (eqn.params["dimension"],)
-  elif name == "rev":
-    axes = tuple(eqn.params["dimensions"])
-  elif name == "scan" and eqn.params["num_carry"]:
-    # (Without a carry, as lax.map, each trip is on its own.)
-    start = eqn.params["num_consts"] + eqn.params["num_carry"]
-    for a in eqn.invars[start:]:
-      if isinstance(a, Var) and a in on_batch and any(d.dim == 0 for d in oracle.dims(a) or ()):
-        return (f"a scan ({where(eqn)}) runs over dimension 0 of a value of shape "
-                f"{tuple(a.aval.shape)}, which autopar takes for the batch's rows: "
-                f"each step of the scan reads the one before (is the batch "
-                f"time-major, [time, batch, ...]?). Fix: lay the batch out "
-                f"batch-major ([batch, time, ...]) and scan over its axis 1, or name "
-                f"the batch argument with batch_argnums=")
-  if axes:
-    a = eqn.invars[0]
-    dims = oracle.dims(a) if isinstance(a, Var) else []
-    if dims and any(d.dim in axes for d in dims):
-      return (f"'{name}' ({where(eqn)}) runs along the dimension of a value of "
-              f"shape {tuple(a.aval.shape)} that holds the batch's rows. Fix: if "
-              f"that dimension is not the batch's, lay the batch out with its rows "
-              f"first or name the batch argument with batch_argnums=")
-  for v in eqn.outvars:
-    dims = oracle.dims(v) or []
-    if len(dims) > 1 and not any(len(oracle.dims(a) or []) > 1 for a in eqn.invars
-                                 if isinstance(a, Var)):
-      return (f"'{name}' ({where(eqn)}) pairs rows with rows (a value of shape "
-              f"{tuple(v.aval.shape)} holds the batch's rows in two dimensions, "
-              f"as in-batch negatives do). Fix: pair each micro-batch's rows with "
-              f"its own (then say so: it is another loss), or let ShardParallel plan "
-              f"it with num_micro_batches=1: it keeps such a batch whole")
-  for sub in jaxprs_in(eqn):
-    inner = _body_batch(eqn, sub, on_batch, oracle)
-    for e in sub.eqns:
-      found = _mixes(e, inner, oracle)
-      if found:
-        return found
-  return ""
-
-
-def _body_batch(eqn, sub: Jaxpr, on_batch: set, oracle: RowOracle) -> set:
-  """The variables of ``sub`` (a body of ``eqn``) that depend on the batch."""
-  ins = list(eqn.invars)
-  name = eqn.primitive.name
-  if name == "cond":
-    ins = ins[1:]
-  elif name == "while":
-    body = eqn.params["body_jaxpr"].jaxpr
-    if sub is body:
-      ins = ins[eqn.params["cond_nconsts"]:]
-    else:
-      ins = ins[:eqn.params["cond_nconsts"]] + ins[eqn.params["cond_nconsts"] +
-                                                   eqn.params["body_nconsts"]:]
-  start = {w for w, a in zip(sub.invars, ins) if isinstance(a, Var) and a in on_batch}
-  start |= {w for w in sub.invars if oracle.varies(w)}
-  return _depends(sub, start, lambda e: oracle.size_dependent(e) or any(
-      oracle.varies(v) for v in e.outvars))
 
 
 # -- the gradient as the whole batch's ------------------------------------------------

@@ -14,6 +14,11 @@ traces at different sizes, where the dimension is ``c * rows`` in both.
 
 A :class:`Rows` says which of the two a program was traced as;
 :meth:`Rows.dims` reads one shape with it.
+
+Each device and micro-batch computes on its own rows, so a program whose
+values read one row together with another's (batch statistics, a scan over
+the rows, rows paired with rows) gives other numbers when the batch is
+split: :func:`row_mixing` finds where.
 """
 
 from __future__ import annotations
@@ -23,9 +28,12 @@ from typing import Sequence
 
 import numpy as np
 from jax._src import core as jax_core
-from jax.extend.core import Literal
+from jax._src import source_info_util
+from jax.extend.core import Jaxpr, Literal, Var
 
-__all__ = ["RowDim", "Rows", "RowOracle", "ROWS_NAME"]
+from autopar.retype import jaxprs_in
+
+__all__ = ["RowDim", "Rows", "RowOracle", "ROWS_NAME", "row_mixing", "where", "depends"]
 
 ROWS_NAME = "autopar_rows"    # the symbolic batch dimension (trace.py)
 
@@ -182,3 +190,141 @@ def _same_literal(a, b) -> bool:
     return x.shape == y.shape and x.dtype == y.dtype and bool(np.all(x == y))
   except Exception:  # noqa: BLE001 - an opaque literal (a key): not a size
     return True
+
+
+# -- rows that must stay apart -----------------------------------------------------
+
+_CUMULATIVE = ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
+
+
+def row_mixing(jaxpr: Jaxpr, targets: Sequence, *, on_batch: set,
+               oracle: RowOracle) -> str:
+  """"" if the rows stay apart on the way to ``targets`` (the loss's
+  reductions over the rows); else what mixes them and where.
+
+  Each group computes on its own rows, so a value of one row must not read
+  another group's rows: autopar refuses a per-row value computed from a
+  value summarised over the rows (batch statistics: ``x - x.mean(0)``;
+  ``nll / mask.sum()``), an operation along the rows (a cumulative sum, a
+  sort, a reversal, a scan over them: a time-major ``[time, batch, ...]``
+  argument taken as the batch), rows paired with rows (``q @ k.T`` over the
+  batch: in-batch negatives), and a per-row value scaled by the batch's
+  size (``x / x.shape[0]``), which each group would take as its own.
+  """
+  producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+  needed, stack = set(), [v for v in targets if isinstance(v, Var)]
+  front = set()
+  while stack:
+    v = stack.pop()
+    if v in needed:
+      continue
+    needed.add(v)
+    e = producer.get(v)
+    if e is not None and id(e) not in front:
+      front.add(id(e))
+      stack.extend(a for a in e.invars if isinstance(a, Var))
+  for eqn in jaxpr.eqns:
+    if id(eqn) in front:
+      found = _mixes(eqn, on_batch, oracle)
+      if found:
+        return found
+  return ""
+
+
+def _mixes(eqn, on_batch: set, oracle: RowOracle) -> str:
+  """What ``eqn`` does that mixes rows ("" if nothing), with where; its
+  bodies too."""
+  name = eqn.primitive.name
+  outs = [v for v in eqn.outvars if oracle.varies(v)]
+  if outs:
+    for a in eqn.invars:
+      if isinstance(a, Var) and a in on_batch and oracle.varies(a) is False:
+        return (f"'{name}' ({where(eqn)}) computes per-row values of shape "
+                f"{tuple(outs[0].aval.shape)} from a value of shape "
+                f"{tuple(a.aval.shape)} that summarises the batch's rows (batch "
+                f"statistics, or a sum over the rows read back by each row). Fix: keep "
+                f"the statistics as state (a BatchNorm's running averages) or compute "
+                f"them outside the step; to normalise by a count, sum first and "
+                f"divide after (jnp.sum(nll * mask) / jnp.sum(mask))")
+    if oracle.size_dependent(eqn):
+      return (f"'{name}' ({where(eqn)}) computes per-row values with the batch's size, "
+              f"which each device and micro-batch would take as its own rows' "
+              f"count. Fix: divide after summing (jnp.sum(x) / x.shape[0], or "
+              f"jnp.mean(x))")
+  axes: tuple = ()
+  if name in _CUMULATIVE:
+    axes = (eqn.params["axis"],)
+  elif name == "sort":
+    axes = (eqn.params["dimension"],)
+  elif name == "rev":
+    axes = tuple(eqn.params["dimensions"])
+  elif name == "scan" and eqn.params["num_carry"]:
+    # (Without a carry, as lax.map, each trip is on its own.)
+    start = eqn.params["num_consts"] + eqn.params["num_carry"]
+    for a in eqn.invars[start:]:
+      if isinstance(a, Var) and a in on_batch and any(d.dim == 0 for d in oracle.dims(a) or ()):
+        return (f"a scan ({where(eqn)}) runs over dimension 0 of a value of shape "
+                f"{tuple(a.aval.shape)}, which autopar takes for the batch's rows: "
+                f"each step of the scan reads the one before (is the batch "
+                f"time-major, [time, batch, ...]?). Fix: lay the batch out "
+                f"batch-major ([batch, time, ...]) and scan over its axis 1, or name "
+                f"the batch argument with batch_argnums=")
+  if axes:
+    a = eqn.invars[0]
+    dims = oracle.dims(a) if isinstance(a, Var) else []
+    if dims and any(d.dim in axes for d in dims):
+      return (f"'{name}' ({where(eqn)}) runs along the dimension of a value of "
+              f"shape {tuple(a.aval.shape)} that holds the batch's rows. Fix: if "
+              f"that dimension is not the batch's, lay the batch out with its rows "
+              f"first or name the batch argument with batch_argnums=")
+  for v in eqn.outvars:
+    dims = oracle.dims(v) or []
+    if len(dims) > 1 and not any(len(oracle.dims(a) or []) > 1 for a in eqn.invars
+                                 if isinstance(a, Var)):
+      return (f"'{name}' ({where(eqn)}) pairs rows with rows (a value of shape "
+              f"{tuple(v.aval.shape)} holds the batch's rows in two dimensions, "
+              f"as in-batch negatives do). Fix: pair each micro-batch's rows with "
+              f"its own (then say so: it is another loss), or let ShardParallel plan "
+              f"it with num_micro_batches=1: it keeps such a batch whole")
+  for sub in jaxprs_in(eqn):
+    inner = _body_batch(eqn, sub, on_batch, oracle)
+    for e in sub.eqns:
+      found = _mixes(e, inner, oracle)
+      if found:
+        return found
+  return ""
+
+
+def _body_batch(eqn, sub: Jaxpr, on_batch: set, oracle: RowOracle) -> set:
+  """The variables of ``sub`` (a body of ``eqn``) that depend on the batch."""
+  ins = list(eqn.invars)
+  name = eqn.primitive.name
+  if name == "cond":
+    ins = ins[1:]
+  elif name == "while":
+    body = eqn.params["body_jaxpr"].jaxpr
+    if sub is body:
+      ins = ins[eqn.params["cond_nconsts"]:]
+    else:
+      ins = ins[:eqn.params["cond_nconsts"]] + ins[eqn.params["cond_nconsts"] +
+                                                   eqn.params["body_nconsts"]:]
+  start = {w for w, a in zip(sub.invars, ins) if isinstance(a, Var) and a in on_batch}
+  start |= {w for w in sub.invars if oracle.varies(w)}
+  return depends(sub, start, lambda e: oracle.size_dependent(e) or any(
+      oracle.varies(v) for v in e.outvars))
+
+
+def where(eqn) -> str:
+  """The user's source line of ``eqn`` (for messages)."""
+  return source_info_util.summarize(eqn.source_info)
+
+
+def depends(jaxpr, sources: set, extra=None) -> set:
+  """Variables computed from ``sources`` (``sources`` included); with
+  ``extra(eqn)``, also the results of equations for which it holds."""
+  dep = set(sources)
+  for eqn in jaxpr.eqns:
+    if any(isinstance(v, Var) and v in dep for v in eqn.invars) or (
+        extra is not None and extra(eqn)):
+      dep.update(eqn.outvars)
+  return dep
