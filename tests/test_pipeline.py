@@ -280,3 +280,31 @@ def test_boundary_inside_a_loop_is_an_error():
   with pytest.raises(autopar.MarkerError, match="inside a loop"):
     autopar.parallelize(step, batch_argnums=(1,), method=autopar.PipeshardParallel(
         mesh=mesh24(), num_micro_batches=2, num_stages=2, layers="manual")).plan(w, x)
+
+
+def test_a_stage_that_reads_fewer_constants_than_the_step():
+  """A custom_jvp function closing over an array constant, in the last layer
+  only: inlined for the pipeline, the constant is the step's; the first
+  stage reads none of it (its ILP read the update's constants misaligned).
+  The same happened to Keras's Dropout under PipeshardParallel."""
+  c = np.linspace(0.5, 1.5, 64).reshape(8, 8).astype(np.float32)
+
+  @jax.custom_jvp
+  def mix(x):
+    return jnp.tanh(x @ c)
+  mix.defjvp(lambda p, t: (mix(p[0]), (1 - mix(p[0]) ** 2) * (t[0] @ c)))
+
+  def step(ws, x):
+    def loss_fn(ws):
+      h = x
+      for w in ws[:-1]:
+        h = jnp.tanh(h @ w)
+      return jnp.mean(mix(h @ ws[-1]) ** 2)
+    loss, g = autopar.value_and_grad(loss_fn)(ws)
+    return [w - 0.1 * gi for w, gi in zip(ws, g)], loss
+
+  ws = [jnp.eye(8) * 0.5 + 0.01 * i for i in range(4)]
+  x = jnp.asarray(np.random.RandomState(0).randn(16, 8), jnp.float32)
+  method = autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=2, num_stages=2)
+  got = autopar.parallelize(step, method=method, donate_argnums=(), batch_argnums=(1,))(ws, x)
+  assert_trees_close(got, single_device(step)(ws, x))

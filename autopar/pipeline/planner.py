@@ -502,6 +502,14 @@ def solve_stage(ctx: Context, cut_: Cut, s: int, sizes: dict[str, int],
   update_vars = [Var(_local_aval(v)) for v, _ in extra]
   joint = joint.replace(invars=[*joint.invars[:num_consts], *main, *update_vars, *cts])
   assert len(joint.invars) - num_consts == len(io.kinds), (len(joint.invars), len(io.kinds))
+  if num_consts < ctx.num_consts:
+    # The ILP reads as many leading constants in both programs: the update
+    # has the step's, the stage's pass may read fewer. Unread stand-ins.
+    pad = [Var(jax.core.ShapedArray((), np.float32))
+           for _ in range(ctx.num_consts - num_consts)]
+    joint = joint.replace(invars=[*joint.invars[:num_consts], *pad,
+                                  *joint.invars[num_consts:]])
+    num_consts = ctx.num_consts
   update, donation, offsets = _update_jaxpr(ctx, cut_, s, io, segments, grads, num_consts)
   names = tuple(sizes)
   planned = tuple(a for a in names if a not in batch_axes and sizes[a] > 1)
