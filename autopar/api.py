@@ -591,11 +591,11 @@ class ParallelizedFunction:
           scale = at_whole.scale
       if scale is not None and split.loss.forward_sums:
         warnings.warn(
-            f"autopar: the loss of {split.loss.name} is a nonlinear function of sums "
-            f"over the rows that depend on the parameters (a ratio of two such "
-            f"sums, a log of one); to give each device the whole batch's gradient, a "
-            f"first pass runs the forward pass once more per step (stage "
-            f"'loss_sums').", stacklevel=3)
+            f"autopar: the gradient of the loss of {split.loss.name} needs sums over "
+            f"the rows that depend on the parameters (a ratio or a log of such sums, "
+            f"or a parameter-dependent factor of one) over the whole batch; to give "
+            f"each device the whole batch's gradient, a first pass runs the forward "
+            f"pass once more per step (stage 'loss_sums').", stacklevel=3)
       # autopar's stages compute on meshes of their own: a mesh the caller
       # set (jax.set_mesh) applies to the step's own code, not to them.
       with jax.set_mesh(None):
@@ -625,10 +625,10 @@ def check_donation(leaves: Sequence[LeafInfo], values: Sequence[Any], name: str)
   or as a donated leaf and a kept one, is an error before anything runs: a
   donated buffer is overwritten by one result (plain ``jax.jit`` crashes
   the process on it)."""
-  donated: dict[int, LeafInfo] = {}
+  donated: dict[Any, LeafInfo] = {}
   for leaf, x in zip(leaves, values, strict=True):
     if leaf.is_donated and isinstance(x, jax.Array):
-      first = donated.setdefault(id(x), leaf)
+      first = donated.setdefault(_buffer_key(x), leaf)
       if first is not leaf:
         raise InputError(
             f"{name}: donated argument leaves {first.path} and {leaf.path} are the "
@@ -638,12 +638,25 @@ def check_donation(leaves: Sequence[LeafInfo], values: Sequence[Any], name: str)
             f"(jnp.copy one of them; to tie weights, keep one leaf and read it "
             f"twice in the model), or keep the inputs: donate_argnums=().")
   for leaf, x in zip(leaves, values, strict=True):
-    if not leaf.is_donated and isinstance(x, jax.Array) and id(x) in donated:
+    if not leaf.is_donated and isinstance(x, jax.Array) and _buffer_key(x) in donated:
       raise InputError(
           f"{name}: argument leaf {leaf.path} (shape {leaf.shape}) is the same array "
-          f"as the donated leaf {donated[id(x)].path}, whose buffer the step "
+          f"as the donated leaf {donated[_buffer_key(x)].path}, whose buffer the step "
           f"overwrites with a result. Fix: pass a copy (jnp.copy), or keep the "
           f"inputs: donate_argnums=().")
+
+
+def _buffer_key(x: jax.Array):
+  """What tells two arrays' buffers apart: the object (a sharded array put
+  again on its own sharding is the same object), or for an array on one
+  device its buffer (``jax.device_put`` of it makes a new object on the same
+  buffer)."""
+  if isinstance(x.sharding, jax.sharding.SingleDeviceSharding):
+    try:
+      return ("buffer", x.unsafe_buffer_pointer())
+    except Exception:  # noqa: BLE001 - a deleted array: the donation check says so
+      pass
+  return id(x)
 
 
 @contextlib.contextmanager

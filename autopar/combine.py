@@ -45,7 +45,8 @@ __all__ = ["Derivation", "derive", "reduction_of", "REDUCTIONS"]
 # How values are combined over micro-batches and devices.
 REDUCTIONS = ("sum", "mean", "max", "min")
 
-_REDUCE = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min"}
+_REDUCE = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min",
+           "reduce_or": "max", "reduce_and": "min"}     # (jnp.any, jnp.all)
 
 
 @dataclasses.dataclass(frozen=True)

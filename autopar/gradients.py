@@ -139,6 +139,8 @@ def across(x, op: str, manual: Sequence[str], groups: int):
     return x / groups if op == "mean" else x
   if not manual:
     return x
+  if x.dtype == jnp.bool_:            # jnp.any / jnp.all over the rows
+    return across(x.astype(jnp.int32), op, manual, groups).astype(jnp.bool_)
   return lax.pmax(x, manual) if op == "max" else lax.pmin(x, manual)
 
 

@@ -86,6 +86,7 @@ from autopar.combine import reduction_of
 from autopar.errors import InputError, MarkerError
 from autopar.pipeline.capture import backward_p, forward_p
 from autopar.remat import rolled_eval
+from autopar.retype import jaxprs_in
 from autopar.rows import RowOracle, depends, row_mixing, where
 
 __all__ = ["loss_input_p", "loss_cotangent_p", "LossCall", "LossHead", "LossGradient",
@@ -313,6 +314,13 @@ def find_head(view: ClosedJaxpr, call: LossCall, *, batch: set, oracle: RowOracl
       reductions[v] = op
       continue
     rowed = [a for a in eqn.invars if isinstance(a, Var) and a in on_batch and oracle.dims(a)]
+    if rowed and jaxprs_in(eqn):
+      why = (f"it is reduced over the rows inside a '{eqn.primitive.name}' "
+             f"({where(eqn)}): a jax.checkpoint, custom_vjp, cond or loop around the "
+             f"loss's reduction, which autopar does not look into for the loss's "
+             f"sums. (Fix: return the per-example or per-token values from it and "
+             f"reduce them after it)")
+      break
     if rowed:
       why = (f"it takes the rows to a value without them by '{eqn.primitive.name}' "
              f"({where(eqn)}), which autopar cannot combine over micro-batches and "
@@ -329,7 +337,10 @@ def find_head(view: ClosedJaxpr, call: LossCall, *, batch: set, oracle: RowOracl
              f"on the parameters ({where(eqn)}); its gradient is the one row's where "
              f"the whole batch's {reductions[bad[0]]} is, which autopar does not "
              f"combine over devices")
-  mixing = row_mixing(jaxpr, [v for v, _ in r], on_batch=on_batch, oracle=oracle)
+  # (Towards the loss itself where it was not derived: the escape hatch
+  # averages each group's loss, never one whose rows mix.)
+  mixing = row_mixing(jaxpr, [v for v, _ in r] if not why else list(outputs),
+                      batch=set(batch), oracle=oracle)
   if why:
     return LossHead((), (), (), outputs, on_params, why=why, mixing=mixing)
   h = tuple(v for v in inputs if isinstance(v, Var))
@@ -351,11 +362,15 @@ class LossValues:
     inputs: the inputs it reads.
     seeds: the loss's cotangent seeds (literals, as autopar.value_and_grad
       gives them).
+    fixed: per input, whether it depends on neither the parameters nor the
+      batch (a step's argument, a constant): a pipeline computes it before
+      the schedule.
   """
   entries: tuple
   sums: tuple
   inputs: tuple
   seeds: tuple
+  fixed: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -425,10 +440,10 @@ def _sds(aval) -> jax.ShapeDtypeStruct:
                                                                         False))
 
 
-def _evaluate(fn: Jaxpr, consts, args, remat, name: str) -> list:
+def _evaluate(fn: Jaxpr, consts, args, remat, name: str, without: Jaxpr) -> list:
   if remat is None or remat == "none":
     return jax_core.eval_jaxpr(fn, consts, *args)
-  return rolled_eval(fn, consts, args, remat, name)
+  return rolled_eval(fn, consts, args, remat, name, without=without)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -461,8 +476,10 @@ class _Cotangents:
                with_values: bool = False) -> LossGradient:
     values = None
     if with_values:
+      inputs = tuple(self.head_in[k] for k in self.inputs)
       values = LossValues(tuple(self.entries), tuple(self.head_in[k] for k in self.sums),
-                          tuple(self.head_in[k] for k in self.inputs), tuple(self.seeds))
+                          inputs, tuple(self.seeds),
+                          fixed=tuple(v not in head.on_params for v in inputs))
     return LossGradient(
         kinds=tuple(self.kinds), sum_ops=self.sum_ops, scale=self.scale,
         forward_sums=any(self.head_in[k] in head.on_params for k in self.sums),
@@ -539,7 +556,7 @@ def expand(view: ClosedJaxpr, call: LossCall, head: LossHead, *, remat: Any = "n
       full = list(xs)
       for p, x in zip(diff_pos, d, strict=True):
         full[p] = x
-      outs = _evaluate(fx, call.consts, full, remat, call.name)
+      outs = _evaluate(fx, call.consts, full, remat, call.name, fn)
       ex = outs[nout:]
       return [ex[k] for k in entry_at], (outs[:nout], ex)
     _, vjp, (outs, ex) = jax.vjp(f, *[xs[p] for p in diff_pos], has_aux=True)

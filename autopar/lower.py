@@ -342,14 +342,26 @@ def _sums_stage(split: SplitStep, plan: Plan, amesh, *, micro_rows: int):
       eqns=[e for e in compute.eqns if not (e.effects and pe.has_effects(e))],
       outvars=list(eqn.invars[k:k + len(ops)]))
   program = dce(quiet)
-  # Its random draws, found again by equation (dce keeps them).
+  # The gradient stages' rules, their paths found again by equation (dce
+  # keeps the equations): random draws, the plan's pins, the user's hints.
   at = {id(e): str(i) for i, e in enumerate(program.eqns)}
-  draws = {}
-  for path, d in (split.draws or {}).items():
-    top, _, rest = path.partition(".")
-    new = at.get(id(compute.eqns[int(top)]))
-    if new is not None:
-      draws[new + ("." + rest if rest else "")] = d
+
+  def moved(table):
+    out = {}
+    for path, value in table.items():
+      top, _, rest = path.partition(".")
+      new = at.get(id(compute.eqns[int(top)]))
+      if new is not None:
+        out[new + ("." + rest if rest else "")] = value
+    return out
+  draws = moved(split.draws or {})
+  auto_axes = [a for a in plan.mesh_axis_names if a not in manual]
+  pins = moved(plan_constraints(plan, "compute")) if auto_axes else {}
+  if manual:
+    pin = lambda x, spec: lax.with_sharding_constraint(x, spec)
+  else:
+    pin = lambda x, spec: lax.with_sharding_constraint(x, NamedSharding(amesh, spec))
+  hinted = any(h.part == "compute" for h in split.hints)
   nc = len(split.consts)
   used = {v for e in program.eqns for v in e.invars if isinstance(v, jax_core.Var)}
   read = [k for k, v in enumerate(program.invars[nc:]) if v in used]
@@ -361,7 +373,9 @@ def _sums_stage(split: SplitStep, plan: Plan, amesh, *, micro_rows: int):
 
     def evaluate(i):
       args = micro_batch_inputs(leaves, leaf_vals, i, micro_rows, read, in_specs, manual)
-      rules = Rules(draws=draws, rows=((device * n + i) * micro_rows, groups * micro_rows))
+      rules = Rules(draws=draws, rows=((device * n + i) * micro_rows, groups * micro_rows),
+                    pins=pins, pin=pin,
+                    hint=(lambda x, spec: pin(x, in_stage(spec, manual))) if hinted else None)
       return eval_jaxpr(program, split.consts, args, rules)
     return sums_pass(evaluate, n, ops, manual, groups)
 

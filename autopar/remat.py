@@ -165,20 +165,31 @@ def _rolled_call(fun, policy, args, kwargs):
 
 
 def rolled_eval(jaxpr: Jaxpr, consts, args, remat: Any, name: str, *,
-                stacklevel: int = 2) -> list:
+                stacklevel: int = 2, without: Jaxpr | None = None) -> list:
   """``jaxpr`` evaluated on ``args`` with its repeated layers rolled into a
   checkpointed loop (``remat``: ``"layers"`` or a ``jax.checkpoint``
   policy), for differentiating: what ``autopar.value_and_grad`` runs under a
   method's remat. ``name``: the function's, for the warning when it has no
-  repeated layers."""
+  repeated layers. ``without``: the same function without the extra
+  outputs ``jaxpr`` has (the loss's sums, ``loss.py``), for that warning to
+  say when it is those that hide the layers."""
   policy = _NOTHING if remat == "layers" else remat
   stacks = find_layers(jaxpr)
   if not stacks and not any(_is_layer_scan(e) for e in jaxpr.eqns):
-    warnings.warn(
-        f"autopar: remat={'layers' if policy is _NOTHING else policy!r} found no "
-        f"repeated layers in {name} (a stretch of equations that repeats with "
-        f"different weights, or a scan over per-layer inputs), so nothing is "
-        f"rematerialised.", stacklevel=stacklevel + 1)
+    mode = 'layers' if policy is _NOTHING else repr(policy)
+    if without is not None and find_layers(without):
+      warnings.warn(
+          f"autopar: remat={mode}: {name}'s repeated layers compute values of the "
+          f"loss itself (a per-layer auxiliary loss or penalty, summed over the "
+          f"layers), which its gradient reads one by one, so the layers are not "
+          f"rolled and nothing is rematerialised. Fix: stack the per-layer values "
+          f"and reduce them after the layers.", stacklevel=stacklevel + 1)
+    else:
+      warnings.warn(
+          f"autopar: remat={mode} found no repeated layers in {name} (a stretch of "
+          f"equations that repeats with different weights, or a scan over "
+          f"per-layer inputs), so nothing is rematerialised.",
+          stacklevel=stacklevel + 1)
   return _eval(jaxpr, consts, args, stacks, policy)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import jax.numpy as jnp
 import numpy as np
 from jax._src import core as jax_core
 from jax._src import source_info_util
@@ -195,21 +196,69 @@ def _same_literal(a, b) -> bool:
 # -- rows that must stay apart -----------------------------------------------------
 
 _CUMULATIVE = ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
+# Operands that only say where to read or write (index arithmetic with a
+# row's position or the batch's size is exact there).
+_INDEX_OPERANDS = {"gather": slice(1, 2), "scatter": slice(1, 2),
+                   "scatter-add": slice(1, 2), "scatter_add": slice(1, 2),
+                   "scatter_mul": slice(1, 2), "scatter_min": slice(1, 2),
+                   "scatter_max": slice(1, 2), "dynamic_slice": slice(1, None),
+                   "dynamic_update_slice": slice(2, None)}
 
 
-def row_mixing(jaxpr: Jaxpr, targets: Sequence, *, on_batch: set,
-               oracle: RowOracle) -> str:
+@dataclasses.dataclass
+class _Deps:
+  """What a program's values depend on: the batch's ``values``; its size
+  alone (``sized``: ``x.shape[0]``, a ``[rows, ...]`` array of ones); a
+  row's position in the batch other than as an index (``positions``: a
+  ``jnp.arange`` over the rows used as a value)."""
+  values: set
+  sized: set
+  positions: set
+
+
+def _value_operands(eqn) -> list:
+  index = _INDEX_OPERANDS.get(eqn.primitive.name)
+  ins = list(eqn.invars)
+  if index is not None:
+    del ins[index]
+  return [a for a in ins if isinstance(a, Var)]
+
+
+def _dependences(jaxpr, deps: _Deps, oracle: RowOracle) -> _Deps:
+  values, sized, positions = set(deps.values), set(deps.sized), set(deps.positions)
+  for e in jaxpr.eqns:
+    ins = [a for a in e.invars if isinstance(a, Var)]
+    if any(a in values for a in ins):
+      values.update(e.outvars)
+    elif (oracle.size_dependent(e) or any(a in sized for a in ins) or
+          any(oracle.varies(v) for v in e.outvars)):
+      sized.update(e.outvars)
+    if e.primitive.name == "iota":
+      dims = oracle.dims(e.outvars[0]) or []
+      if any(d.dim == e.params["dimension"] for d in dims):
+        positions.update(e.outvars)
+    elif any(a in positions for a in _value_operands(e)):
+      positions.update(e.outvars)
+  return _Deps(values, sized, positions)
+
+
+def row_mixing(jaxpr: Jaxpr, targets: Sequence, *, batch: set, oracle: RowOracle) -> str:
   """"" if the rows stay apart on the way to ``targets`` (the loss's
-  reductions over the rows); else what mixes them and where.
+  reductions over the rows, or the loss); else what mixes them and where.
+  ``batch``: the program's batch inputs.
 
   Each group computes on its own rows, so a value of one row must not read
   another group's rows: autopar refuses a per-row value computed from a
   value summarised over the rows (batch statistics: ``x - x.mean(0)``;
   ``nll / mask.sum()``), an operation along the rows (a cumulative sum, a
-  sort, a reversal, a scan over them: a time-major ``[time, batch, ...]``
-  argument taken as the batch), rows paired with rows (``q @ k.T`` over the
-  batch: in-batch negatives), and a per-row value scaled by the batch's
-  size (``x / x.shape[0]``), which each group would take as its own.
+  sort, a reversal, a scan with a carry over them: a time-major ``[time,
+  batch, ...]`` argument taken as the batch), rows paired with rows
+  (``q @ k.T`` over the batch: in-batch negatives), and per-row values
+  computed with the batch's size (``x / x.shape[0]``) or with a row's
+  position in it (``jnp.arange(x.shape[0])`` as a weight or an RNG fold-in),
+  which each group would take as its own. Index arithmetic with either
+  (``lp[jnp.arange(B), labels]``) reads the group's own rows, as on one
+  device: exact, and accepted.
   """
   producer = {v: e for e in jaxpr.eqns for v in e.outvars}
   needed, stack = set(), [v for v in targets if isinstance(v, Var)]
@@ -223,22 +272,24 @@ def row_mixing(jaxpr: Jaxpr, targets: Sequence, *, on_batch: set,
     if e is not None and id(e) not in front:
       front.add(id(e))
       stack.extend(a for a in e.invars if isinstance(a, Var))
+  deps = _dependences(jaxpr, _Deps(set(batch), set(), set()), oracle)
   for eqn in jaxpr.eqns:
     if id(eqn) in front:
-      found = _mixes(eqn, on_batch, oracle)
+      found = _mixes(eqn, deps, oracle)
       if found:
         return found
   return ""
 
 
-def _mixes(eqn, on_batch: set, oracle: RowOracle) -> str:
+def _mixes(eqn, deps: _Deps, oracle: RowOracle) -> str:
   """What ``eqn`` does that mixes rows ("" if nothing), with where; its
   bodies too."""
   name = eqn.primitive.name
   outs = [v for v in eqn.outvars if oracle.varies(v)]
+  inexact = [v for v in outs if jnp.issubdtype(v.aval.dtype, jnp.inexact)]
   if outs:
     for a in eqn.invars:
-      if isinstance(a, Var) and a in on_batch and oracle.varies(a) is False:
+      if isinstance(a, Var) and a in deps.values and oracle.varies(a) is False:
         return (f"'{name}' ({where(eqn)}) computes per-row values of shape "
                 f"{tuple(outs[0].aval.shape)} from a value of shape "
                 f"{tuple(a.aval.shape)} that summarises the batch's rows (batch "
@@ -246,11 +297,20 @@ def _mixes(eqn, on_batch: set, oracle: RowOracle) -> str:
                 f"the statistics as state (a BatchNorm's running averages) or compute "
                 f"them outside the step; to normalise by a count, sum first and "
                 f"divide after (jnp.sum(nll * mask) / jnp.sum(mask))")
-    if oracle.size_dependent(eqn):
-      return (f"'{name}' ({where(eqn)}) computes per-row values with the batch's size, "
-              f"which each device and micro-batch would take as its own rows' "
-              f"count. Fix: divide after summing (jnp.sum(x) / x.shape[0], or "
-              f"jnp.mean(x))")
+  if inexact and (oracle.size_dependent(eqn) or any(
+      isinstance(a, Var) and a in deps.sized and oracle.varies(a) is False
+      for a in _value_operands(eqn))):
+    return (f"'{name}' ({where(eqn)}) computes per-row values with the batch's size, "
+            f"which each device and micro-batch would take as its own rows' "
+            f"count. Fix: divide after summing (jnp.sum(x) / x.shape[0], or "
+            f"jnp.mean(x))")
+  if any(jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in eqn.outvars) and any(
+      a in deps.positions for a in _value_operands(eqn)):
+    return (f"'{name}' ({where(eqn)}) computes values from the rows' positions in the "
+            f"batch (a jnp.arange over the rows used as a value, or to fold a random "
+            f"key), which restart at 0 on every device and micro-batch. Fix: pass "
+            f"the positions (or per-example keys) in the batch, so each row carries "
+            f"its own")
   axes: tuple = ()
   if name in _CUMULATIVE:
     axes = (eqn.params["axis"],)
@@ -262,7 +322,7 @@ def _mixes(eqn, on_batch: set, oracle: RowOracle) -> str:
     # (Without a carry, as lax.map, each trip is on its own.)
     start = eqn.params["num_consts"] + eqn.params["num_carry"]
     for a in eqn.invars[start:]:
-      if isinstance(a, Var) and a in on_batch and any(d.dim == 0 for d in oracle.dims(a) or ()):
+      if isinstance(a, Var) and any(d.dim == 0 for d in oracle.dims(a) or ()):
         return (f"a scan ({where(eqn)}) runs over dimension 0 of a value of shape "
                 f"{tuple(a.aval.shape)}, which autopar takes for the batch's rows: "
                 f"each step of the scan reads the one before (is the batch "
@@ -287,7 +347,7 @@ def _mixes(eqn, on_batch: set, oracle: RowOracle) -> str:
               f"its own (then say so: it is another loss), or let ShardParallel plan "
               f"it with num_micro_batches=1: it keeps such a batch whole")
   for sub in jaxprs_in(eqn):
-    inner = _body_batch(eqn, sub, on_batch, oracle)
+    inner = _dependences(sub, _body_deps(eqn, sub, deps, oracle), oracle)
     for e in sub.eqns:
       found = _mixes(e, inner, oracle)
       if found:
@@ -295,8 +355,8 @@ def _mixes(eqn, on_batch: set, oracle: RowOracle) -> str:
   return ""
 
 
-def _body_batch(eqn, sub: Jaxpr, on_batch: set, oracle: RowOracle) -> set:
-  """The variables of ``sub`` (a body of ``eqn``) that depend on the batch."""
+def _body_deps(eqn, sub: Jaxpr, deps: _Deps, oracle: RowOracle) -> _Deps:
+  """What the inputs of ``sub`` (a body of ``eqn``) depend on."""
   ins = list(eqn.invars)
   name = eqn.primitive.name
   if name == "cond":
@@ -308,10 +368,11 @@ def _body_batch(eqn, sub: Jaxpr, on_batch: set, oracle: RowOracle) -> set:
     else:
       ins = ins[:eqn.params["cond_nconsts"]] + ins[eqn.params["cond_nconsts"] +
                                                    eqn.params["body_nconsts"]:]
-  start = {w for w, a in zip(sub.invars, ins) if isinstance(a, Var) and a in on_batch}
-  start |= {w for w in sub.invars if oracle.varies(w)}
-  return depends(sub, start, lambda e: oracle.size_dependent(e) or any(
-      oracle.varies(v) for v in e.outvars))
+  pick = lambda group: {w for w, a in zip(sub.invars, ins)
+                        if isinstance(a, Var) and a in group}
+  return _Deps(pick(deps.values), pick(deps.sized) | {w for w in sub.invars
+                                                       if oracle.varies(w)},
+               pick(deps.positions))
 
 
 def where(eqn) -> str:

@@ -172,13 +172,28 @@ def state_args(closed: ClosedJaxpr, leaves: Sequence[LeafInfo]) -> frozenset[int
       found.add(arg[v])
     elif v in producer:
       stack.extend(a for a in producer[v].invars if isinstance(a, Var))
+  # The update: the outputs computed from the gradients, and what they read
+  # besides them (walking back, never through the gradients or the loss
+  # function's calls, which read the batch).
   grads: set = set()
+  marked: set = set()
   for e in jaxpr.eqns:
     if e.primitive is grad_marker_p:
       grads.update(e.outvars)
+      marked.update(e.outvars)
     elif any(isinstance(a, Var) and a in grads for a in e.invars):
       grads.update(e.outvars)
-      found.update(arg[a] for a in e.invars if isinstance(a, Var) and a in arg)
+  stack = [v for v in jaxpr.outvars if isinstance(v, Var) and v in grads]
+  seen = set()
+  while stack:
+    v = stack.pop()
+    if v in seen or v in marked:
+      continue
+    seen.add(v)
+    if v in arg:
+      found.add(arg[v])
+    elif v in producer and producer[v].primitive not in _LOSS_CALLS:
+      stack.extend(a for a in producer[v].invars if isinstance(a, Var))
   return frozenset(found)
 
 

@@ -218,3 +218,39 @@ def test_the_steps_own_error_comes_first():
                                            num_stages=2)):
     with pytest.raises(TypeError, match="dot_general requires contracting"):
       autopar.parallelize(step, method=method)(make_state(), batch)
+
+
+def test_a_donated_buffer_seen_through_another_array_object():
+  """jax.device_put of an array onto its own device makes a new object on
+  the same buffer: still the same donated buffer twice."""
+  import optax
+  from flax.training import train_state
+
+  a = jnp.ones((8, 8)) / 8
+  state = train_state.TrainState.create(
+      apply_fn=None, params={"a": a, "b": jax.device_put(a, a.sharding)},
+      tx=optax.sgd(0.1))
+
+  def step(state, x):
+    loss, grads = autopar.value_and_grad(
+        lambda p: jnp.mean((x @ p["a"] @ p["b"]) ** 2))(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  mesh1 = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+  with pytest.raises(autopar.InputError, match="are the same array"):
+    run(step, n=1, mesh=mesh1)(state, jnp.ones((4, 8)))
+
+
+def test_auto_batch_never_takes_state_the_step_returns_updated():
+  """step(w, ema, x): ema is returned updated (an average of the weights),
+  never split as the batch, whatever the leading sizes."""
+  def step(w, ema, x):
+    loss, g = autopar.value_and_grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+    w = w - 0.1 * g
+    return w, 0.9 * ema + 0.1 * w, loss
+
+  w, ema, x = jnp.ones((8, 4)) / 8, jnp.zeros((8, 4)), jnp.ones((8, 8))
+  p = run(step, n=1, donate_argnums=())
+  assert p._prepare((w, ema, x)).flags.batch == (2,)
+  for a, b in zip(p(w, ema, x), jax.jit(step)(w, ema, x)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5)

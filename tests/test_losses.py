@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 from flax.training import train_state
+from jax.sharding import PartitionSpec as P
 
 import autopar
 from models import assert_trees_close, single_device
@@ -85,8 +86,11 @@ def with_weight_decay(p, b):
 
 def with_int_aux(p, b):
   loss = token_mean(p, b)
+  valid = jnp.sum(b["mask"], axis=1) > 0
   return loss, {"tokens": jnp.sum(b["mask"] > 0).astype(jnp.int32),
-                "counter": jnp.int32(7)}
+                "counter": jnp.int32(7),
+                "all valid": jnp.all(valid),                  # combined as a min
+                "one long": jnp.any(jnp.sum(b["mask"], axis=1) > 4)}   # a max
 
 
 LOSSES = {"token mean": (token_mean, 0), "sum": (summed, 0), "weights": (weighted, 0),
@@ -287,5 +291,81 @@ def test_a_loss_nonlinear_in_parameter_sums_is_exact_or_refused():
     assert pf.get_executable(make_state(), batch).schedule[0] == "loss_sums"
   pf = autopar.parallelize(make_step(log_sum), method=METHODS["Pipeshard 1f1b"](),
                            batch_argnums=(1,))
-  with pytest.raises(autopar.InputError, match="nonlinear function of sums"):
+  with pytest.raises(autopar.InputError, match="needs sums over the rows that depend on the "
+                     "parameters.*output_reductions"):
     pf(make_state(), batch)
+
+
+def test_index_arithmetic_with_row_positions_is_exact_and_values_from_them_refused():
+  """lp[jnp.arange(B), labels] reads each group's own rows (JAX's index
+  normalisation adds the batch's size: index arithmetic, exact); the rows'
+  positions used as values restart at 0 on every device: refused."""
+  def picked(p, b):
+    lp = jax.nn.log_softmax(hidden_of(p, b["tokens"][:, :-1])[:, -1] @ p["head"])
+    return -jnp.mean(lp[jnp.arange(lp.shape[0]), b["tokens"][:, -1]])
+
+  def by_position(p, b):
+    pe = jnp.mean(nll_of(p, b["tokens"]), axis=1)
+    w = jnp.arange(pe.shape[0], dtype=jnp.float32) + 1
+    return jnp.sum(pe * w) / jnp.sum(w)
+
+  batch = batch_of()
+  (state, loss, _), (ref, ref_loss, _) = run(make_step(picked), METHODS["DataParallel n=2"](),
+                                             batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(state.params, ref.params)
+  pf = autopar.parallelize(make_step(by_position), method=METHODS["DataParallel n=2"](),
+                           batch_argnums=(1,))
+  with pytest.raises(autopar.InputError, match="rows' positions in the batch"):
+    pf(make_state(), batch)
+
+
+def test_a_sharding_hint_on_the_way_to_the_first_pass():
+  """The first pass (the mask's sum) evaluates the user's hints as the
+  gradient stages do."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+
+  def hinted(p, b):
+    b = jax.lax.with_sharding_constraint(b, jax.sharding.NamedSharding(mesh, P("data")))
+    return token_mean(p, b)
+
+  # (The reference on one device without the hint, which names all eight.)
+  ref, ref_loss, _ = single_device(make_step(token_mean))(make_state(), batch_of())
+  for method in (autopar.DataParallel(mesh=mesh, num_micro_batches=2),
+                 autopar.ShardParallel(mesh=mesh, num_micro_batches=2)):
+    pf = autopar.parallelize(make_step(hinted), method=method, batch_argnums=(1,))
+    state, loss, _ = pf(make_state(), batch_of())
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_trees_close(state.params, ref.params)
+
+
+def test_the_escape_hatch_does_not_run_mixed_rows():
+  """output_reductions={"loss": "mean"} averages each group's loss; a loss
+  whose rows mix is refused all the same."""
+  def normalised(p, b):
+    h = hidden_of(p, b["tokens"][:, :-1])
+    h = (h - jnp.mean(h, axis=0)) / (jnp.std(h, axis=0) + 1e-5)
+    return jnp.median(h @ p["head"])
+
+  pf = autopar.parallelize(make_step(normalised), method=METHODS["DataParallel n=2"](),
+                           batch_argnums=(1,), output_reductions={"loss": "mean"})
+  with pytest.raises(autopar.InputError, match="mixes the batch's rows"):
+    pf(make_state(), batch_of())
+
+
+def test_a_pipeline_scales_its_loss_by_a_step_argument():
+  """A loss times a value the step is given (not a parameter, not the
+  batch): its cotangent reads it, a pipeline computes it before the
+  schedule, every call."""
+  def step(state, batch, alpha):
+    loss, grads = autopar.value_and_grad(
+        lambda p: token_mean(p, batch) * alpha)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  pf = autopar.parallelize(step, method=METHODS["Pipeshard 1f1b"](), batch_argnums=(1,),
+                           donate_argnums=())
+  for alpha in (0.5, 2.0):
+    state, loss = pf(make_state(), batch_of(), jnp.float32(alpha))
+    ref, ref_loss = single_device(step)(make_state(), batch_of(), jnp.float32(alpha))
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_trees_close(state.params, ref.params)

@@ -129,20 +129,22 @@ def _check_loss(split: SplitStep, name: str, n: int) -> None:
   loss = split.loss
   check_loss(loss, name, f"{n} micro-batch(es) and the pipeline stages' devices")
   values = loss.values
-  fix = ("Fix: use ShardParallel (its first pass computes them), or compute the "
-         "loss as a sum or mean over the rows, or a token mean over a mask.")
-  if values.inputs:
+  fix = (f"Fix: use ShardParallel (its first pass computes them); or say how each "
+         f"device's and micro-batch's loss combines, parallelize(..., "
+         f"output_reductions={{'loss': 'mean'}}) (right only if each holds as many "
+         f"valid rows).")
+  if not all(values.fixed):
     raise InputError(
-        f"{name}: the loss's gradient under PipeshardParallel would need values of "
-        f"the parameters the loss function reads besides the rows (its cotangents "
-        f"read {len(values.inputs)} of them), which no stage holds when the "
-        f"cotangents are set. {fix}")
+        f"{name}: the gradient of the loss of {loss.name} under PipeshardParallel "
+        f"would need values computed from the parameters besides the loss's sums "
+        f"(a factor of the loss that depends on them and on the sums) before any "
+        f"backward pass, which no stage holds then. {fix}")
   if loss.forward_sums:
     raise InputError(
-        f"{name}: the loss of {loss.name} is a nonlinear function of sums over the "
-        f"rows that depend on the parameters (a ratio of two such sums, say): its "
-        f"gradient needs them over the whole batch before any backward pass, which "
-        f"a pipeline does not compute. {fix}")
+        f"{name}: the gradient of the loss of {loss.name} needs sums over the rows "
+        f"that depend on the parameters (a ratio or a log of such sums) over the "
+        f"whole batch before any backward pass, which a pipeline does not compute. "
+        f"{fix}")
   if any(not isinstance(v, Literal) for v in values.seeds):
     raise MarkerError(f"{name}: the loss's cotangent seed is computed from the "
                       f"step's inputs; PipeshardParallel needs a constant seed (as "
@@ -404,12 +406,34 @@ def _loss_seeds(pre: Prepared, cut_, exes) -> LossSeeds:
   owner = tuple(cut_.final_stage[j] for j in range(program.num_seeded))
   groups = tuple(ctx.n * exes[s].layout.devices for s in owner)
   seeds = tuple(np.asarray(v.val) for v in loss.values.seeds)
-  first = None
-  if loss.num_sums:
-    s = owner[-1] if owner else len(exes) - 1
-    first = _sums_pass(pre, exes[s].layout, s)
+  s = owner[-1] if owner else len(exes) - 1
+  first = _sums_pass(pre, exes[s].layout, s) if loss.num_sums else None
+  inputs = _inputs_pass(pre, exes[s].layout, s) if loss.values.inputs else None
   return LossSeeds(scale=scale_at(split, ctx.batch), kinds=tuple(loss.kinds),
-                   seeds=seeds, owner=owner, groups=groups, first=first)
+                   seeds=seeds, owner=owner, groups=groups, first=first, inputs=inputs)
+
+
+def _inputs_pass(pre: Prepared, layout: StageLayout, stage: int) -> SumsPass:
+  """The values besides sums that the loss's cotangents read: the step's
+  arguments or constants, none of the parameters or the batch (a loss
+  times a scale given to the step), computed on stage ``stage``'s submesh."""
+  ctx, split = pre.ctx, pre.split
+  view = pe.convert_constvars_jaxpr(split.traced.jaxpr.jaxpr)
+  program = dce(view.replace(outvars=list(split.loss.values.inputs)))
+  nc = ctx.num_consts
+  used = {v for e in program.eqns for v in e.invars if isinstance(v, Var)}
+  used |= {v for v in program.outvars if isinstance(v, Var)}
+  leaves = tuple(k for k, v in enumerate(program.invars[nc:]) if v in used)
+  written = Instantiator({ROWS_NAME: layout.rows}).jaxpr(program)
+  consts = ctx.consts
+
+  def fn(*xs):
+    args = [None] * len(program.invars[nc:])
+    for k, x in zip(leaves, xs, strict=True):
+      args[k] = x
+    return jax_core.eval_jaxpr(written, (), *consts, *args)
+  return SumsPass(fn=jax.jit(fn), stage=stage, leaves=leaves,
+                  batch=(False,) * len(leaves), specs=(PartitionSpec(),) * len(leaves))
 
 
 def _sums_pass(pre: Prepared, layout: StageLayout, stage: int) -> SumsPass:
@@ -421,9 +445,11 @@ def _sums_pass(pre: Prepared, layout: StageLayout, stage: int) -> SumsPass:
   view = pe.convert_constvars_jaxpr(split.traced.jaxpr.jaxpr)
   program = dce(view.replace(outvars=list(loss.values.sums)))
   if any(e.primitive.name in DRAW_PRIMITIVES for e in program.eqns):
-    raise InputError(f"{ctx.program.fn_name}: the sums the loss is scaled by draw random "
-                     f"numbers; PipeshardParallel does not draw them as on one device. "
-                     f"Fix: use ShardParallel.")
+    raise InputError(f"{ctx.program.fn_name}: the sums the loss of {loss.name} is scaled "
+                     f"by draw random numbers; PipeshardParallel does not draw them as "
+                     f"on one device. Fix: use ShardParallel, or say how each device's "
+                     f"and micro-batch's loss combines: parallelize(..., "
+                     f"output_reductions={{'loss': 'mean'}}).")
   nc = ctx.num_consts
   used = {v for e in program.eqns for v in e.invars if isinstance(v, Var)}
   used |= {v for v in program.outvars if isinstance(v, Var)}

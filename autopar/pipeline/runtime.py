@@ -81,9 +81,10 @@ class FinalInfo:
 
 @dataclasses.dataclass(frozen=True)
 class SumsPass:
-  """The first pass on one stage's submesh: ``fn(*leaves)`` gives the whole
-  batch's sums the loss's cotangents read, from the argument ``leaves`` it
-  reads (batch ones as ``[n, M, ...]``), each placed with its spec."""
+  """A pass on one stage's submesh before the schedule: ``fn(*leaves)``
+  gives what the loss's cotangents read (the whole batch's sums; or the
+  step's arguments they read), from the argument ``leaves`` it reads (batch
+  ones as ``[n, M, ...]``), each placed with its spec."""
   fn: Any
   stage: int
   leaves: tuple[int, ...]
@@ -104,35 +105,40 @@ class LossSeeds:
   owner: tuple[int, ...]
   groups: tuple[int, ...]
   first: SumsPass | None = None
+  inputs: SumsPass | None = None
   _constant: dict | None = None
   _fn: Any = None
 
   def values(self, step: "PipelineStep", leaves: Sequence[Any]) -> dict[int, Any]:
     """Per entry, its cotangent on its stage's submesh."""
-    if self.first is None and self._constant is not None:
+    if self.first is None and self.inputs is None and self._constant is not None:
       return self._constant
-    sums = []
-    if self.first is not None:
-      f = self.first
-      args = []
-      for k, b, spec in zip(f.leaves, f.batch, f.specs, strict=True):
-        x = leaves[k]
-        if b:
-          x = jnp.reshape(x, (step.n, step.micro, *x.shape[1:]))
-        args.append(step._on(f.stage, x, spec))
-      sums = f.fn(*args)
+    sums = self._run(self.first, step, leaves)
+    inputs = self._run(self.inputs, step, leaves)
     if self._fn is None:
       scale = self.scale
-      self._fn = jax.jit(lambda s, t: jax_core.eval_jaxpr(scale.jaxpr, scale.consts,
-                                                          *s, *t))
-    c = self._fn(list(sums), list(self.seeds))
+      self._fn = jax.jit(lambda s, h, t: jax_core.eval_jaxpr(
+          scale.jaxpr, scale.consts, *s, *h, *t))
+    c = self._fn(list(sums), list(inputs), list(self.seeds))
     out = {}
     for j, (x, kind, s, g) in enumerate(zip(c, self.kinds, self.owner, self.groups,
                                             strict=True)):
       out[j] = step._on(s, x / g if kind == SHARE else x, PartitionSpec())
-    if self.first is None:
+    if self.first is None and self.inputs is None:
       self._constant = out
     return out
+
+  @staticmethod
+  def _run(f: SumsPass | None, step: "PipelineStep", leaves: Sequence[Any]) -> list:
+    if f is None:
+      return []
+    args = []
+    for k, b, spec in zip(f.leaves, f.batch, f.specs, strict=True):
+      x = leaves[k]
+      if b:
+        x = jnp.reshape(x, (step.n, step.micro, *x.shape[1:]))
+      args.append(step._on(f.stage, x, spec))
+    return list(f.fn(*args))
 
 
 @dataclasses.dataclass(eq=False)

@@ -19,7 +19,7 @@ ELEMENTWISE = (
     "digamma", "select_n", "clamp", "convert_element_type", "stop_gradient",
     "copy", "copy_p", "reduce_precision", "shift_left", "shift_right_logical",
     "shift_right_arithmetic", "population_count", "imag", "real", "conj",
-    "optimization_barrier", "autopar_value",
+    "optimization_barrier", "autopar_value", "autopar_loss_input",
 )
 
 
