@@ -41,7 +41,7 @@ from autopar.remat import remat_mode
 from autopar.tools.explain import Replanner
 from autopar.planner import Progress, batch_axes_for, plan_auto
 from autopar.preset import plan_preset
-from autopar.split import (OutputKind, SplitStep, apply_at, instantiate_split,
+from autopar.split import (MIXED, OutputKind, SplitStep, apply_at, instantiate_split,
                             outputs_at, scale_at, split_step)
 from autopar.trace import (ArgFlags, LeafInfo, TracedStep, abstract_leaves, arg_names,
                            batch_candidates, check_batch_leaves, classify_args,
@@ -447,14 +447,16 @@ class ParallelizedFunction:
         if kind is OutputKind.OTHER:
           why = split.why.get(j, "its shape depends on the batch size other than as "
                               "rows in one dimension")
+          fix = ("" if why.startswith(MIXED) else
+                 f" Fix: compute it from sums, means, maxes or mins over the batch's "
+                 f"rows, return it per example, or say how to combine it: "
+                 f"parallelize(..., output_reductions={{{path!r}: 'mean'}}) (or 'sum', "
+                 f"'max', 'min').")
           raise InputError(
               f"{self._name}: output {path} (shape {tuple(aval.shape)} for a "
               f"micro-batch of {micro} rows) is computed from the batch before the "
               f"gradient marker, and autopar cannot tell how to combine it over {n} "
-              f"micro-batch(es) x {data_size} device(s): {why}. Fix: compute it from "
-              f"sums, means, maxes or mins over the batch's rows, return it per "
-              f"example, or say how to combine it: parallelize(..., "
-              f"output_reductions={{{path!r}: 'mean'}}) (or 'sum', 'max', 'min').")
+              f"micro-batch(es) x {data_size} device(s): {why}.{fix}")
     return plan, micro
 
   def _outputs(self, prep: _Prepared, split: SplitStep, rows: int):

@@ -217,13 +217,14 @@ def candidate_batch_axes(method: ShardParallel, mesh, micro_batch_size: int,
 
 def keeps_batch_whole(split: SplitStep, method) -> bool:
   """Whether ``method`` must keep the batch whole on ``split``: one
-  micro-batch, and a loss that cannot be split over devices (it mixes rows,
-  as in-batch negatives do, or is not derived from reductions over them;
-  ``loss.py``). The planner then splits the batch's dimensions like any
-  other, which is exact."""
+  micro-batch, and a loss or an output that cannot be split over devices
+  (it mixes rows, as in-batch negatives do, or is not derived from
+  reductions over them; ``loss.py``, ``combine.py``). The planner then
+  splits the batch's dimensions like any other, which is exact."""
   loss = split.loss
-  return (method.micro_batches == 1 and loss is not None and
-          bool(loss.mixing or (loss.why and loss.how is None)))
+  return method.micro_batches == 1 and (
+      any(k is OutputKind.OTHER for k in split.out_kinds) or
+      loss is not None and bool(loss.mixing or (loss.why and loss.how is None)))
 
 
 class Progress:

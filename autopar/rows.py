@@ -34,7 +34,8 @@ from jax.extend.core import Jaxpr, Literal, Var
 
 from autopar.retype import jaxprs_in
 
-__all__ = ["RowDim", "Rows", "RowOracle", "ROWS_NAME", "row_mixing", "where", "depends"]
+__all__ = ["RowDim", "Rows", "RowOracle", "ROWS_NAME", "row_mixing", "mixing_of", "where",
+           "depends"]
 
 ROWS_NAME = "autopar_rows"    # the symbolic batch dimension (trace.py)
 
@@ -260,25 +261,37 @@ def row_mixing(jaxpr: Jaxpr, targets: Sequence, *, batch: set, oracle: RowOracle
   (``lp[jnp.arange(B), labels]``) reads the group's own rows, as on one
   device: exact, and accepted.
   """
+  return mixing_of(jaxpr, {0: targets}, batch=batch, oracle=oracle).get(0, "")
+
+
+def mixing_of(jaxpr: Jaxpr, targets: dict, *, batch: set, oracle: RowOracle) -> dict:
+  """:func:`row_mixing` for several groups of targets at once (key ->
+  values): key -> what mixes rows on the way to them, for the keys where
+  something does."""
   producer = {v: e for e in jaxpr.eqns for v in e.outvars}
-  needed, stack = set(), [v for v in targets if isinstance(v, Var)]
-  front = set()
-  while stack:
-    v = stack.pop()
-    if v in needed:
-      continue
-    needed.add(v)
-    e = producer.get(v)
-    if e is not None and id(e) not in front:
-      front.add(id(e))
-      stack.extend(a for a in e.invars if isinstance(a, Var))
+  order = {id(e): i for i, e in enumerate(jaxpr.eqns)}
   deps = _dependences(jaxpr, _Deps(set(batch), set(), set()), oracle)
-  for eqn in jaxpr.eqns:
-    if id(eqn) in front:
-      found = _mixes(eqn, deps, oracle)
-      if found:
-        return found
-  return ""
+  found: dict[int, str] = {}
+  out = {}
+  for key, values in targets.items():
+    needed, stack, front = set(), [v for v in values if isinstance(v, Var)], set()
+    while stack:
+      v = stack.pop()
+      if v in needed:
+        continue
+      needed.add(v)
+      e = producer.get(v)
+      if e is not None and id(e) not in front:
+        front.add(id(e))
+        stack.extend(a for a in e.invars if isinstance(a, Var))
+    for i in sorted(order[f] for f in front):
+      eqn = jaxpr.eqns[i]
+      if id(eqn) not in found:
+        found[id(eqn)] = _mixes(eqn, deps, oracle)
+      if found[id(eqn)]:
+        out[key] = found[id(eqn)]
+        break
+  return out
 
 
 def _mixes(eqn, deps: _Deps, oracle: RowOracle) -> str:

@@ -70,12 +70,16 @@ from autopar.loss import (LOSS_KEY, LossGradient, cotangents, expand, find_head,
 from autopar.marker import grad_marker_p, value_marker_p
 from autopar.retype import without_meshes
 from autopar.rng import DRAW_PRIMITIVES, RowDraw, find_draws
-from autopar.rows import RowDim, RowOracle
+from autopar.rows import RowDim, RowOracle, mixing_of
 from autopar.trace import (TracedStep, count_markers, eqns_by_path, inline_calls,
                            inline_loss_rules, instantiate, instantiator)
 
-__all__ = ["OutputKind", "SplitStep", "split_step", "instantiate_split",
+__all__ = ["MIXED", "OutputKind", "SplitStep", "split_step", "instantiate_split",
            "outputs_at", "reads", "depends_on", "dce", "apply_at", "scale_at"]
+
+
+# How ``SplitStep.why`` starts for an output whose rows mix.
+MIXED = "its rows mix on the way"
 
 
 class OutputKind(enum.Enum):
@@ -305,6 +309,17 @@ def split_step(traced: TracedStep, *, fn_name: str = "step",
   why.update(derivation.failures)
   for j in candidates:
     kinds[j] = OutputKind.APPLY if j in derivation.derived else OutputKind.OTHER
+  # An output whose rows mix (a per-example value minus the batch's mean)
+  # cannot be combined from the groups' values either.
+  if known:
+    mixed = mixing_of(jaxpr, {j: [jaxpr.outvars[j]] for j, k in enumerate(kinds)
+                              if k is OutputKind.CONCAT or j in derivation.derived},
+                      batch=batch_vars, oracle=oracle)
+    for j, what in mixed.items():
+      kinds[j] = OutputKind.OTHER
+      why[j] = f"{MIXED}: {what}; or run with num_micro_batches=1 and the batch " \
+               f"whole (ShardParallel keeps it so by itself)"
+    derivation = derive(jaxpr, [j for j in candidates if j not in mixed], on_batch, dims)
   reduced = [v for v, _ in derivation.reduced]
   made = set(reduced)
   makers = {id(e) for e in jaxpr.eqns if any(v in made for v in e.outvars)}

@@ -369,3 +369,19 @@ def test_a_pipeline_scales_its_loss_by_a_step_argument():
     ref, ref_loss = single_device(step)(make_state(), batch_of(), jnp.float32(alpha))
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert_trees_close(state.params, ref.params)
+
+
+def test_an_output_whose_rows_mix_is_refused_or_kept_whole():
+  """A per-example output minus the batch's mean: each group would subtract
+  its own. An error with the batch split; ShardParallel with one micro-batch
+  keeps the batch whole and returns jit's numbers."""
+  def step(state, b):
+    loss, g = autopar.value_and_grad(lambda p: token_mean(p, b))(state.params)
+    per_example = jnp.mean(nll_of(state.params, b["tokens"]), axis=1)
+    return state.apply_gradients(grads=g), loss, per_example - per_example.mean()
+
+  pf = autopar.parallelize(step, method=METHODS["DataParallel n=2"](), batch_argnums=(1,))
+  with pytest.raises(autopar.InputError, match=r"out\[2\].*its rows mix on the way"):
+    pf(make_state(), batch_of())
+  (_, _, got), (_, _, want) = run(step, autopar.ShardParallel(mesh=mesh24()), batch_of())
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
