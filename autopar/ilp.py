@@ -55,10 +55,10 @@ import dataclasses
 import time
 from typing import Any, Mapping, Sequence
 
-import pulp
 from jax.extend.core import Var
 
 from autopar.cost_model import MeshCost
+from autopar import lp
 from autopar.errors import PlanError
 from autopar.ilp_graph import ChoiceGraph, _on_axes
 from autopar.ilp_memory import MemoryModel
@@ -135,22 +135,9 @@ def reshard_cost(aval, src: Spec, dst: Spec, cost: MeshCost, sizes, *,
              for kind, axes, b in reshard_steps(aval, src, dst, sizes))
 
 
-def _solver(time_limit: float | None = None, *, relax: bool = False
-            ) -> tuple[Any, str]:
-  """HiGHS through highspy, or CBC (bundled with PuLP) if it is missing.
-
-  ``relax``: solve the LP relaxation (binaries as continuous in [0, 1]), with
-  HiGHS's presolve off: on these problems it costs more than it saves.
-  """
-  kw = {"gapRel": MIP_GAP}
-  if time_limit is not None:
-    kw["timeLimit"] = time_limit
-  if relax:
-    kw["mip"] = False
-  solver = pulp.HiGHS(msg=False, **kw, **({"presolve": "off"} if relax else {}))
-  if solver.available():
-    return solver, "HiGHS"
-  return pulp.PULP_CBC_CMD(msg=False, **kw), "CBC"
+def _solver(time_limit: float | None = None, relax: bool = False):
+  """HiGHS through highspy, or CBC if it is missing (``lp.solver``)."""
+  return lp.solver(gap=MIP_GAP, time_limit=time_limit, relax=relax)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,7 +207,8 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
     self.memory_budget = memory_budget
     self.accumulate = accumulate
     self.share_layers = share_layers
-    self.prob = pulp.LpProblem("autopar_sharding", pulp.LpMinimize)
+    self.prob = lp.problem("autopar_sharding")
+    self._status = None
     self.objective: dict = {}       # variable -> cost coefficient (seconds)
     self.num_variables = 0
     self.num_constraints = 0
@@ -345,8 +333,7 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
     expr: dict = {}
     for x, a in terms:
       expr[x] = expr.get(x, 0) + a
-    self.prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(expr),
-                                              pulp.LpConstraintEQ, rhs=rhs), name)
+    self.prob.addConstraint(lp.linear(expr) == rhs, name)
     self.num_constraints += 1
 
   def _spec_groups(self, node_id: int, pos: int) -> dict[Spec, list]:
@@ -453,7 +440,7 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
     self._edges()
     self._donation()
     self._memory()
-    self.prob.setObjective(pulp.LpAffineExpression(self.objective))
+    self.prob.setObjective(lp.linear(self.objective))
     self.timings["build"] = time.perf_counter() - t0 - self.timings["classes"]
     return self
 
@@ -472,7 +459,7 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
       # plan's own peak (its specs' bytes) is elsewhere and over it, it is
       # held there too and the problem solved again.
       for rounds in range(_BUDGET_ROUNDS + 1 if self.memory_budget is not None else 0):
-        if self.prob.status != pulp.LpStatusOptimal:
+        if not self._status.optimal:
           break
         state, _ = self._memory_items()
         peak = self._peak_at_solution()
@@ -489,8 +476,8 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
         solver_name = self._run_solver(max(1.0, deadline - time.perf_counter()))
     finally:
       self.solve_seconds = seconds = time.perf_counter() - t0
-    status = pulp.LpStatus[self.prob.status]
-    if status != "Optimal":
+    status = self._status.name
+    if not self._status.optimal:
       if self.memory_budget is not None:
         raise PlanError(self._infeasible_message(status))
       raise PlanError(f"autopar: the sharding ILP ended with status {status!r}. "
@@ -503,7 +490,7 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
           f"Fix: raise memory_budget_per_device, use more micro-batches or a "
           f"larger mesh.")
     self._solved = (status, solver_name, seconds)
-    return float(pulp.value(self.prob.objective) or 0.0)
+    return float(lp.value(self.prob.objective) or 0.0)
 
   def _run_solver(self, time_limit: float) -> str:
     """Solves ``self.prob``; returns the solver's name."""
@@ -511,10 +498,10 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
     # solution is most often already integral, and then optimal for the
     # ILP; the branch-and-bound solve runs only when it is not.
     solver, solver_name = _solver(time_limit, relax=True)
-    self.prob.solve(solver)
-    if self.prob.status != pulp.LpStatusOptimal or not self._integral():
+    self._status = lp.solve(self.prob, solver)
+    if not self._status.optimal or not self._integral():
       solver, solver_name = _solver(time_limit)
-      self.prob.solve(solver)
+      self._status = lp.solve(self.prob, solver)
     self._chosen_memo = {}            # the choices read so far are the last solve's
     self._own_peak = None
     return solver_name
@@ -542,17 +529,17 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
 
   def min_memory(self) -> float:
     """The smallest peak memory any sharding reaches (a separate small ILP)."""
-    prob = pulp.LpProblem("autopar_min_memory", pulp.LpMinimize)
-    peak = _variable(prob, "peak", lowBound=0)
+    prob = lp.problem("autopar_min_memory")
+    peak = lp.variable(prob, "peak", lowBound=0)
     state, acts = self.memory_terms()
     _, added = self._memory_exprs(self._memory_items()[0], self._added_peaks)
     for t, act in enumerate([*acts, *added] or [0]):
       prob += peak >= state + act
     for idx, node in enumerate(self.nodes):
-      prob += pulp.lpSum(node.vars) == 1
-    prob += peak
-    prob.solve(_solver()[0])
-    return float(pulp.value(peak) or 0.0)
+      prob += lp.linear((x, 1.0) for x in node.vars) == 1
+    prob.setObjective(lp.linear({peak: 1.0}))
+    lp.solve(prob, _solver()[0])
+    return float(lp.value(peak) or 0.0)
 
   def _chosen(self, node_id) -> int:
     xs = self.nodes[node_id].vars
@@ -655,7 +642,7 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
                               for v in self.apply.jaxpr.outvars),
         micro_out_specs=tuple(self._spec_of(self.compute_val, v)
                               for v in cj.outvars[num_grads:]),
-        objective=float(pulp.value(self.prob.objective) or 0.0), status=status,
+        objective=float(lp.value(self.prob.objective) or 0.0), status=status,
         solver=solver_name, seconds=seconds,
         num_variables=self.num_variables,
         num_constraints=self.num_constraints, collectives=tuple(colls),
@@ -672,10 +659,5 @@ _BUDGET_ROUNDS = 4
 
 
 def _variable(prob, name: str, lowBound=None, cat="Continuous"):
-  """A new variable of ``prob``: ``prob.add_variable`` where PuLP has it
-  (3.3 on; PuLP 4.0 requires it and 3.3 warns on every ``LpVariable(...)``),
-  else ``pulp.LpVariable``."""
-  add = getattr(prob, "add_variable", None)
-  if add is not None:
-    return add(name, lowBound=lowBound, cat=cat)
-  return pulp.LpVariable(name, lowBound=lowBound, cat=cat)
+  """A new variable of ``prob`` (``lp.variable``)."""
+  return lp.variable(prob, name, lowBound=lowBound, cat=cat)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 
-import pulp
+from autopar import lp
 from jax.extend.core import Var
 
 from autopar.cost_model import itemsize
@@ -136,9 +136,9 @@ class MemoryModel:
 
   def _memory_exprs(self, state, peaks):
     def expr(items):
-      return pulp.lpSum(f * b * x for node, pos, aval, f in items
-                        for b, x in zip(self._bytes_per_choice(node, pos, aval),
-                                        self.nodes[node].vars))
+      return lp.linear((x, f * b) for node, pos, aval, f in items
+                       for b, x in zip(self._bytes_per_choice(node, pos, aval),
+                                       self.nodes[node].vars))
     return expr(state), [expr(p) for p in peaks]
 
   def _memory(self):

@@ -1,0 +1,96 @@
+"""The few PuLP calls the planner's ILP makes, for PuLP 3 and PuLP 4.
+
+PuLP 4 (2026) rebuilt its model in Rust: variables are made by their problem
+(``prob.add_variable``), an expression is no longer built from a dict
+(``LpAffineExpression(dict)``; ``lpSum_vars_coefs`` builds one in one call),
+``prob.solve`` returns an ``LpSolveStats`` instead of a status code and the
+problem keeps no ``status``, and CBC is no longer bundled
+(``PULP_CBC_CMD``). PuLP 3.3 has ``add_variable`` too and warns on
+``LpVariable(...)``. This module is the one place that knows; the ILP
+(``ilp.py``, ``ilp_memory.py``) calls only these functions.
+
+Supported: PuLP 3.3 and later 3.x, 4.x (``setup.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Mapping
+
+import pulp
+
+from autopar.errors import PlanError
+
+__all__ = ["PULP_MAJOR", "Status", "problem", "variable", "linear", "solve", "solver",
+           "value"]
+
+PULP_MAJOR = int(pulp.__version__.split(".")[0])
+_OPTIMAL = 1        # LpStatusOptimal in PuLP 3, LpSolveStatus.Optimal in PuLP 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Status:
+  """How a solve ended: ``name`` as PuLP says it ("Optimal", "Infeasible", ...)."""
+  code: int
+  name: str
+
+  @property
+  def optimal(self) -> bool:
+    return self.code == _OPTIMAL
+
+
+def problem(name: str) -> pulp.LpProblem:
+  """A new minimisation problem."""
+  return pulp.LpProblem(name, pulp.LpMinimize)
+
+
+def variable(prob: pulp.LpProblem, name: str, lowBound=None, cat: str = "Continuous"):
+  """A new variable of ``prob`` (``cat``: "Binary" or "Continuous")."""
+  add = getattr(prob, "add_variable", None)
+  if add is not None:
+    return add(name, lowBound=lowBound, cat=cat)
+  return pulp.LpVariable(name, lowBound=lowBound, cat=cat)
+
+
+def linear(terms: Mapping | Iterable):
+  """``Σ coef · var`` for ``terms`` (a mapping var -> coef, or (var, coef)
+  pairs; a variable twice adds up), built in one call, not term by term."""
+  pairs = terms.items() if isinstance(terms, Mapping) else terms
+  merged: dict = {}
+  for x, a in pairs:
+    merged[x] = merged.get(x, 0.0) + float(a)
+  if PULP_MAJOR >= 4:
+    return pulp.lpSum_vars_coefs(list(merged.items())) if merged else pulp.lpSum([])
+  return pulp.LpAffineExpression(merged)
+
+
+def solve(prob: pulp.LpProblem, solver_) -> Status:
+  """Solves ``prob`` with ``solver_``; how it ended."""
+  result = prob.solve(solver_)
+  if PULP_MAJOR >= 4:
+    return Status(int(result.status), result.status.name)
+  return Status(int(result), pulp.LpStatus[result])
+
+
+def value(x) -> float | None:
+  """The value of a variable or expression in the last solution."""
+  return pulp.value(x)
+
+
+def solver(*, gap: float, time_limit: float | None = None, relax: bool = False):
+  """(a solver, its name): HiGHS through highspy, else CBC where PuLP has
+  it (bundled with PuLP 3). ``relax``: the LP relaxation, with HiGHS's
+  presolve off (on these problems it costs more than it saves)."""
+  kw = {"gapRel": gap}
+  if time_limit is not None:
+    kw["timeLimit"] = time_limit
+  if relax:
+    kw["mip"] = False
+  highs = pulp.HiGHS(msg=False, **kw, **({"presolve": "off"} if relax else {}))
+  if highs.available():
+    return highs, "HiGHS"
+  cbc = getattr(pulp, "PULP_CBC_CMD", None) or getattr(pulp, "COIN_CMD", None)
+  if cbc is not None and cbc(msg=False).available():
+    return cbc(msg=False, **kw), "CBC"
+  raise PlanError("autopar: no LP solver is available to PuLP. Fix: pip install "
+                  "highspy (installed with autopar).")
