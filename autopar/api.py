@@ -18,9 +18,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
-from jax._src import core as jax_core
 from jax.sharding import AbstractMesh
 
+from autopar import jax_compat as jc
 from autopar import cache as plan_cache
 from autopar import runtime
 from autopar.errors import InputError, MarkerError, PlanError
@@ -461,7 +461,7 @@ class ParallelizedFunction:
 
   def _outputs(self, prep: _Prepared, split: SplitStep, rows: int):
     """The step's outputs and gradients at a batch of ``rows`` rows."""
-    if jax_core.is_symbolic_dim(split.traced.micro_batch_size) or \
+    if jc.is_symbolic_dim(split.traced.micro_batch_size) or \
         split.traced.micro_batch_size == rows:
       return outputs_at(split, rows)
     return outputs_at(self._split(prep, rows), rows)

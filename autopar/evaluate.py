@@ -14,10 +14,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import core as jax_core
-from jax._src import source_info_util
-from jax.extend.core import Literal
+from jax.extend.core import Literal, Var
 
+from autopar import jax_compat as jc
 from autopar import rng
 from autopar.errors import PlanError
 from autopar.hints import HINT_PRIMITIVES, spec_of
@@ -133,7 +132,7 @@ def eval_jaxpr(jaxpr, consts, args, rules: Rules, constvals=()):
   to their specs and gives random draws their rows of the whole batch's
   draw, inside scan / while / cond / checkpoint bodies too."""
   if not rules:
-    return jax_core.eval_jaxpr(jaxpr, constvals, *consts, *args)
+    return jc.eval_jaxpr(jaxpr, constvals, *consts, *args)
   env = {}
 
   def read(a):
@@ -169,10 +168,10 @@ def eval_jaxpr(jaxpr, consts, args, rules: Rules, constvals=()):
     else:
       params = eqn.primitive.get_bind_params(eqn.params)
       # The equation's name stack (``transpose(jvp(...))``) goes into the
-      # HLO's metadata, as jax.core.eval_jaxpr puts it (hlo.py reads it).
-      name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-      with source_info_util.user_context(eqn.source_info.traceback,
-                                         name_stack=name_stack), eqn.ctx.manager:
+      # HLO's metadata, as JAX's eval_jaxpr puts it (hlo.py reads it).
+      name_stack = jc.current_name_stack() + eqn.source_info.name_stack
+      with jc.user_context(eqn.source_info.traceback,
+                               name_stack=name_stack), eqn.ctx.manager:
         ans = eqn.primitive.bind(*args, **params)
       outs = ans if eqn.primitive.multiple_results else [ans]
     if pinned:
@@ -208,7 +207,7 @@ def _carry_pins(closed, ncar: int, body: Rules) -> list:
   for i, e in enumerate(closed.jaxpr.eqns):
     for j, v in enumerate(e.outvars):
       made[v] = body.pins.get(str(i), {}).get(j)
-  return [made.get(v) if isinstance(v, jax_core.Var) else None
+  return [made.get(v) if isinstance(v, Var) else None
           for v in closed.jaxpr.outvars[:ncar]]
 
 
@@ -262,8 +261,8 @@ def _while(eqn, args, rules: Rules):
   body = rules.inside("1.")
 
   def cond(carry):
-    return jax_core.eval_jaxpr(p["cond_jaxpr"].jaxpr, p["cond_jaxpr"].consts,
-                               *cconsts, *carry)[0]
+    return jc.eval_jaxpr(p["cond_jaxpr"].jaxpr, p["cond_jaxpr"].consts,
+                         *cconsts, *carry)[0]
 
   def step(carry):
     return _eval_closed(p["body_jaxpr"], [*bconsts, *carry], body)
@@ -282,12 +281,11 @@ def _cond(eqn, args, rules: Rules):
 def _checkpoint(eqn, args, rules: Rules):
   """The remat body under the rules, re-bound as the same ``checkpoint``
   primitive (same policy, same ``differentiated`` flag)."""
-  from jax._src.interpreters import partial_eval as pe
   body = rules.inside("0.")
   jaxpr = eqn.params["jaxpr"]
   closed = jax.make_jaxpr(lambda *xs: eval_jaxpr(jaxpr, (), xs, body))(
       *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars])
-  new = pe.convert_constvars_jaxpr(closed.jaxpr)
+  new = jc.convert_constvars_jaxpr(closed.jaxpr)
   params = dict(eqn.params, jaxpr=new)
   with eqn.ctx.manager:
     return eqn.primitive.bind(*closed.consts, *args, **params)

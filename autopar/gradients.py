@@ -29,12 +29,11 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Sequence
 
-import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import core as jax_core
 from jax.sharding import PartitionSpec
 
+from autopar import jax_compat as jc
 from autopar.loss import SHARE, loss_cotangent_p
 
 __all__ = ["entry_axes", "make_entry", "restrict", "manual_spec", "auto_spec",
@@ -177,7 +176,7 @@ def seed_loss(scale, groups: int, sums: Sequence[Any]) -> Callable:
     p = eqn.params
     k, ns, nh = len(p["kinds"]), len(p["sum_ops"]), p["num_inputs"]
     inputs, seeds = args[k + ns:k + ns + nh], args[k + ns + nh:]
-    c = jax_core.eval_jaxpr(scale.jaxpr, scale.consts, *sums, *inputs, *seeds)
+    c = jc.eval_jaxpr(scale.jaxpr, scale.consts, *sums, *inputs, *seeds)
     return [(x / groups if kind == SHARE else x).astype(a.dtype)
             for x, kind, a in zip(c, p["kinds"], args[:k], strict=True)]
   return run

@@ -33,9 +33,9 @@ import difflib
 import math
 from typing import Any, Mapping, Sequence
 
-from jax._src import core as jax_core
 from jax.sharding import PartitionSpec
 
+from autopar import jax_compat as jc
 from autopar.errors import InputError
 from autopar.rows import ROWS_NAME, RowDim
 
@@ -82,7 +82,7 @@ class Hint:
 
   def shape_at(self, rows: int) -> tuple[int, ...]:
     """The value's shape for a micro-batch of ``rows`` rows."""
-    return tuple(int(d._evaluate({ROWS_NAME: rows})) if jax_core.is_symbolic_dim(d)
+    return tuple(jc.evaluate_dim(d, {ROWS_NAME: rows}) if jc.is_symbolic_dim(d)
                  else int(d) for d in self.shape)
 
   def axes(self) -> set[str]:

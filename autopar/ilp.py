@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from jax.extend.core import Var
 

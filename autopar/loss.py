@@ -77,10 +77,9 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax._src import core as jax_core
-from jax._src.interpreters import partial_eval as pe
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Primitive, Var
-from jax.interpreters import mlir
+from autopar import jax_compat as jc
+from autopar.jax_compat import mlir
 
 from autopar.combine import reduction_of
 from autopar.errors import InputError, MarkerError
@@ -200,7 +199,7 @@ def inline_loss(closed: ClosedJaxpr, fn_name: str) -> tuple[ClosedJaxpr, LossCal
   # (Constants of calls inlined into F are the step's constants now.)
   constvars = [*jaxpr.constvars, *fn.constvars]
   view = jaxpr.replace(constvars=constvars, eqns=eqns, outvars=outvars,
-                       effects=pe.make_jaxpr_effects(constvars, jaxpr.invars, outvars, eqns))
+                       effects=jc.make_jaxpr_effects(constvars, jaxpr.invars, outvars, eqns))
   call = LossCall(start=a, stop=stop, backward=b - a - 1 + stop, fn=fn,
                   name=ef.params.get("name", "loss_fn"), diff=tuple(diff), seeded=seeded,
                   consts=tuple(F.consts))
@@ -442,7 +441,7 @@ def _sds(aval) -> jax.ShapeDtypeStruct:
 
 def _evaluate(fn: Jaxpr, consts, args, remat, name: str, without: Jaxpr) -> list:
   if remat is None or remat == "none":
-    return jax_core.eval_jaxpr(fn, consts, *args)
+    return jc.eval_jaxpr(fn, consts, *args)
   return rolled_eval(fn, consts, args, remat, name, without=without)
 
 
@@ -468,7 +467,7 @@ class _Cotangents:
       full = list(hvals)
       for k, x in zip(e_at, e, strict=True):
         full[k] = x
-      return jax_core.eval_jaxpr(self.head, [], *full)
+      return jc.eval_jaxpr(self.head, [], *full)
     _, hvjp = jax.vjp(h, *[hvals[k] for k in e_at])
     return list(hvjp(list(cts)))
 
@@ -610,14 +609,14 @@ def expand(view: ClosedJaxpr, call: LossCall, head: LossHead, *, remat: Any = "n
   for e in eqns[call.backward + 1:]:
     out.append(e.replace(invars=[read(v) for v in e.invars]))
   outvars = [read(v) for v in jaxpr.outvars]
-  new = Jaxpr(constvars, jaxpr.invars, outvars, out, pe.make_jaxpr_effects(
+  new = Jaxpr(constvars, jaxpr.invars, outvars, out, jc.make_jaxpr_effects(
       constvars, jaxpr.invars, outvars, out), jaxpr.debug_info)
   return ClosedJaxpr(new, consts), ct.gradient(head, call, how)
 
 
 def _debug(what: str, num_in: int, num_out: int):
   """Debug info for a jaxpr autopar builds (JAX wants one on every jaxpr)."""
-  return jax_core.DebugInfo("autopar", what, tuple(f"x{i}" for i in range(num_in)),
+  return jc.DebugInfo("autopar", what, tuple(f"x{i}" for i in range(num_in)),
                             tuple(f"y{i}" for i in range(num_out)))
 
 

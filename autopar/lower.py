@@ -40,10 +40,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import core as jax_core
-from jax._src.interpreters import partial_eval as pe
+from jax.extend.core import Var
 from jax.sharding import NamedSharding, PartitionSpec
 
+from autopar import jax_compat as jc
 from autopar import rng
 from autopar.evaluate import Rules, check_pins, eqn_at, eval_jaxpr, eval_scan, plan_constraints
 from autopar.gradients import (COMBINE, add_partial, across, loss_marker, make_entry,
@@ -55,7 +55,7 @@ from autopar.method import accumulation_dtype, auto_mesh
 from autopar.plan import Plan
 from autopar.planner import batch_spec, grad_stage_names, leaves_read_by_compute
 from autopar.trace import eqns_by_path
-from autopar.split import OutputKind, SplitStep, dce, scale_at
+from autopar.split import OutputKind, SplitStep, dce
 
 __all__ = ["LoweredStep", "lower_step", "SUMS_STAGE"]
 
@@ -339,7 +339,7 @@ def _sums_stage(split: SplitStep, plan: Plan, amesh, *, micro_rows: int):
   k = len(eqn.outvars)
   ops = split.loss.sum_ops
   quiet = compute.replace(
-      eqns=[e for e in compute.eqns if not (e.effects and pe.has_effects(e))],
+      eqns=[e for e in compute.eqns if not (e.effects and jc.has_effects(e))],
       outvars=list(eqn.invars[k:k + len(ops)]))
   program = dce(quiet)
   # The gradient stages' rules, their paths found again by equation (dce
@@ -363,7 +363,7 @@ def _sums_stage(split: SplitStep, plan: Plan, amesh, *, micro_rows: int):
     pin = lambda x, spec: lax.with_sharding_constraint(x, NamedSharding(amesh, spec))
   hinted = any(h.part == "compute" for h in split.hints)
   nc = len(split.consts)
-  used = {v for e in program.eqns for v in e.invars if isinstance(v, jax_core.Var)}
+  used = {v for e in program.eqns for v in e.invars if isinstance(v, Var)}
   read = [k for k, v in enumerate(program.invars[nc:]) if v in used]
   in_specs = [v.spec for v in plan.inputs]
   batch_entry = make_entry(manual)

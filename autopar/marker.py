@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
+from autopar.jax_compat import ad, batching, mlir
 
 from autopar.errors import MarkerError
 from autopar.pipeline.capture import captured, capturing

@@ -26,8 +26,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import core as jax_core
 
+from autopar import jax_compat as jc
 from autopar.errors import InputError
 
 __all__ = ["scan_layers", "chunked_cross_entropy"]
@@ -147,7 +147,7 @@ def chunked_cross_entropy(hidden: jax.Array, unembedding: jax.Array,
   tokens = math.prod(labels.shape)
   # At a symbolic batch size (autopar traces steps once for every size) the
   # token count is not known: chunks of chunk_size, the last one padded.
-  symbolic = jax_core.is_symbolic_dim(tokens)
+  symbolic = jc.is_symbolic_dim(tokens)
   chunk = chunk_size if symbolic else min(chunk_size, max(tokens, 1))
   num_chunks = -(-tokens // chunk)
   pad = num_chunks * chunk - tokens

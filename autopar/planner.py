@@ -35,7 +35,8 @@ from autopar.method import (ParallelMethod, ShardParallel, axis_names_of,
 from autopar.plan import CollectivePlan, Plan, ValuePlan
 from autopar.pytrees import ends_with_key
 from autopar.split import (OutputKind, SizedOutputs, SplitStep, outputs_at, reads)
-from autopar.strategies import grad_sync_costs, local_bytes
+from autopar.strategies import (grad_sync_costs, local_bytes, missing_rules,
+                                warn_missing_rules)
 from autopar.strategies.dot import dot_flops
 from autopar.trace import TracedStep, eqns_by_path
 
@@ -406,6 +407,7 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
         f"Fix: raise memory_budget_per_device to at least {need:.0f}, or use more "
         f"micro-batches or a larger mesh.")
   S, _, local, problem = best
+  warn_missing_rules(missing_rules(local.compute, local.apply), "ShardParallel's plan")
   sol = problem.solution()
   stats = dict(num_equations=len(local.compute.jaxpr.eqns) + len(local.apply.jaxpr.eqns),
                num_nodes=len(problem.nodes), num_classes=problem.num_classes)

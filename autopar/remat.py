@@ -71,6 +71,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
+from autopar import jax_compat as jc
 from autopar.errors import InputError, PlanError
 from autopar.pytrees import leaf_mask
 
@@ -153,7 +154,7 @@ def _rolled_call(fun, policy, args, kwargs):
     a, k = jax.tree.unflatten(tree, leaves)
     out, t = jax.tree.flatten(fun(*a, **k))
     out_tree.append(t)
-    constant_outs.append([None if isinstance(o, jax.core.Tracer) else (o,) for o in out])
+    constant_outs.append([None if isinstance(o, jc.Tracer) else (o,) for o in out])
     return out
 
   arrays = [x for a, x in zip(is_array, flat) if a]

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from jax._src import core as jax_core
-from jax._src import mesh as jax_mesh
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal, Var
 from jax.sharding import NamedSharding
+
+from autopar import jax_compat as jc
 
 __all__ = ["Instantiator", "without_meshes", "jaxprs_in"]
 
@@ -63,7 +63,7 @@ class _Retyper:
 # -- written out at a concrete batch size ----------------------------------------
 
 def _is_symbolic(d) -> bool:
-  return jax_core.is_symbolic_dim(d)
+  return jc.is_symbolic_dim(d)
 
 
 # What _Instantiator.value does with a param, by the param's type.
@@ -255,11 +255,7 @@ class _MeshStripper(_Retyper):
     """``ctx`` (the config an equation was traced under) without its mesh."""
     if not getattr(ctx.cur_abstract_mesh, "axis_names", ()):
       return ctx
-    metadata = ctx.xla_metadata
-    return jax_core.JaxprEqnContext._create(
-        ctx.compute_type, ctx.threefry_partitionable, jax_mesh.empty_abstract_mesh,
-        ctx.remove_size_one_mesh_axis,
-        None if metadata is None else tuple(sorted(metadata.items())))
+    return jc.eqn_context_without_mesh(ctx)
 
   def param(self, hint: bool, value):
     if isinstance(value, NamedSharding):

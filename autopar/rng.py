@@ -43,11 +43,10 @@ import jax
 import jax.extend.random as jex_random
 import numpy as np
 from jax import lax
-from jax._src import core as jax_core
-from jax._src.interpreters import mlir
-from jax._src.lib.mlir import ir
 from jax.extend.core import Primitive
 
+from autopar import jax_compat as jc
+from autopar.jax_compat import ir, mlir
 from autopar.rows import RowDim
 
 __all__ = ["RowDraw", "DRAW_PRIMITIVES", "find_draws", "draw"]
@@ -107,14 +106,14 @@ iota_rows_p.multiple_results = True
 
 def _iota_rows_abstract(first_row, *, shape, strides, dim, factor):
   del first_row, strides, dim, factor
-  return (jax_core.ShapedArray(shape, np.dtype("uint32")),) * 2
+  return (jc.ShapedArray(shape, np.dtype("uint32")),) * 2
 
 
 def _iota_rows_lowering(ctx, first_row, *, shape, strides, dim, factor):
   """64-bit row-major positions ``Σ_j (iota_j + [j = dim]·factor·first_row)
   · strides_j``, as (high, low) 32-bit words (as ``iota_2x32_shape``)."""
   aval_out, _ = ctx.avals_out
-  u64 = jax_core.ShapedArray(shape, np.dtype("uint64"))
+  u64 = jc.ShapedArray(shape, np.dtype("uint64"))
   u64_scalar = ir.RankedTensorType.get([], mlir.dtype_to_ir_type(np.dtype("uint64")))
 
   def const(x):

@@ -28,10 +28,9 @@ from typing import Sequence
 
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core as jax_core
-from jax._src import source_info_util
 from jax.extend.core import Jaxpr, Literal, Var
 
+from autopar import jax_compat as jc
 from autopar.retype import jaxprs_in
 
 __all__ = ["RowDim", "Rows", "RowOracle", "ROWS_NAME", "row_mixing", "mixing_of", "where",
@@ -72,7 +71,7 @@ class Rows:
     """``c`` if the dimension (``d``, and ``other`` in the second trace) is
     ``c * rows`` for an integer ``c >= 1``, else None."""
     if self.sizes is None:
-      if not jax_core.is_symbolic_dim(d):
+      if not jc.is_symbolic_dim(d):
         return None
       try:
         vals = [int(d._evaluate({ROWS_NAME: r})) for r in (1, 2, 3, 7)]
@@ -102,7 +101,7 @@ class Rows:
   def varies(self, shape: Sequence, other: Sequence | None = None) -> bool:
     """Whether ``shape`` depends on the batch size at all."""
     if self.sizes is None:
-      return any(jax_core.is_symbolic_dim(d) for d in shape)
+      return any(jc.is_symbolic_dim(d) for d in shape)
     return other is not None and tuple(shape) != tuple(other)
 
 
@@ -390,7 +389,7 @@ def _body_deps(eqn, sub: Jaxpr, deps: _Deps, oracle: RowOracle) -> _Deps:
 
 def where(eqn) -> str:
   """The user's source line of ``eqn`` (for messages)."""
-  return source_info_util.summarize(eqn.source_info)
+  return jc.summarize_source(eqn.source_info)
 
 
 def depends(jaxpr, sources: set, extra=None) -> set:

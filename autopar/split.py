@@ -58,10 +58,9 @@ import enum
 import fnmatch
 from typing import Any, Mapping, NamedTuple
 
-from jax._src import core as jax_core
-from jax._src.interpreters import partial_eval as pe
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
+from autopar import jax_compat as jc
 from autopar.combine import derive
 from autopar.errors import InputError, MarkerError
 from autopar.hints import HINT_PRIMITIVES, Hint, find_hints
@@ -195,20 +194,19 @@ def depends_on(jaxpr, sources, *, stop=None) -> set:
 def dce(jaxpr: Jaxpr, keep=None) -> Jaxpr:
   """``jaxpr`` without the equations its outputs do not need (and those
   ``keep(eqn)`` holds for, such as markers with no outputs); every input
-  is kept. The same as ``pe.dce_jaxpr(jaxpr, [True] * n, instantiate=True)``
+  is kept. The same as ``jc.dce_jaxpr(jaxpr, [True] * n, instantiate=True)``
   (JAX's rules prune loop and call bodies), with a faster path for the
   equations that have no rule, which are nearly all of a large step's.
   """
-  rules = pe.dce_rules
   live = {v for v in jaxpr.outvars if type(v) is not Literal}
   kept = []
   for eqn in reversed(jaxpr.eqns):
     if keep is not None and keep(eqn):
       kept.append(eqn)
       continue
-    rule = rules.get(eqn.primitive)
+    rule = jc.dce_rule(eqn.primitive)
     if rule is None:
-      if any(v in live for v in eqn.outvars) or (eqn.effects and pe.has_effects(eqn)):
+      if any(v in live for v in eqn.outvars) or (eqn.effects and jc.has_effects(eqn)):
         kept.append(eqn)
         live.update(v for v in eqn.invars if type(v) is not Literal)
       continue
@@ -218,7 +216,7 @@ def dce(jaxpr: Jaxpr, keep=None) -> Jaxpr:
     live.update(v for v, used in zip(eqn.invars, used_ins)
                 if used and type(v) is not Literal)
   kept.reverse()
-  return jaxpr.replace(eqns=kept, effects=pe.make_jaxpr_effects(
+  return jaxpr.replace(eqns=kept, effects=jc.make_jaxpr_effects(
       jaxpr.constvars, jaxpr.invars, jaxpr.outvars, kept))
 
 
@@ -242,7 +240,7 @@ def split_step(traced: TracedStep, *, fn_name: str = "step",
   traced, reference, loss_grad = _differentiate(traced, reference, fn_name, how, remat,
                                                 pipeline)
   closed = traced.jaxpr
-  jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
+  jaxpr = jc.convert_constvars_jaxpr(closed.jaxpr)
   nconst = len(closed.consts)
   leaf_vars = jaxpr.invars[nconst:]
   batch_vars = {v for v, l in zip(leaf_vars, traced.leaves, strict=True)
@@ -334,7 +332,7 @@ def split_step(traced: TracedStep, *, fn_name: str = "step",
       micro_outs.append(v)
 
   # An effect runs in the stage on its side of the marker, once.
-  effects = [i for i, e in enumerate(jaxpr.eqns) if e.effects and pe.has_effects(e)]
+  effects = [i for i, e in enumerate(jaxpr.eqns) if e.effects and jc.has_effects(e)]
   after = {i for i in effects if i > at}
   compute = dce(jaxpr.replace(outvars=[*marker.invars, *reduced, *micro_outs],
                                eqns=[e for i, e in enumerate(jaxpr.eqns) if i not in after]))
@@ -386,7 +384,7 @@ def _differentiate(traced: TracedStep, reference: TracedStep | None, fn_name: st
     ref_view, ref_call = inline_loss(reference.jaxpr, fn_name)
     if ref_call is None:
       ref_view = None
-  if jax_core.is_symbolic_dim(traced.micro_batch_size):
+  if jc.is_symbolic_dim(traced.micro_batch_size):
     oracles = (RowOracle.symbolic(), None)
   elif ref_view is not None:
     a, b = traced.micro_batch_size, reference.micro_batch_size
@@ -420,13 +418,13 @@ def _one(dims):
 
 def _oracle(traced: TracedStep, jaxpr, reference: TracedStep | None):
   """How to tell the row dimensions of ``jaxpr``'s values (``rows.py``)."""
-  if jax_core.is_symbolic_dim(traced.micro_batch_size):
+  if jc.is_symbolic_dim(traced.micro_batch_size):
     return RowOracle.symbolic()
   if reference is None:
     return None
   if reference.micro_batch_size == traced.micro_batch_size:
     raise ValueError("the reference trace must be at another batch size")
-  return RowOracle.paired(jaxpr, pe.convert_constvars_jaxpr(reference.jaxpr.jaxpr),
+  return RowOracle.paired(jaxpr, jc.convert_constvars_jaxpr(reference.jaxpr.jaxpr),
                           traced.micro_batch_size, reference.micro_batch_size)
 
 
@@ -512,7 +510,7 @@ def _renumbered(old, new, primitives) -> list[tuple[str, str]]:
 def apply_at(split: SplitStep, rows: int) -> ClosedJaxpr:
   """``split.apply`` (from a symbolic-batch trace) written out at ``rows``
   (the whole batch's: apply_grad runs once per step, on its shapes)."""
-  if not jax_core.is_symbolic_dim(split.traced.micro_batch_size):
+  if not jc.is_symbolic_dim(split.traced.micro_batch_size):
     assert split.traced.micro_batch_size == rows, (split.traced.micro_batch_size, rows)
     return split.apply
   return ClosedJaxpr(instantiator(rows).jaxpr(split.apply.jaxpr), ())
@@ -522,7 +520,7 @@ def scale_at(split: SplitStep, rows: int) -> ClosedJaxpr:
   """``split.loss.scale`` (the loss's cotangents from the sums) at the
   whole batch's ``rows``: a stage seeds each group with the whole batch's."""
   scale = split.loss.scale
-  if not jax_core.is_symbolic_dim(split.traced.micro_batch_size):
+  if not jc.is_symbolic_dim(split.traced.micro_batch_size):
     assert split.traced.micro_batch_size == rows, (split.traced.micro_batch_size, rows)
     return scale
   return ClosedJaxpr(instantiator(rows).jaxpr(scale.jaxpr), scale.consts)

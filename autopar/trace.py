@@ -30,12 +30,10 @@ import sys
 from typing import Any, Callable, Sequence
 
 import jax
-from jax._src import core as jax_core
-from jax._src import mesh as jax_mesh
-from jax._src.pjit import sharding_constraint_p
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal, Var
 from jax.sharding import NamedSharding
 
+from autopar import jax_compat as jc
 from autopar.errors import AutoparError, InputError, MarkerError
 from autopar.marker import grad_marker_p
 from autopar.pipeline.capture import backward_p, capture_mode, forward_lin_p, forward_p
@@ -423,7 +421,7 @@ def trace_step(fn: Callable, args: Sequence[Any], flags: ArgFlags,
 
   abstract = [l.abstract((micro_batch_size, *l.shape[1:]) if l.is_batch else None)
               for l in leaves]
-  in_context = not jax_mesh.get_abstract_mesh().empty
+  in_context = not jc.get_abstract_mesh().empty
   try:
     # The loss function autopar.value_and_grad differentiates is one call in
     # the trace (pipeline/capture.py), so that split.py can derive its
@@ -441,7 +439,7 @@ def trace_step(fn: Callable, args: Sequence[Any], flags: ArgFlags,
     raise
   except Exception as e:   # noqa: BLE001 - said with the batch, if the cut caused it
     batch = sorted({names[l.argnum] for l in leaves if l.is_batch})
-    if (not batch or jax_core.is_symbolic_dim(micro_batch_size) or
+    if (not batch or jc.is_symbolic_dim(micro_batch_size) or
         _fails_whole(flat_fn, leaves, mesh)):
       raise                     # the step's own error, as the user wrote it
     raise InputError(
@@ -723,8 +721,8 @@ def _hint(eqns: list, x, sharding, call):
   out = Var(x.aval)
   params = dict(sharding=sharding, layout=None, context_mesh=sharding.mesh,
                 unconstrained_dims=frozenset())
-  eqns.append(jax_core.new_jaxpr_eqn([x], [out], sharding_constraint_p, params,
-                                     jax_core.no_effects, call.source_info, call.ctx))
+  eqns.append(jc.new_jaxpr_eqn([x], [out], jc.sharding_constraint_p, params,
+                                     jc.no_effects, call.source_info, call.ctx))
   return out
 
 

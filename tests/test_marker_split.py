@@ -99,7 +99,7 @@ def test_dead_code_elimination_matches_jax():
   """split.dce (a fast path for equations without a DCE rule) removes what
   JAX's dce_jaxpr removes: dead equations, unused loop outputs and carries
   inside scan / while / cond, and nothing with an effect."""
-  from jax._src.interpreters import partial_eval as pe
+  from autopar.jax_compat import dce_jaxpr
   from autopar.split import dce
 
   def fn(w, x):
@@ -116,7 +116,7 @@ def test_dead_code_elimination_matches_jax():
   jaxpr = jax.make_jaxpr(fn)(W, X).jaxpr
   for keep in ([0], [1], [0, 1]):
     j = jaxpr.replace(outvars=[jaxpr.outvars[i] for i in keep])
-    ref, _ = pe.dce_jaxpr(j, [True] * len(keep), instantiate=True)
+    ref, _ = dce_jaxpr(j, [True] * len(keep), instantiate=True)
     new = dce(j)
     assert str(new) == str(ref)
     assert new.effects == ref.effects

@@ -44,7 +44,7 @@ def test_plan_for_64_devices_in_a_process_with_one_device(tmp_path):
       import jax, jax.numpy as jnp, optax
       from flax.training import train_state
       import autopar
-      from jax._src import xla_bridge
+      from autopar.jax_compat import backends_are_initialized
       from models import Transformer
 
       model = Transformer(vocab=64, d=64, heads=8, layers=2)
@@ -74,7 +74,7 @@ def test_plan_for_64_devices_in_a_process_with_one_device(tmp_path):
       gc.collect()
       kept = [type(o).__name__ for o in gc.get_objects()
               if isinstance(o, (ilp.ShardingProblem, split.SplitStep))]
-      print(json.dumps({"touched": xla_bridge.backends_are_initialized(),
+      print(json.dumps({"touched": backends_are_initialized(),
                         "kept": kept,
                         "summary": plan.summary(full=True), "json": plan.to_json(),
                         "leaves": len(jax.tree.leaves(state)) + 1}))

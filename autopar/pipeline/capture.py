@@ -33,10 +33,9 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax._src import core as jax_core
-from jax._src.interpreters import partial_eval as pe
 from jax.extend.core import ClosedJaxpr, Primitive, jaxpr_as_fun
-from jax.interpreters import ad, batching, mlir
+from autopar import jax_compat as jc
+from autopar.jax_compat import ad, batching, mlir
 
 from autopar.pytrees import leaf_mask
 
@@ -267,7 +266,7 @@ def captured(fun: Callable) -> Callable:
       after = [x for m, x in zip(is_array, after) if m] if len(after) == len(flat) \
           else list(xs)
       changed = [j for j, (x0, x1) in enumerate(zip(xs, after)) if x1 is not x0]
-      traced = [isinstance(o, jax_core.Tracer) for o in out_leaves]
+      traced = [isinstance(o, jc.Tracer) for o in out_leaves]
       record.update(out_tree=out_tree, traced=traced, changed=changed,
                     constants=[None if t else o for t, o in zip(traced, out_leaves)])
       return [o for o, t in zip(out_leaves, traced) if t] + [after[j] for j in changed]
@@ -275,7 +274,7 @@ def captured(fun: Callable) -> Callable:
     closed = jax.make_jaxpr(flat_fun)(*arrays)
     # Constants (arrays the function closes over, the step's own values among
     # them) become operands: F reads only its inputs.
-    jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
+    jaxpr = jc.convert_constvars_jaxpr(closed.jaxpr)
     outs = forward_p.bind(*closed.consts, *arrays, jaxpr=ClosedJaxpr(jaxpr, ()), name=name)
     num_out = sum(record["traced"])
     results, updates = outs[:num_out], outs[num_out:]

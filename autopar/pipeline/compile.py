@@ -18,11 +18,10 @@ from typing import Any
 import jax
 import numpy as np
 from jax import lax
-from jax._src import core as jax_core
-from jax._src.interpreters import partial_eval as pe
 from jax.extend.core import Literal, Var
 from jax.sharding import AbstractMesh, PartitionSpec
 
+from autopar import jax_compat as jc
 from autopar.cost_model import assumed_costs, dtype_name
 from autopar.errors import InputError, MarkerError, PlanError
 from autopar.evaluate import Rules, eval_jaxpr
@@ -418,7 +417,7 @@ def _inputs_pass(pre: Prepared, layout: StageLayout, stage: int) -> SumsPass:
   arguments or constants, none of the parameters or the batch (a loss
   times a scale given to the step), computed on stage ``stage``'s submesh."""
   ctx, split = pre.ctx, pre.split
-  view = pe.convert_constvars_jaxpr(split.traced.jaxpr.jaxpr)
+  view = jc.convert_constvars_jaxpr(split.traced.jaxpr.jaxpr)
   program = dce(view.replace(outvars=list(split.loss.values.inputs)))
   nc = ctx.num_consts
   used = {v for e in program.eqns for v in e.invars if isinstance(v, Var)}
@@ -431,7 +430,7 @@ def _inputs_pass(pre: Prepared, layout: StageLayout, stage: int) -> SumsPass:
     args = [None] * len(program.invars[nc:])
     for k, x in zip(leaves, xs, strict=True):
       args[k] = x
-    return jax_core.eval_jaxpr(written, (), *consts, *args)
+    return jc.eval_jaxpr(written, (), *consts, *args)
   return SumsPass(fn=jax.jit(fn), stage=stage, leaves=leaves,
                   batch=(False,) * len(leaves), specs=(PartitionSpec(),) * len(leaves))
 
@@ -442,7 +441,7 @@ def _sums_pass(pre: Prepared, layout: StageLayout, stage: int) -> SumsPass:
   (batch leaves as the stages take them, ``[n, M, ...]``)."""
   ctx, split = pre.ctx, pre.split
   loss = split.loss
-  view = pe.convert_constvars_jaxpr(split.traced.jaxpr.jaxpr)
+  view = jc.convert_constvars_jaxpr(split.traced.jaxpr.jaxpr)
   program = dce(view.replace(outvars=list(loss.values.sums)))
   if any(e.primitive.name in DRAW_PRIMITIVES for e in program.eqns):
     raise InputError(f"{ctx.program.fn_name}: the sums the loss of {loss.name} is scaled "
@@ -466,7 +465,7 @@ def _sums_pass(pre: Prepared, layout: StageLayout, stage: int) -> SumsPass:
       args = [None] * len(program.invars[nc:])
       for k, b, x in zip(leaves, batch, xs, strict=True):
         args[k] = lax.dynamic_index_in_dim(x, i, 0, keepdims=False) if b else x
-      return jax_core.eval_jaxpr(written, (), *consts, *args)
+      return jc.eval_jaxpr(written, (), *consts, *args)
     return sums_pass(evaluate, n, ops, manual, n * layout.devices)
 
   specs = tuple(layout.batch_leaf_spec() if b else PartitionSpec() for b in batch)

@@ -31,6 +31,7 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
+from autopar import jax_compat as jc
 from autopar.cost_model import MeshCost, num_bytes
 from autopar.errors import PlanError
 from autopar.hints import check_pins, entry_axes
@@ -141,7 +142,8 @@ def cut(ctx: Context, layers: Sequence[tuple[int, int]]) -> Cut:
       final_stage[j] = s
   for k, r in enumerate(program.roots):
     if r.leaf is not None:
-      root_home[k] = leaf_home[r.leaf]
+      # A parameter no stage reads (its gradient is zero) lives on the last.
+      root_home[k] = leaf_home.setdefault(r.leaf, len(stages) - 1)
   aj = ctx.apply.jaxpr
   nc, nl = ctx.num_consts, len(program.leaves)
   homes = {}
@@ -456,7 +458,7 @@ def _update_jaxpr(ctx: Context, cut_: Cut, s: int, io: StageIO, segments, grads,
   eqns = [e.replace(invars=[const_sub.get(a, a) if isinstance(a, Var) else a
                             for a in e.invars]) if any(
       isinstance(a, Var) and a in const_sub for a in e.invars) else e for e in eqns]
-  placeholders = [Var(jax.core.ShapedArray((), np.float32)) for _ in range(num_consts)]
+  placeholders = [Var(jc.ShapedArray((), np.float32)) for _ in range(num_consts)]
   # The ILP reads its leading invars as the joint program's constants: the
   # update's own constants stand in for as many of them as there are.
   head = [*consts, *placeholders][:num_consts] if num_consts >= nc else consts
@@ -477,7 +479,7 @@ def _aval_of(io: StageIO, kind, ref):
   """The aval of a stand-in update input for an ILP leaf the update does not
   read (a root that is no argument leaf, an activation, a cotangent): the
   update jaxpr needs one invar per leaf, and no equation reads these."""
-  return jax.core.ShapedArray((), np.float32)
+  return jc.ShapedArray((), np.float32)
 
 
 def solve_stage(ctx: Context, cut_: Cut, s: int, sizes: dict[str, int],
@@ -505,7 +507,7 @@ def solve_stage(ctx: Context, cut_: Cut, s: int, sizes: dict[str, int],
   if num_consts < ctx.num_consts:
     # The ILP reads as many leading constants in both programs: the update
     # has the step's, the stage's pass may read fewer. Unread stand-ins.
-    pad = [Var(jax.core.ShapedArray((), np.float32))
+    pad = [Var(jc.ShapedArray((), np.float32))
            for _ in range(ctx.num_consts - num_consts)]
     joint = joint.replace(invars=[*joint.invars[:num_consts], *pad,
                                   *joint.invars[num_consts:]])

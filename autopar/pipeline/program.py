@@ -41,11 +41,9 @@ from typing import Any, Sequence
 
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core as jax_core
-from jax._src.interpreters import partial_eval as pe
-from jax._src.lax import lax as lax_internal
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
+from autopar import jax_compat as jc
 from autopar.cost_model import itemsize
 from autopar.errors import InputError, MarkerError
 from autopar.loss import LossGradient, loss_input_p
@@ -142,7 +140,7 @@ def build_program(view: ClosedJaxpr, *, leaves: Sequence[LeafInfo], grads: Seque
   outputs), ``loss`` how the loss's entries are seeded (``loss.py``): they
   are ``P``'s seeded outputs.
   """
-  jaxpr = pe.convert_constvars_jaxpr(view.jaxpr)
+  jaxpr = jc.convert_constvars_jaxpr(view.jaxpr)
   num_consts = len(view.consts)
   bwd_at = [i for i, e in enumerate(jaxpr.eqns) if e.primitive is backward_p]
   # (The backward call holds the loss function again: its markers do not count.)
@@ -180,9 +178,9 @@ def build_program(view: ClosedJaxpr, *, leaves: Sequence[LeafInfo], grads: Seque
         roots.append(Root(fv, leaf_index[u]))
       else:
         eps = Var(fv.aval)
-        eqns.append(jax_core.new_jaxpr_eqn(
+        eqns.append(jc.new_jaxpr_eqn(
             [u if isinstance(u, Literal) else sub.get(u, u), eps], [fv],
-            lax_internal.add_p, {}, jax_core.no_effects, eqn.source_info, eqn.ctx))
+            jc.add_p, {}, jc.no_effects, eqn.source_info, eqn.ctx))
         roots.append(Root(eps, None))
       continue
     if any(not isinstance(a, Literal) and a in sub for a in eqn.invars):
@@ -227,7 +225,7 @@ def _dce_with_boundaries(jaxpr: Jaxpr) -> tuple[Jaxpr, tuple[int, ...]]:
     else:
       eqns.append(eqn)
   cuts = tuple(c for c in cuts if 0 < c < len(eqns))
-  return jaxpr.replace(eqns=eqns, effects=pe.make_jaxpr_effects(
+  return jaxpr.replace(eqns=eqns, effects=jc.make_jaxpr_effects(
       jaxpr.constvars, jaxpr.invars, jaxpr.outvars, eqns)), cuts
 
 
@@ -264,7 +262,7 @@ class Analysis:
       ins = [v for v in eqn.invars if not isinstance(v, Literal)]
       if any(v in on_batch for v in ins):
         on_batch.update(eqn.outvars)
-      elif not (eqn.effects and pe.has_effects(eqn)):
+      elif not (eqn.effects and jc.has_effects(eqn)):
         floating.add(i)
       if any(v in on_roots for v in ins):
         on_roots.update(eqn.outvars)

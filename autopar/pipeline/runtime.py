@@ -35,10 +35,10 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core as jax_core
 from jax.extend.core import Var
 from jax.sharding import NamedSharding, PartitionSpec
 
+from autopar import jax_compat as jc
 from autopar.gradients import combine_groups
 from autopar.loss import SHARE
 from autopar.pipeline.apply import Segment
@@ -117,7 +117,7 @@ class LossSeeds:
     inputs = self._run(self.inputs, step, leaves)
     if self._fn is None:
       scale = self.scale
-      self._fn = jax.jit(lambda s, h, t: jax_core.eval_jaxpr(
+      self._fn = jax.jit(lambda s, h, t: jc.eval_jaxpr(
           scale.jaxpr, scale.consts, *s, *h, *t))
     c = self._fn(list(sums), list(inputs), list(self.seeds))
     out = {}
@@ -335,7 +335,11 @@ class PipelineStep:
         env[v] = (None, leaves[k])
     ng = len(program.grad_roots)
     for g, k in enumerate(program.grad_roots):
-      env[aj.invars[nc + nl + g]] = (self.root_home[k], root_grads[k])
+      v = aj.invars[nc + nl + g]
+      if k not in root_grads:     # a parameter no stage reads: its gradient is zero
+        root_grads[k] = self._on(self.root_home[k], np.zeros(v.aval.shape, v.aval.dtype),
+                                 PartitionSpec())
+      env[v] = (self.root_home[k], root_grads[k])
     base = program.num_seeded
     for r, v in enumerate(aj.invars[nc + nl + ng:]):
       j = base + r

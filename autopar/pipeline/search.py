@@ -33,6 +33,7 @@ result has one stage, which ``api.py`` runs as ``ShardParallel``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -47,7 +48,7 @@ from autopar.method import axis_sizes_of
 from autopar.pipeline.planner import _update_inputs, cut, solve_stage, stage_batch_axes
 from autopar.pipeline.program import sizer, value_bytes
 from autopar.pipeline.submesh import block_shapes, fits, link_axis, tile
-from autopar.strategies import to_partition_spec
+from autopar.strategies import missing_rules, to_partition_spec, warn_missing_rules
 
 __all__ = ["search", "SearchResult", "Candidate"]
 
@@ -295,6 +296,10 @@ def search(pre, method, mesh):
       sol = plans[key] = solve_stage(ctx, c, s, sizes_s, cand.batch_axes,
                                      in_flight=in_flight[s])
     choices.append(_choice(ctx, c, s, cand, sol, layers[s], in_flight[s]))
+  missing = collections.Counter()
+  for sol in plans.values():
+    missing.update(missing_rules(sol.joint, sol.update))
+  warn_missing_rules(missing, f"{ctx.program.fn_name}'s pipeline stages")
   return c, choices, result
 
 

@@ -8,9 +8,11 @@ functions registered per primitive name::
     @register("transpose")
     def _transpose(eqn, ctx): ...
 
-A primitive without a rule gets :func:`replicated_fallback` (everything
-replicated, one warning naming the primitive): the step still compiles and
-runs, just without parallelism for that equation.
+A primitive without a rule gets :func:`replicated_fallback`: every operand
+gathered whole and the equation run on each device, priced as the roofline
+of all of it. That is correct for any primitive (each device computes what
+one device would), only without parallelism for that equation; the planner
+warns once a plan with the primitives it ran so (:func:`missing_rules`).
 
 Specs here cover the *planned* mesh axes only (the axes not used for the
 batch split; see ``ilp.py``). A spec is a tuple with one entry per dimension,
@@ -31,10 +33,12 @@ from typing import Callable, Mapping, Sequence
 from jax.extend.core import Literal
 
 from autopar.cost_model import MeshCost, itemsize
+from autopar.retype import jaxprs_in
 
 __all__ = ["Spec", "Strategy", "RuleContext", "register", "strategies_for",
            "enumerate_specs", "grad_sync_costs", "replicated", "shard_count",
-           "local_bytes", "to_partition_spec", "RULES"]
+           "local_bytes", "to_partition_spec", "RULES", "missing_rules",
+           "replicated_fallback"]
 
 Spec = tuple[tuple[str, ...], ...]
 
@@ -150,7 +154,11 @@ class RuleContext:
 
 Rule = Callable[..., list[Strategy]]
 RULES: dict[str, Rule] = {}
-_warned: set[str] = set()
+# Planned through by the ILP (ilp_graph.py), or inlined before planning
+# (trace.py), so they need no rule of their own.
+PLANNED_THROUGH = frozenset(("scan", "while", "cond", "remat2", "jit", "pjit",
+                             "closed_call", "core_call", "custom_jvp_call",
+                             "custom_vjp_call", "custom_vjp_call_jaxpr"))
 
 
 def register(*names: str):
@@ -163,10 +171,17 @@ def register(*names: str):
 
 
 def replicated_fallback(eqn, ctx: RuleContext) -> list[Strategy]:
+  """Every operand whole on every device, the equation run on each: its
+  cost the roofline of an element of work per output element and every
+  operand and output moved once (the reshards into it are the ILP's)."""
   outs = tuple(replicated(len(v.aval.shape)) for v in eqn.outvars)
   ins = tuple(None if isinstance(v, Literal) else replicated(len(v.aval.shape))
               for v in eqn.invars)
-  return [Strategy("replicated", outs, ins)]
+  flops = sum(math.prod(v.aval.shape) for v in eqn.outvars)
+  traffic = sum(math.prod(v.aval.shape) * itemsize(v.aval.dtype)
+                for v in (*eqn.invars, *eqn.outvars)
+                if not isinstance(v, Literal) and hasattr(v.aval, "shape"))
+  return [Strategy("replicated", outs, ins, compute=ctx.roofline(flops, traffic))]
 
 
 # autopar's own: the loss's cotangents (loss.py), a few small values.
@@ -177,13 +192,36 @@ def strategies_for(eqn, ctx: RuleContext) -> list[Strategy]:
   """The candidate strategies of ``eqn`` (never empty)."""
   rule = RULES.get(eqn.primitive.name)
   if rule is None:
-    if eqn.primitive.name not in _warned:
-      _warned.add(eqn.primitive.name)
-      warnings.warn(f"autopar: no sharding rule for primitive "
-                    f"'{eqn.primitive.name}'; it is kept replicated.", stacklevel=2)
     return replicated_fallback(eqn, ctx)
   out = rule(eqn, ctx)
   return out or replicated_fallback(eqn, ctx)
+
+
+def missing_rules(*jaxprs) -> dict[str, int]:
+  """Primitive name -> how many equations of ``jaxprs`` (and of the bodies
+  inside them) have it and no sharding rule: they run replicated."""
+  found: dict[str, int] = {}
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      name = eqn.primitive.name
+      if name not in RULES and name not in PLANNED_THROUGH:
+        found[name] = found.get(name, 0) + 1
+      for sub in jaxprs_in(eqn):
+        walk(sub)
+  for j in jaxprs:
+    walk(getattr(j, "jaxpr", j))
+  return found
+
+
+def warn_missing_rules(missing: Mapping[str, int], where: str) -> None:
+  """One warning naming the primitives ``missing_rules`` found."""
+  if missing:
+    names = ", ".join(f"'{k}' ({v}x)" for k, v in sorted(missing.items()))
+    warnings.warn(
+        f"autopar: {where}: no sharding rule for {names}; those equations run "
+        f"replicated (each device computes the whole value: correct, without "
+        f"parallelism). Please report the primitive.", stacklevel=3)
 
 
 # Register the rule modules (they only call `register`).

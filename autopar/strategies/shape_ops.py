@@ -72,6 +72,8 @@ def _reshape_groups(src, dst):
   """
   if 0 in src or 0 in dst or math.prod(src) != math.prod(dst):
     return None
+  if not src or not dst:      # a scalar to size-1 dims, or back: one group
+    return [(list(range(len(src))), list(range(len(dst))))]
   groups, i, j = [], 0, 0
   while i < len(src) and j < len(dst):
     gi, gj, ps, pd = [i], [j], src[i], dst[j]
@@ -188,6 +190,16 @@ def unstack(eqn, ctx):
 @register("concatenate")
 def concatenate(eqn, ctx):
   return _same_rank(eqn, ctx, (eqn.params["dimension"],))
+
+
+@register("split")
+def split_(eqn, ctx):
+  """``split[axis, sizes]``: every piece and the operand share a spec, with
+  ``axis`` whole."""
+  axis = eqn.params["axis"]
+  src = eqn.invars[0].aval
+  return [Strategy(str(spec), tuple(spec for _ in eqn.outvars), (spec,))
+          for spec in enumerate_specs(src.shape, ctx.axes, ctx.sizes, fixed=(axis,))]
 
 
 @register("slice")

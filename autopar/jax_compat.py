@@ -1,0 +1,116 @@
+"""Every JAX internal autopar uses, in one place.
+
+autopar reads and writes jaxprs, registers primitives and lowers some of
+them by hand, so it needs names JAX does not promise to keep
+(``jax._src``, ``jax.interpreters``). They are imported here and only here:
+when a JAX release moves or changes one, this file changes, not the ten
+modules that use it. ``tests/test_jax_compat.py`` checks that no other
+module imports them.
+
+Versions handled: jax and jaxlib 0.10.2 through 0.12.x (the range
+``setup.py`` allows). What differs between them is adapted below, each
+with the versions it concerns:
+
+- DCE rules: ``rule(used_outputs, eqn)`` up to 0.11, ``rule(used_outputs,
+  live_inputs, eqn)`` from 0.12 (``dce_rule``).
+
+The public, documented extension API (``jax.extend.core``: ``Var``,
+``Literal``, ``Jaxpr``, ``ClosedJaxpr``, ``Primitive``...) is imported
+directly by the modules that use it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable, Optional, Sequence
+
+import jax
+from jax._src import core as _core
+from jax._src import mesh as _mesh
+from jax._src import source_info_util
+from jax._src.interpreters import partial_eval as _pe
+from jax._src.lax import lax as _lax
+from jax._src.lib.mlir import ir
+from jax._src.pjit import sharding_constraint_p
+from jax._src.xla_bridge import backends_are_initialized
+from jax.interpreters import ad, batching, mlir
+
+JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+# jaxpr data and evaluation ----------------------------------------------------
+Tracer = _core.Tracer
+ShapedArray = _core.ShapedArray
+DebugInfo = _core.DebugInfo
+eval_jaxpr = _core.eval_jaxpr
+new_jaxpr_eqn = _core.new_jaxpr_eqn
+no_effects = _core.no_effects
+is_symbolic_dim = _core.is_symbolic_dim
+add_p = _lax.add_p
+
+# partial evaluation -----------------------------------------------------------
+convert_constvars_jaxpr = _pe.convert_constvars_jaxpr
+make_jaxpr_effects = _pe.make_jaxpr_effects
+has_effects = _pe.has_effects
+dce_jaxpr = _pe.dce_jaxpr
+
+# meshes -----------------------------------------------------------------------
+get_abstract_mesh = _mesh.get_abstract_mesh
+empty_abstract_mesh = _mesh.empty_abstract_mesh
+
+# source locations -------------------------------------------------------------
+summarize_source = source_info_util.summarize
+current_name_stack = source_info_util.current_name_stack
+user_context = source_info_util.user_context
+
+# Re-exported as they are: the modules primitives are registered and lowered
+# with (ad, batching, mlir; ir for hand-written lowerings), the
+# sharding-constraint primitive, and whether a backend has been started.
+__all__ = [
+    "ad", "batching", "mlir", "ir", "sharding_constraint_p", "Tracer", "ShapedArray",
+    "DebugInfo", "eval_jaxpr", "new_jaxpr_eqn", "no_effects",
+    "is_symbolic_dim", "add_p", "convert_constvars_jaxpr", "make_jaxpr_effects",
+    "has_effects", "dce_jaxpr", "dce_rule", "get_abstract_mesh", "empty_abstract_mesh",
+    "summarize_source", "current_name_stack", "user_context", "eqn_context_without_mesh",
+    "evaluate_dim", "JAX_VERSION", "backends_are_initialized",
+]
+
+
+def _takes_live_inputs(rule) -> bool:
+  try:
+    return len(inspect.signature(rule).parameters) >= 3
+  except (TypeError, ValueError):
+    return JAX_VERSION >= (0, 12)
+
+
+_ADAPTED: dict = {}
+
+
+def dce_rule(primitive) -> Optional[Callable]:
+  """JAX's DCE rule for ``primitive`` as ``rule(used_outputs, eqn) ->
+  (used_inputs, new_eqn | None)``, or None where it has none (the
+  equation is kept whole when any output is used)."""
+  rule = _pe.dce_rules.get(primitive)
+  if rule is None or not _takes_live_inputs(rule):
+    return rule
+  adapted = _ADAPTED.get(rule)
+  if adapted is None:
+    def adapted(used_outputs: Sequence[bool], eqn, rule=rule):
+      return rule(list(used_outputs), [True] * len(eqn.invars), eqn)
+    _ADAPTED[rule] = adapted
+  return adapted
+
+
+def eqn_context_without_mesh(ctx):
+  """A copy of ``ctx`` (the config an equation was traced under) whose
+  abstract mesh is empty."""
+  metadata = ctx.xla_metadata
+  return _core.JaxprEqnContext._create(
+      ctx.compute_type, ctx.threefry_partitionable, _mesh.empty_abstract_mesh,
+      ctx.remove_size_one_mesh_axis,
+      None if metadata is None else tuple(sorted(metadata.items())))
+
+
+def evaluate_dim(d, env: dict) -> int:
+  """The value of the symbolic dimension ``d`` with its symbols bound by
+  ``env`` (``{"b": 4}``)."""
+  return int(d._evaluate(env))

@@ -1,0 +1,129 @@
+"""Every primitive a real model's train step uses has a sharding rule, and a
+primitive without one still runs, replicated and correct."""
+
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import autopar
+import test_model_libraries as libs
+from autopar.cost_model import MeshCost
+from autopar.strategies import RuleContext, missing_rules, strategies_for
+from models import assert_trees_close, transformer_setup
+
+NO_RULE = "no sharding rule"
+
+
+def mesh24():
+  return jax.make_mesh((2, 4), ("data", "model"))
+
+
+def _rule_warnings(record) -> list[str]:
+  return [str(w.message) for w in record if NO_RULE in str(w.message)]
+
+
+def _linen():
+  make_state, step, batch = transformer_setup()
+  return step, (make_state(), batch), None
+
+
+def _nnx():
+  model, opt = libs.nnx_make()
+  return libs.nnx_step(autopar.value_and_grad), (model, opt, libs.tokens()), None
+
+
+def _equinox():
+  model, opt_state = libs.eqx_make()
+  t = libs.tokens()
+  return (libs.eqx_step(autopar.filter_value_and_grad), (model, opt_state, t[:, :-1], t[:, 1:]),
+          (2, 3))
+
+
+LIBRARIES = {"flax.linen": _linen, "flax.nnx": _nnx, "equinox": _equinox}
+
+
+@pytest.mark.parametrize("library", sorted(LIBRARIES))
+def test_library_steps_plan_without_a_missing_rule(library):
+  """The whole step (forward, backward, update) as ShardParallel plans it:
+  every primitive has a rule of its own."""
+  step, args, batch_argnums = LIBRARIES[library]()
+  kw = {} if batch_argnums is None else {"batch_argnums": batch_argnums}
+  pf = autopar.parallelize(step, method=autopar.ShardParallel(mesh=mesh24()), **kw)
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    pf.plan(*args)
+  assert not _rule_warnings(record), _rule_warnings(record)
+
+
+def _step_with(extra):
+  """An MLP step whose loss goes through ``extra(params, hidden)``."""
+  def step(params, x, y):
+    def loss_fn(p):
+      h = jnp.tanh(x @ p["w1"])
+      return ((extra(p, h) @ p["w2"] - y) ** 2).mean()
+    loss, g = autopar.value_and_grad(loss_fn)(params)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, params, g), loss
+  rng = np.random.RandomState(0)
+  params = {"w1": jnp.asarray(rng.randn(8, 16), jnp.float32) * 0.3,
+            "w2": jnp.asarray(rng.randn(16, 4), jnp.float32) * 0.3,
+            "s": jnp.asarray(1.5, jnp.float32)}
+  x = jnp.asarray(rng.randn(16, 8), jnp.float32)
+  y = jnp.asarray(rng.randn(16, 4), jnp.float32)
+  return step, (params, x, y)
+
+
+def _scalar_reshape(p, h):
+  return h * jnp.reshape(p["s"], (1, 1, 1))[0]          # scalar -> (1, 1, 1)
+
+
+def _split(p, h):
+  a, b = jnp.split(h, 2, axis=1)
+  return jnp.concatenate([b * p["s"], a], axis=1)
+
+
+def _cholesky(p, h):                                     # no sharding rule
+  g = p["w1"].T @ p["w1"] + jnp.eye(p["w1"].shape[1])
+  return h @ jnp.linalg.cholesky(g)
+
+
+@pytest.mark.parametrize("extra", [_scalar_reshape, _split, _cholesky],
+                         ids=["scalar-reshape", "split", "no-rule"])
+@pytest.mark.parametrize("method", ["shard", "pipeshard"])
+def test_shape_primitives_and_the_fallback_equal_jit(extra, method):
+  step, args = _step_with(extra)
+  ref = jax.jit(step)(*args)
+  m = (autopar.ShardParallel(mesh=mesh24(), num_micro_batches=2) if method == "shard" else
+       autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=2, num_stages=2))
+  pf = autopar.parallelize(step, method=m, batch_argnums=(1, 2))
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    out = pf(*args)
+  assert_trees_close(out, ref, rtol=1e-5, atol=1e-6)
+  said = _rule_warnings(record)
+  if extra is _cholesky:
+    assert len(said) == 1 and "'cholesky'" in said[0], said
+  else:
+    assert not said, said
+
+
+def test_missing_rules_lists_primitives_inside_bodies():
+  def f(x):
+    return jax.lax.scan(lambda c, r: (c + jnp.linalg.cholesky(r).sum(), None), 0.0, x)[0]
+  jaxpr = jax.make_jaxpr(f)(jnp.ones((3, 2, 2)))
+  assert missing_rules(jaxpr) == {"cholesky": 1}
+  assert missing_rules(jax.make_jaxpr(lambda x: jnp.split(jnp.tanh(x), 2))(jnp.ones(4))) == {}
+
+
+def test_the_fallback_is_replicated_with_its_cost():
+  eqn = next(e for e in jax.make_jaxpr(jax.lax.linalg.cholesky)(jnp.eye(64)).jaxpr.eqns
+             if e.primitive.name == "cholesky")
+  ctx = RuleContext(("model",), {"model": 4}, MeshCost({"model": 4}),
+                    seconds_per_flop=1e-12, seconds_per_byte=1e-10)
+  (only,) = strategies_for(eqn, ctx)
+  assert only.out_specs == (((), ()),) and only.in_specs == (((), ()),)
+  assert only.compute >= 1e-10 * 2 * 64 * 64 * 4      # the operand and the output, moved
