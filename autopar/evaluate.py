@@ -222,7 +222,7 @@ def eval_scan(eqn, args, rules: Rules, folds=()):
   ``f`` emits None (``gradstack.py``).
   """
   p = eqn.params
-  nc, ncar = p["num_consts"], p["num_carry"]
+  nc, ncar = jc.scan_counts(p)
   consts, init, xs = args[:nc], args[nc:nc + ncar], args[nc + ncar:]
   body = rules.inside("0.")
   pins = _carry_pins(p["jaxpr"], ncar, body) if body.pin is not None else [None] * ncar

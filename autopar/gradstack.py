@@ -98,7 +98,7 @@ def find_grad_stacks(compute: Jaxpr, num_grads: int, grad_specs=None,
   for i, e in enumerate(compute.eqns):
     if e.primitive.name != "scan":
       continue
-    length, ncar = e.params["length"], e.params["num_carry"]
+    length, (_, ncar) = e.params["length"], jc.scan_counts(e.params)
     for o in range(ncar, len(e.outvars)):
       y = e.outvars[o]
       whole = grad_index(y)
@@ -185,3 +185,4 @@ def slots(num_grads: int, stacks: list[GradStack]) -> list:
     elif g == min(s.grads):
       out.append(s)
   return out
+from autopar import jax_compat as jc

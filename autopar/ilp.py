@@ -530,13 +530,15 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
   def min_memory(self) -> float:
     """The smallest peak memory any sharding reaches (a separate small ILP)."""
     prob = lp.problem("autopar_min_memory")
-    peak = lp.variable(prob, "peak", lowBound=0)
+    peak = lp.variable(prob, "autopar_peak", lowBound=0)
     state, acts = self.memory_terms()
     _, added = self._memory_exprs(self._memory_items()[0], self._added_peaks)
+    twins: dict = {}        # the main problem's variables, as this one's
+    state = lp.moved(prob, state, twins)
     for t, act in enumerate([*acts, *added] or [0]):
-      prob += peak >= state + act
+      prob += peak >= state + lp.moved(prob, act, twins)
     for idx, node in enumerate(self.nodes):
-      prob += lp.linear((x, 1.0) for x in node.vars) == 1
+      prob += lp.linear((lp.moved(prob, x, twins), 1.0) for x in node.vars) == 1
     prob.setObjective(lp.linear({peak: 1.0}))
     lp.solve(prob, _solver()[0])
     return float(lp.value(peak) or 0.0)

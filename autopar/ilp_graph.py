@@ -28,6 +28,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
+from autopar import jax_compat as jc
 from autopar.cost_model import MeshCost
 from autopar.errors import PlanError
 from autopar.strategies import (RuleContext, Spec, enumerate_specs, grad_sync_costs,
@@ -307,7 +308,7 @@ class ChoiceGraph:
     get = lambda a: val.get(a) if isinstance(a, Var) else None
     ins = [get(a) for a in eqn.invars]
     if name == "scan":
-      body, nc, ncar = eqn.params["jaxpr"], eqn.params["num_consts"], eqn.params["num_carry"]
+      body, (nc, ncar) = eqn.params["jaxpr"], jc.scan_counts(eqn.params)
       length = eqn.params["length"]
       bj = body.jaxpr
       inner = dict(zip(bj.invars[:nc], ins[:nc]))

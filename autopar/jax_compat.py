@@ -13,6 +13,15 @@ with the versions it concerns:
 
 - DCE rules: ``rule(used_outputs, eqn)`` up to 0.11, ``rule(used_outputs,
   live_inputs, eqn)`` from 0.12 (``dce_rule``).
+- ``scan``'s params: ``num_consts`` / ``num_carry`` up to 0.11, flat trees
+  ``ft_in`` / ``ft_out`` from 0.12 (``scan_counts``); the operands are
+  consts, carries, scanned inputs in that order in both.
+- An equation's context (``JaxprEqnContext._create``) gains the layout mode
+  and ``no_collectives`` in 0.12 (``eqn_context_without_mesh``).
+- ``jax.interpreters.mlir`` keeps only registration (``register_lowering``,
+  ``lower_fun``) in 0.12: ``mlir`` here is ``jax._src.interpreters.mlir``,
+  which has the lowering helpers (``broadcast_in_dim``, ``iota``...) in
+  every version, and ``hlo`` the StableHLO dialect.
 
 The public, documented extension API (``jax.extend.core``: ``Var``,
 ``Literal``, ``Jaxpr``, ``ClosedJaxpr``, ``Primitive``...) is imported
@@ -28,12 +37,14 @@ import jax
 from jax._src import core as _core
 from jax._src import mesh as _mesh
 from jax._src import source_info_util
+from jax._src.interpreters import mlir
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax import lax as _lax
 from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import hlo
 from jax._src.pjit import sharding_constraint_p
 from jax._src.xla_bridge import backends_are_initialized
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import ad, batching
 
 JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
 
@@ -66,7 +77,7 @@ user_context = source_info_util.user_context
 # with (ad, batching, mlir; ir for hand-written lowerings), the
 # sharding-constraint primitive, and whether a backend has been started.
 __all__ = [
-    "ad", "batching", "mlir", "ir", "sharding_constraint_p", "Tracer", "ShapedArray",
+    "ad", "batching", "mlir", "ir", "hlo", "scan_counts", "sharding_constraint_p", "Tracer", "ShapedArray",
     "DebugInfo", "eval_jaxpr", "new_jaxpr_eqn", "no_effects",
     "is_symbolic_dim", "add_p", "convert_constvars_jaxpr", "make_jaxpr_effects",
     "has_effects", "dce_jaxpr", "dce_rule", "get_abstract_mesh", "empty_abstract_mesh",
@@ -104,10 +115,25 @@ def eqn_context_without_mesh(ctx):
   """A copy of ``ctx`` (the config an equation was traced under) whose
   abstract mesh is empty."""
   metadata = ctx.xla_metadata
+  metadata = None if metadata is None else tuple(sorted(metadata.items()))
+  if hasattr(ctx, "no_collectives"):       # jax >= 0.12
+    return _core.JaxprEqnContext._create(
+        ctx.compute_type, ctx.threefry_partitionable, _mesh.empty_abstract_mesh,
+        ctx.cur_layout_mode, ctx.remove_size_one_mesh_axis, ctx.no_collectives,
+        metadata)
   return _core.JaxprEqnContext._create(
       ctx.compute_type, ctx.threefry_partitionable, _mesh.empty_abstract_mesh,
-      ctx.remove_size_one_mesh_axis,
-      None if metadata is None else tuple(sorted(metadata.items())))
+      ctx.remove_size_one_mesh_axis, metadata)
+
+
+def scan_counts(params) -> tuple[int, int]:
+  """(consts, carries) of a ``scan`` equation with ``params``: its operands
+  are that many consts, then that many carries, then the scanned inputs;
+  its outputs the carries, then the stacked outputs."""
+  if "num_carry" in params:
+    return params["num_consts"], params["num_carry"]
+  consts, carry, _ = params["ft_in"].unpack()
+  return len(consts), len(carry)
 
 
 def evaluate_dim(d, env: dict) -> int:

@@ -22,7 +22,7 @@ import pulp
 from autopar.errors import PlanError
 
 __all__ = ["PULP_MAJOR", "Status", "problem", "variable", "linear", "solve", "solver",
-           "value"]
+           "value", "moved"]
 
 PULP_MAJOR = int(pulp.__version__.split(".")[0])
 _OPTIMAL = 1        # LpStatusOptimal in PuLP 3, LpSolveStatus.Optimal in PuLP 4
@@ -94,3 +94,18 @@ def solver(*, gap: float, time_limit: float | None = None, relax: bool = False):
     return cbc(msg=False, **kw), "CBC"
   raise PlanError("autopar: no LP solver is available to PuLP. Fix: pip install "
                   "highspy (installed with autopar).")
+
+
+def moved(prob: pulp.LpProblem, expr, twins: dict):
+  """``expr`` (a number, variable or expression of another problem) written
+  in ``prob``'s variables: each variable gets one twin in ``prob``, kept in
+  ``twins`` (PuLP 4 holds a variable to the problem that made it)."""
+  if isinstance(expr, (int, float)):
+    return expr
+  if isinstance(expr, pulp.LpVariable):
+    twin = twins.get(expr.name)
+    if twin is None:
+      twin = twins[expr.name] = variable(prob, expr.name, lowBound=expr.lowBound,
+                                         cat=expr.cat)
+    return twin
+  return linear((moved(prob, x, twins), a) for x, a in expr.items()) + float(expr.constant)

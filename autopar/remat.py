@@ -234,7 +234,7 @@ def _is_layer_scan(eqn) -> bool:
   if eqn.primitive.name != "scan":
     return False
   p = eqn.params
-  has_xs = len(eqn.invars) > p["num_consts"] + p["num_carry"]
+  has_xs = len(eqn.invars) > sum(jc.scan_counts(p))
   return (has_xs and p["length"] >= 2 and
           not any(e.primitive.name == "remat2" for e in p["jaxpr"].jaxpr.eqns))
 
@@ -243,7 +243,7 @@ def _checkpointed_scan(eqn, vals, policy) -> list:
   """A scan over layers, re-bound with ``jax.checkpoint`` on its body."""
   from jax.extend.core import jaxpr_as_fun
   p = eqn.params
-  nc, ncar = p["num_consts"], p["num_carry"]
+  nc, ncar = jc.scan_counts(p)
   consts, init, xs = vals[:nc], vals[nc:nc + ncar], vals[nc + ncar:]
   body = jaxpr_as_fun(p["jaxpr"])
 

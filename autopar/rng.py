@@ -46,7 +46,7 @@ from jax import lax
 from jax.extend.core import Primitive
 
 from autopar import jax_compat as jc
-from autopar.jax_compat import ir, mlir
+from autopar.jax_compat import hlo, ir, mlir
 from autopar.rows import RowDim
 
 __all__ = ["RowDraw", "DRAW_PRIMITIVES", "find_draws", "draw"]
@@ -120,19 +120,19 @@ def _iota_rows_lowering(ctx, first_row, *, shape, strides, dim, factor):
     c = mlir.ir_constant(np.array(x, np.dtype("uint64")))
     return mlir.broadcast_in_dim(ctx, c, u64, broadcast_dimensions=[])
 
-  offset = mlir.hlo.convert(u64_scalar, first_row)
-  offset = mlir.hlo.multiply(offset, mlir.ir_constant(np.array(factor, np.uint64)))
+  offset = hlo.convert(u64_scalar, first_row)
+  offset = hlo.multiply(offset, mlir.ir_constant(np.array(factor, np.uint64)))
   offset = mlir.broadcast_in_dim(ctx, offset, u64, broadcast_dimensions=[])
   counts = None
   for d, stride in enumerate(strides):
     term = mlir.iota(ctx, u64, dimension=d)
     if d == dim:
-      term = mlir.hlo.add(term, offset)
-    term = mlir.hlo.multiply(term, const(stride))
-    counts = term if counts is None else mlir.hlo.add(counts, term)
+      term = hlo.add(term, offset)
+    term = hlo.multiply(term, const(stride))
+    counts = term if counts is None else hlo.add(counts, term)
   result = mlir.aval_to_ir_type(ctx.module_context, aval_out)
-  hi = mlir.hlo.convert(result, mlir.hlo.shift_right_logical(counts, const(32)))
-  lo = mlir.hlo.convert(result, counts)
+  hi = hlo.convert(result, hlo.shift_right_logical(counts, const(32)))
+  lo = hlo.convert(result, counts)
   return hi, lo
 
 

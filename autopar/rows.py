@@ -330,9 +330,9 @@ def _mixes(eqn, deps: _Deps, oracle: RowOracle) -> str:
     axes = (eqn.params["dimension"],)
   elif name == "rev":
     axes = tuple(eqn.params["dimensions"])
-  elif name == "scan" and eqn.params["num_carry"]:
+  elif name == "scan" and jc.scan_counts(eqn.params)[1]:
     # (Without a carry, as lax.map, each trip is on its own.)
-    start = eqn.params["num_consts"] + eqn.params["num_carry"]
+    start = sum(jc.scan_counts(eqn.params))
     for a in eqn.invars[start:]:
       if isinstance(a, Var) and any(d.dim == 0 for d in oracle.dims(a) or ()):
         return (f"a scan ({where(eqn)}) runs over dimension 0 of a value of shape "
