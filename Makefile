@@ -1,20 +1,57 @@
-# make test: set up a virtual environment and run the tests.
-# make demo: set up the same environment and run the main example job.
-PYTHON ?= python3
+# make test: the tests on the newest supported JAX (a Python >= 3.12, which
+#            jax 0.12 needs; Gemma's tests included), then a quick job on the
+#            oldest (jax 0.10.2 and PuLP 3, on Python 3.11 or 3.10).
+# make demo: the newest environment, and the main example job.
+#
+# The Pythons are found by .ci/find-python (on PATH, or pyenv's builds); to
+# choose them: make test PYTHON=/path/to/python3.12 OLDEST_PYTHON=/path/to/python3.11
+# Without a Python >= 3.12 the tests run on $(FALLBACK_PYTHON), on the newest
+# JAX it can install.
+FALLBACK_PYTHON ?= python3
+PYTHON ?= $(or $(shell .ci/find-python 3.12 3.13),$(FALLBACK_PYTHON))
+OLDEST_PYTHON ?= $(shell .ci/find-python 3.11 3.10)
 VENV ?= .venv
+OLDEST_VENV ?= .venv-oldest
 PY := $(VENV)/bin/python
+OLDEST_PY := $(OLDEST_VENV)/bin/python
 STAMP := $(VENV)/.autopar-installed
+OLDEST_STAMP := $(OLDEST_VENV)/.autopar-installed
+# The oldest job: what depends most on JAX's and PuLP's internals.
+QUICK_TESTS := tests/test_jax_compat.py tests/test_marker_split.py \
+  tests/test_control_flow.py tests/test_primitive_rules.py tests/test_losses.py
 
-.PHONY: test demo bench clean
+.PHONY: test test-newest test-oldest demo bench clean
 
-$(STAMP): setup.py
+$(STAMP): setup.py .ci/gemma-deps.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
+	@# Gemma needs Python >= 3.12 (its tests are skipped, saying so, elsewhere).
+	if $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then \
+	  $(PY) -m pip install --quiet --no-deps gemma==4.0.1 kauldron==1.4.4 && \
+	  $(PY) -m pip install --quiet -r .ci/gemma-deps.txt; fi
 	touch $(STAMP)
 
-test: $(STAMP)
+$(OLDEST_STAMP): setup.py .ci/oldest.txt
+	$(OLDEST_PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_PY) -m pip install --quiet --upgrade pip
+	$(OLDEST_PY) -m pip install --quiet -c .ci/oldest.txt -e '.[test]'
+	touch $(OLDEST_STAMP)
+
+test: test-newest test-oldest
+
+test-newest: $(STAMP)
+	@$(PY) -c 'import sys, jax, pulp; print(f"tests on Python {sys.version.split()[0]}, jax {jax.__version__}, PuLP {pulp.__version__}")'
 	$(PY) -m pytest -q tests
+
+test-oldest:
+	@if [ -z "$(OLDEST_PYTHON)" ]; then \
+	  echo "make: no Python 3.10 or 3.11 found: the quick job on the oldest JAX is skipped (set OLDEST_PYTHON=)"; \
+	else \
+	  $(MAKE) --no-print-directory $(OLDEST_STAMP) && \
+	  $(OLDEST_PY) -c 'import sys, jax, pulp; print(f"quick job on Python {sys.version.split()[0]}, jax {jax.__version__}, PuLP {pulp.__version__}")' && \
+	  $(OLDEST_PY) -m pytest -q $(QUICK_TESTS); \
+	fi
 
 demo: $(STAMP)
 	$(PY) examples/train_demo.py
@@ -23,4 +60,4 @@ bench: $(STAMP)
 	$(PY) benchmark/grad_accumulation.py
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(OLDEST_VENV) *.egg-info .pytest_cache

@@ -447,10 +447,12 @@ def _differentiable(x) -> bool:
 
 
 def _zero_cotangent(x):
-  """The cotangent of ``x`` that is zero (float0 for integers and keys)."""
+  """The cotangent of ``x`` that is zero, for a ``custom_vjp``'s backward
+  rule: None (JAX's symbolic zero) for integers and keys, whose float0
+  zeros cannot be made at a symbolic batch size."""
   if _differentiable(x):
     return jnp.zeros_like(x)
-  return np.zeros(np.shape(x), jax.dtypes.float0)
+  return None
 
 
 def _take(xs, mask):

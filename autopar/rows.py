@@ -228,6 +228,13 @@ def _dependences(jaxpr, deps: _Deps, oracle: RowOracle) -> _Deps:
   values, sized, positions = set(deps.values), set(deps.sized), set(deps.positions)
   for e in jaxpr.eqns:
     ins = [a for a in e.invars if isinstance(a, Var)]
+    if e.primitive.name == "cond" and not any(
+        e.invars[0] in group for group in (values, sized, positions)):
+      # Output by output, through the branches: a switch that picks a
+      # layer's weights or its mask (remat.py's rolled layers) makes weights
+      # that do not depend on the batch.
+      _cond_dependences(e, _Deps(values, sized, positions), oracle)
+      continue
     if any(a in values for a in ins):
       values.update(e.outvars)
     elif (oracle.size_dependent(e) or any(a in sized for a in ins) or
@@ -240,6 +247,20 @@ def _dependences(jaxpr, deps: _Deps, oracle: RowOracle) -> _Deps:
     elif any(a in positions for a in _value_operands(e)):
       positions.update(e.outvars)
   return _Deps(values, sized, positions)
+
+
+def _cond_dependences(eqn, deps: _Deps, oracle: RowOracle) -> None:
+  """Adds to ``deps`` (in place) what each output of the ``cond`` ``eqn``
+  depends on: what its value depends on in any branch."""
+  for branch in eqn.params["branches"]:
+    inner = _dependences(branch.jaxpr, _body_deps(eqn, branch.jaxpr, deps, oracle), oracle)
+    for v, w in zip(eqn.outvars, branch.jaxpr.outvars, strict=True):
+      if isinstance(w, Var):
+        for group, found in ((deps.values, inner.values), (deps.sized, inner.sized),
+                             (deps.positions, inner.positions)):
+          if w in found:
+            group.add(v)
+  deps.sized.update(v for v in eqn.outvars if v not in deps.values and oracle.varies(v))
 
 
 def row_mixing(jaxpr: Jaxpr, targets: Sequence, *, batch: set, oracle: RowOracle) -> str:
