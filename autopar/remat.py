@@ -356,10 +356,16 @@ def _run_stack_selected(jaxpr: Jaxpr, s: Stack, env: dict, run, policy) -> None:
     """The layer's outputs and the residuals of its VJP that are not its
     inputs (``kept`` records where each residual comes from)."""
     def f(c, p, iv):
-      return layer(_merge(carry, c, c_diff), _merge(picked, p, p_diff),
-                   lits, _merge(inv, iv, i_diff))
-    outs, vjp = jax.vjp(jax.checkpoint(f, policy=policy, prevent_cse=False),
-                        _take(carry, c_diff), _take(picked, p_diff), _take(inv, i_diff))
+      # The integer outputs (positions, masks) are aux: the VJP then takes
+      # no float0 cotangents, which a symbolic batch size cannot shape.
+      out = layer(_merge(carry, c, c_diff), _merge(picked, p, p_diff),
+                  lits, _merge(inv, iv, i_diff))
+      return _take(out, c_diff), [o for o, d in zip(out, c_diff, strict=True) if not d]
+    diff_outs, vjp, aux = jax.vjp(
+        jax.checkpoint(f, policy=policy, prevent_cse=False),
+        _take(carry, c_diff), _take(picked, p_diff), _take(inv, i_diff), has_aux=True)
+    diff_it, aux_it = iter(diff_outs), iter(aux)
+    outs = [next(diff_it) if d else next(aux_it) for d in c_diff]
     leaves, tree = jax.tree.flatten(vjp)
     inputs = {id(x): (name, i) for name, xs in (
         ("carry", carry), ("picked", picked), ("lits", lits), ("inv", inv))
@@ -376,8 +382,7 @@ def _run_stack_selected(jaxpr: Jaxpr, s: Stack, env: dict, run, policy) -> None:
         saved.append(leaf)
       else:                           # a Python scalar: the same for every layer
         where.append(("constant", leaf))
-    kept.update(tree=tree, where=where,
-                outs=[jax.ShapeDtypeStruct(jnp.shape(o), jnp.result_type(o)) for o in outs])
+    kept.update(tree=tree, where=where)
     return outs, saved
 
   def forward(init, per_layer, inv, save):
@@ -400,7 +405,7 @@ def _run_stack_selected(jaxpr: Jaxpr, s: Stack, env: dict, run, policy) -> None:
 
   def stack_bwd(res, cts):
     init, per_layer, inv, (carries, saved) = res
-    tree, where, out_avals = kept["tree"], kept["where"], kept["outs"]
+    tree, where = kept["tree"], kept["where"]
     expected = sum(w[0] == "saved" for w in where)
     if len(saved) != expected:
       raise PlanError(
@@ -419,9 +424,7 @@ def _run_stack_selected(jaxpr: Jaxpr, s: Stack, env: dict, run, policy) -> None:
                "saved": saved_k}
       vjp = jax.tree.unflatten(tree, [w[1] if w[0] == "constant" else found[w[0]][w[1]]
                                       for w in where])
-      out_cts = [ct_i if d else np.zeros(o.shape, jax.dtypes.float0)
-                 for ct_i, o, d in zip(_merge(out_avals, ct, c_diff), out_avals, c_diff)]
-      d_c, d_p, d_i = vjp(out_cts)
+      d_c, d_p, d_i = vjp(list(ct))
       return (d_c, [a + b for a, b in zip(inv_ct, d_i, strict=True)]), d_p
 
     ct0 = _take(list(cts), c_diff)
