@@ -30,6 +30,7 @@ plan's in/out shardings; the donated state is aliased to the new state.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
 import os
@@ -45,6 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar import jax_compat as jc
 from autopar import rng
+from autopar.cache import use_compilation_cache
 from autopar.evaluate import Rules, check_pins, eqn_at, eval_jaxpr, eval_scan, plan_constraints
 from autopar.gradients import (COMBINE, add_partial, across, loss_marker, make_entry,
                                manual_spec, micro_batch_inputs, reduce_manual,
@@ -526,6 +528,20 @@ def _known_option(name: str, value: Any, device) -> bool:
   return _KNOWN[key]
 
 
+def compile_all(lowered: dict, options=None) -> dict:
+  """``lowered`` (name -> a ``jax.stages.Lowered``) compiled, the modules
+  side by side on threads: XLA compiles without holding the GIL. Each is
+  looked up in JAX's persistent compilation cache first
+  (:func:`autopar.cache.use_compilation_cache`)."""
+  use_compilation_cache()
+  if len(lowered) < 2:
+    return {k: v.compile(options) for k, v in lowered.items()}
+  workers = min(len(lowered), os.cpu_count() or 1)
+  with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+    futures = {k: pool.submit(v.compile, options) for k, v in lowered.items()}
+    return {k: f.result() for k, f in futures.items()}
+
+
 def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
                accumulate: str | None = "float32", scale=None) -> LoweredStep:
   """Compiles every stage of ``split`` under ``plan`` on the concrete ``mesh``.
@@ -557,7 +573,7 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
       fn = _whole_step(split, plan, amesh, mesh, donated, kept, batch)
       stages["step"] = fn.lower([leaf_avals[k] for k in donated],
                                 [leaf_avals[k] for k in kept],
-                                [leaf_avals[k] for k in batch]).compile(options)
+                                [leaf_avals[k] for k in batch])
       schedule = ("step",)
     else:
       rows = split_local.traced.micro_batch_size
@@ -573,7 +589,7 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
         sums_avals = [_abstract(v.aval.shape, v.aval.dtype)
                       for v in marker.invars[k:k + split_local.loss.num_sums]]
         fn = _sums_stage(split_local, plan, amesh, micro_rows=rows)
-        stages[SUMS_STAGE] = fn.lower(leaf_avals).compile(options)
+        stages[SUMS_STAGE] = fn.lower(leaf_avals)
       for pos, name in enumerate(names):
         if name in stages:
           continue
@@ -585,16 +601,17 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
           lowered = fn.lower(leaf_avals, sums_avals)
         else:
           lowered = fn.lower(leaf_avals, _abstract((), np.int32), acc_avals, sums_avals)
-        stages[name] = lowered.compile(options)
+        stages[name] = lowered
       fn = _apply_stage(split, plan, amesh, mesh, donated, kept, stacks)
       grad_avals = [_abstract(a.shape, a.dtype)
                     for a in (*_slot_avals(split, stacks), *split.reduced_avals)]
       stages["apply_grad"] = fn.lower([leaf_avals[k] for k in donated],
                                       [leaf_avals[k] for k in kept],
-                                      grad_avals).compile(options)
+                                      grad_avals)
       schedule = ((SUMS_STAGE,) if SUMS_STAGE in stages else ()) + (*names, "apply_grad")
       replicated = NamedSharding(amesh, PartitionSpec())
       index = tuple(jax.device_put(np.int32(i), replicated) for i in range(n))
+  stages = compile_all(stages, options)
   return LoweredStep(stages=stages, schedule=schedule, in_shardings=in_shardings,
                      micro_batch_index=index, donated=donated, kept=kept, batch=batch)
 

@@ -22,6 +22,7 @@ from jax.extend.core import Literal, Var
 from jax.sharding import AbstractMesh, PartitionSpec
 
 from autopar import jax_compat as jc
+from autopar.cache import use_compilation_cache
 from autopar.cost_model import assumed_costs, dtype_name
 from autopar.errors import InputError, MarkerError, PlanError
 from autopar.evaluate import Rules, eval_jaxpr
@@ -347,6 +348,7 @@ def _saved(pre: Prepared, method, mesh, plan: Plan):
 def compile_pipeline(pre: Prepared, method: PipeshardParallel, mesh, cut_,
                      choices) -> PipelineStep:
   """The runnable pipeline for the stages ``choices`` of ``cut_``."""
+  use_compilation_cache()
   ctx = pre.ctx
   program = ctx.program
   split = pre.split
