@@ -12,12 +12,15 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["autopar", "autopar.*"]),
     python_requires=">=3.10",
+    # Upper bounds: the newest releases `make test` has passed on (2026-11-25:
+    # jax 0.12.0.1, PuLP 4.2, Ray 2.60); lower bounds: its quick job's
+    # (jax 0.10.2, PuLP 3.3). autopar/jax_compat.py names what differs.
     install_requires=[
-        "jax>=0.10.2",
-        "jaxlib>=0.10.2",
-        "numpy",
-        "ray>=2.40",
-        "pulp>=2.8",
+        "jax>=0.10.2,<0.13",
+        "jaxlib>=0.10.2,<0.13",
+        "numpy<3",
+        "ray>=2.40,<3",
+        "pulp>=3.3,<5",
         "highspy",
         "orbax-checkpoint",
     ],

@@ -517,3 +517,46 @@ def test_gemma_equals_jit(version, method):
   # another order on 8 devices: 2e-7 apart after one step, 4e-6 after two
   # with momentum, on an update of 0.05.
   assert_trees_close(state[0], ref[0], rtol=1e-5, atol=1e-6 if version == 3 else 1e-5)
+
+
+def test_remat_and_pipeline_find_layers_inside_a_nested_jit():
+  """A Linen model whose __call__ is wrapped in nn.jit (as Gemma's is): the
+  layers are found inside the nested jit by remat="layers" and by the
+  pipeline's layers="auto"; both equal jax.jit."""
+  import flax.linen as nn
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return x + nn.Dense(D)(jax.nn.gelu(nn.Dense(2 * D)(nn.LayerNorm()(x))))
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for _ in range(4):
+        x = Block()(x)
+      return nn.Dense(1)(x)
+
+  model = nn.jit(Net)()
+  rng = np.random.RandomState(0)
+  x = jnp.asarray(rng.randn(BATCH, D), jnp.float32)
+  y = jnp.asarray(rng.randn(BATCH, 1), jnp.float32)
+  params = model.init(jax.random.PRNGKey(0), x[:1])
+
+  def step(params, x, y):
+    loss, g = autopar.value_and_grad(lambda p: ((model.apply(p, x) - y) ** 2).mean())(params)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, params, g), loss
+
+  jaxpr = jax.make_jaxpr(lambda p: model.apply(p, x))(params).jaxpr
+  assert [e.primitive.name for e in jaxpr.eqns] == ["jit"]       # the layers are nested
+  ref = jax.jit(step)(params, x, y)
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  for method in (autopar.ShardParallel(mesh=mesh, num_micro_batches=2, remat="layers"),
+                 autopar.PipeshardParallel(mesh=mesh, num_micro_batches=2, num_stages=2)):
+    with warnings.catch_warnings():
+      warnings.filterwarnings("error", message=".*found no repeated layers")
+      pf = autopar.parallelize(step, method=method, batch_argnums=(1, 2))
+      out = pf(params, x, y)
+    assert_trees_close(out, ref, rtol=1e-5, atol=1e-6)
+  pipeline = pf.get_executable(params, x, y)
+  assert len(pipeline.plan.stages) == 2
