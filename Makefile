@@ -14,8 +14,10 @@ VENV ?= .venv
 OLDEST_VENV ?= .venv-oldest
 PY := $(VENV)/bin/python
 OLDEST_PY := $(OLDEST_VENV)/bin/python
-STAMP := $(VENV)/.autopar-installed
-OLDEST_STAMP := $(OLDEST_VENV)/.autopar-installed
+# A stamp per Python version: a .venv made with another Python is made anew.
+version = $(shell $(1) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
+STAMP := $(VENV)/.autopar-installed-$(call version,$(PYTHON))
+OLDEST_STAMP := $(OLDEST_VENV)/.autopar-installed-$(call version,$(OLDEST_PYTHON))
 # The oldest job: what depends most on JAX's and PuLP's internals.
 QUICK_TESTS := tests/test_jax_compat.py tests/test_marker_split.py \
   tests/test_control_flow.py tests/test_primitive_rules.py tests/test_losses.py
@@ -23,7 +25,7 @@ QUICK_TESTS := tests/test_jax_compat.py tests/test_marker_split.py \
 .PHONY: test test-newest test-oldest demo bench clean
 
 $(STAMP): setup.py .ci/gemma-deps.txt
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv --clear $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
 	@# Gemma needs Python >= 3.12 (its tests are skipped, saying so, elsewhere).
@@ -33,7 +35,7 @@ $(STAMP): setup.py .ci/gemma-deps.txt
 	touch $(STAMP)
 
 $(OLDEST_STAMP): setup.py .ci/oldest.txt
-	$(OLDEST_PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_PYTHON) -m venv --clear $(OLDEST_VENV)
 	$(OLDEST_PY) -m pip install --quiet --upgrade pip
 	$(OLDEST_PY) -m pip install --quiet -c .ci/oldest.txt -e '.[test]'
 	touch $(OLDEST_STAMP)
