@@ -82,7 +82,7 @@ __all__ = [
     "is_symbolic_dim", "add_p", "convert_constvars_jaxpr", "make_jaxpr_effects",
     "has_effects", "dce_jaxpr", "dce_rule", "get_abstract_mesh", "empty_abstract_mesh",
     "summarize_source", "current_name_stack", "user_context", "eqn_context_without_mesh",
-    "evaluate_dim", "JAX_VERSION", "backends_are_initialized",
+    "evaluate_dim", "debug_info", "JAX_VERSION", "backends_are_initialized",
 ]
 
 
@@ -134,6 +134,13 @@ def scan_counts(params) -> tuple[int, int]:
     return params["num_consts"], params["num_carry"]
   consts, carry, _ = params["ft_in"].unpack()
   return len(consts), len(carry)
+
+
+def debug_info(what: str, num_in: int, num_out: int):
+  """Debug info for a jaxpr autopar builds (JAX warns, deprecated, on a
+  jaxpr without one)."""
+  return _core.DebugInfo("autopar", what, tuple(f"x{i}" for i in range(num_in)),
+                         tuple(f"y{i}" for i in range(num_out)))
 
 
 def evaluate_dim(d, env: dict) -> int:

@@ -502,7 +502,7 @@ def cotangents(view: ClosedJaxpr, call: LossCall, head: LossHead,
     head_in = list(dict.fromkeys(v for v in head.outputs if isinstance(v, Var)))
     body, nr = [], 0
   hj = Jaxpr([], head_in, outputs, body,
-             debug_info=_debug("loss head", len(head_in), len(outputs)))
+             debug_info=jc.debug_info("loss head", len(head_in), len(outputs)))
   draft = _Cotangents(entries, kinds, head_in, hj, seeds, None, [], [], ())
   cj = jax.make_jaxpr(draft.local)([_sds(v.aval) for v in head_in],
                                    [_sds(v.aval) for v in seeds])
@@ -545,7 +545,7 @@ def expand(view: ClosedJaxpr, call: LossCall, head: LossHead, *, remat: Any = "n
   extras = [v for v in head_in if v in inside]
   diff_pos = [p for p, d in enumerate(call.diff) if d]
   fx = Jaxpr(fn.constvars, fn.invars, [*fn.outvars, *extras], fn.eqns, fn.effects,
-             _debug(call.name, len(fn.invars), len(fn.outvars) + len(extras)))
+             jc.debug_info(call.name, len(fn.invars), len(fn.outvars) + len(extras)))
   nout = len(fn.outvars)
   entry_at = [extras.index(v) for v in ct.entries]
   box: dict = {}
@@ -614,12 +614,6 @@ def expand(view: ClosedJaxpr, call: LossCall, head: LossHead, *, remat: Any = "n
   return ClosedJaxpr(new, consts), ct.gradient(head, call, how)
 
 
-def _debug(what: str, num_in: int, num_out: int):
-  """Debug info for a jaxpr autopar builds (JAX wants one on every jaxpr)."""
-  return jc.DebugInfo("autopar", what, tuple(f"x{i}" for i in range(num_in)),
-                            tuple(f"y{i}" for i in range(num_out)))
-
-
 def _scale(cj: ClosedJaxpr, num_inputs: int, num_seeds: int) -> tuple[ClosedJaxpr, list[int]]:
   """``cj`` (head inputs, seeds -> cotangents) reading only the head inputs
   it uses (and every seed), and which those are."""
@@ -635,5 +629,5 @@ def _scale(cj: ClosedJaxpr, num_inputs: int, num_seeds: int) -> tuple[ClosedJaxp
   ins = [j.invars[k] for k in keep_in] + list(j.invars[num_inputs:])
   consts = [(v, c) for v, c in zip(j.constvars, cj.consts) if v in live]
   new = Jaxpr([v for v, _ in consts], ins, j.outvars, eqns,
-              debug_info=_debug("loss scale", len(ins), len(j.outvars)))
+              debug_info=jc.debug_info("loss scale", len(ins), len(j.outvars)))
   return ClosedJaxpr(new, [c for _, c in consts]), keep_in

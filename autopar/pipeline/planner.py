@@ -363,7 +363,8 @@ def _joint(fns: StageFunctions, st: StageProgram) -> tuple[Jaxpr, list, int]:
   outvars = grads + [sub_f.get(v, v) if isinstance(v, Var) else v
                      for v in outs[:n_out]] + ct_tin
   invars = [*fconst, *bconst, *consts_in, *fj.invars[:n_main], *new_ct]
-  jaxpr = Jaxpr([], invars, outvars, eqns, fj.effects | bj.effects)
+  jaxpr = Jaxpr([], invars, outvars, eqns, fj.effects | bj.effects,
+                jc.debug_info("pipeline stage", len(invars), len(outvars)))
   return jaxpr, [*fwd.consts, *bwd.consts], len(fj.eqns)
 
 
@@ -471,7 +472,8 @@ def _update_jaxpr(ctx: Context, cut_: Cut, s: int, io: StageIO, segments, grads,
       k = leaf_index.get(aj.invars[nc + leaf])
       if k is not None:
         donation[outs.index(out_v)] = k
-  jaxpr = Jaxpr([], invars, outs, eqns, aj.effects)
+  jaxpr = Jaxpr([], invars, outs, eqns, aj.effects,
+                jc.debug_info("pipeline update", len(invars), len(outs)))
   return jaxpr, donation, offsets
 
 
