@@ -38,7 +38,7 @@ from autopar.retype import jaxprs_in
 __all__ = ["Spec", "Strategy", "RuleContext", "register", "strategies_for",
            "enumerate_specs", "grad_sync_costs", "replicated", "shard_count",
            "local_bytes", "to_partition_spec", "RULES", "missing_rules",
-           "replicated_fallback"]
+           "replicated_fallback", "warn_missing_rules", "PLANNED_THROUGH"]
 
 Spec = tuple[tuple[str, ...], ...]
 
