@@ -1,6 +1,6 @@
 # make test: the tests on the newest supported JAX (a Python >= 3.12, which
 #            jax 0.12 needs; Gemma's tests included), then a quick job on the
-#            oldest (jax 0.10.2 and PuLP 3, on Python 3.11 or 3.10).
+#            oldest (jax 0.10.2 and PuLP 3, on Python 3.11).
 # make demo: the newest environment, and the main example job.
 #
 # The Pythons are found by .ci/find-python (on PATH, or pyenv's builds); to
@@ -9,7 +9,7 @@
 # JAX it can install.
 FALLBACK_PYTHON ?= python3
 PYTHON ?= $(or $(shell .ci/find-python 3.12 3.13),$(FALLBACK_PYTHON))
-OLDEST_PYTHON ?= $(shell .ci/find-python 3.11 3.10)
+OLDEST_PYTHON ?= $(shell .ci/find-python 3.11)
 VENV ?= .venv
 OLDEST_VENV ?= .venv-oldest
 PY := $(VENV)/bin/python
@@ -48,7 +48,7 @@ test-newest: $(STAMP)
 
 test-oldest:
 	@if [ -z "$(OLDEST_PYTHON)" ]; then \
-	  echo "make: no Python 3.10 or 3.11 found: the quick job on the oldest JAX is skipped (set OLDEST_PYTHON=)"; \
+	  echo "make: no Python 3.11 found: the quick job on the oldest JAX is skipped (set OLDEST_PYTHON=)"; \
 	else \
 	  $(MAKE) --no-print-directory $(OLDEST_STAMP) && \
 	  $(OLDEST_PY) -c 'import sys, jax, pulp; print(f"quick job on Python {sys.version.split()[0]}, jax {jax.__version__}, PuLP {pulp.__version__}")' && \

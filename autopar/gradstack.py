@@ -36,6 +36,8 @@ import dataclasses
 from jax.extend.core import Jaxpr, Literal, Var
 from jax.sharding import PartitionSpec
 
+from autopar import jax_compat as jc
+
 __all__ = ["GradStack", "find_grad_stacks", "folded_values", "slots"]
 
 
@@ -185,4 +187,3 @@ def slots(num_grads: int, stacks: list[GradStack]) -> list:
     elif g == min(s.grads):
       out.append(s)
   return out
-from autopar import jax_compat as jc

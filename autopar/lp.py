@@ -15,6 +15,7 @@ Supported: PuLP 3.3 and later 3.x, 4.x (``setup.py``).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Iterable, Mapping
 
 import pulp
@@ -44,12 +45,13 @@ def problem(name: str) -> pulp.LpProblem:
   return pulp.LpProblem(name, pulp.LpMinimize)
 
 
-def variable(prob: pulp.LpProblem, name: str, lowBound=None, cat: str = "Continuous"):
-  """A new variable of ``prob`` (``cat``: "Binary" or "Continuous")."""
+def variable(prob: pulp.LpProblem, name: str, lowBound=None, cat: str = "Continuous",
+             upBound=None):
+  """A new variable of ``prob`` (``cat``: "Binary", "Integer" or "Continuous")."""
   add = getattr(prob, "add_variable", None)
   if add is not None:
-    return add(name, lowBound=lowBound, cat=cat)
-  return pulp.LpVariable(name, lowBound=lowBound, cat=cat)
+    return add(name, lowBound=lowBound, upBound=upBound, cat=cat)
+  return pulp.LpVariable(name, lowBound=lowBound, upBound=upBound, cat=cat)
 
 
 def linear(terms: Mapping | Iterable):
@@ -100,12 +102,12 @@ def moved(prob: pulp.LpProblem, expr, twins: dict):
   """``expr`` (a number, variable or expression of another problem) written
   in ``prob``'s variables: each variable gets one twin in ``prob``, kept in
   ``twins`` (PuLP 4 holds a variable to the problem that made it)."""
-  if isinstance(expr, (int, float)):
-    return expr
+  if isinstance(expr, numbers.Number):
+    return float(expr)
   if isinstance(expr, pulp.LpVariable):
     twin = twins.get(expr.name)
     if twin is None:
       twin = twins[expr.name] = variable(prob, expr.name, lowBound=expr.lowBound,
-                                         cat=expr.cat)
+                                         upBound=expr.upBound, cat=expr.cat)
     return twin
   return linear((moved(prob, x, twins), a) for x, a in expr.items()) + float(expr.constant)

@@ -74,7 +74,7 @@ class Rows:
       if not jc.is_symbolic_dim(d):
         return None
       try:
-        vals = [int(d._evaluate({ROWS_NAME: r})) for r in (1, 2, 3, 7)]
+        vals = [jc.evaluate_dim(d, {ROWS_NAME: r}) for r in (1, 2, 3, 7)]
       except Exception:   # noqa: BLE001 - e.g. a dimension defined only for some sizes
         return None
       c = vals[0]
@@ -228,8 +228,9 @@ def _dependences(jaxpr, deps: _Deps, oracle: RowOracle) -> _Deps:
   values, sized, positions = set(deps.values), set(deps.sized), set(deps.positions)
   for e in jaxpr.eqns:
     ins = [a for a in e.invars if isinstance(a, Var)]
-    if e.primitive.name == "cond" and not any(
-        e.invars[0] in group for group in (values, sized, positions)):
+    index = e.invars[0] if e.primitive.name == "cond" else None
+    if e.primitive.name == "cond" and not (isinstance(index, Var) and any(
+        index in group for group in (values, sized, positions))):
       # Output by output, through the branches: a switch that picks a
       # layer's weights or its mask (remat.py's rolled layers) makes weights
       # that do not depend on the batch.

@@ -53,7 +53,10 @@ def test_library_steps_plan_without_a_missing_rule(library):
   every primitive has a rule of its own."""
   step, args, batch_argnums = LIBRARIES[library]()
   kw = {} if batch_argnums is None else {"batch_argnums": batch_argnums}
-  pf = autopar.parallelize(step, method=autopar.ShardParallel(mesh=mesh24()), **kw)
+  # (No plan cache: the warning comes from planning.)
+  option = autopar.AutoShardingOption(plan_cache=False)
+  pf = autopar.parallelize(step, method=autopar.ShardParallel(mesh=mesh24(), option=option),
+                           **kw)
   with warnings.catch_warnings(record=True) as record:
     warnings.simplefilter("always")
     pf.plan(*args)
@@ -97,8 +100,11 @@ def _cholesky(p, h):                                     # no sharding rule
 def test_shape_primitives_and_the_fallback_equal_jit(extra, method):
   step, args = _step_with(extra)
   ref = jax.jit(step)(*args)
-  m = (autopar.ShardParallel(mesh=mesh24(), num_micro_batches=2) if method == "shard" else
-       autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=2, num_stages=2))
+  option = autopar.AutoShardingOption(plan_cache=False)    # the warning is planning's
+  m = (autopar.ShardParallel(mesh=mesh24(), num_micro_batches=2, option=option)
+       if method == "shard" else
+       autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=2, num_stages=2,
+                                 option=option))
   pf = autopar.parallelize(step, method=m, batch_argnums=(1, 2))
   with warnings.catch_warnings(record=True) as record:
     warnings.simplefilter("always")
@@ -127,3 +133,14 @@ def test_the_fallback_is_replicated_with_its_cost():
   (only,) = strategies_for(eqn, ctx)
   assert only.out_specs == (((), ()),) and only.in_specs == (((), ()),)
   assert only.compute >= 1e-10 * 2 * 64 * 64 * 4      # the operand and the output, moved
+
+
+def test_a_cond_with_a_literal_index_in_the_loss():
+  """lax.cond(True, ...) keeps a literal index in the jaxpr; the row
+  analysis reads through it (it crashed: a Literal is not hashable)."""
+  step, args = _step_with(lambda p, h: jax.lax.cond(True, lambda a: a * p["s"],
+                                                     lambda a: a, h))
+  ref = jax.jit(step)(*args)
+  pf = autopar.parallelize(step, method=autopar.DataParallel(
+      mesh=jax.make_mesh((8,), ("data",)), num_micro_batches=2), batch_argnums=(1, 2))
+  assert_trees_close(pf(*args), ref, rtol=1e-5, atol=1e-6)

@@ -285,6 +285,7 @@ def search(pre, method, mesh):
   in_flight = [min(n, len(cands) - s) if method.schedule == "1f1b" else n
                for s in range(len(cands))]
   plans: dict = {}
+  missing: collections.Counter = collections.Counter()   # over the stages
   for s, (st, cand) in enumerate(zip(c.stages, cands, strict=True)):
     sizes_s = dict(zip(names, cand.shape))
     # The number of micro-batches held matters only against a memory budget.
@@ -296,8 +297,6 @@ def search(pre, method, mesh):
       sol = plans[key] = solve_stage(ctx, c, s, sizes_s, cand.batch_axes,
                                      in_flight=in_flight[s])
     choices.append(_choice(ctx, c, s, cand, sol, layers[s], in_flight[s]))
-  missing = collections.Counter()
-  for sol in plans.values():
     missing.update(missing_rules(sol.joint, sol.update))
   warn_missing_rules(missing, f"{ctx.program.fn_name}'s pipeline stages")
   return c, choices, result
