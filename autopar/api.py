@@ -656,7 +656,7 @@ def _buffer_key(x: jax.Array):
   if isinstance(x.sharding, jax.sharding.SingleDeviceSharding):
     try:
       return ("buffer", x.unsafe_buffer_pointer())
-    except Exception:  # noqa: BLE001 - a deleted array: the donation check says so
+    except RuntimeError:       # deleted (donated earlier): the donation check says so
       pass
   return id(x)
 

@@ -31,8 +31,8 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 from autopar import jax_compat as jc
 from autopar.cost_model import MeshCost
 from autopar.errors import PlanError
-from autopar.strategies import (RuleContext, Spec, enumerate_specs, grad_sync_costs,
-                                local_bytes, strategies_for)
+from autopar.strategies import (REGIONS, RuleContext, Spec, enumerate_specs,
+                                grad_sync_costs, local_bytes, strategies_for)
 from autopar.strategies.elementwise import is_elementwise
 
 __all__ = ["ChoiceGraph", "REGIONS"]
@@ -381,9 +381,6 @@ class ChoiceGraph:
         src = get_inner(inner, v)
         if src is not None:
           val[out] = src
-
-# Control-flow primitives whose bodies are planned (see ChoiceGraph._add_region).
-REGIONS = ("scan", "while", "cond", "remat2")   # remat2: jax.checkpoint
 
 
 def get_inner(val, v):

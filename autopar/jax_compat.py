@@ -51,7 +51,6 @@ JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit(
 # jaxpr data and evaluation ----------------------------------------------------
 Tracer = _core.Tracer
 ShapedArray = _core.ShapedArray
-DebugInfo = _core.DebugInfo
 eval_jaxpr = _core.eval_jaxpr
 new_jaxpr_eqn = _core.new_jaxpr_eqn
 no_effects = _core.no_effects
@@ -66,7 +65,6 @@ dce_jaxpr = _pe.dce_jaxpr
 
 # meshes -----------------------------------------------------------------------
 get_abstract_mesh = _mesh.get_abstract_mesh
-empty_abstract_mesh = _mesh.empty_abstract_mesh
 
 # source locations -------------------------------------------------------------
 summarize_source = source_info_util.summarize
@@ -78,9 +76,9 @@ user_context = source_info_util.user_context
 # sharding-constraint primitive, and whether a backend has been started.
 __all__ = [
     "ad", "batching", "mlir", "ir", "hlo", "scan_counts", "sharding_constraint_p", "Tracer", "ShapedArray",
-    "DebugInfo", "eval_jaxpr", "new_jaxpr_eqn", "no_effects",
+    "eval_jaxpr", "new_jaxpr_eqn", "no_effects",
     "is_symbolic_dim", "add_p", "convert_constvars_jaxpr", "make_jaxpr_effects",
-    "has_effects", "dce_jaxpr", "dce_rule", "get_abstract_mesh", "empty_abstract_mesh",
+    "has_effects", "dce_jaxpr", "dce_rule", "get_abstract_mesh",
     "summarize_source", "current_name_stack", "user_context", "eqn_context_without_mesh",
     "evaluate_dim", "debug_info", "JAX_VERSION", "backends_are_initialized",
 ]

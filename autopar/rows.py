@@ -228,9 +228,9 @@ def _dependences(jaxpr, deps: _Deps, oracle: RowOracle) -> _Deps:
   values, sized, positions = set(deps.values), set(deps.sized), set(deps.positions)
   for e in jaxpr.eqns:
     ins = [a for a in e.invars if isinstance(a, Var)]
-    index = e.invars[0] if e.primitive.name == "cond" else None
-    if e.primitive.name == "cond" and not (isinstance(index, Var) and any(
-        index in group for group in (values, sized, positions))):
+    if e.primitive.name == "cond" and not any(
+        isinstance(e.invars[0], Var) and e.invars[0] in group
+        for group in (values, sized, positions)):
       # Output by output, through the branches: a switch that picks a
       # layer's weights or its mask (remat.py's rolled layers) makes weights
       # that do not depend on the batch.

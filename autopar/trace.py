@@ -592,8 +592,8 @@ def eqns_by_path(jaxpr, prefix: str = ""):
 # Calls that are planned through: their bodies are inlined into the step. The
 # step is traced after differentiation, so a custom JVP/VJP rule is no longer
 # needed and its primal body is what runs.
-_INLINABLE = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call",
-              "custom_vjp_call", "custom_vjp_call_jaxpr")
+INLINED_CALLS = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call",
+                 "custom_vjp_call", "custom_vjp_call_jaxpr")
 # Inside the loss function autopar differentiates later (``loss.py``), only
 # plain calls: a custom derivative rule is still needed there.
 _PLAIN_CALLS = ("jit", "pjit", "closed_call", "core_call")
@@ -648,7 +648,7 @@ def inline_loss_rules(closed: ClosedJaxpr, *, fn_name: str) -> ClosedJaxpr:
   return ClosedJaxpr(closed.jaxpr.replace(eqns=eqns), closed.consts)
 
 
-def _has_calls(jaxpr, inlinable=_INLINABLE) -> bool:
+def _has_calls(jaxpr, inlinable=INLINED_CALLS) -> bool:
   return any(e.primitive.name in inlinable or
              any(_has_calls(s, _PLAIN_CALLS if e.primitive in _LOSS_CALLS else inlinable)
                  or count_markers(s) for s in jaxprs_in(e))
@@ -656,7 +656,7 @@ def _has_calls(jaxpr, inlinable=_INLINABLE) -> bool:
 
 
 def _inline(top: Jaxpr, top_consts: list, fn_name: str,
-            inlinable=_INLINABLE) -> tuple[Jaxpr, list]:
+            inlinable=INLINED_CALLS) -> tuple[Jaxpr, list]:
   """(``top`` with its calls inlined, its consts): callees' consts become
   constvars of ``top``."""
   constvars, consts = list(top.constvars), list(top_consts)
@@ -726,7 +726,7 @@ def _hint(eqns: list, x, sharding, call):
   return out
 
 
-def _inline_params(eqn, fn_name: str, inlinable=_INLINABLE) -> dict:
+def _inline_params(eqn, fn_name: str, inlinable=INLINED_CALLS) -> dict:
   """Params of a control-flow equation with calls in its bodies inlined."""
   params = eqn.params
   if not any(_has_calls(s, inlinable) for s in jaxprs_in(eqn)):

@@ -129,10 +129,10 @@ def _check_loss(split: SplitStep, name: str, n: int) -> None:
   loss = split.loss
   check_loss(loss, name, f"{n} micro-batch(es) and the pipeline stages' devices")
   values = loss.values
-  fix = (f"Fix: use ShardParallel (its first pass computes them); or say how each "
-         f"device's and micro-batch's loss combines, parallelize(..., "
-         f"output_reductions={{'loss': 'mean'}}) (right only if each holds as many "
-         f"valid rows).")
+  fix = ("Fix: use ShardParallel (its first pass computes them); or say how each "
+         "device's and micro-batch's loss combines, parallelize(..., "
+         "output_reductions={'loss': 'mean'}) (right only if each holds as many "
+         "valid rows).")
   if not all(values.fixed):
     raise InputError(
         f"{name}: the gradient of the loss of {loss.name} under PipeshardParallel "
@@ -414,17 +414,24 @@ def _loss_seeds(pre: Prepared, cut_, exes) -> LossSeeds:
                    seeds=seeds, owner=owner, groups=groups, first=first, inputs=inputs)
 
 
+def _pass_program(pre: Prepared, outputs) -> tuple[Any, tuple[int, ...]]:
+  """The step's program cut down to computing ``outputs`` (consts as its
+  leading inputs), and the argument leaves it reads."""
+  view = jc.convert_constvars_jaxpr(pre.split.traced.jaxpr.jaxpr)
+  program = dce(view.replace(outvars=list(outputs)))
+  used = {v for e in program.eqns for v in e.invars if isinstance(v, Var)}
+  used |= {v for v in program.outvars if isinstance(v, Var)}
+  nc = pre.ctx.num_consts
+  return program, tuple(k for k, v in enumerate(program.invars[nc:]) if v in used)
+
+
 def _inputs_pass(pre: Prepared, layout: StageLayout, stage: int) -> SumsPass:
   """The values besides sums that the loss's cotangents read: the step's
   arguments or constants, none of the parameters or the batch (a loss
   times a scale given to the step), computed on stage ``stage``'s submesh."""
-  ctx, split = pre.ctx, pre.split
-  view = jc.convert_constvars_jaxpr(split.traced.jaxpr.jaxpr)
-  program = dce(view.replace(outvars=list(split.loss.values.inputs)))
+  ctx = pre.ctx
+  program, leaves = _pass_program(pre, pre.split.loss.values.inputs)
   nc = ctx.num_consts
-  used = {v for e in program.eqns for v in e.invars if isinstance(v, Var)}
-  used |= {v for v in program.outvars if isinstance(v, Var)}
-  leaves = tuple(k for k, v in enumerate(program.invars[nc:]) if v in used)
   written = Instantiator({ROWS_NAME: layout.rows}).jaxpr(program)
   consts = ctx.consts
 
@@ -441,10 +448,8 @@ def _sums_pass(pre: Prepared, layout: StageLayout, stage: int) -> SumsPass:
   """The first pass: the whole batch's sums the loss's cotangents read,
   computed on stage ``stage``'s submesh from the argument leaves they read
   (batch leaves as the stages take them, ``[n, M, ...]``)."""
-  ctx, split = pre.ctx, pre.split
-  loss = split.loss
-  view = jc.convert_constvars_jaxpr(split.traced.jaxpr.jaxpr)
-  program = dce(view.replace(outvars=list(loss.values.sums)))
+  ctx, loss = pre.ctx, pre.split.loss
+  program, leaves = _pass_program(pre, loss.values.sums)
   if any(e.primitive.name in DRAW_PRIMITIVES for e in program.eqns):
     raise InputError(f"{ctx.program.fn_name}: the sums the loss of {loss.name} is scaled "
                      f"by draw random numbers; PipeshardParallel does not draw them as "
@@ -452,9 +457,6 @@ def _sums_pass(pre: Prepared, layout: StageLayout, stage: int) -> SumsPass:
                      f"and micro-batch's loss combines: parallelize(..., "
                      f"output_reductions={{'loss': 'mean'}}).")
   nc = ctx.num_consts
-  used = {v for e in program.eqns for v in e.invars if isinstance(v, Var)}
-  used |= {v for v in program.outvars if isinstance(v, Var)}
-  leaves = tuple(k for k, v in enumerate(program.invars[nc:]) if v in used)
   batch = tuple(ctx.program.leaves[k].is_batch for k in leaves)
   manual = tuple(layout.batch_axes)
   m, n = layout.rows, ctx.n

@@ -34,11 +34,12 @@ from jax.extend.core import Literal
 
 from autopar.cost_model import MeshCost, itemsize
 from autopar.retype import jaxprs_in
+from autopar.trace import INLINED_CALLS
 
 __all__ = ["Spec", "Strategy", "RuleContext", "register", "strategies_for",
            "enumerate_specs", "grad_sync_costs", "replicated", "shard_count",
            "local_bytes", "to_partition_spec", "RULES", "missing_rules",
-           "replicated_fallback", "warn_missing_rules", "PLANNED_THROUGH"]
+           "replicated_fallback", "warn_missing_rules", "PLANNED_THROUGH", "REGIONS"]
 
 Spec = tuple[tuple[str, ...], ...]
 
@@ -154,11 +155,11 @@ class RuleContext:
 
 Rule = Callable[..., list[Strategy]]
 RULES: dict[str, Rule] = {}
-# Planned through by the ILP (ilp_graph.py), or inlined before planning
-# (trace.py), so they need no rule of their own.
-PLANNED_THROUGH = frozenset(("scan", "while", "cond", "remat2", "jit", "pjit",
-                             "closed_call", "core_call", "custom_jvp_call",
-                             "custom_vjp_call", "custom_vjp_call_jaxpr"))
+# Control flow the ILP plans through (ilp_graph.py): its bodies' equations
+# get the rules. remat2: jax.checkpoint.
+REGIONS = ("scan", "while", "cond", "remat2")
+# Need no rule of their own: planned through, or inlined before planning.
+PLANNED_THROUGH = frozenset(REGIONS + INLINED_CALLS)
 
 
 def register(*names: str):
