@@ -127,6 +127,14 @@ class MeshCost:
       return a + b * nbytes
     raise ValueError(f"unknown collective kind {kind!r}; one of {COLLECTIVE_KINDS}")
 
+  def latency(self, kind: str, axes: Sequence[str]) -> float:
+    """The α part of :meth:`collective` (its ring steps' latency)."""
+    p = self.group_size(axes)
+    if p <= 1:
+      return 0.0
+    steps = {"all-reduce": 2 * (p - 1), "collective-permute": 1}.get(kind, p - 1)
+    return steps * self._ab(axes)[0]
+
   def all_reduce(self, nbytes: float, axes: Sequence[str]) -> float:
     return self.collective("all-reduce", nbytes, axes)
 
@@ -151,7 +159,8 @@ def assumed_costs(axis_sizes: Mapping[str, int], option=None) -> dict:
           "alpha": {a: float(alpha.get(a, DEFAULT_ALPHA)) for a in axis_sizes},
           "beta": {a: float(beta.get(a, DEFAULT_BETA)) for a in axis_sizes},
           "memory_budget_per_device": None if budget is None else float(budget),
-          "device_kind": getattr(option, "device_kind", None)}
+          "device_kind": getattr(option, "device_kind", None),
+          "flop_rates": dict(getattr(option, "flop_rates", None) or {})}
 
 
 def ring_bytes_sent(kind: str, operand_bytes: float, group: int) -> float:

@@ -21,7 +21,8 @@ import numpy as np
 
 from autopar.cost_model import ring_bytes_sent
 
-__all__ = ["HloCollective", "collectives", "bytes_sent", "ScheduledOp", "entry_schedule"]
+__all__ = ["HloCollective", "collectives", "bytes_sent", "ScheduledOp", "entry_schedule",
+           "module_cost"]
 
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
           "collective-permute")
@@ -313,3 +314,86 @@ def entry_schedule(compiled: Any) -> list[ScheduledOp]:
     out.append(ScheduledOp(name=m.group("name"), opcode=m.group("op"),
                            collective=coll, dot=is_dot, backward_dot=bwd))
   return out
+
+
+# -- flops and bytes of a compiled module, loops counted -----------------------
+
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>\(.*?\)|\S+)\s+"
+                  r"(?P<op>[\w\-]+)\((?P<args>[^)]*)\)")
+# Moves nothing (views, tuples) or runs a computation counted on its own.
+_FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
+                   "while", "conditional", "call", "after-all", "partition-id",
+                   "replica-id"})
+# Element-wise opcodes HloCostAnalysis counts a flop per element of
+# (transcendental ones it counts apart, not as flops).
+_FLOP_OPS = frozenset({"add", "subtract", "multiply", "divide", "maximum", "minimum",
+                       "compare", "select", "negate", "abs", "and", "or", "xor",
+                       "not", "clamp", "remainder", "sign", "floor", "ceil",
+                       "round-nearest-even", "round-nearest-afz"})
+
+
+def _dims(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
+  return [(m.group("dtype"), tuple(int(d) for d in m.group("dims").split(",") if d))
+          for m in _ARRAY.finditer(type_text)]
+
+
+def _nbytes(arrays) -> int:
+  return sum(_DTYPES.get(dt, 4) * math.prod(dims) for dt, dims in arrays)
+
+
+def _direct_cost(lines: list[str], comps: dict[str, list[str]],
+                 fused: bool = False) -> tuple[float, float]:
+  """(flops, bytes) of one computation's own instructions: a fusion's flops
+  are its fused computation's, its bytes its operands and results; loops
+  and calls are left to their bodies."""
+  types: dict[str, list] = {}
+  flops = nbytes = 0.0
+  for line in lines:
+    m = _DEF.match(line)
+    if not m:
+      continue
+    arrays = _dims(m.group("type"))
+    types[m.group("name")] = arrays
+    op = m.group("op")
+    operands = [a.strip().lstrip("%") for a in m.group("args").split(",") if a.strip()]
+    if op == "dot":
+      lhs = types.get(operands[0], [("f32", ())])[0][1] if operands else ()
+      cd = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", line)
+      k = math.prod(lhs[int(d)] for d in cd.group(1).split(",") if d) if cd and lhs else 1
+      flops += 2 * math.prod(arrays[0][1]) * k if arrays else 0
+    elif op == "fusion":
+      for c in called(line):
+        flops += _direct_cost(comps.get(c, ()), comps, fused=True)[0]
+    elif op in _FLOP_OPS and arrays:
+      flops += math.prod(arrays[0][1])
+    elif op == "reduce" and operands:
+      flops += math.prod(types.get(operands[0], [("f32", ())])[0][1])
+    if fused or op in _FREE:
+      continue
+    nbytes += _nbytes(arrays) + sum(_nbytes(types.get(o, ())) for o in operands)
+  return flops, nbytes
+
+
+def module_cost(compiled: Any) -> tuple[float, float]:
+  """(flops, bytes accessed) of one run of ``compiled``, loops counted.
+
+  XLA's ``cost_analysis()`` counts a loop's body once, whatever its trip
+  count (a scan over 24 layers costs one layer). This takes its figures
+  and adds, for each computation a loop runs more than once, its own
+  instructions' flops and bytes (read from the HLO text, as
+  ``cost_analysis`` counts them: a fusion's operands and results) times
+  the extra runs."""
+  analysis = compiled.cost_analysis()
+  if isinstance(analysis, (list, tuple)):
+    analysis = analysis[0] if analysis else {}
+  flops = float(analysis.get("flops", 0.0))
+  nbytes = float(analysis.get("bytes accessed", 0.0))
+  comps, entry = _computations(_text(compiled))
+  fused = {c for lines in comps.values() for line in lines if " fusion(" in line
+           for c in called(line)}
+  for name, runs in _run_counts(comps, entry).items():
+    if runs > 1 and name not in fused:
+      f, b = _direct_cost(comps[name], comps)
+      flops += (runs - 1) * f
+      nbytes += (runs - 1) * b
+  return flops, nbytes

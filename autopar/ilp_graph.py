@@ -31,6 +31,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 from autopar import jax_compat as jc
 from autopar.cost_model import MeshCost
 from autopar.errors import PlanError
+from autopar.liveness import fusions
 from autopar.strategies import (REGIONS, RuleContext, Spec, enumerate_specs,
                                 grad_sync_costs, local_bytes, strategies_for)
 from autopar.strategies.elementwise import is_elementwise
@@ -47,6 +48,8 @@ class _Node:
   costs: list[float]
   mem: list[float] | None = None     # per choice: bytes per device (leaves)
   key: Any = None                    # equal keys: identical choices and costs
+  flops: list[float] | None = None   # per choice: seconds of compute (equations)
+  part: str | None = None            # "compute" / "apply" (equations), None (leaves)
   vars: list = dataclasses.field(default_factory=list)
 
 
@@ -69,7 +72,8 @@ class ChoiceGraph:
     batch_leaves: which leaves are batch data.
     num_micro_batches: n (compute_grad's equations cost n times).
     batch_axes: S. planned_axes: A. sizes: every mesh axis's size.
-    cost, seconds_per_flop, seconds_per_byte: the strategies' costs.
+    cost, seconds_per_flop, flop_rates: the strategies' costs
+      (``RuleContext``).
     read_by_compute: leaves compute_grad reads.
     pins: leaf index -> the spec it must take.
     leaf_names: leaves' pytree paths, for errors.
@@ -80,7 +84,7 @@ class ChoiceGraph:
                batch_leaves: Sequence[bool], num_micro_batches: int,
                batch_axes: Sequence[str], planned_axes: Sequence[str],
                sizes: Mapping[str, int], cost: MeshCost, seconds_per_flop: float,
-               seconds_per_byte: float = 0.0, read_by_compute=(),
+               flop_rates: Mapping[str, float] | None = None, read_by_compute=(),
                pins: Mapping[int, Spec] | None = None, leaf_names: Sequence[str] = (),
                keep: tuple[Sequence[str], Mapping[str, tuple]] | None = None):
     self.compute = compute
@@ -93,7 +97,7 @@ class ChoiceGraph:
     self.A = tuple(planned_axes)
     self.sizes = dict(sizes)
     self.cost = cost
-    self.ctx = RuleContext(self.A, self.sizes, cost, seconds_per_flop, seconds_per_byte)
+    self.ctx = RuleContext(self.A, self.sizes, cost, seconds_per_flop, dict(flop_rates or {}))
     self.read_by_compute = set(read_by_compute)
     self.pins = dict(pins or {})
     self.leaf_names = list(leaf_names)
@@ -116,17 +120,22 @@ class ChoiceGraph:
     # their bodies hold while they run.
     self.body_val: dict[str, dict[Var, tuple[int, int]]] = {"compute": {}, "apply": {}}
     self._strategy_cache: dict = {}
+    # (part, multiplicity, (node, output), aval, "bytes" or "flops"): memory
+    # traffic and merged element-wise work, charged at the node's spec.
+    self.work: list = []
   # -- nodes ---------------------------------------------------------------------
 
-  def _add_node(self, name, choices, specs, costs, mult, mem=None, key=None) -> int:
+  def _add_node(self, name, choices, specs, costs, mult, mem=None, key=None,
+                flops=None, part=None) -> int:
     if self.keep is not None and name in self.keep[1]:
       axes, kept = self.keep[0], self.keep[1][name]
       idx = [c for c, sp in enumerate(specs) if _on_axes(sp, axes) == kept]
       if idx and len(idx) < len(choices):
         choices, specs, costs = ([l[c] for c in idx] for l in (choices, specs, costs))
         mem = None if mem is None else [mem[c] for c in idx]
+        flops = None if flops is None else [flops[c] for c in idx]
         key = None if key is None else (key, kept)
-    node = _Node(name, choices, mult, specs, costs, mem, key)
+    node = _Node(name, choices, mult, specs, costs, mem, key, flops, part)
     self.nodes.append(node)
     return len(self.nodes) - 1
 
@@ -266,18 +275,49 @@ class ChoiceGraph:
       if cached is None:
         strategies = strategies_for(eqn, self.ctx)
         cached = (strategies, [s.out_specs for s in strategies],
-                  [s.compute + s.comm for s in strategies])
+                  [s.comm for s in strategies], [s.compute for s in strategies])
         if key is not None:
           self._strategy_cache[key] = cached
-      node = self._add_node(f"{part}/{i}:{eqn.primitive.name}", *cached, mult,
-                            key=(part, key) if key is not None else ("eqn", part, i))
+      choices, specs, comm, flops = cached
+      node = self._add_node(f"{part}/{i}:{eqn.primitive.name}", choices, specs, comm,
+                            mult, key=(part, key) if key is not None else ("eqn", part, i),
+                            flops=flops, part=part)
       eqn_nodes[i] = node
       for pos, v in enumerate(eqn.invars):
         if isinstance(v, Var) and v in val:
           self._pending_edges.append((val[v], node, pos, v.aval, mult, part))
       for j, v in enumerate(eqn.outvars):
         val[v] = (node, j)
+    self._add_traffic(jaxpr, val, mult, part, prefix)
     return eqn_nodes
+
+  def _add_traffic(self, jaxpr, val, mult, part, prefix):
+    """Records the memory traffic of ``jaxpr``'s equations as XLA fuses
+    them (``liveness.fusions``): an equation that runs (a fusion's root,
+    or one XLA does not fuse) writes the results it holds and reads the
+    held values it needs, through the element-wise producers it computes
+    again inside; an element-wise equation computed inside its readers
+    moves nothing of its own. Each such value is charged, at the spec the
+    plan gives it, to the node that chooses that spec (``self.work``).
+    Merged element-wise equations have no node: their flops (one per
+    element) are charged to the node they follow. Loops and calls are
+    their bodies' (recorded when the body is added)."""
+    fus = fusions(jaxpr)
+    work = self.work
+    for idx, eqn in enumerate(jaxpr.eqns):
+      if eqn.primitive.name in REGIONS:
+        continue
+      if f"{prefix}{idx}" in self._followers[part]:
+        out = eqn.outvars[0]
+        work.append((part, mult, val[out], out.aval, "flops"))
+      if not fus.runs(idx):
+        continue
+      for o in eqn.outvars:
+        if o in val and fus.held(o):
+          work.append((part, mult, val[o], o.aval, "bytes"))
+      for v in fus.reads(idx):
+        if v in val:
+          work.append((part, mult, val[v], v.aval, "bytes"))
 
   # -- control flow: planned through --------------------------------------------
 

@@ -67,7 +67,7 @@ from autopar.cost_model import itemsize
 from autopar.strategies.elementwise import is_elementwise
 from autopar.trace import region_jaxprs
 
-__all__ = ["liveness_peaks"]
+__all__ = ["liveness_peaks", "fusions"]
 
 # The result is the operand's buffer read another way.
 VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "transpose"})
@@ -247,6 +247,12 @@ _CONSUMERS = frozenset({
     "broadcast_in_dim", "concatenate", "pad", "slice", "dynamic_slice", *VIEWS})
 
 
+def fusions(jaxpr) -> "_Fusions":
+  """Which of ``jaxpr``'s values XLA computes inside their readers (see
+  :class:`_Fusions`); the ILP counts memory traffic with it."""
+  return _Fusions.of(jaxpr)
+
+
 class _Fusions:
   """Which values XLA computes inside their readers instead of making.
 
@@ -391,6 +397,12 @@ class _Fusions:
   @staticmethod
   def _takes(reader) -> bool:
     return fusible(reader) or reader.primitive.name in _CONSUMERS
+
+  def held(self, o: Var) -> bool:
+    """Whether value ``o`` is made and held (not only computed inside its
+    readers)."""
+    return o in self.outputs or any(not self.fused_into(o, r)
+                                    for r in self.readers.get(o, ()))
 
   def runs(self, i: int) -> bool:
     """Whether equation ``i`` runs where it stands (some result of it is

@@ -33,7 +33,7 @@ __all__ = ["AutoShardingOption", "ParallelMethod", "ShardParallel",
            "axis_names_of", "axis_sizes_of"]
 
 
-def _as_items(mapping: Mapping[str, float] | None, what: str
+def _as_items(mapping: Mapping[str, float] | None, what: str, key: str = "mesh axis name"
               ) -> tuple[tuple[str, float], ...] | None:
   if mapping is None:
     return None
@@ -41,13 +41,13 @@ def _as_items(mapping: Mapping[str, float] | None, what: str
                                         for kv in mapping):
     mapping = dict(mapping)      # already normalized (dataclasses.replace)
   if not isinstance(mapping, Mapping):
-    raise InputError(f"AutoShardingOption: {what} must be a mapping from mesh "
-                     f"axis name to a float, got {type(mapping).__name__}.")
+    raise InputError(f"AutoShardingOption: {what} must be a mapping from {key} "
+                     f"to a float, got {type(mapping).__name__}.")
   out = []
   for k, v in mapping.items():
     if not isinstance(k, str) or not isinstance(v, (int, float)) or v < 0:
       raise InputError(f"AutoShardingOption: {what}[{k!r}] = {v!r}; expected a "
-                       f"mesh axis name mapped to a non-negative float.")
+                       f"{key} mapped to a non-negative float.")
     out.append((k, float(v)))
   return tuple(sorted(out))
 
@@ -137,6 +137,10 @@ class AutoShardingOption:
       a calibration with ``costs="measured"``). Axes not in mesh_alpha /
       mesh_beta then cost the links inside a node, or between nodes for the
       axes that cross hosts.
+    flop_rates: dtype name -> seconds per flop of work in that dtype (a
+      matmul at its operands' dtype, element-wise work at float32's).
+      None (default): the device kind's peak rates, or a calibration's;
+      where ``seconds_per_flop`` is given by hand, every dtype runs at it.
     devices_per_host: for an AbstractMesh, devices per host in
       ``jax.devices()`` order, which says which axes cross hosts (None:
       none do). A real mesh's hosts are read from its devices.
@@ -164,6 +168,7 @@ class AutoShardingOption:
   costs: str | None = None
   device_kind: str | None = None
   devices_per_host: int | None = None
+  flop_rates: Any = None
 
   def __post_init__(self):
     if self.costs not in (None, "measured"):
@@ -176,6 +181,8 @@ class AutoShardingOption:
     object.__setattr__(self, "pins", _as_pins(self.pins))
     object.__setattr__(self, "mesh_alpha", _as_items(self.mesh_alpha, "mesh_alpha"))
     object.__setattr__(self, "mesh_beta", _as_items(self.mesh_beta, "mesh_beta"))
+    object.__setattr__(self, "flop_rates", _as_items(self.flop_rates, "flop_rates",
+                                                        "dtype name"))
     f = self.force_batch_dim_to_mesh_dim
     if isinstance(f, list):
       object.__setattr__(self, "force_batch_dim_to_mesh_dim", tuple(f))
@@ -222,6 +229,12 @@ class AutoShardingOption:
   def byte_seconds(self) -> float:
     """1 / ``memory_bandwidth``, or 1 / 50 GB/s where it is not set."""
     return 1.0 / (50e9 if self.memory_bandwidth is None else float(self.memory_bandwidth))
+
+  @property
+  def dtype_flop_seconds(self) -> dict[str, float]:
+    """``flop_rates`` as a dict; empty where ``seconds_per_flop`` was given
+    by hand (it then prices every dtype)."""
+    return dict(self.flop_rates or ())
 
   @property
   def alpha(self) -> dict[str, float]:

@@ -221,6 +221,10 @@ class Plan:
       axis ``alpha`` (s per collective step) and ``beta`` (s per byte).
     grad_inputs: per gradient, the path of the input it is the gradient of
       ("" if unknown), for reading the plan (``tools/groups.py``).
+    predicted_time: the objective by stage (``planner.predicted_time``):
+      ``"gradient"`` and ``"apply"``, each {flops, memory, roofline,
+      collectives, total} in seconds; what ``plan.check`` holds to the
+      compiled modules. Empty where the step has no gradient marker.
   """
   method: str
   mesh_axis_names: tuple[str, ...]
@@ -241,6 +245,8 @@ class Plan:
   schedule: str | None = None
   costs: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
   grad_inputs: tuple[str, ...] = dataclasses.field(default=(), compare=False)
+  predicted_time: Mapping[str, Any] = dataclasses.field(default_factory=dict,
+                                                        compare=False)
   # Not serialized: how to plan the step again with pins (``step.plan()``
   # sets it, for explain and cost_if; ``tools.explain.Replanner``).
   replan: "Replanner | None" = dataclasses.field(default=None, compare=False, repr=False)
@@ -341,6 +347,8 @@ class Plan:
       d["costs"] = dict(self.costs)
     if self.grad_inputs:
       d["grad_inputs"] = list(self.grad_inputs)
+    if self.predicted_time:
+      d["predicted_time"] = {k: dict(v) for k, v in self.predicted_time.items()}
     return json.dumps(d, indent=indent)
 
   @classmethod
@@ -395,7 +403,8 @@ class Plan:
         fingerprint=tuple(d["fingerprint"].items()),
         stages=tuple(StagePlan.from_json(st) for st in d.get("stages", ())),
         schedule=d.get("schedule"), costs=dict(d.get("costs") or {}),
-        grad_inputs=tuple(d.get("grad_inputs") or ()))
+        grad_inputs=tuple(d.get("grad_inputs") or ()),
+        predicted_time={k: dict(v) for k, v in (d.get("predicted_time") or {}).items()})
 
   # -- reading -----------------------------------------------------------------
 

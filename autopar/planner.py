@@ -35,12 +35,13 @@ from autopar.method import (ParallelMethod, ShardParallel, axis_names_of,
 from autopar.plan import CollectivePlan, Plan, ValuePlan
 from autopar.pytrees import ends_with_key
 from autopar.split import (OutputKind, SizedOutputs, SplitStep, outputs_at, reads)
-from autopar.strategies import (grad_sync_costs, local_bytes, missing_rules,
+from autopar.strategies import (grad_sync_costs, grad_sync_latency, local_bytes,
+                                missing_rules,
                                 warn_missing_rules)
 from autopar.strategies.dot import dot_flops
 from autopar.trace import TracedStep, eqns_by_path
 
-__all__ = ["plan_auto", "donation_pairs", "leaves_read_by_compute", "grad_inputs",
+__all__ = ["plan_auto", "sharding_problem", "price_layout", "predicted_time", "donation_pairs", "leaves_read_by_compute", "grad_inputs",
            "batch_axes_for", "shard_first_divisible", "grad_stage_names",
            "candidate_batch_axes", "keeps_batch_whole"]
 
@@ -304,24 +305,9 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
     local = trace_local(micro // d)
     if d > 1:
       progress.add("trace", time.perf_counter() - t0, f"{micro // d} rows per device")
-    traced = local.traced
-    problem = ShardingProblem(
-        compute=local.compute, apply=local.apply, num_consts=len(local.consts),
-        leaf_avals=[l.abstract((micro // d, *l.shape[1:]) if l.is_batch else None)
-                    for l in traced.leaves],
-        batch_leaves=[l.is_batch for l in traced.leaves],
-        donation=_apply_donation(local), num_micro_batches=n, batch_axes=S,
-        planned_axes=A, sizes=sizes, cost=cost,
-        seconds_per_flop=option.flop_seconds,
-        seconds_per_byte=option.byte_seconds,
-        allow_all_gather=option.allow_all_gather,
-        allow_all_to_all=option.allow_all_to_all,
-        memory_budget=option.memory_budget_per_device,
-        read_by_compute=leaves_read_by_compute(local),
-        share_layers=option.share_layers,
-        pins={k: spec_axes(spec) for k, spec in pins.items()},
-        accumulate=method.grad_accumulation_dtype,
-        leaf_names=[l.path for l in traced.leaves], keep=keep)
+    problem = sharding_problem(local, method, S, A, sizes, cost, micro // d,
+                               pins={k: spec_axes(spec) for k, spec in pins.items()},
+                               keep=keep)
     try:
       problem.build()
     except PlanError as e:        # a pin no sharding with these batch axes meets
@@ -416,6 +402,56 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
   return plan
 
 
+def sharding_problem(local: SplitStep, method, S, A, sizes, cost: MeshCost, rows: int,
+                     *, pins=None, keep=None) -> ShardingProblem:
+  """The sharding ILP (unbuilt) of ``local`` (the step split at ``rows`` rows
+  per device and micro-batch) with batch axes ``S`` and planned axes ``A``,
+  under ``method``'s costs (its option's; the defaults for a method without
+  one). Every method's plan is priced by this one problem: the ILP's
+  (``plan_auto``), and the presets' with every leaf pinned
+  (``preset.py``)."""
+  from autopar.method import AutoShardingOption
+  option = getattr(method, "option", None) or AutoShardingOption()
+  traced = local.traced
+  return ShardingProblem(
+      compute=local.compute, apply=local.apply, num_consts=len(local.consts),
+      leaf_avals=[l.abstract((rows, *l.shape[1:]) if l.is_batch else None)
+                  for l in traced.leaves],
+      batch_leaves=[l.is_batch for l in traced.leaves],
+      donation=_apply_donation(local), num_micro_batches=method.micro_batches,
+      batch_axes=S, planned_axes=A, sizes=sizes, cost=cost,
+      seconds_per_flop=option.flop_seconds,
+      seconds_per_byte=option.byte_seconds,
+      flop_rates=option.dtype_flop_seconds,
+      allow_all_gather=option.allow_all_gather,
+      allow_all_to_all=option.allow_all_to_all,
+      memory_budget=option.memory_budget_per_device,
+      read_by_compute=leaves_read_by_compute(local),
+      share_layers=option.share_layers, pins=pins or {},
+      accumulate=method.grad_accumulation_dtype,
+      leaf_names=[l.path for l in traced.leaves], keep=keep)
+
+
+def price_layout(local: SplitStep, method, mesh, batch_axes, in_specs,
+                 rows: int) -> tuple[float, dict]:
+  """(objective, stage times) of the plan that splits the batch over
+  ``batch_axes`` and gives each leaf its spec in ``in_specs``, under the
+  model the ILP minimises: a preset's plan priced as ShardParallel's is,
+  so that objectives compare across methods (``autopar.diff``)."""
+  sizes = axis_sizes_of(mesh)
+  option = getattr(method, "option", None)
+  cost = MeshCost(sizes, option.alpha if option else {}, option.beta if option else {})
+  problem = sharding_problem(
+      local, method, tuple(batch_axes), (), sizes, cost, rows,
+      pins={k: spec_axes(spec) for k, (l, spec) in
+            enumerate(zip(local.traced.leaves, in_specs)) if not l.is_batch})
+  if problem.memory_budget is not None:
+    problem.memory_budget = None       # priced, not planned: the budget is not its
+  problem.build()
+  objective = problem.solve()
+  return objective, problem.stage_times()
+
+
 def _cheaper(a: float, b: float) -> bool:
   """Whether cost ``a`` is below ``b`` by more than the model can tell
   apart (0.1 %): of plans that cost the same, the one tried first (the
@@ -453,7 +489,7 @@ def _sync_lower_bound(split: SplitStep, S, A, sizes, cost: MeshCost) -> float:
       else:
         seen[key] = min(grad_sync_costs(aval, A, S, sizes, cost)[1])
     total += seen[key]
-  return total
+  return total + grad_sync_latency(S, cost)
 
 
 def _matmul_flops(any_batch: SplitStep):
@@ -654,4 +690,18 @@ def _plan_from_solution(split, outputs, local, method, mesh, S, sol, stats,
               intermediates=tuple(inter), collectives=tuple(collectives),
               memory_per_device=memory, objective=sol.objective, solver=solver,
               costs=assumed_costs(sizes, method.option), grad_inputs=grad_inputs(split),
+              predicted_time=predicted_time(sol.stage_times),
               in_tree=traced.inputs, mesh=mesh)
+
+
+def predicted_time(times: dict) -> dict:
+  """A plan's predicted seconds per step by stage, from
+  ``ShardingProblem.stage_times``: ``"gradient"`` (every micro-batch's
+  gradient stage together, the gradient sync and ZeRO's gathers
+  included) and ``"apply"``, each with its ``flops``, ``memory`` (traffic
+  over bandwidth), ``roofline`` (the larger) and ``collectives``
+  seconds, and ``total``."""
+  grad = dict(times["compute"])
+  grad["collectives"] += times["sync"] + times["state"]
+  grad["total"] = grad["roofline"] + grad["collectives"]
+  return {"gradient": grad, "apply": dict(times["apply"])}

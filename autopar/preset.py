@@ -35,7 +35,8 @@ from autopar.plan import CollectivePlan, Plan, ValuePlan
 from autopar.planner import (batch_axes_for, batch_spec, candidate_batch_axes,
                              donation_pairs, grad_inputs, grad_stage_names,
                              keeps_batch_whole, leaves_read_by_compute,
-                             shard_first_divisible, spec_axes)
+                             predicted_time, price_layout, shard_first_divisible,
+                             spec_axes)
 from autopar.split import OutputKind, SizedOutputs, SplitStep, depends_on
 
 __all__ = ["plan_preset"]
@@ -141,13 +142,48 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
   if split.has_marker and trace_local is not None and d > 1:
     local = trace_local(traced.micro_batch_size // d)
   memory += _preset_activation_peak(split, local, params, grads, d, zero, n, batch_axes)
+  times = {}
+  if split.has_marker and trace_local is not None:
+    times = _priced(local or trace_local(traced.micro_batch_size // d), method, mesh,
+                    batch_axes, in_specs, traced, zero, collectives, cost, d)
+    objective = times["gradient"]["total"] + times["apply"]["total"]
   return Plan(method=method.name, mesh_axis_names=axis_names_of(mesh),
               mesh_shape=tuple(sizes.values()), num_micro_batches=n,
               batch_axes=batch_axes, inputs=inputs, grads=grads,
               outputs=planned_outputs, collectives=tuple(collectives),
               memory_per_device=memory,
               objective=float(objective), costs=assumed_costs(sizes, option),
-              grad_inputs=grad_inputs(split), in_tree=traced.inputs, mesh=mesh)
+              grad_inputs=grad_inputs(split), predicted_time=times,
+              in_tree=traced.inputs, mesh=mesh)
+
+
+def _priced(local, method, mesh, batch_axes, in_specs, traced, zero, collectives,
+            cost: MeshCost, d: int) -> dict:
+  """The preset plan's predicted time by stage, by the model ShardParallel's
+  ILP minimises (``planner.price_layout``), so that objectives compare
+  across methods. ZeRO updates each device's shard of the state, which
+  the ILP's space does not hold (it gathers a split leaf to use it): its
+  stages are data parallelism's compute, the update's roofline over the
+  ``d`` shards, and the preset's own collectives (``_preset_collectives``,
+  what XLA compiles: the gradients reduce-scattered, the parameters
+  gathered)."""
+  rows = traced.micro_batch_size // d
+  layout = [PartitionSpec(*s) if l.is_batch or not zero else PartitionSpec()
+            for l, s in zip(traced.leaves, in_specs)]
+  _, stage_times = price_layout(local, method, mesh, batch_axes, layout, rows)
+  times = predicted_time(stage_times)
+  if zero:
+    grad, apply = times["gradient"], times["apply"]
+    apply["flops"] /= d
+    apply["memory"] /= d
+    apply["roofline"] = max(apply["flops"], apply["memory"])
+    grad["collectives"] = sum(cost.collective(c.kind, c.bytes, c.axes) * c.per_step
+                              for c in collectives if c.stage != "apply_grad")
+    apply["collectives"] = sum(cost.collective(c.kind, c.bytes, c.axes) * c.per_step
+                               for c in collectives if c.stage == "apply_grad")
+    for t in (grad, apply):
+      t["total"] = t["roofline"] + t["collectives"]
+  return times
 
 
 def _preset_collectives(split, inputs, grads, params, batch_axes, sizes, n, zero,

@@ -17,25 +17,46 @@ def _eqn(fn, *avals):
   return jax.make_jaxpr(fn)(*avals).jaxpr.eqns[0]
 
 
-def test_roofline_prices_memory_bound_work_by_bytes_and_matmuls_by_flops():
+def test_compute_is_priced_at_the_dtype_that_does_the_work():
+  """A matmul at its operands' dtype's peak (an H100's bfloat16 tensor cores
+  are ~15x its float32 rate; the float32 accumulation does not change it),
+  element-wise work at float32's (vector units) whatever its dtype; memory
+  traffic is not the rules' (the ILP counts it at fusion boundaries)."""
   sizes = {"x": 8}
-  # About an H100: 1 PFLOP/s, 3.35 TB/s.
-  ctx = RuleContext(("x",), sizes, MeshCost(sizes), seconds_per_flop=1e-15,
-                    seconds_per_byte=3e-13)
-  x = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
-  costs = {s.out_specs[0]: s.compute for s in strategies_for(_eqn(jnp.exp, x), ctx)}
-  # exp: reads 4 MiB and writes 4 MiB; the flops are negligible at this rate.
-  assert costs[((), ())] == pytest.approx(8 * 2**20 * 3e-13)
-  assert costs[(("x",), ())] == pytest.approx(costs[((), ())] / 8)
-  # A square matmul: 2n^3 flops against 3 n^2 floats, compute bound at n=4096
-  # (memory bound at n=256).
-  for n, bound in ((4096, 2 * 4096**3 * 1e-15), (256, 3 * 256**2 * 4 * 3e-13)):
-    y = jax.ShapeDtypeStruct((n, n), jnp.float32)
-    dot = {s.name: s.compute for s in strategies_for(_eqn(jnp.matmul, y, y), ctx)}
-    assert dot["lhs((), ()) x rhs((), ())"] == pytest.approx(bound)
-  # A replicated element-wise chain is no longer free.
-  ctx0 = RuleContext(("x",), sizes, MeshCost(sizes), seconds_per_flop=1e-15)
-  assert strategies_for(_eqn(jnp.exp, x), ctx0)[0].compute < costs[((), ())] / 100
+  rates = {"float32": 1 / 67e12, "bfloat16": 1 / 989e12}
+  ctx = RuleContext(("x",), sizes, MeshCost(sizes), seconds_per_flop=1 / 67e12,
+                    flop_rates=rates)
+  n = 1024
+  flops = 2 * n ** 3
+  for dtype, rate in (("float32", 67e12), ("bfloat16", 989e12)):
+    y = jax.ShapeDtypeStruct((n, n), jnp.dtype(dtype))
+    dot = {s.name: s.compute for s in strategies_for(
+        _eqn(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32), y, y),
+        ctx)}
+    assert dot["lhs((), ()) x rhs((), ())"] == pytest.approx(flops / rate)
+    assert dot["lhs(('x',), ()) x rhs((), ())"] == pytest.approx(flops / rate / 8)
+    ew = {s.out_specs[0]: s.compute for s in strategies_for(_eqn(jnp.sin, y), ctx)}
+    assert ew[((), ())] == pytest.approx(n * n / 67e12)
+  # Given by hand, seconds_per_flop prices every dtype.
+  plain = RuleContext(("x",), sizes, MeshCost(sizes), seconds_per_flop=1e-12)
+  y = jax.ShapeDtypeStruct((n, n), jnp.bfloat16)
+  dot = strategies_for(_eqn(jnp.matmul, y, y), plain)[0]
+  assert dot.compute == pytest.approx(flops * 1e-12)
+
+
+def test_module_cost_counts_loop_trips():
+  """XLA's cost_analysis counts a loop body once; hlo.module_cost counts it
+  its trips (the roofline plan.check judges by)."""
+  def one(x, w):
+    return jnp.tanh(x @ w)
+
+  def looped(x, w):
+    return jax.lax.scan(lambda c, _: (one(c, w), None), x, None, length=10)[0]
+  x = jnp.ones((256, 256))
+  f1, b1 = hlo.module_cost(jax.jit(one).lower(x, x).compile())
+  f10, b10 = hlo.module_cost(jax.jit(looped).lower(x, x).compile())
+  assert f10 == pytest.approx(10 * f1, rel=0.01)
+  assert b10 == pytest.approx(10 * b1, rel=0.1)
 
 
 def test_memory_bandwidth_comes_from_the_device_kind():
@@ -86,16 +107,35 @@ METHODS = {
     "Zero3Parallel": lambda m: autopar.Zero3Parallel(mesh=m, num_micro_batches=2),
     "ShardParallel": lambda m: autopar.ShardParallel(mesh=m, num_micro_batches=2),
 }
-# Where the prediction is known to miss, and why (docs/planner.md): none
-# now. Anything off by more is a failure, and so is a listed miss that no
-# longer misses (the table is then out of date).
-KNOWN_MISSES: dict = {}
+# Where the prediction is known to miss, and why (docs/planner.md). Anything
+# off by more is a failure, and so is a listed miss that no longer misses
+# (the table is then out of date).
+#  * time, ZeRO-2/3: the compiled module reduce-scatters and gathers leaf by
+#    leaf (XLA does not combine them as it does all-reduces), a latency each,
+#    and its update moves more than 1/d of data parallelism's; the preset's
+#    price counts each collective kind once.
+#  * time, scanned GPT: the loop bodies' memory traffic (their slices of the
+#    stacked layers, the carries) is under-counted by the fusion model.
+#  * conv net: XLA:CPU's convolutions read their operands in more passes
+#    than the fusion model counts (x1.19 under data parallelism); on 2 x 4
+#    ShardParallel's plan splits features over "model" and XLA gathers
+#    twice the bytes the plan predicts there (16 vs 34 KiB per micro-batch).
+KNOWN_MISSES: dict = {
+    **{(m, z): "time" for m in ("mlp", "gpt", "scanned gpt", "conv")
+       for z in ("Zero2Parallel", "Zero3Parallel") if (m, z) != ("mlp", "Zero2Parallel")},
+    ("scanned gpt", "DataParallel"): "time", ("scanned gpt", "ShardParallel"): "time",
+    ("conv", "DataParallel"): "time", ("conv", "ShardParallel"): {"time", "bytes"},
+}
+# The time column's tolerance (issue 32 asks for 15 %).
+TIME_TOLERANCE = 0.15
 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_plan_check_prediction_equals_compilation(model):
-  """Collectives within 10 % of bytes (by kind and mesh axes) and peak
-  memory within 15 %, on a mesh of 8 and of 2 x 4, under every method."""
+  """Collectives within 10 % of bytes (by kind and mesh axes), peak memory
+  within 15 % and time per step (the roofline of the compiled modules with
+  the plan's constants) within 15 %, on a mesh of 8 and of 2 x 4, under
+  every method."""
   make_state, step, batch = MODELS[model]()
   state = make_state()
   misses, report = {}, []
@@ -104,11 +144,14 @@ def test_plan_check_prediction_equals_compilation(model):
       exe = autopar.parallelize(step, method=method(mesh)).get_executable(state, batch)
       result = exe.plan.check(exe)
       assert result.compiled_bytes > 0
-      for d in result.differences():
-        kind = "memory" if d.startswith("peak memory") else "bytes"
+      assert result.times and result.predicted_time == pytest.approx(exe.plan.objective, rel=1e-3)
+      for d in result.differences(time_tolerance=TIME_TOLERANCE):
+        kind = ("memory" if d.startswith("peak memory") else
+                "time" if d.startswith("time") else "bytes")
         misses.setdefault(name, set()).add(kind)
         report.append(f"{name} {dict(mesh.shape)}: {d}")
-  expected = {name: {kind} for (m, name), kind in KNOWN_MISSES.items() if m == model}
+  expected = {name: {kind} if isinstance(kind, str) else set(kind)
+              for (m, name), kind in KNOWN_MISSES.items() if m == model}
   assert misses == expected, "\n".join(report)
 
 

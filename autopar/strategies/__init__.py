@@ -9,8 +9,8 @@ functions registered per primitive name::
     def _transpose(eqn, ctx): ...
 
 A primitive without a rule gets :func:`replicated_fallback`: every operand
-gathered whole and the equation run on each device, priced as the roofline
-of all of it. That is correct for any primitive (each device computes what
+gathered whole and the equation run on each device, priced as all of its
+work on each. That is correct for any primitive (each device computes what
 one device would), only without parallelism for that equation; the planner
 warns once a plan with the primitives it ran so (:func:`missing_rules`).
 
@@ -37,7 +37,7 @@ from autopar.retype import jaxprs_in
 from autopar.trace import INLINED_CALLS
 
 __all__ = ["Spec", "Strategy", "RuleContext", "register", "strategies_for",
-           "enumerate_specs", "grad_sync_costs", "replicated", "shard_count",
+           "enumerate_specs", "grad_sync_costs", "grad_sync_latency", "replicated", "shard_count",
            "local_bytes", "to_partition_spec", "RULES", "missing_rules",
            "replicated_fallback", "warn_missing_rules", "PLANNED_THROUGH", "REGIONS"]
 
@@ -98,12 +98,21 @@ def enumerate_specs(shape: Sequence[int], axes: Sequence[str],
 def grad_sync_costs(aval, planned_axes: Sequence[str], batch_axes: Sequence[str],
                     sizes: Mapping[str, int], cost: MeshCost
                     ) -> tuple[list[Spec], list[float]]:
-  """A gradient's specs over the planned axes, and the seconds of its
-  all-reduce over the batch axes at each (the ILP's grad nodes; the
-  planner's cost lower bound takes their minimum)."""
+  """A gradient's specs over the planned axes, and the bandwidth seconds
+  of its all-reduce over the batch axes at each (the ILP's grad nodes; the
+  planner's cost lower bound takes their minimum). XLA combines the
+  gradients' all-reduces into few, so the latency is paid once for all of
+  them (:func:`grad_sync_latency`), not per gradient."""
   specs = enumerate_specs(aval.shape, planned_axes, sizes)
-  return specs, [cost.all_reduce(local_bytes(aval, s, sizes), batch_axes)
+  latency = grad_sync_latency(batch_axes, cost)
+  return specs, [cost.all_reduce(local_bytes(aval, s, sizes), batch_axes) - latency
                  for s in specs]
+
+
+def grad_sync_latency(batch_axes: Sequence[str], cost: MeshCost) -> float:
+  """The latency of one all-reduce over the batch axes: what the combined
+  gradient sync pays once a step (0 with no batch axes)."""
+  return cost.latency("all-reduce", batch_axes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,27 +139,37 @@ class Strategy:
 class RuleContext:
   """What a rule needs to know: the planned axes and the cost model.
 
-  Compute is costed by a roofline: an operation takes the larger of its
-  flops over the peak rate and the bytes it reads and writes over the
-  memory bandwidth (``seconds_per_byte``), so element-wise and reduction
-  work is memory bound and large matmuls compute bound.
+  A rule prices an equation's flops, each at the rate of the dtype that
+  does the work (:meth:`flop_seconds`): a matmul or convolution at its
+  operands' (bfloat16 on an H100's tensor cores, ~15x float32's),
+  element-wise and reduction work at float32's (vector units). Memory
+  traffic is not the rules': XLA fuses element-wise chains, so the bytes
+  an equation moves depend on its neighbours, and the ILP counts them at
+  fusion boundaries (``ilp_graph.py``).
+
+  Attributes:
+    seconds_per_flop: seconds per flop for a dtype not in ``flop_rates``.
+    flop_rates: dtype name -> seconds per flop (from the device kind or a
+      calibration); empty when ``seconds_per_flop`` was given by hand.
   """
   axes: tuple[str, ...]
   sizes: Mapping[str, int]
   cost: MeshCost
   seconds_per_flop: float = 1e-12
-  seconds_per_byte: float = 0.0
+  flop_rates: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
-  def compute(self, flops: float, spec_or_shards, nbytes: float = 0.0) -> float:
-    """Seconds per device for ``flops`` and ``nbytes`` of memory traffic
-    (whole arrays) split evenly over the shards of ``spec_or_shards``."""
+  def flop_seconds(self, dtype=None) -> float:
+    """Seconds per flop of work in ``dtype`` (None: float32, the vector
+    units' rate for element-wise work)."""
+    name = "float32" if dtype is None else str(dtype)
+    return self.flop_rates.get(name, self.seconds_per_flop)
+
+  def compute(self, flops: float, spec_or_shards, dtype=None) -> float:
+    """Seconds per device for ``flops`` (of the whole array) split evenly
+    over the shards of ``spec_or_shards``, at ``dtype``'s rate."""
     shards = spec_or_shards if isinstance(spec_or_shards, int) else \
         shard_count(spec_or_shards, self.sizes)
-    return self.roofline(flops / shards, nbytes / shards)
-
-  def roofline(self, flops: float, nbytes: float) -> float:
-    """Seconds for ``flops`` and ``nbytes`` of memory traffic on one device."""
-    return max(self.seconds_per_flop * flops, self.seconds_per_byte * nbytes)
+    return self.flop_seconds(dtype) * flops / shards
 
 
 Rule = Callable[..., list[Strategy]]
@@ -173,16 +192,13 @@ def register(*names: str):
 
 def replicated_fallback(eqn, ctx: RuleContext) -> list[Strategy]:
   """Every operand whole on every device, the equation run on each: its
-  cost the roofline of an element of work per output element and every
-  operand and output moved once (the reshards into it are the ILP's)."""
+  cost a flop per output element (its memory traffic is the ILP's, as for
+  every equation; the reshards into it too)."""
   outs = tuple(replicated(len(v.aval.shape)) for v in eqn.outvars)
   ins = tuple(None if isinstance(v, Literal) else replicated(len(v.aval.shape))
               for v in eqn.invars)
-  flops = sum(math.prod(v.aval.shape) for v in eqn.outvars)
-  traffic = sum(math.prod(v.aval.shape) * itemsize(v.aval.dtype)
-                for v in (*eqn.invars, *eqn.outvars)
-                if not isinstance(v, Literal) and hasattr(v.aval, "shape"))
-  return [Strategy("replicated", outs, ins, compute=ctx.roofline(flops, traffic))]
+  flops = sum(math.prod(getattr(v.aval, "shape", ())) for v in eqn.outvars)
+  return [Strategy("replicated", outs, ins, compute=ctx.compute(flops, 1))]
 
 
 # autopar's own: the loss's cotangents (loss.py), a few small values.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 
+from autopar.cost_model import itemsize
 from autopar.strategies import RuleContext, Strategy, local_bytes, register
 
 
@@ -19,11 +20,12 @@ def dot_flops(lhs_shape, out_shape, contracting) -> int:
   return 2 * math.prod(out_shape) * math.prod(lhs_shape[d] for d in contracting)
 
 
-def _roofline(ctx: RuleContext, flops: float, avals, specs) -> float:
-  """Seconds on one device: its flops, or reading its operands' shards and
-  writing its output's, whichever takes longer."""
-  return ctx.roofline(flops, sum(local_bytes(a, tuple(s), ctx.sizes)
-                                 for a, s in zip(avals, specs)))
+def work_dtype(*avals) -> str:
+  """The dtype a matmul or convolution runs at: its operands' (the slower
+  of the two where they differ). The accumulation type
+  (``preferred_element_type``) does not set the rate: bfloat16 operands
+  with float32 accumulation run at bfloat16's peak."""
+  return max((str(a.dtype) for a in avals), key=lambda d: itemsize(d))
 
 
 @register("dot_general")
@@ -73,7 +75,7 @@ def dot_general(eqn, ctx: RuleContext) -> list[Strategy]:
     strategies.append(Strategy(
         name=f"lhs{tuple(lspec)} x rhs{tuple(rspec)}",
         out_specs=(ospec,), in_specs=(tuple(lspec), tuple(rspec)),
-        compute=_roofline(ctx, flops / shards, (lhs, rhs, out), (lspec, rspec, ospec)),
+        compute=ctx.compute(flops, shards, work_dtype(lhs, rhs)),
         comm=comm, collectives=colls))
   return strategies
 
@@ -113,6 +115,6 @@ def conv_general_dilated(eqn, ctx: RuleContext) -> list[Strategy]:
     strategies.append(Strategy(
         f"conv lhs{tuple(lspec)} x rhs{tuple(rspec)}", (tuple(ospec),),
         (tuple(lspec), tuple(rspec)),
-        compute=_roofline(ctx, flops / shards, (lhs, rhs, out), (lspec, rspec, ospec)),
+        compute=ctx.compute(flops, shards, work_dtype(lhs, rhs)),
         comm=comm, collectives=colls))
   return strategies

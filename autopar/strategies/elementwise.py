@@ -6,7 +6,6 @@ import math
 
 from jax.extend.core import Literal
 
-from autopar.cost_model import itemsize
 from autopar.strategies import RuleContext, Strategy, enumerate_specs, register
 
 ELEMENTWISE = (
@@ -41,9 +40,6 @@ def bitcast(eqn, ctx: RuleContext) -> list[Strategy]:
 def elementwise(eqn, ctx: RuleContext) -> list[Strategy]:
   out = eqn.outvars[0].aval
   size = math.prod(out.shape)
-  # Memory traffic: every operand read once, every output written once.
-  traffic = sum(math.prod(v.aval.shape) * itemsize(v.aval.dtype)
-                for v in (*eqn.invars, *eqn.outvars) if not isinstance(v, Literal))
   strategies = []
   for spec in enumerate_specs(out.shape, ctx.axes, ctx.sizes):
     ins = []
@@ -60,5 +56,5 @@ def elementwise(eqn, ctx: RuleContext) -> list[Strategy]:
         ins.append(((),) * len(v.aval.shape))
     outs = tuple(spec for _ in eqn.outvars)
     strategies.append(Strategy(str(spec), outs, tuple(ins),
-                               compute=ctx.compute(size * len(eqn.invars), spec, traffic)))
+                               compute=ctx.compute(size, spec)))
   return strategies

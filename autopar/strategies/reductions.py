@@ -4,16 +4,8 @@ from __future__ import annotations
 
 import math
 
-from autopar.cost_model import num_bytes
-
 from autopar.strategies import (RuleContext, Strategy, enumerate_specs,
                                 local_bytes, register)
-
-
-def _traffic(eqn) -> float:
-  """Bytes a reduction reads and writes (whole arrays)."""
-  return float(sum(num_bytes(v.aval.shape, v.aval.dtype)
-                   for v in (*eqn.invars, *eqn.outvars)))
 
 
 @register("reduce_sum", "reduce_max", "reduce_min", "reduce_and", "reduce_or",
@@ -25,7 +17,6 @@ def reduce(eqn, ctx: RuleContext) -> list[Strategy]:
   # A product's partial results could be all-reduced with `mul`, but XLA's
   # partitioner does not always; keep its reduced dims whole.
   fixed = tuple(axes) if eqn.primitive.name == "reduce_prod" else ()
-  traffic = _traffic(eqn)
   strategies = []
   for spec in enumerate_specs(op.shape, ctx.axes, ctx.sizes, fixed=fixed):
     ospec = tuple(e for d, e in enumerate(spec) if d not in axes)
@@ -36,7 +27,7 @@ def reduce(eqn, ctx: RuleContext) -> list[Strategy]:
       comm = ctx.cost.all_reduce(b, reduced)
       colls = (("all-reduce", reduced, b),)
     strategies.append(Strategy(str(spec), (ospec,), (spec,),
-                               compute=ctx.compute(math.prod(op.shape), spec, traffic),
+                               compute=ctx.compute(math.prod(op.shape), spec),
                                comm=comm, collectives=colls))
   return strategies
 
@@ -45,11 +36,9 @@ def reduce(eqn, ctx: RuleContext) -> list[Strategy]:
 def arg_reduce(eqn, ctx: RuleContext) -> list[Strategy]:
   op = eqn.invars[0].aval
   axes = tuple(eqn.params["axes"])
-  traffic = _traffic(eqn)
   strategies = []
   for spec in enumerate_specs(op.shape, ctx.axes, ctx.sizes, fixed=axes):
     ospec = tuple(e for d, e in enumerate(spec) if d not in axes)
     strategies.append(Strategy(str(spec), (ospec,), (spec,),
-                               compute=ctx.compute(math.prod(op.shape), spec,
-                                                   traffic)))
+                               compute=ctx.compute(math.prod(op.shape), spec)))
   return strategies
