@@ -95,7 +95,16 @@ def solver_lines(plan: "Plan") -> list[str]:
         f"{a}: alpha {c['alpha'][a]:.3g} s, {1 / c['beta'][a] / 1e9:.3g} GB/s"
         for a in plan.axis_sizes if c["beta"].get(a)) +
         (f"; memory budget {format_bytes(budget)}" if budget else "") +
-        (f"; device kind {c['device_kind']}" if c.get("device_kind") else ""))
+        (f"; device kind {c['device_kind']}" if c.get("device_kind") else
+         "; no device kind: what was not given by hand is the defaults (1 TFLOP/s, "
+         "50 GB/s memory, 1 us and 10 GB/s per collective step), not a real "
+         "device's; name one with AutoShardingOption(device_kind=...)"))
+  if plan.predicted_time:
+    t = plan.predicted_time
+    lines.append("predicted time per step: " + "; ".join(
+        f"{s} {t[s]['total'] * 1e6:.1f} us (flops {t[s]['flops'] * 1e6:.1f}, memory "
+        f"{t[s]['memory'] * 1e6:.1f}, collectives {t[s]['collectives'] * 1e6:.1f})"
+        for s in ("gradient", "apply") if s in t))
   return lines
 
 
