@@ -14,6 +14,13 @@ compiled stages:
   passing it in (the rest of the state, the partial sums carried from the
   previous stage).
 
+* time, per stage ("gradient": every gradient stage of the schedule;
+  "apply"), as the roofline of the compiled modules: flops and bytes
+  accessed (``hlo.module_cost``: XLA's ``cost_analysis()``, loops counted
+  their trips) over the plan's seconds per flop and memory bandwidth, the
+  larger of the two, plus every collective of the HLO priced by the
+  plan's α-β (``MeshCost``), against the plan's ``predicted_time``.
+
 Collectives are compared per (phase, kind, axes), where the phase is "per
 micro-batch" (every gradient stage), "apply" (``apply_grad``) or "step"
 (a step with no gradient marker): XLA fuses and splits collectives, so
@@ -27,7 +34,7 @@ import math
 from typing import TYPE_CHECKING, Any, Sequence
 
 from autopar import hlo
-from autopar.cost_model import ring_bytes_sent
+from autopar.cost_model import MeshCost, ring_bytes_sent
 from autopar.errors import PlanError
 from autopar.tools.text import axes_str, format_bytes, format_rows
 
@@ -67,6 +74,23 @@ class PlanCheck:
   predicted_memory: int
   compiled_memory: int
   stage_memory: tuple[tuple[str, int], ...] = ()
+  # (stage, predicted seconds, compiled seconds) per step: "gradient", "apply"
+  times: tuple[tuple[str, float, float], ...] = ()
+
+  @property
+  def predicted_time(self) -> float:
+    return sum(p for _, p, _ in self.times)
+
+  @property
+  def compiled_time(self) -> float:
+    return sum(c for _, _, c in self.times)
+
+  @property
+  def time_ratio(self) -> float:
+    """Compiled / predicted seconds per step (1.0 where not predicted)."""
+    if not self.times or self.predicted_time == 0:
+      return 1.0
+    return self.compiled_time / self.predicted_time
 
   @property
   def predicted_bytes(self) -> float:
@@ -89,7 +113,8 @@ class PlanCheck:
     return self.compiled_memory / max(self.predicted_memory, 1)
 
   def differences(self, bytes_tolerance: float = 0.10, memory_tolerance: float = 0.15,
-                  min_bytes: float = 4096) -> list[str]:
+                  min_bytes: float = 4096, time_tolerance: float | None = None
+                  ) -> list[str]:
     """What is off by more than the tolerances: each (phase, kind, axes)
     whose bytes differ by more than ``bytes_tolerance`` of the step's
     predicted bytes (rows under ``min_bytes`` both ways are ignored: the
@@ -106,6 +131,11 @@ class PlanCheck:
       out.append(f"bytes sent per step: predicted {format_bytes(self.predicted_bytes)}, "
                  f"compiled {format_bytes(self.compiled_bytes)} "
                  f"(x{self.bytes_ratio:.2f})")
+    if time_tolerance is not None and abs(self.time_ratio - 1) > time_tolerance:
+      out.append(f"time per step: predicted {self.predicted_time * 1e6:.1f} us, "
+                 f"compiled {self.compiled_time * 1e6:.1f} us (x{self.time_ratio:.2f}): "
+                 + ", ".join(f"{s} {p * 1e6:.1f} / {c * 1e6:.1f} us"
+                             for s, p, c in self.times))
     if abs(self.memory_ratio - 1) > memory_tolerance:
       out.append(f"peak memory per device: predicted "
                  f"{format_bytes(self.predicted_memory)}, compiled "
@@ -129,6 +159,12 @@ class PlanCheck:
     if self.stage_memory:
       lines.append("  by stage: " + ", ".join(f"{s} {format_bytes(b)}"
                                              for s, b in self.stage_memory))
+    if self.times:
+      lines.append(f"time per step: predicted {self.predicted_time * 1e6:.1f} us, "
+                   f"compiled roofline {self.compiled_time * 1e6:.1f} us "
+                   f"(x{self.time_ratio:.2f})")
+      lines.append("  by stage: " + ", ".join(f"{s} {p * 1e6:.1f} / {c * 1e6:.1f} us"
+                                             for s, p, c in self.times))
     return "\n".join(lines)
 
 
@@ -174,9 +210,37 @@ def check(plan: "Plan", executable: Any) -> PlanCheck:
                for k in sorted(set(predicted) | set(compiled)))
   held = sum(v.bytes_per_device(sizes) for v in plan.inputs)
   by_stage = compiled_step_memory(stages, schedule, held)
+  times = ()
+  if plan.predicted_time:
+    compiled_t = compiled_times(plan, stages, schedule)
+    times = tuple((s, float(plan.predicted_time[s]["total"]), compiled_t.get(s, 0.0))
+                  for s in ("gradient", "apply") if s in plan.predicted_time)
   return PlanCheck(collectives=rows, predicted_memory=int(plan.memory_per_device),
                    compiled_memory=max((b for _, b in by_stage), default=0),
-                   stage_memory=by_stage)
+                   stage_memory=by_stage, times=times)
+
+
+def compiled_times(plan: "Plan", stages, schedule: Sequence[str]) -> dict[str, float]:
+  """Seconds per step of the compiled stages by the plan's own constants:
+  per stage run, max(flops x seconds per flop, bytes accessed x seconds
+  per byte) plus its collectives by α-β; "gradient" sums the gradient
+  stages, "apply" is ``apply_grad``."""
+  c = plan.costs
+  spf = float(c.get("seconds_per_flop", 1e-12))
+  spb = float(c.get("seconds_per_byte", 0.0))
+  cost = MeshCost(plan.axis_sizes, c.get("alpha", {}), c.get("beta", {}))
+  names, shape = plan.mesh_axis_names, plan.mesh_shape
+  out: dict[str, float] = {}
+  for stage in schedule:
+    flops, nbytes = hlo.module_cost(stages[stage])
+    t = max(flops * spf, nbytes * spb)
+    for coll in hlo.collectives(stages[stage]):
+      if coll.group_size > 1:
+        axes = coll.mesh_axes(names, shape) or names
+        t += cost.collective(coll.kind, coll.operand_bytes, axes) * coll.count
+    key = "apply" if stage == "apply_grad" else "gradient"
+    out[key] = out.get(key, 0.0) + t
+  return out
 
 
 def compiled_step_memory(stages, schedule: Sequence[str],
