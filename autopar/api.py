@@ -38,6 +38,7 @@ from autopar.pytrees import Partition
 from autopar.calibrate import measured_option
 from autopar.devices import dominant_float_dtype, hardware_option
 from autopar.remat import remat_mode
+from autopar.tools.check import compiled_peak
 from autopar.tools.explain import Replanner
 from autopar.planner import Progress, batch_axes_for, plan_auto
 from autopar.preset import plan_preset
@@ -548,66 +549,114 @@ class ParallelizedFunction:
         exe = PipelineExecutable(plan=plan, step=step, static_argnums=prep.flags.static)
         self._executables[prep.key] = exe
         return exe
-      plan, micro = self._plan(prep)
-      with _gc_paused():
-        split = self._split(prep, micro)
-      mesh = resolve_mesh(self.method)
-      if isinstance(mesh, AbstractMesh):
-        raise PlanError(
-            f"{self._name}: the method's mesh is an AbstractMesh, which can be "
-            f"planned for but not run on. Fix: use .plan(*args) to plan, and run "
-            f"with a concrete mesh (jax.make_mesh or autopar.global_mesh).")
-      split_local = split
-      data_size = math.prod(plan.axis_sizes[a] for a in plan.batch_axes)
-      if split.has_marker and data_size > 1:
-        split_local = self._split(prep, split.traced.micro_batch_size // data_size)
-      # apply_grad runs once per step, on the whole batch's shapes (an output
-      # such as jnp.arange(batch.shape[0]) has the whole batch's length).
-      whole = micro * plan.num_micro_batches
-      if whole == micro:
-        apply = split.apply
-      elif self._symbolic(prep) is not None:
-        apply = apply_at(self._symbolic(prep), whole)
-      else:
-        apply = self._split(prep, whole).apply
-      # Each group (a device's rows of a micro-batch) seeds the loss with the
-      # whole batch's cotangents (loss.py), computed at the whole batch's size.
-      scale = None
-      if split.loss is not None and plan.num_micro_batches * data_size > 1:
-        if self._symbolic(prep) is not None:
-          scale = scale_at(self._symbolic(prep), whole)
-        else:
-          local, at_whole = split_local.loss, self._split(prep, whole).loss
-          check_loss(local, self._name, f"{plan.num_micro_batches} micro-batch(es) x "
-                     f"{data_size} device(s) along {plan.batch_axes}")
-          if (local.kinds, local.sum_ops) != (at_whole.kinds, at_whole.sum_ops):
-            raise InputError(
-                f"{self._name}: the loss of {local.name} is computed from other sums "
-                f"at {split_local.traced.micro_batch_size} rows (a device's share of "
-                f"a micro-batch) than at the whole batch's {whole} (its program "
-                f"changes with the batch size, and the step cannot be traced at a "
-                f"symbolic one), so autopar cannot give each device the whole "
-                f"batch's gradient. Fix: keep the loss's program the same for every "
-                f"batch size, or say how the loss combines with "
-                f"parallelize(..., output_reductions={{'loss': 'mean'}}).")
-          scale = at_whole.scale
-      if scale is not None and split.loss.forward_sums:
-        warnings.warn(
-            f"autopar: the gradient of the loss of {split.loss.name} needs sums over "
-            f"the rows that depend on the parameters (a ratio or a log of such sums, "
-            f"or a parameter-dependent factor of one) over the whole batch; to give "
-            f"each device the whole batch's gradient, a first pass runs the forward "
-            f"pass once more per step (stage 'loss_sums').", stacklevel=3)
-      # autopar's stages compute on meshes of their own: a mesh the caller
-      # set (jax.set_mesh) applies to the step's own code, not to them.
-      with jax.set_mesh(None):
-        lowered = lower_step(dataclasses.replace(split, apply=apply), split_local,
-                             plan, mesh, accumulate=self.method.grad_accumulation_dtype,
-                             scale=scale)
-      exe = Executable(plan=plan, lowered=lowered, split=split,
-                       static_argnums=prep.flags.static)
+      exe = self._within_budget(prep, self._compile(prep))
       self._executables[prep.key] = exe
       return exe
+
+  def _compile(self, prep: _Prepared) -> Executable:
+    """The step planned and compiled under ``self.method`` (SPMD methods)."""
+    plan, micro = self._plan(prep)
+    with _gc_paused():
+      split = self._split(prep, micro)
+    mesh = resolve_mesh(self.method)
+    if isinstance(mesh, AbstractMesh):
+      raise PlanError(
+          f"{self._name}: the method's mesh is an AbstractMesh, which can be "
+          f"planned for but not run on. Fix: use .plan(*args) to plan, and run "
+          f"with a concrete mesh (jax.make_mesh or autopar.global_mesh).")
+    split_local = split
+    data_size = math.prod(plan.axis_sizes[a] for a in plan.batch_axes)
+    if split.has_marker and data_size > 1:
+      split_local = self._split(prep, split.traced.micro_batch_size // data_size)
+    # apply_grad runs once per step, on the whole batch's shapes (an output
+    # such as jnp.arange(batch.shape[0]) has the whole batch's length).
+    whole = micro * plan.num_micro_batches
+    if whole == micro:
+      apply = split.apply
+    elif self._symbolic(prep) is not None:
+      apply = apply_at(self._symbolic(prep), whole)
+    else:
+      apply = self._split(prep, whole).apply
+    # Each group (a device's rows of a micro-batch) seeds the loss with the
+    # whole batch's cotangents (loss.py), computed at the whole batch's size.
+    scale = None
+    if split.loss is not None and plan.num_micro_batches * data_size > 1:
+      if self._symbolic(prep) is not None:
+        scale = scale_at(self._symbolic(prep), whole)
+      else:
+        local, at_whole = split_local.loss, self._split(prep, whole).loss
+        check_loss(local, self._name, f"{plan.num_micro_batches} micro-batch(es) x "
+                   f"{data_size} device(s) along {plan.batch_axes}")
+        if (local.kinds, local.sum_ops) != (at_whole.kinds, at_whole.sum_ops):
+          raise InputError(
+              f"{self._name}: the loss of {local.name} is computed from other sums "
+              f"at {split_local.traced.micro_batch_size} rows (a device's share of "
+              f"a micro-batch) than at the whole batch's {whole} (its program "
+              f"changes with the batch size, and the step cannot be traced at a "
+              f"symbolic one), so autopar cannot give each device the whole "
+              f"batch's gradient. Fix: keep the loss's program the same for every "
+              f"batch size, or say how the loss combines with "
+              f"parallelize(..., output_reductions={{'loss': 'mean'}}).")
+        scale = at_whole.scale
+    if scale is not None and split.loss.forward_sums:
+      warnings.warn(
+          f"autopar: the gradient of the loss of {split.loss.name} needs sums over "
+          f"the rows that depend on the parameters (a ratio or a log of such sums, "
+          f"or a parameter-dependent factor of one) over the whole batch; to give "
+          f"each device the whole batch's gradient, a first pass runs the forward "
+          f"pass once more per step (stage 'loss_sums').", stacklevel=3)
+    # autopar's stages compute on meshes of their own: a mesh the caller
+    # set (jax.set_mesh) applies to the step's own code, not to them.
+    with jax.set_mesh(None):
+      lowered = lower_step(dataclasses.replace(split, apply=apply), split_local,
+                           plan, mesh, accumulate=self.method.grad_accumulation_dtype,
+                           scale=scale)
+    return Executable(plan=plan, lowered=lowered, split=split,
+                      static_argnums=prep.flags.static)
+
+  def _within_budget(self, prep: _Prepared, exe: Executable) -> Executable:
+    """``exe``, if what its compiled stages hold per device (arguments,
+    outputs not aliased, temporaries, and what the step keeps between
+    stages: ``tools.check.compiled_step_memory``) is within the method's
+    ``memory_budget_per_device``. Else the step is planned again with the
+    planning budget scaled down by how far the compiled peak missed, up to
+    ``_BUDGET_TRIES`` times; a ``PlanError`` names the smallest compiled
+    peak found if no plan fits. The ILP's memory model is XLA's
+    approximately; this holds the budget on what the devices hold."""
+    method = self.method
+    option = getattr(method, "option", None)
+    budget = getattr(option, "memory_budget_per_device", None)
+    if budget is None or not isinstance(method, ShardParallel) or method.plan is not None:
+      return exe
+    planning, tried = float(budget), []
+    for attempt in range(_BUDGET_TRIES + 1):
+      peak = compiled_peak(exe.plan, exe.stages, exe.schedule)
+      tried.append((planning, peak))
+      if peak <= budget:
+        return exe
+      if attempt == _BUDGET_TRIES:
+        break
+      planning *= budget / peak
+      retry = self.with_method(dataclasses.replace(method, option=dataclasses.replace(
+          option, memory_budget_per_device=planning)))
+      try:
+        exe = retry._compile(prep)
+      except PlanError:
+        break                       # no plan within the smaller planning budget
+    smallest = min(p for _, p in tried)
+    raise PlanError(
+        f"{self._name}: no plan found whose compiled step fits memory_budget_per_device="
+        f"{budget:.0f} bytes on mesh {axis_sizes_of(resolve_mesh(method))}: "
+        f"the compiled peaks per device were "
+        f"{', '.join(f'{p:.0f}' for _, p in tried)} bytes (planned within "
+        f"{', '.join(f'{b:.0f}' for b, _ in tried)}); the smallest is {smallest:.0f}. "
+        f"Fix: raise memory_budget_per_device to at least {smallest:.0f}, use more "
+        f"micro-batches, remat, or a larger mesh.")
+
+
+# Plans tried again, with a smaller planning budget, when the compiled step
+# holds more than memory_budget_per_device (ParallelizedFunction._within_budget).
+_BUDGET_TRIES = 3
 
 
 def _check_not_donated(prep: _Prepared, name: str) -> None:

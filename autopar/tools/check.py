@@ -41,7 +41,7 @@ from autopar.tools.text import axes_str, format_bytes, format_rows
 if TYPE_CHECKING:
   from autopar.plan import Plan
 
-__all__ = ["CollectiveCheck", "PlanCheck", "check"]
+__all__ = ["CollectiveCheck", "PlanCheck", "check", "compiled_peak", "compiled_step_memory"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +241,14 @@ def compiled_times(plan: "Plan", stages, schedule: Sequence[str]) -> dict[str, f
     key = "apply" if stage == "apply_grad" else "gradient"
     out[key] = out.get(key, 0.0) + t
   return out
+
+
+def compiled_peak(plan: "Plan", stages, schedule: Sequence[str]) -> int:
+  """The most bytes per device the compiled step holds while a stage runs
+  (:func:`compiled_step_memory`, the step's inputs as ``plan`` shards
+  them)."""
+  held = sum(v.bytes_per_device(plan.axis_sizes) for v in plan.inputs)
+  return max((b for _, b in compiled_step_memory(stages, schedule, held)), default=0)
 
 
 def compiled_step_memory(stages, schedule: Sequence[str],
