@@ -370,8 +370,52 @@ def _direct_cost(lines: list[str], comps: dict[str, list[str]],
       flops += math.prod(types.get(operands[0], [("f32", ())])[0][1])
     if fused or op in _FREE:
       continue
-    nbytes += _nbytes(arrays) + sum(_nbytes(types.get(o, ())) for o in operands)
+    sizes = [_nbytes(types.get(o, ())) for o in operands]
+    out = _nbytes(arrays)
+    if op == "fusion" and called(line):
+      sizes, out = _in_place(comps.get(called(line)[0], ()), sizes, out)
+    elif op == "dynamic-slice" and sizes:
+      sizes[0] = out                  # reads only the slice
+    elif op == "dynamic-update-slice" and len(sizes) > 1:
+      sizes[0], out = 0, sizes[1]     # in place: the update read and written
+    nbytes += out + sum(sizes)
   return flops, nbytes
+
+
+def _in_place(lines, sizes: list[int], out: int) -> tuple[list[int], int]:
+  """A fusion's operand and result bytes as XLA's cost analysis counts
+  them: an operand that only dynamic slices read counts their slices, and
+  a dynamic-update-slice root updates its buffer in place (the buffer
+  operand is not read, the update is what is written)."""
+  types: dict[str, list] = {}
+  params: dict[str, int] = {}
+  readers: dict[str, list[tuple[str, int, list]]] = {}
+  root = None
+  for line in lines:
+    m = _DEF.match(line)
+    if not m:
+      continue
+    name, op = m.group("name"), m.group("op")
+    types[name] = _dims(m.group("type"))
+    if op == "parameter":
+      params[name] = int(m.group("args") or 0)
+    args = [a.strip().lstrip("%") for a in m.group("args").split(",") if a.strip()]
+    for k, a in enumerate(args):
+      readers.setdefault(a, []).append((op, k, types[name]))
+    if line.lstrip().startswith("ROOT"):
+      root = (op, args)
+  sizes = list(sizes)
+  for name, k in params.items():
+    rs = readers.get(name, ())
+    if k < len(sizes) and rs and all(op == "dynamic-slice" and pos == 0
+                                     for op, pos, _ in rs):
+      sizes[k] = sum(_nbytes(t) for _, _, t in rs)
+  if root is not None and root[0] == "dynamic-update-slice" and len(root[1]) > 1:
+    buffer, update = root[1][0], root[1][1]
+    if buffer in params and params[buffer] < len(sizes):
+      sizes[params[buffer]] = 0
+      out = _nbytes(types.get(update, ()))
+  return sizes, out
 
 
 def module_cost(compiled: Any) -> tuple[float, float]:

@@ -219,6 +219,7 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
     self.num_constraints = 0
     self._edge_count = 0
     self._reshard_cache: dict = {}
+    self._edge_traffic: dict = {"compute": {}, "apply": {}}   # var -> bytes (reshards)
     self._chosen_memo: dict = {}
     self._added_peaks: list = []      # the plan's own peaks held to the budget (solve)
     self.timings: dict[str, float] = {}
@@ -252,7 +253,7 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
     color = [ids.setdefault(node.key, len(ids)) if node.key is not None else
              ids.setdefault(("node", i), len(ids)) for i, node in enumerate(self.nodes)]
     edges = [(src, dst, spos, dpos)
-             for (src, spos), dst, dpos, _, _ in self._edge_list()]
+             for (src, spos), dst, dpos, _, _, _ in self._edge_list()]
     color = refine_colors(color, edges, LAYER_ROUNDS)
     return self._split_leaves(color, edges)
 
@@ -288,16 +289,17 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
     return out
 
   def _edge_list(self):
-    """((src node, output pos), dst node, dst pos or -1 (follow), aval, mult)."""
-    for src, dst, pos, aval, mult, _ in self._pending_edges:
-      yield src, dst, pos, aval, mult
-    for src, (dst, dpos), aval, mult, _ in self._follow_edges:
-      yield src, dst, -1 - dpos, aval, mult
+    """((src node, output pos), dst node, dst pos or -1 (follow), aval, mult,
+    part)."""
+    for src, dst, pos, aval, mult, part in self._pending_edges:
+      yield src, dst, pos, aval, mult, part
+    for src, (dst, dpos), aval, mult, part in self._follow_edges:
+      yield src, dst, -1 - dpos, aval, mult, part
     cj = self.compute.jaxpr
     for g, node in enumerate(self.grad_nodes):
       v = cj.outvars[g]
       if isinstance(v, Var) and v in self.compute_val:
-        yield self.compute_val[v], node, -1, v.aval, self.n
+        yield self.compute_val[v], node, -1, v.aval, self.n, "compute"
 
   def _variables(self):
     t0 = time.perf_counter()
@@ -323,7 +325,6 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
         if cost:
           self._cost(var, weight[c] * cost)
     self._class_rep = rep
-    self._rooflines()
 
   def _rooflines(self):
     """Each stage's compute as the roofline of all its work: a variable
@@ -339,22 +340,34 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
     def add(terms, var, value):
       if value:
         terms[var] = terms.get(var, 0.0) + value
+    for part in traffic:
+      for var, b in self._edge_traffic[part].items():
+        add(traffic[part], var, b)
     for node in self.nodes:
       if node.flops is not None and node.part is not None:
-        for var, f in zip(node.vars, node.flops):
+        for var, f, st in zip(node.vars, node.flops, node.choices):
           add(flops[node.part], var, node.mult * f)
+          # A collective reads its operand and writes its result.
+          add(traffic[node.part], var, node.mult * sum(2 * b for _, _, b in st.collectives))
+    for g, idx in enumerate(self.grad_nodes):
+      node = self.nodes[idx]
+      if self.S:
+        aval = self.compute.jaxpr.outvars[g].aval
+        for var, (spec,) in zip(node.vars, node.specs):
+          add(traffic["compute"], var, 2 * local_bytes(aval, spec, self.sizes))
     elementwise = self.ctx.flop_seconds()
     sizes = self.sizes
     local = {}
     for part, mult, (idx, pos), aval, kind in self.work:
       node = self.nodes[idx]
-      for var, specs in zip(node.vars, node.specs):
-        spec = specs[pos]
+      for c, var in enumerate(node.vars):
+        spec = (node.choices[c].in_specs[pos] if kind == "read" else
+                node.specs[c][pos])
         key = (tuple(aval.shape), aval.dtype, spec)
         b = local.get(key)
         if b is None:
           b = local[key] = local_bytes(aval, spec, sizes)
-        if kind == "bytes":
+        if kind != "flops":
           add(traffic[part], var, mult * b)
         else:
           add(flops[part], var, mult * elementwise * b / max(itemsize(aval.dtype), 1))
@@ -406,35 +419,48 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
         groups.setdefault(req, []).append(node.vars[c])
     return groups
 
-  def _edge(self, produced: dict, required: dict, aval, mult):
+  def _edge(self, produced: dict, required: dict, aval, mult, part):
     """Resharding cost of one edge, linearised as a transportation problem.
 
     ``e[p, r] >= 0`` with ``Σ_r e[p,r] = x_u(p)`` and ``Σ_p e[p,r] = x_w(r)``:
     for one-hot ``x`` it is the product ``x_u(p)·x_w(r)``, and unlike
     ``y >= x_u + x_w - 1`` its LP relaxation is tight, so HiGHS solves the
-    ILP with little branching. An edge with one side fixed is linear.
+    ILP with little branching. An edge with one side fixed is linear. A
+    reshard's collectives cost their α-β seconds in the objective, and the
+    bytes they (and the copies around them) move count in ``part``'s
+    memory traffic (:meth:`_rooflines`).
     """
     costs = {(p, r): self._reshard(aval, p, r) for p in produced for r in required}
     if not any(costs.values()):
       return
+    traffic = self._edge_traffic[part]
+
+    def charge(x, p, r):
+      if costs[p, r] > 0:
+        self._cost(x, mult * costs[p, r])
+        traffic[x] = traffic.get(x, 0.0) + mult * self._reshard_bytes(aval, p, r)
     if len(produced) == 1 or len(required) == 1:
-      for (p, r), c in costs.items():
-        if c > 0:
-          for x in (required[r] if len(produced) == 1 else produced[p]):
-            self._cost(x, mult * c)
+      for (p, r) in costs:
+        for x in (required[r] if len(produced) == 1 else produced[p]):
+          charge(x, p, r)
       return
     flows = {}
-    for (p, r), c in costs.items():
+    for (p, r) in costs:
       e = _variable(self.prob, f"e_{self._edge_count}", lowBound=0)
       self._edge_count += 1
       self.num_variables += 1
       flows[p, r] = e
-      if c > 0:
-        self._cost(e, mult * c)
+      charge(e, p, r)
     for p, pvars in produced.items():
       self._equal([(flows[p, r], 1) for r in required] + [(x, -1) for x in pvars], 0)
     for r, rvars in required.items():
       self._equal([(flows[p, r], 1) for p in produced] + [(x, -1) for x in rvars], 0)
+
+  def _reshard_bytes(self, aval, p: Spec, r: Spec) -> float:
+    """Bytes a reshard moves through memory on one device: each collective
+    (or slicing copy) reads the value's shard and writes the new one."""
+    steps = max(1, len(reshard_collectives(p, r)))
+    return steps * (local_bytes(aval, p, self.sizes) + local_bytes(aval, r, self.sizes))
 
   def _reshard(self, aval, p: Spec, r: Spec) -> float:
     key = (tuple(aval.shape), aval.dtype, p, r)
@@ -449,20 +475,20 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
     # Edges between the same classes (and value shape) share their flows;
     # their costs add up.
     merged: dict = {}
-    for (src, spos), dst, dpos, aval, mult in self._edge_list():
+    for (src, spos), dst, dpos, aval, mult, part in self._edge_list():
       key = (self.node_class[src], spos, self.node_class[dst], dpos,
-             tuple(aval.shape), aval.dtype)
+             tuple(aval.shape), aval.dtype, part)
       if key in merged:
-        merged[key][-1] += mult
+        merged[key][-2] += mult
       else:
-        merged[key] = [src, spos, dst, dpos, aval, mult]
-    for src, spos, dst, dpos, aval, mult in merged.values():
+        merged[key] = [src, spos, dst, dpos, aval, mult, part]
+    for src, spos, dst, dpos, aval, mult, part in merged.values():
       if dpos >= 0:
         required = self._required_groups(dst, dpos)
       else:
         required = self._spec_groups(dst, -1 - dpos) if dst not in self._grad_node_set \
             else {s[0]: [x] for s, x in zip(self.nodes[dst].specs, self.nodes[dst].vars)}
-      self._edge(self._spec_groups(src, spos), required, aval, mult)
+      self._edge(self._spec_groups(src, spos), required, aval, mult, part)
 
   def _donation(self):
     aj = self.apply.jaxpr
@@ -495,6 +521,7 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
     self._variables()
     self._one_hot()
     self._edges()
+    self._rooflines()
     self._donation()
     self._memory()
     self.prob.setObjective(lp.linear(self.objective))

@@ -120,8 +120,11 @@ class ChoiceGraph:
     # their bodies hold while they run.
     self.body_val: dict[str, dict[Var, tuple[int, int]]] = {"compute": {}, "apply": {}}
     self._strategy_cache: dict = {}
-    # (part, multiplicity, (node, output), aval, "bytes" or "flops"): memory
-    # traffic and merged element-wise work, charged at the node's spec.
+    # (part, multiplicity, (node, position), aval, kind): memory traffic and
+    # merged element-wise work, charged at the node's choice: "bytes" (a
+    # value at the spec of output ``position``), "read" (an operand at the
+    # spec the node's strategy needs at ``position``), "flops" (a flop per
+    # element of the value, at the output's spec).
     self.work: list = []
   # -- nodes ---------------------------------------------------------------------
 
@@ -288,10 +291,10 @@ class ChoiceGraph:
           self._pending_edges.append((val[v], node, pos, v.aval, mult, part))
       for j, v in enumerate(eqn.outvars):
         val[v] = (node, j)
-    self._add_traffic(jaxpr, val, mult, part, prefix)
+    self._add_traffic(jaxpr, val, mult, part, prefix, eqn_nodes)
     return eqn_nodes
 
-  def _add_traffic(self, jaxpr, val, mult, part, prefix):
+  def _add_traffic(self, jaxpr, val, mult, part, prefix, eqn_nodes):
     """Records the memory traffic of ``jaxpr``'s equations as XLA fuses
     them (``liveness.fusions``): an equation that runs (a fusion's root,
     or one XLA does not fuse) writes the results it holds and reads the
@@ -315,8 +318,17 @@ class ChoiceGraph:
       for o in eqn.outvars:
         if o in val and fus.held(o):
           work.append((part, mult, val[o], o.aval, "bytes"))
+      node = eqn_nodes.get(f"{prefix}{idx}")
+      direct = {v: pos for pos, v in enumerate(eqn.invars)
+                if isinstance(v, Var) and not fus.fused_into(v, idx)}
       for v in fus.reads(idx):
-        if v in val:
+        pos = direct.get(v)
+        if node is not None and pos is not None and all(
+            st.in_specs[pos] is not None for st in self.nodes[node].choices):
+          # Read as the equation's strategy needs it (a gathered operand
+          # is read whole), charged to the reader's choice.
+          work.append((part, mult, (node, pos), v.aval, "read"))
+        elif v in val:
           work.append((part, mult, val[v], v.aval, "bytes"))
 
   # -- control flow: planned through --------------------------------------------
@@ -376,6 +388,14 @@ class ChoiceGraph:
         node = self._value_node(f"{part}/{i}:ys{k}", v.aval, mult, stack="out")
         self._follow(get_inner(inner, v), (node, 0), v.aval, mult * length, part)
         val[eqn.outvars[ncar + k]] = (node, 1)
+        # Each trip's result is copied into the stacked output (XLA's
+        # dynamic-update-slice: the slice read and written).
+        self.work.extend([(part, mult * length, (node, 0), v.aval, "bytes")] * 2)
+      for v in bj.invars[nc + ncar:]:
+        # Each trip's slice is copied out of the stacked input (a
+        # dynamic-slice: read and written) before the body reads it.
+        if v in inner:
+          self.work.extend([(part, mult * length, inner[v], v.aval, "bytes")] * 2)
       self._region_outs[part][i] = [val[v] for v in eqn.outvars]
     elif name == "while":
       cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]

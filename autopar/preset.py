@@ -145,7 +145,10 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
   times = {}
   if split.has_marker and trace_local is not None:
     times = _priced(local or trace_local(traced.micro_batch_size // d), method, mesh,
-                    batch_axes, in_specs, traced, zero, collectives, cost, d)
+                    batch_axes, in_specs, traced, zero, collectives, cost, d,
+                    num_grads=sum(1 for g in grads if any(g.spec)),
+                    num_params=sum(1 for k in params if any(in_specs[k]) and
+                                   not traced.leaves[k].is_batch))
     objective = times["gradient"]["total"] + times["apply"]["total"]
   return Plan(method=method.name, mesh_axis_names=axis_names_of(mesh),
               mesh_shape=tuple(sizes.values()), num_micro_batches=n,
@@ -158,7 +161,7 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
 
 
 def _priced(local, method, mesh, batch_axes, in_specs, traced, zero, collectives,
-            cost: MeshCost, d: int) -> dict:
+            cost: MeshCost, d: int, num_grads: int = 1, num_params: int = 1) -> dict:
   """The preset plan's predicted time by stage, by the model ShardParallel's
   ILP minimises (``planner.price_layout``), so that objectives compare
   across methods. ZeRO updates each device's shard of the state, which
@@ -177,10 +180,17 @@ def _priced(local, method, mesh, batch_axes, in_specs, traced, zero, collectives
     apply["flops"] /= d
     apply["memory"] /= d
     apply["roofline"] = max(apply["flops"], apply["memory"])
-    grad["collectives"] = sum(cost.collective(c.kind, c.bytes, c.axes) * c.per_step
-                              for c in collectives if c.stage != "apply_grad")
-    apply["collectives"] = sum(cost.collective(c.kind, c.bytes, c.axes) * c.per_step
-                               for c in collectives if c.stage == "apply_grad")
+    # ZeRO's collectives are one per leaf in the compiled module (XLA does
+    # not combine reduce-scatters and all-gathers as it does all-reduces):
+    # a latency each.
+    pieces = {"gradients": num_grads, "updated parameters": num_grads,
+              "parameters for the forward/backward pass": num_params}
+
+    def seconds(c):
+      k = max(1, pieces.get(c.what, 1))
+      return cost.collective(c.kind, c.bytes / k, c.axes) * k * c.per_step
+    grad["collectives"] = sum(seconds(c) for c in collectives if c.stage != "apply_grad")
+    apply["collectives"] = sum(seconds(c) for c in collectives if c.stage == "apply_grad")
     for t in (grad, apply):
       t["total"] = t["roofline"] + t["collectives"]
   return times

@@ -40,18 +40,31 @@ details > summary { cursor: pointer; }
 .pic { border: 1px solid #ddd; padding: 0.5em; }
 svg text { font-size: 11px; font-family: monospace; }
 """
+# A chart's text is laid out from its length: _CHAR_PX is wider than a glyph
+# of an 11 px monospace font (0.6 em, 6.6 px), so a label measured with it
+# ends before the bars begin whatever font the browser picks.
+_FONT_PX = 11
+_CHAR_PX = 7
+_GAP_PX = 8
 
 
 def _e(x) -> str:
   return html.escape(str(x))
 
 
-def _table(rows: Sequence[Sequence[str]], extra=None) -> str:
+class _Markup(str):
+  """A table cell that is HTML already (``_table`` escapes every other)."""
+
+
+def _table(rows: Sequence[Sequence[str]], extra=None, ids=None) -> str:
+  """``extra[k]``: HTML in a full-width row under row ``k``; ``ids[k]``:
+  row ``k``'s id."""
   head = "".join(f"<th>{_e(c)}</th>" for c in rows[0])
   body = []
   for k, r in enumerate(rows[1:]):
-    cells = "".join(f"<td>{_e(c)}</td>" for c in r)
-    body.append(f"<tr>{cells}</tr>")
+    cells = "".join(f"<td>{c if isinstance(c, _Markup) else _e(c)}</td>" for c in r)
+    row_id = f" id='{_e(ids[k])}'" if ids is not None else ""
+    body.append(f"<tr{row_id}>{cells}</tr>")
     if extra is not None and extra[k]:
       body.append(f"<tr><td colspan='{len(r)}'>{extra[k]}</td></tr>")
   return f"<table><tr>{head}</tr>{''.join(body)}</table>"
@@ -93,26 +106,38 @@ def sharding_svg(spec, rank: int, mesh_shape: Sequence[int],
           f"<title>{_e(spec_str(spec))} on rank {rank}</title>{''.join(cells)}</svg>")
 
 
+def _text_px(text: str) -> float:
+  """The width ``text`` may take in a chart, at most (see ``_CHAR_PX``)."""
+  return len(text) * _CHAR_PX
+
+
 def _bars(items: Sequence[tuple[str, float]], unit, width: int = 420,
           limit: float | None = None) -> str:
-  """A horizontal bar chart (``unit(value)`` labels each bar); ``limit``:
-  a red line (a budget)."""
+  """A horizontal bar chart: the names in a column of their own, as wide as
+  the longest, then the bars, each with ``unit(value)`` after it in room
+  kept for the longest; ``limit``: a red line (a budget)."""
   top = max([v for _, v in items] + [limit or 0.0, 1e-30])
   h = 22
+  x0 = max([_text_px(name) for name, _ in items] + [0.0]) + _GAP_PX
+  right = x0 + width + _GAP_PX + max([_text_px(unit(v)) for _, v in items] + [0.0])
   parts = []
   for k, (name, v) in enumerate(items):
     y = k * h
+    w = max(1.0, width * v / top)
     parts.append(f"<text x='0' y='{y + 15}'>{_e(name)}</text>"
-                 f"<rect x='260' y='{y + 3}' width='{max(1.0, width * v / top):.1f}' "
-                 f"height='{h - 6}' fill='#80b1d3'/>"
-                 f"<text x='{265 + width * v / top:.1f}' y='{y + 15}'>{_e(unit(v))}</text>")
+                 f"<rect x='{x0:.1f}' y='{y + 3}' width='{w:.1f}' height='{h - 6}' "
+                 f"fill='#80b1d3'/>"
+                 f"<text x='{x0 + w + _GAP_PX / 2:.1f}' y='{y + 15}'>{_e(unit(v))}</text>")
   if limit:
-    x = 260 + width * limit / top
+    x = x0 + width * limit / top
+    label = f"budget {unit(limit)}"
+    right = max(right, x + 3 + _text_px(label))
     parts.append(f"<line x1='{x:.1f}' y1='0' x2='{x:.1f}' y2='{len(items) * h}' "
                  f"stroke='red' stroke-width='2'/><text x='{x + 3:.1f}' "
-                 f"y='{len(items) * h + 12}' fill='red'>budget {_e(unit(limit))}</text>")
+                 f"y='{len(items) * h + 12}' fill='red'>{_e(label)}</text>")
   total_h = len(items) * h + (16 if limit else 0)
-  return (f"<svg width='{260 + width + 120}' height='{total_h}' role='img'>"
+  return (f"<svg class='bars' width='{math.ceil(right)}' height='{total_h}' "
+          f"font-size='{_FONT_PX}' font-family='monospace' role='img'>"
           f"{''.join(parts)}</svg>")
 
 
@@ -172,9 +197,11 @@ def to_html(plan: "Plan", *, title: str = "autopar plan") -> str:
   out = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{_e(title)}</title>"
          f"<style>{_CSS}</style></head><body><h1>{_e(title)}</h1>"]
   mesh = " x ".join(f"{n}={s}" for n, s in sizes.items())
-  out.append(f"<p>{_e(plan.method)} on mesh ({_e(mesh)}), {plan.num_micro_batches} "
-             f"micro-batch(es), batch split over ({_e(', '.join(plan.batch_axes))}); "
-             f"objective {plan.objective:.4g} s (estimated).</p>")
+  micro = plan.num_micro_batches
+  out.append(f"<p>{_e(plan.method)} on mesh ({_e(mesh)}), {micro} "
+             f"micro-batch{'' if micro == 1 else 'es'}, batch split over "
+             f"({_e(', '.join(plan.batch_axes))}); objective {plan.objective:.4g} s "
+             "(estimated).</p>")
   if plan.stages:
     out.append("<h2>Pipeline stages</h2>")
     out.append("<pre>" + _e("\n".join(plan.stage_table())) + "</pre>")
@@ -208,10 +235,12 @@ def to_html(plan: "Plan", *, title: str = "autopar plan") -> str:
     rows = group_rows(groups, plan, params=is_param,
                       prefix=params_prefix(rows_) if is_param else "")
     rows = [rows[0] + ("pictures",)] + [
-        r + (", ".join(dict.fromkeys(specs_of[g.name])),)
+        r + (_Markup(", ".join(f"<a href='#{p}'>{p}</a>"
+                               for p in dict.fromkeys(specs_of[g.name]))),)
         for g, r in zip(groups, rows[1:], strict=True)]
     details = [_details(g, plan) for g in groups]
-    out.append(f"<h2>{title_}</h2>" + _table(rows, details))
+    ids = [f"{'param' if is_param else 'input'}-{k}" for k in range(len(groups))]
+    out.append(f"<h2>{title_}</h2>" + _table(rows, details, ids))
 
   out.append("<h2>Shardings</h2><div class='pics'>")
   for key, pid in pictures.items():
@@ -229,10 +258,11 @@ def to_html(plan: "Plan", *, title: str = "autopar plan") -> str:
   coll = collective_rows(plan)
   out.append("<h2>Collectives per step</h2>")
   if coll:
-    out.append(_bars([(f"{r['stage']} {r['kind']} ({', '.join(r['axes'])})", r["seconds"])
-                      for r in coll], lambda s: f"{s * 1e3:.3g} ms"))
+    stage = {r["stage"]: _stage_label(r["stage"], micro) for r in coll}
+    out.append(_bars([(f"{stage[r['stage']]} {r['kind']} ({', '.join(r['axes'])})",
+                       r["seconds"]) for r in coll], lambda s: f"{s * 1e3:.3g} ms"))
     out.append(_table([("stage", "kind", "axes", "count", "bytes/device", "seconds")] +
-                      [(r["stage"], r["kind"], ", ".join(r["axes"]), str(r["count"]),
+                      [(stage[r["stage"]], r["kind"], ", ".join(r["axes"]), str(r["count"]),
                         format_bytes(r["bytes"]), f"{r['seconds']:.3g}") for r in coll]))
   else:
     out.append("<p>none</p>")
@@ -246,6 +276,19 @@ def to_html(plan: "Plan", *, title: str = "autopar plan") -> str:
                "</pre>")
   out.append("</body></html>")
   return "".join(out)
+
+
+_EACH_MICRO_BATCH = "accumulate_grad (each micro-batch)"
+
+
+def _stage_label(stage: str, num_micro_batches: int) -> str:
+  """The stage a collective runs in, as the report shows it. The planner
+  names the pass's own collectives "accumulate_grad (each micro-batch)";
+  with one micro-batch the pass runs once, as ``compute_grad_sync`` (see
+  ``planner.grad_stage_names``), and is named so."""
+  if num_micro_batches == 1:
+    return stage.replace(_EACH_MICRO_BATCH, "compute_grad_sync (once per step)")
+  return stage
 
 
 def _values(row):
