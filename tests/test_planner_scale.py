@@ -349,3 +349,22 @@ def test_a_skipped_choice_of_batch_axes_could_not_have_won(monkeypatch, setup):
     assert bounds[S] <= objective * (1 + 1e-9), (S, bounds[S], objective)
   assert skipping.batch_axes == every.batch_axes
   assert skipping.objective == pytest.approx(every.objective, rel=1e-9)
+
+
+def test_24_layer_summary_is_short_and_lists_every_parameter():
+  """Identical layers get identical plans (equal choices made alike), so the
+  compact summary collapses them: a 24-layer GPT on 8 x 8 fits in 60 lines,
+  with every parameter (each LayerNorm's too) in the parameter table."""
+  make_state, step, data = transformer_setup(batch=64, seq=16, d=128, heads=4,
+                                             layers=24, tx=optax.adam(1e-3))
+  method = autopar.ShardParallel(
+      mesh=jax.sharding.AbstractMesh((8, 8), ("data", "model")),
+      option=autopar.AutoShardingOption(plan_cache=False))
+  plan = autopar.parallelize(step, method=method).plan(*abstract(make_state, data))
+  text = plan.summary()
+  assert len(text.splitlines()) <= 60, text
+  params_table, rest = text.split("other input", 1)
+  assert "LayerNorm" in params_table and "params" not in rest.split("collectives")[0], text
+  assert "Block_{0..23}" in params_table
+  for layer in range(1, 24):
+    assert layer_specs(plan, layer) == layer_specs(plan, 0), layer
