@@ -403,7 +403,7 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
 
 
 def sharding_problem(local: SplitStep, method, S, A, sizes, cost: MeshCost, rows: int,
-                     *, pins=None, keep=None) -> ShardingProblem:
+                     *, pins=None, keep=None, option=None) -> ShardingProblem:
   """The sharding ILP (unbuilt) of ``local`` (the step split at ``rows`` rows
   per device and micro-batch) with batch axes ``S`` and planned axes ``A``,
   under ``method``'s costs (its option's; the defaults for a method without
@@ -411,7 +411,7 @@ def sharding_problem(local: SplitStep, method, S, A, sizes, cost: MeshCost, rows
   (``plan_auto``), and the presets' with every leaf pinned
   (``preset.py``)."""
   from autopar.method import AutoShardingOption
-  option = getattr(method, "option", None) or AutoShardingOption()
+  option = option or getattr(method, "option", None) or AutoShardingOption()
   traced = local.traced
   return ShardingProblem(
       compute=local.compute, apply=local.apply, num_consts=len(local.consts),
@@ -433,16 +433,16 @@ def sharding_problem(local: SplitStep, method, S, A, sizes, cost: MeshCost, rows
 
 
 def price_layout(local: SplitStep, method, mesh, batch_axes, in_specs,
-                 rows: int) -> tuple[float, dict]:
+                 rows: int, option=None) -> tuple[float, dict]:
   """(objective, stage times) of the plan that splits the batch over
   ``batch_axes`` and gives each leaf its spec in ``in_specs``, under the
   model the ILP minimises: a preset's plan priced as ShardParallel's is,
   so that objectives compare across methods (``autopar.diff``)."""
   sizes = axis_sizes_of(mesh)
-  option = getattr(method, "option", None)
+  option = option or getattr(method, "option", None)
   cost = MeshCost(sizes, option.alpha if option else {}, option.beta if option else {})
   problem = sharding_problem(
-      local, method, tuple(batch_axes), (), sizes, cost, rows,
+      local, method, tuple(batch_axes), (), sizes, cost, rows, option=option,
       pins={k: spec_axes(spec) for k, (l, spec) in
             enumerate(zip(local.traced.leaves, in_specs)) if not l.is_batch})
   if problem.memory_budget is not None:

@@ -24,13 +24,14 @@ from jax.extend.core import Var
 from jax.sharding import PartitionSpec
 
 from autopar.cost_model import MeshCost, assumed_costs, dtype_name, num_bytes
+from autopar.devices import dominant_float_dtype, hardware_option
 from autopar.errors import InputError
 from autopar.gradstack import find_grad_stacks, folded_values
 from autopar.hints import check_hints, check_pins, entry_axes
 from autopar.liveness import liveness_peaks
-from autopar.method import (ParallelMethod, ShardParallel, accumulation_dtype,
-                            Zero2Parallel, Zero3Parallel, axis_names_of,
-                            axis_sizes_of)
+from autopar.method import (AutoShardingOption, ParallelMethod, ShardParallel,
+                            Zero2Parallel, Zero3Parallel, accumulation_dtype,
+                            axis_names_of, axis_sizes_of)
 from autopar.plan import CollectivePlan, Plan, ValuePlan
 from autopar.planner import (batch_axes_for, batch_spec, candidate_batch_axes,
                              donation_pairs, grad_inputs, grad_stage_names,
@@ -126,8 +127,9 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
 
   collectives = _preset_collectives(split, inputs, grads, params, batch_axes,
                                     sizes, n, zero, out_avals)
-  option = method.option if isinstance(method, ShardParallel) else None
-  cost = MeshCost(sizes, option.alpha if option else {}, option.beta if option else {})
+  option = method.option if isinstance(method, ShardParallel) else preset_option(
+      mesh, traced.leaves)
+  cost = MeshCost(sizes, option.alpha, option.beta)
   objective = sum(cost.collective(c.kind, c.bytes, c.axes) * c.per_step
                   for c in collectives)
   d = math.prod(sizes[a] for a in batch_axes)
@@ -148,7 +150,8 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
                     batch_axes, in_specs, traced, zero, collectives, cost, d,
                     num_grads=sum(1 for g in grads if any(g.spec)),
                     num_params=sum(1 for k in params if any(in_specs[k]) and
-                                   not traced.leaves[k].is_batch))
+                                   not traced.leaves[k].is_batch),
+                    cost_option=option)
     objective = times["gradient"]["total"] + times["apply"]["total"]
   return Plan(method=method.name, mesh_axis_names=axis_names_of(mesh),
               mesh_shape=tuple(sizes.values()), num_micro_batches=n,
@@ -160,8 +163,18 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
               in_tree=traced.inputs, mesh=mesh)
 
 
+def preset_option(mesh, leaves) -> AutoShardingOption:
+  """The costs a preset method's plan is priced with: those ShardParallel
+  would take on ``mesh`` with no option given (the device kind of a real
+  mesh's devices; the defaults for an AbstractMesh), so that the two
+  methods' objectives compare."""
+  dtype = dominant_float_dtype([(dtype_name(l.dtype), math.prod(l.shape)) for l in leaves])
+  return hardware_option(AutoShardingOption(), mesh, dtype)
+
+
 def _priced(local, method, mesh, batch_axes, in_specs, traced, zero, collectives,
-            cost: MeshCost, d: int, num_grads: int = 1, num_params: int = 1) -> dict:
+            cost: MeshCost, d: int, num_grads: int = 1, num_params: int = 1,
+            cost_option=None) -> dict:
   """The preset plan's predicted time by stage, by the model ShardParallel's
   ILP minimises (``planner.price_layout``), so that objectives compare
   across methods. ZeRO updates each device's shard of the state, which
@@ -173,7 +186,8 @@ def _priced(local, method, mesh, batch_axes, in_specs, traced, zero, collectives
   rows = traced.micro_batch_size // d
   layout = [PartitionSpec(*s) if l.is_batch or not zero else PartitionSpec()
             for l, s in zip(traced.leaves, in_specs)]
-  _, stage_times = price_layout(local, method, mesh, batch_axes, layout, rows)
+  _, stage_times = price_layout(local, method, mesh, batch_axes, layout, rows,
+                                option=cost_option)
   times = predicted_time(stage_times)
   if zero:
     grad, apply = times["gradient"], times["apply"]

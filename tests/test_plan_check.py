@@ -1,6 +1,8 @@
 """The cost model against the hardware and against what XLA compiles:
 the compute roofline, ``plan.check`` and loop-aware HLO reading."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -184,3 +186,29 @@ def test_plan_check_reports_what_differs():
   assert any("peak memory" in d for d in wrong.check(exe).differences())
   with pytest.raises(autopar.PlanError, match="get_executable"):
     exe.plan.check(object())
+
+
+def test_diff_compares_objectives_of_one_model():
+  """DataParallel's plan is priced by the model ShardParallel's ILP
+  minimises: its objective is that of ShardParallel held to the same layout,
+  and ShardParallel (whose space holds it) is never dearer; autopar.diff
+  reads objectives on one scale."""
+  make_state, step, batch = lm_setup(Transformer(vocab=256, d=128, heads=4, layers=2),
+                                     batch=16, seq=16)
+  abstract = jax.eval_shape(lambda: (make_state(), batch))
+  for kind in (None, "H100"):
+    mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
+    option = autopar.AutoShardingOption(device_kind=kind, plan_cache=False)
+    dp = autopar.parallelize(step, method=autopar.DataParallel(mesh=mesh)).plan(*abstract)
+    pinned = autopar.parallelize(step, method=autopar.ShardParallel(
+        mesh=mesh, option=dataclasses.replace(option, force_data_parallel=True))).plan(
+            *abstract)
+    auto = autopar.parallelize(step, method=autopar.ShardParallel(
+        mesh=mesh, option=option)).plan(*abstract)
+    if kind is None:   # an AbstractMesh without a kind: both take the defaults
+      assert dp.objective == pytest.approx(pinned.objective, rel=1e-3)
+      assert dp.predicted_time["gradient"]["total"] > 0
+    assert auto.objective <= pinned.objective * (1 + 1e-3)
+    d = autopar.diff(auto, pinned)
+    assert d.objective == (auto.objective, pinned.objective)
+    assert f"objective: {auto.objective:.4g} s -> {pinned.objective:.4g} s" in str(d)
