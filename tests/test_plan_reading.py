@@ -175,7 +175,9 @@ class _Html(html.parser.HTMLParser):
     for k, v in attrs:
       if k == "id":
         self.ids.append(v)
-      if k in ("src", "href") or (v and re.search(r"https?://|//\w", v)):
+      # A link within the page (to a picture, "#sharding-3") is no reference out.
+      if (k in ("src", "href") and not (v or "").startswith("#")) or (
+          v and re.search(r"https?://|//\w", v)):
         self.urls.append((k, v))
 
   def handle_data(self, data):

@@ -260,7 +260,7 @@ def to_html(plan: "Plan", *, title: str = "autopar plan") -> str:
   if coll:
     stage = {r["stage"]: _stage_label(r["stage"], micro) for r in coll}
     out.append(_bars([(f"{stage[r['stage']]} {r['kind']} ({', '.join(r['axes'])})",
-                       r["seconds"]) for r in coll], lambda s: f"{s * 1e3:.3g} ms"))
+                       r["seconds"]) for r in coll], _seconds))
     out.append(_table([("stage", "kind", "axes", "count", "bytes/device", "seconds")] +
                       [(stage[r["stage"]], r["kind"], ", ".join(r["axes"]), str(r["count"]),
                         format_bytes(r["bytes"]), f"{r['seconds']:.3g}") for r in coll]))
@@ -279,6 +279,10 @@ def to_html(plan: "Plan", *, title: str = "autopar plan") -> str:
 
 
 _EACH_MICRO_BATCH = "accumulate_grad (each micro-batch)"
+
+
+def _seconds(t: float) -> str:
+  return f"{t * 1e3:.3g} ms" if t < 1 else f"{t:.3g} s"
 
 
 def _stage_label(stage: str, num_micro_batches: int) -> str:
@@ -309,5 +313,6 @@ def _details(group, plan: "Plan") -> str:
       b = v.bytes_per_device(sizes.get(v.name, plan.axis_sizes))
       items.append(f"<tr><td><code>{_e(v.name)}</code></td><td>{_e(spec_str(v.spec))}</td>"
                    f"<td>{_e(format_bytes(b))}</td></tr>")
-  return (f"<details><summary>{len(items)} leaves</summary><table><tr><th>leaf</th>"
+  leaves = "1 leaf" if len(items) == 1 else f"{len(items)} leaves"
+  return (f"<details><summary>{leaves}</summary><table><tr><th>leaf</th>"
           f"<th>spec</th><th>bytes/device</th></tr>{''.join(items)}</table></details>")
