@@ -30,8 +30,9 @@ from autopar.pipeline.runtime import PipelineExecutable
 from autopar.hints import check_hints
 from autopar.loss import check_loss
 from autopar.lower import lower_step
-from autopar.method import (ParallelMethod, PipeshardParallel, ShardParallel, auto_mesh,
-                            axis_sizes_of, resolve_mesh)
+from autopar.method import (ParallelMethod, PipeshardParallel, ShardParallel,
+                            Zero2Parallel, Zero3Parallel, auto_mesh, axis_sizes_of,
+                            resolve_mesh)
 from autopar.cost_model import dtype_name
 from autopar.plan import Plan, ValuePlan
 from autopar.pytrees import Partition
@@ -40,7 +41,7 @@ from autopar.devices import dominant_float_dtype, hardware_option
 from autopar.remat import remat_mode
 from autopar.tools.check import compiled_peak
 from autopar.tools.explain import Replanner
-from autopar.planner import Progress, batch_axes_for, plan_auto
+from autopar.planner import Progress, batch_axes_for, keeps_batch_whole, plan_auto
 from autopar.preset import plan_preset
 from autopar.split import (MIXED, OutputKind, SplitStep, apply_at, instantiate_split,
                             outputs_at, scale_at, split_step)
@@ -333,6 +334,53 @@ class ParallelizedFunction:
       self._pipelines[prep.key] = (pre, plan, chosen)
     return self._pipelines[prep.key]
 
+  def _not_dearer_than_zero(self, prep: _Prepared, plan: Plan, micro: int,
+                            batch_size: int) -> Plan:
+    """ShardParallel's plan, or a ZeRO preset's layout where that is cheaper
+    under the same costs. The ILP's space holds data parallelism's layout
+    but not ZeRO's (an update on each device's shard of the state): ZeRO-2
+    and ZeRO-3 are priced as their presets are (``preset.py``) with this
+    method's option, and the cheapest plan is kept; the summary's solver
+    line says when a preset's was. Not tried with pins, a forced batch
+    split, or where the preset's memory is over the budget."""
+    method = self.method
+    option = method.option
+    mesh = resolve_mesh(method)
+    if (option.pins or option.force_data_parallel or option.forced_batch_axes(mesh)
+        is not None):
+      return plan
+    best, taken = plan, None
+    for preset in (Zero2Parallel, Zero3Parallel):
+      other = preset(mesh=method.mesh, num_micro_batches=method.num_micro_batches,
+                     remat=method.remat,
+                     grad_accumulation_dtype=method.grad_accumulation_dtype)
+      split = self._split(prep, micro)
+      sizes = axis_sizes_of(mesh)
+      if keeps_batch_whole(split, method) or micro % math.prod(
+          sizes[a] for a in batch_axes_for(other, mesh, split.hints)):
+        return plan                    # a batch ZeRO cannot split
+      try:
+        candidate = plan_preset(split, other, mesh,
+                                batch_size=batch_size,
+                                outputs=self._outputs(prep, self._split(prep, micro),
+                                                      batch_size),
+                                trace_local=lambda rows: self._split(prep, rows),
+                                option=option)
+      except (InputError, PlanError):
+        continue                       # the preset cannot split this batch
+      budget = option.memory_budget_per_device
+      if budget is not None and candidate.memory_per_device > budget:
+        continue
+      if candidate.objective < best.objective * (1 - 1e-3):
+        best, taken = candidate, other.name
+    if taken is None:
+      return plan
+    s = plan.solver
+    note = (f"{s.status}; {taken}'s layout taken: it costs {best.objective:.4g} s, "
+            f"the ILP's best {plan.objective:.4g} s")
+    return dataclasses.replace(best, method=method.name,
+                               solver=dataclasses.replace(s, status=note))
+
   def _one_stage(self, prep: _Prepared) -> "ParallelizedFunction | None":
     """For a PipeshardParallel step of one stage (num_stages=1, or the
     search found pipelining does not pay): the same step under
@@ -426,6 +474,7 @@ class ParallelizedFunction:
                          trace_local=lambda rows: self._split(prep, rows),
                          outputs=self._outputs(prep, split, batch_size),
                          progress=progress, any_batch=self._any_split.get(prep.key))
+        plan = self._not_dearer_than_zero(prep, plan, micro, batch_size)
         plan = dataclasses.replace(plan, fingerprint=tuple(fingerprint.items()))
         if key:
           plan_cache.store(key, plan)

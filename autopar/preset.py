@@ -45,13 +45,15 @@ __all__ = ["plan_preset"]
 
 def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
                 batch_size: int, outputs: SizedOutputs | None = None,
-                trace_local=None) -> Plan:
+                trace_local=None, option=None) -> Plan:
   """The plan of a preset method (see the module docstring).
 
   ``outputs``: the step's outputs at the whole batch (default: ``split``'s).
   ``trace_local(rows)``: the step split at ``rows`` rows, for the memory
   estimate of what one device runs (default: ``split`` read with each
   value that depends on the batch divided over the batch axes).
+  ``option``: the costs to price it with (default: the method's, or those
+  ShardParallel would take on ``mesh``: :func:`preset_option`).
   """
   traced = split.traced
   sizes = axis_sizes_of(mesh)
@@ -127,8 +129,9 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
 
   collectives = _preset_collectives(split, inputs, grads, params, batch_axes,
                                     sizes, n, zero, out_avals)
-  option = method.option if isinstance(method, ShardParallel) else preset_option(
-      mesh, traced.leaves)
+  if option is None:
+    option = method.option if isinstance(method, ShardParallel) else preset_option(
+        mesh, traced.leaves)
   cost = MeshCost(sizes, option.alpha, option.beta)
   objective = sum(cost.collective(c.kind, c.bytes, c.axes) * c.per_step
                   for c in collectives)
