@@ -764,6 +764,113 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
                                 for i, ins in regions.items()}
                          for part, regions in self._region_ins.items()})
 
+  # -- solving again with pins (plan.explain, plan.cost_if) ---------------------------
+
+  def pin_choices(self, leaf: int, spec: Spec, choices=None) -> list[int]:
+    """The choices of leaf ``leaf``'s node (or of ``choices``, ``(planned
+    spec, batch dim)`` pairs) that give it ``spec``, a spec over every mesh
+    axis read as a pin is (the batch axes ahead of the planned ones in the
+    dimension both split): empty if none does, as for a spec whose
+    batch-axis part these batch axes cannot give."""
+    rank = len(self.leaf_avals[leaf].shape)
+    spec = tuple(tuple(e) for e in spec) + ((),) * (rank - len(spec))
+    if choices is None:
+      choices = self.nodes[self.leaf_nodes[leaf]].choices
+    out = []
+    for c, (planned, dim) in enumerate(choices):
+      batch_dim = 0 if self.batch_leaves[leaf] else dim
+      full = tuple((self.S if d == batch_dim else ()) + tuple(e)
+                   for d, e in enumerate(planned))
+      if full == spec:
+        out.append(c)
+    return out
+
+  def sharing(self, leaf: int) -> list[int]:
+    """The leaves whose nodes share their variables with leaf ``leaf``'s
+    (itself included, see :meth:`_classes`): pinning one pins them all."""
+    xs = self.nodes[self.leaf_nodes[leaf]].vars
+    return [k for k, n in enumerate(self.leaf_nodes) if self.nodes[n].vars is xs]
+
+  def solve_pinned(self, pins: Mapping[int, Spec], time_limit: float = 60.0, *,
+                   above: float | None = None) -> Solution | None:
+    """The solution of this problem with leaf ``k`` held to ``pins[k]``
+    (see :meth:`pin_choices`), after :meth:`solve`; None if ``above`` is
+    given and the pinned problem's LP relaxation (a lower bound) already
+    costs at least that.
+
+    Each pin holds the variables of its node's other choices at 0 (their
+    upper bound) for the solve; the bounds are restored after it, so the
+    problem is again the one solved. Its last solution is the pinned one:
+    :meth:`solution` reads that. Nothing is built again: without a memory
+    budget the LP relaxation is solved first, from the basis of the last
+    one (HiGHS's dual simplex, a few iterations), and where it is integral
+    it is the solution; else, and with a budget, the problem is solved as
+    :meth:`solve` does. A leaf's variables are its class's
+    (:meth:`sharing`): the pin holds every leaf of the class. The memory
+    budget's peaks added while solving stay (each holds for any plan
+    within the budget).
+
+    Raises:
+      PlanError: a pin that no choice of its leaf meets, two pins of one
+        class that disagree, or no solution with the pins.
+    """
+    held: dict[int, tuple[list, set[int]]] = {}
+    for k, spec in pins.items():
+      name = self.leaf_names[k] if k < len(self.leaf_names) else f"leaf {k}"
+      allowed = set(self.pin_choices(k, spec))
+      if not allowed:
+        raise PlanError(
+            f"autopar: {name} cannot be held to {spec} in this problem: with the "
+            f"batch over {self.S or 'no axes'}, its choices give it none such. Fix: "
+            f"a spec whose batch axes {self.S} come first in the one dimension they "
+            f"split, or plan again with the pin (AutoShardingOption(pins=...)).")
+      xs = self.nodes[self.leaf_nodes[k]].vars
+      if id(xs) in held:
+        allowed &= held[id(xs)][1]
+        if not allowed:
+          raise PlanError(
+              f"autopar: {name} shares its choice with other leaves of its class "
+              f"({len(self.sharing(k))} leaves), and the pins give them different "
+              f"specs. Fix: pin the leaves of one class alike, or plan again with "
+              f"the pins (AutoShardingOption(pins=...)).")
+      held[id(xs)] = (xs, allowed)
+    fixed = [(x, x.lowBound, x.upBound) for xs, allowed in held.values()
+             for c, x in enumerate(xs) if c not in allowed]
+    t0 = time.perf_counter()
+    relaxed = self._relaxation() if self.memory_budget is None else None
+    if relaxed is not None:
+      status = lp.resolve(self.prob, relaxed, [(x, low, 0) for x, low, _ in fixed])
+      if status is not None and status.optimal:
+        self._status, self._chosen_memo, self._own_peak = status, {}, None
+        if self._integral():
+          self._solved = (status.name, "HiGHS", time.perf_counter() - t0)
+          return self.solution()
+        if above is not None and (lp.value(self.prob.objective) or 0.0) + \
+            self.sync_latency >= above:
+          return None
+    try:
+      for x, low, _ in fixed:
+        lp.set_bounds(x, low, 0)
+      try:
+        self.solve(max(1.0, time_limit - (time.perf_counter() - t0)))
+      except PlanError as e:
+        names = ", ".join(self.leaf_names[k] if k < len(self.leaf_names) else
+                          f"leaf {k}" for k in pins)
+        raise PlanError(f"autopar: no plan of this problem holds {names} to the "
+                        f"spec(s) pinned: {e}") from None
+      return self.solution()
+    finally:
+      for x, low, up in fixed:
+        lp.set_bounds(x, low, up)
+
+  def _relaxation(self):
+    """The HiGHS model of this problem's LP relaxation, solved (once; kept
+    for :meth:`solve_pinned` to start from its basis); None where the
+    solver keeps no model (``lp.resolve``)."""
+    if getattr(self, "_relaxed", None) is None:
+      lp.solve(self.prob, _solver(relax=True)[0])
+      self._relaxed = getattr(self.prob, "solverModel", None)
+    return self._relaxed
 
 # Solves at most this many times more to hold the memory budget at the
 # plan's own peak (each adds the peak found as a constraint).

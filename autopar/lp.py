@@ -22,8 +22,8 @@ import pulp
 
 from autopar.errors import PlanError
 
-__all__ = ["PULP_MAJOR", "Status", "problem", "variable", "linear", "solve", "solver",
-           "value", "moved"]
+__all__ = ["PULP_MAJOR", "Status", "problem", "variable", "set_bounds", "linear", "solve",
+           "resolve", "solver", "value", "moved"]
 
 PULP_MAJOR = int(pulp.__version__.split(".")[0])
 _OPTIMAL = 1        # LpStatusOptimal in PuLP 3, LpSolveStatus.Optimal in PuLP 4
@@ -54,6 +54,11 @@ def variable(prob: pulp.LpProblem, name: str, lowBound=None, cat: str = "Continu
   return pulp.LpVariable(name, lowBound=lowBound, upBound=upBound, cat=cat)
 
 
+def set_bounds(x, lowBound=None, upBound=None) -> None:
+  """Sets variable ``x``'s bounds (None: none), for the next solve."""
+  x.bounds(lowBound, upBound)
+
+
 def linear(terms: Mapping | Iterable):
   """``Σ coef · var`` for ``terms`` (a mapping var -> coef, or (var, coef)
   pairs; a variable twice adds up), built in one call, not term by term."""
@@ -72,6 +77,45 @@ def solve(prob: pulp.LpProblem, solver_) -> Status:
   if PULP_MAJOR >= 4:
     return Status(int(result.status), result.status.name)
   return Status(int(result), pulp.LpStatus[result])
+
+
+def resolve(prob: pulp.LpProblem, model, bounds: Iterable) -> Status | None:
+  """Solves ``prob`` again in ``model``, the HiGHS model of it that an
+  earlier solve left (``prob.solverModel`` then), from that solve's basis,
+  with the bounds of some variables changed for this solve (``bounds``:
+  (variable, lower, upper), None for no bound), and sets every variable's
+  value; the model's bounds are put back after. After an LP solve, a few
+  changed bounds take the dual simplex a few iterations, where a new solve
+  builds the model and starts over.
+
+  None where there is no such model (CBC, PuLP 4): the caller then solves
+  ``prob`` anew (:func:`solve`, the bounds set on the variables).
+  """
+  if model is None or not hasattr(model, "changeColBounds"):
+    return None
+  import highspy          # (there is a HiGHS model: PuLP found highspy)
+  inf = highspy.kHighsInf
+  changed = []
+  for x, low, up in bounds:
+    i = getattr(x, "index", None)
+    if i is None:
+      return None
+    changed.append((i, x.lowBound, x.upBound, low, up))
+  bound = lambda b, default: default if b is None else float(b)
+  try:
+    for i, _, _, low, up in changed:
+      model.changeColBounds(i, bound(low, -inf), bound(up, inf))
+    model.run()
+    status = model.getModelStatus()
+    if status == highspy.HighsModelStatus.kOptimal:
+      values = model.getSolution().col_value
+      for x in prob.variables():
+        x.varValue = values[x.index]
+      return Status(_OPTIMAL, "Optimal")
+    return Status(0, model.modelStatusToString(status))
+  finally:
+    for i, low, up, _, _ in changed:
+      model.changeColBounds(i, bound(low, -inf), bound(up, inf))
 
 
 def value(x) -> float | None:

@@ -247,8 +247,10 @@ class Plan:
   grad_inputs: tuple[str, ...] = dataclasses.field(default=(), compare=False)
   predicted_time: Mapping[str, Any] = dataclasses.field(default_factory=dict,
                                                         compare=False)
-  # Not serialized: how to plan the step again with pins (``step.plan()``
-  # sets it, for explain and cost_if; ``tools.explain.Replanner``).
+  # Not serialized: how to solve the plan again with pins, for explain and
+  # cost_if (``tools.explain.Replanner``): the ILPs the solver solved
+  # (``plan_auto`` keeps them; no arrays, no step), and a weak reference to
+  # the step (``step.plan()`` adds it).
   replan: "Replanner | None" = dataclasses.field(default=None, compare=False, repr=False)
   # Not serialized: the structure of the inputs (a ``pytrees.Partition`` of
   # the non-static arguments) and the mesh object the plan was made for. A
@@ -423,8 +425,9 @@ class Plan:
     """Why the leaf ``path`` (a pytree path, its slash form, or a glob)
     has its spec: each spec it could have, with the objective, collectives'
     time and memory of the plan re-solved with it pinned; the chosen one
-    marked, and what decided (``autopar/tools/explain.py``). Needs the
-    step: a plan from ``step.plan(...)`` (ShardParallel)."""
+    marked, and what decided (``autopar/tools/explain.py``). For a plan
+    ShardParallel's solver made (``step.plan(...)``, ``get_executable``),
+    which keeps its ILPs: the step may be gone."""
     return tools_explain.explain(self, path)
 
   def cost_if(self, pins):

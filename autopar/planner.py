@@ -14,12 +14,14 @@ state), and each pair gets one sharding, so that XLA can update in place.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import math
 import sys
+import threading
 import time
-from typing import Sequence
+from typing import Mapping, Sequence
 
-from jax.extend.core import Literal
+from jax.extend.core import ClosedJaxpr, Literal
 from jax.sharding import PartitionSpec
 
 from autopar.cost_model import MeshCost, assumed_costs, dtype_name
@@ -39,9 +41,11 @@ from autopar.strategies import (grad_sync_costs, grad_sync_latency, local_bytes,
                                 missing_rules,
                                 warn_missing_rules)
 from autopar.strategies.dot import dot_flops
+from autopar.tools.explain import Replanner
 from autopar.trace import TracedStep, eqns_by_path
 
-__all__ = ["plan_auto", "sharding_problem", "price_layout", "predicted_time", "donation_pairs", "leaves_read_by_compute", "grad_inputs",
+__all__ = ["plan_auto", "SolvedProblem", "sharding_problem", "price_layout",
+           "predicted_time", "donation_pairs", "leaves_read_by_compute", "grad_inputs",
            "batch_axes_for", "shard_first_divisible", "grad_stage_names",
            "candidate_batch_axes", "keeps_batch_whole"]
 
@@ -276,6 +280,7 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
   best, errors = None, []
   pending = []
   solved = []         # (objective, S, planned axes, decisions) of each solve
+  others = []         # (objective, S, local, problem) of each solve, for explain
   extending = (option.extend_model_axes and not option.force_data_parallel
                and option.forced_batch_axes(mesh) is None)
 
@@ -293,6 +298,7 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
                      f"batch over {S or 'no axes'}: {problem.num_variables} variables")
       if best is None or _cheaper(objective, best[1]):
         best = (S, objective, local, problem)
+      others.append((objective, S, local, problem))
       if extending:
         solved.append((objective, S, problem.A, problem.decisions()))
     pending.clear()
@@ -395,11 +401,100 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
   S, _, local, problem = best
   warn_missing_rules(missing_rules(local.compute, local.apply), "ShardParallel's plan")
   sol = problem.solution()
-  stats = dict(num_equations=len(local.compute.jaxpr.eqns) + len(local.apply.jaxpr.eqns),
-               num_nodes=len(problem.nodes), num_classes=problem.num_classes)
-  plan = _plan_from_solution(split, outputs or outputs_at(split, batch_size), local,
-                             method, mesh, S, sol, stats, progress)
-  return plan
+  outputs = outputs or outputs_at(split, batch_size)
+  plan = _plan_from_solution(split, outputs, local, method, mesh, S, sol,
+                             _stats(local, problem), progress)
+  # Every problem solved (the plan's first) stays with the plan: explain and
+  # cost_if solve them again with pins, as planning chose among them.
+  kept = tuple(SolvedProblem(p, objective, split, outputs, loc, method, mesh, s)
+               for objective, s, loc, p in sorted(
+                   others, key=lambda o: o[3] is not problem))
+  return dataclasses.replace(plan, replan=Replanner(problems=kept))
+
+
+def _stats(local: SplitStep, problem: ShardingProblem) -> dict[str, int]:
+  """The size of ``problem`` and its program, for ``SolverStats``."""
+  return dict(num_equations=len(local.compute.jaxpr.eqns) + len(local.apply.jaxpr.eqns),
+              num_nodes=len(problem.nodes), num_classes=problem.num_classes)
+
+
+class SolvedProblem:
+  """An ILP solved while planning a ``ShardParallel`` step, kept with the
+  plan (``Plan.replan``) so that ``plan.explain`` and ``plan.cost_if`` solve
+  it again with leaves pinned, tracing and building nothing: the solved
+  :class:`~autopar.ilp.ShardingProblem` of one choice of batch axes, its
+  objective, and what turns another of its solutions into a :class:`Plan`
+  (the step's program and shapes; never an array, never the step).
+
+  A pin holds the leaf's whole class (the leaves that share its variables,
+  :meth:`sharing`): the problem is solved as built, repeated layers alike.
+  """
+
+  def __init__(self, problem: ShardingProblem, objective: float, split: SplitStep,
+               outputs: SizedOutputs, local: SplitStep, method: ShardParallel, mesh,
+               batch_axes: Sequence[str]):
+    self.problem = problem
+    self.objective = objective
+    self.split = _shapes_only(split)
+    self.local = _shapes_only(local)
+    self.outputs = outputs
+    self.method = method
+    self.mesh = mesh
+    self.batch_axes = tuple(batch_axes)
+    self.stats = _stats(local, problem)
+    self._index = {l.path: k for k, l in enumerate(split.traced.leaves)}
+    self._lock = threading.Lock()      # one solve at a time: the problem is shared
+
+  @property
+  def kept_axes(self) -> tuple[str, ...]:
+    """The planned axes whose splits the problem kept from a plan over
+    fewer axes (``extend_model_axes``); () if it chose over all of them."""
+    return tuple(self.problem.keep[0]) if self.problem.keep is not None else ()
+
+  def can_pin(self, path: str, spec: PartitionSpec) -> bool:
+    """Whether some choice of the leaf ``path`` gives it ``spec``."""
+    return bool(self.problem.pin_choices(self._index[path], spec_axes(spec)))
+
+  def pinned(self, path: str) -> bool:
+    """Whether the method's pins (``AutoShardingOption(pins=...)``) hold
+    the leaf ``path``."""
+    return self._index[path] in self.problem.pins
+
+  def sharing(self, path: str) -> tuple[str, ...]:
+    """The leaves pinned with ``path`` (its class, itself first)."""
+    names = self.problem.leaf_names
+    k = self._index[path]
+    return (path, *(names[j] for j in self.problem.sharing(k) if j != k))
+
+  def plan(self, pins: Mapping[str, PartitionSpec], time_limit: float = 60.0, *,
+           above: float | None = None) -> Plan | None:
+    """The plan of the problem solved again with ``pins`` (leaf path ->
+    spec over every mesh axis); PlanError if no plan has them; None if
+    ``above`` is given and no plan with them can cost less
+    (``ShardingProblem.solve_pinned``)."""
+    held = {self._index[path]: spec_axes(spec) for path, spec in pins.items()}
+    with self._lock:
+      sol = self.problem.solve_pinned(held, time_limit, above=above)
+    if sol is None:
+      return None
+    progress = Progress("explain", False)
+    progress.add("solve", sol.seconds)
+    return _plan_from_solution(self.split, self.outputs, self.local, self.method,
+                               self.mesh, self.batch_axes, sol, self.stats, progress)
+
+
+def _shapes_only(split: SplitStep) -> SplitStep:
+  """``split`` without the values it holds (its lifted consts and its
+  traced step's, as avals; the trace before differentiation and the
+  loss's scale dropped): what :class:`SolvedProblem` keeps."""
+  traced = split.traced
+  closed = traced.jaxpr
+  jaxpr = (split.compute if split.compute is not None else split.apply).jaxpr
+  return dataclasses.replace(
+      split, consts=tuple(v.aval for v in jaxpr.invars[:len(split.consts)]),
+      traced=dataclasses.replace(traced, jaxpr=ClosedJaxpr(
+          closed.jaxpr, [v.aval for v in closed.jaxpr.constvars])),
+      raw=None, loss=None)
 
 
 def sharding_problem(local: SplitStep, method, S, A, sizes, cost: MeshCost, rows: int,
@@ -529,10 +624,12 @@ def _distinct_up_to_axis_names(candidates, names, sizes, option):
   """Drops batch-axes choices that differ from an earlier one only by the
   names of axes of equal size and cost: their problems are the same up to
   renaming, so their best objectives are equal (e.g. "data" or "model" of an
-  8 x 8 mesh with default costs)."""
+  8 x 8 mesh with default costs). An axis a pin names is told apart by its
+  name: the pin is not renamed with it."""
   alpha, beta = option.alpha, option.beta
+  pinned = {a for spec in option.pin_map.values() for e in spec for a in entry_axes(e)}
   def axis(a):
-    return (sizes[a], alpha.get(a), beta.get(a))
+    return (sizes[a], alpha.get(a), beta.get(a), a if a in pinned else "")
   seen, out = set(), []
   for S in candidates:
     sig = (tuple(sorted(axis(a) for a in S)),

@@ -66,17 +66,25 @@ def test_plan_for_64_devices_in_a_process_with_one_device(tmp_path):
       mesh = jax.sharding.AbstractMesh((8, 8), ("data", "model"))
       fn = autopar.parallelize(step, method=autopar.ShardParallel(mesh=mesh))
       plan = fn.plan(state, {"tokens": tokens})
-      # Nothing of the planning outlives the function planned (the plan is
-      # plain data): the first plan in a process once kept its problem.
-      del fn
+      summary, text = plan.summary(full=True), plan.to_json()
+      # Of the planning, only the problems the plan keeps for explain outlive
+      # the function planned, and nothing outlives the plan: the first plan in
+      # a process once kept its problem through a traceback.
       import gc
       from autopar import ilp, split
+      problems = {id(p.problem) for p in plan.replan.problems}
+      del fn
+      gc.collect()
+      others = [o for o in gc.get_objects() if isinstance(o, ilp.ShardingProblem)
+                and id(o) not in problems]
+      del plan
       gc.collect()
       kept = [type(o).__name__ for o in gc.get_objects()
               if isinstance(o, (ilp.ShardingProblem, split.SplitStep))]
       print(json.dumps({"touched": backends_are_initialized(),
-                        "kept": kept,
-                        "summary": plan.summary(full=True), "json": plan.to_json(),
+                        "kept": kept, "kept_by_the_plan": len(problems),
+                        "others": len(others),
+                        "summary": summary, "json": text,
                         "leaves": len(jax.tree.leaves(state)) + 1}))
   """)
   path = tmp_path / "plan64.py"
@@ -87,7 +95,8 @@ def test_plan_for_64_devices_in_a_process_with_one_device(tmp_path):
   assert out.returncode == 0, out.stderr[-3000:]
   result = json.loads(out.stdout.strip().splitlines()[-1])
   assert result["touched"] is False          # no backend, no device
-  assert result["kept"] == []
+  assert result["kept"] == [] and result["others"] == 0
+  assert result["kept_by_the_plan"] >= 1
   plan = autopar.Plan.from_json(result["json"])
   assert plan.mesh_shape == (8, 8) and plan.mesh_axis_names == ("data", "model")
   assert len(plan.inputs) == result["leaves"]

@@ -1,21 +1,53 @@
 """``plan.explain(path)`` and ``plan.cost_if(pins)``: why a spec, and what
 another would cost.
 
-Both re-plan the step (the ILP, ``ShardParallel``) with leaves pinned, so
-they need the step the plan was made from: a plan returned by
-``step.plan(...)`` carries it (``Plan.replan``); a plan loaded from JSON
-does not. ``explain`` pins the leaf to each spec it could have, re-plans,
-and lists each candidate's objective split into its collectives'
-predicted time (communication) and the rest (compute, resharding and
-other costs), and its memory per device; the chosen spec is marked and the
-deciding term named: a user pin, the memory budget, cheaper communication
-or less compute. The numbers of each row add up to that plan's objective.
+Both solve again, with leaves pinned, the ILPs the planner solved. A plan
+that ``ShardParallel``'s solver made (``step.plan(...)``,
+``get_executable``) keeps them (``Plan.replan``: one solved problem per
+choice of batch axes tried, the plan's first, with the step's program and
+shapes; never an array, never the step), so both work after the step is
+gone, and fast: nothing is traced or built again; a pin holds the variables
+of the leaf's other choices at 0 for one solve (``ShardingProblem.
+solve_pinned``). As planning did, the cheapest of the problems that can
+hold the pins gives the answer; a problem whose objective without the pins
+is already dearer than the best found is not solved again.
+
+``explain`` does so once per spec the leaf could have and lists each
+candidate's objective split into its collectives' predicted time
+(communication) and the rest (compute, resharding and other costs), its
+memory per device, and the batch axes where they are not the plan's; the
+chosen spec is marked and the deciding term named: a user pin, the memory
+budget, cheaper communication or less compute. The numbers of each row add
+up to that solution's objective.
+
+Where a pin holds:
+  * a leaf's class: in a problem, the leaves of one class (the same tensor
+    of layers alike, ``ShardingProblem._classes``) share their variables,
+    so a pin holds the whole class, repeated layers alike; the explanation
+    and ``cost_if`` name the leaves held with it.
+  * a spec no problem can give (one that needs the batch split over axes
+    not tried, or a split the problem kept from another plan) is a row
+    without numbers ("not in the ILP"); ``cost_if`` plans the step again
+    for it (every choice of batch axes, the leaf pinned alone), which needs
+    the step alive.
+  * a plan read from the plan cache keeps no problem: its first ``explain``
+    or ``cost_if`` plans the step again once (without the cache) for them,
+    which needs the step too; ``AutoShardingOption(plan_cache=False)``
+    plans keep them.
+
+Example::
+
+    plan = step.plan(*abstract_args)
+    del step
+    print(plan.explain("*layers*3*mlp_in*kernel"))
+    print(plan.cost_if({"*mlp_in*kernel": P(None, "model")}))
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import threading
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from jax.sharding import PartitionSpec
@@ -25,41 +57,126 @@ from autopar.strategies import enumerate_specs
 from autopar.tools.diff import PlanDiff, diff
 from autopar.tools.groups import param_rows, path_str
 from autopar.tools.summary import collective_rows
-from autopar.tools.text import canonical_str, format_bytes, format_rows, same_spec
+from autopar.tools.text import (axes_str, canonical_str, format_bytes, format_rows,
+                                 same_spec)
 
 if TYPE_CHECKING:
   from autopar.plan import Plan, ValuePlan
+  from autopar.planner import SolvedProblem
 
 __all__ = ["Replanner", "Candidate", "Explanation", "CostIf", "explain", "cost_if",
            "find_leaves"]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(eq=False)
 class Replanner:
-  """Plans a ``ShardParallel`` step again with extra pins: ``plan(pins)``.
+  """How a plan is solved again with extra pins (``Plan.replan``):
+  :meth:`plan`.
 
   Attributes:
-    step_ref: a weak reference to the step (its ``ParallelizedFunction``):
-      a plan is data and keeps no step alive.
+    problems: the ILPs solved while planning
+      (:class:`~autopar.planner.SolvedProblem`, one per choice of batch
+      axes; the plan's first), solved again with the pins; empty for a plan
+      read from the plan cache until :meth:`solved` plans the step again.
+    step_ref: a weak reference to the step (its ``ParallelizedFunction``;
+      ``step.plan`` sets it), for what no problem can answer: a plan is
+      data and keeps no step alive.
     args: the step's arguments, as shapes.
     pins: the pins (path -> spec) the plan was made with.
   """
-  step_ref: Callable[[], Any]
-  args: tuple
-  pins: Mapping[str, PartitionSpec]
+  problems: "tuple[SolvedProblem, ...]" = ()
+  step_ref: Callable[[], Any] | None = None
+  args: tuple = ()
+  pins: Mapping[str, PartitionSpec] = dataclasses.field(default_factory=dict)
+  _lock: Any = dataclasses.field(default_factory=threading.Lock, repr=False)
+  _tried: bool = dataclasses.field(default=False, repr=False)
 
-  def step(self):
-    step = self.step_ref()
+  @property
+  def problem(self) -> "SolvedProblem | None":
+    """The plan's own problem (None if it keeps none)."""
+    return self.problems[0] if self.problems else None
+
+  def step(self, why: str, fix: str):
+    """The step; PlanError if it is gone (``why``: what needs it)."""
+    step = self.step_ref() if self.step_ref is not None else None
     if step is None:
-      raise PlanError("explain / cost_if re-plan the step this plan was made from, and "
-                      "that step (its ParallelizedFunction) is gone. Fix: keep the step "
-                      "alive while you read its plan, or plan again with step.plan(...).")
+      raise PlanError(
+          f"explain / cost_if: {why}, which plans the step this plan was made from "
+          f"again, and that step (its ParallelizedFunction) is gone (or the plan, "
+          f"from get_executable, does not name it). Fix: keep the step alive while "
+          f"you read the plan step.plan(...) returns, or {fix}.")
     return step
 
+  def solved(self) -> "tuple[SolvedProblem, ...]":
+    """The problems. For a plan read from the plan cache, the step planned
+    again once without the cache for them (needs the step); () where
+    planning makes no ILP (a step without a gradient marker)."""
+    with self._lock:
+      if not self.problems and not self._tried:
+        self._tried = True
+        again = self.replan(
+            {}, "this plan, read from the plan cache, keeps no ILP to solve again",
+            "plan with AutoShardingOption(plan_cache=False): such a plan keeps it")
+        self.problems = again.replan.problems if again.replan is not None else ()
+      return self.problems
+
+  def holding(self, pins: Mapping[str, PartitionSpec]) -> "list[SolvedProblem]":
+    """The problems some choice of which gives every pin."""
+    return [p for p in self.solved()
+            if all(p.can_pin(path, spec) for path, spec in pins.items())]
+
+  def why_not(self, path: str) -> str:
+    """Why no problem gives the leaf ``path`` a spec, for a person."""
+    if self.problems[0].pinned(path):
+      return "the leaf is pinned (AutoShardingOption(pins=...))"
+    tried = "; ".join(axes_str(p.batch_axes) + (
+        f" (splits over {axes_str(p.kept_axes)} kept from a plan)" if p.kept_axes
+        else "") for p in self.problems)
+    return f"no ILP solved while planning gives it (batch over {tried})"
+
   def plan(self, pins: Mapping[str, PartitionSpec]) -> "Plan":
-    """The step's plan with ``pins`` added to its method's (no plan cache:
-    what-if plans are not kept)."""
-    step = self.step()
+    """The plan with ``pins`` added: the cheapest of the problems that can
+    hold them solved again (each pin holds its leaf's class there, see
+    ``SolvedProblem.sharing``), as planning chose; else the step planned
+    again."""
+    return self.solve(pins)[0]
+
+  def solve(self, pins: Mapping[str, PartitionSpec]
+            ) -> "tuple[Plan, SolvedProblem | None]":
+    """:meth:`plan`, and the problem it solved (None: planned again)."""
+    problems = self.solved()
+    if not problems:
+      return self.replan(pins), None
+    holding = self.holding(pins)
+    if not holding:
+      alone = [(p, s) for p, s in pins.items() if not any(q.can_pin(p, s)
+                                                          for q in problems)]
+      why = (f"{alone[0][0]} = {alone[0][1]}: {self.why_not(alone[0][0])}" if alone
+             else "no one ILP solved while planning gives every pin")
+      return self.replan(pins, why, "plan again with the pins "
+                                    "(AutoShardingOption(pins=...))"), None
+    best, error = None, None
+    for problem in sorted(holding, key=lambda p: p.objective):   # (stable: own first)
+      if best is not None and problem.objective >= best[0].objective:
+        break          # pinned, a problem costs at least what it did without pins
+      try:
+        plan = problem.plan(pins, above=best[0].objective if best else None)
+      except PlanError as e:
+        error = error or e
+        continue
+      if plan is not None and (best is None or plan.objective < best[0].objective):
+        best = (plan, problem)
+    if best is None:
+      raise error
+    return best
+
+  def replan(self, pins: Mapping[str, PartitionSpec],
+             why: str = "this plan keeps no ILP to solve again",
+             fix: str = "plan again with the pins (AutoShardingOption(pins=...))"
+             ) -> "Plan":
+    """The step planned again with ``pins`` added to its method's (every
+    choice of batch axes; no plan cache: what-if plans are not kept)."""
+    step = self.step(why, fix)
     option = dataclasses.replace(step.method.option, plan_cache=False,
                                  pins={**step.method.option.pin_map, **pins})
     return step.with_method(dataclasses.replace(step.method, option=option)).plan(
@@ -87,6 +204,7 @@ class Explanation:
   candidates: tuple[Candidate, ...]
   decided_by: str
   also: tuple[str, ...] = ()     # other leaves the pattern matched
+  held: tuple[str, ...] = ()     # the leaves each row pins with it (its class)
 
   def __str__(self) -> str:
     lines = [f"{self.leaf}  shape {self.shape}: chosen {canonical_str(self.chosen)}"]
@@ -101,6 +219,15 @@ class Explanation:
                      _ms(c.other), format_bytes(c.memory), c.note))
     lines += format_rows(rows)
     lines.append(f"decided by: {self.decided_by}")
+    if self.held:
+      lines.append(f"each row pins it with the {len(self.held)} other leaf(s) that "
+                   f"share its choice in the plan's ILP (the same tensor of layers "
+                   f"alike), e.g. {self.held[0]}")
+    for why in dict.fromkeys(c.error for c in self.candidates if c.note == OUTSIDE):
+      specs = ", ".join(canonical_str(c.spec) for c in self.candidates
+                        if c.note == OUTSIDE and c.error == why)
+      lines.append(f"'{OUTSIDE}' ({specs}): {why}; plan.cost_if({{path: spec}}) plans "
+                   f"the step again for one")
     if self.also:
       lines.append(f"(the pattern also matches {len(self.also)} other leaf(s), e.g. "
                    f"{self.also[0]})")
@@ -116,6 +243,7 @@ class CostIf:
   after: float
   plan: "Plan"
   diff: PlanDiff
+  held: tuple[str, ...] = ()     # leaves pinned with them (their classes)
 
   @property
   def change(self) -> float:
@@ -124,8 +252,10 @@ class CostIf:
   def __str__(self) -> str:
     pins = ", ".join(f"{k} = {canonical_str(v)}" for k, v in self.pins.items())
     rel = f" ({self.change / self.before:+.1%})" if self.before else ""
+    held = (f"\n(held with them: the {len(self.held)} other leaf(s) that share their "
+            f"choices in the plan's ILP, e.g. {self.held[0]})" if self.held else "")
     return (f"with {pins}: objective {_ms(self.before)} -> {_ms(self.after)}"
-            f"{rel}\n\n{self.diff}")
+            f"{rel}{held}\n\n{self.diff}")
 
 
 def _ms(t: float) -> str:
@@ -154,18 +284,27 @@ def find_leaves(plan: "Plan", pattern: str) -> list["ValuePlan"]:
 def _replanner(plan: "Plan", what: str) -> Replanner:
   if plan.replan is None:
     raise PlanError(
-        f"{what} re-plans the step, and this plan does not carry it (a plan loaded "
-        f"from JSON, or one a method other than ShardParallel made). Fix: call it on "
-        f"the plan from step.plan(*args) with a ShardParallel step (or `autopar "
-        f"explain plan.json PATH --step module:function --args module:make_args`).")
-  plan.replan.step()          # (the step must still be there)
+        f"{what} solves the plan's ILP again, and this plan does not carry it (a "
+        f"plan loaded from JSON, or one a method other than ShardParallel made). Fix: "
+        f"call it on the plan from step.plan(*args) with a ShardParallel step (or "
+        f"`autopar explain plan.json PATH --step module:function --args "
+        f"module:make_args`).")
   return plan.replan
 
 
+def _held(problem: "SolvedProblem | None", paths) -> tuple[str, ...]:
+  """The leaves ``problem`` pins with ``paths`` (their classes), less those."""
+  if problem is None:
+    return ()
+  paths = set(paths)
+  return tuple(dict.fromkeys(k for p in paths for k in problem.sharing(p)
+                             if k not in paths))
+
+
 def cost_if(plan: "Plan", pins: Mapping[str, Any]) -> CostIf:
-  """The plan re-solved with ``pins`` (input path or glob -> spec) added; a
-  glob pins the parameters it matches (not their optimizer state), or the
-  inputs it matches if it matches no parameter."""
+  """The plan solved again with ``pins`` (input path or glob -> spec) added;
+  a glob pins the parameters it matches (not their optimizer state), or the
+  inputs it matches if it matches no parameter (see the module docstring)."""
   r = _replanner(plan, "cost_if")
   exact = {}
   for pattern, spec in pins.items():
@@ -175,22 +314,39 @@ def cost_if(plan: "Plan", pins: Mapping[str, Any]) -> CostIf:
                       f"path from plan.inputs (e.g. {plan.inputs[0].name!r}) or a glob.")
     for v in leaves:
       exact[v.name] = spec if isinstance(spec, PartitionSpec) else PartitionSpec(*spec)
-  other = r.plan(exact)
+  other, problem = r.solve(exact)
   return CostIf(pins=exact, before=plan.objective, after=other.objective, plan=other,
-                diff=diff(plan, other))
+                diff=diff(plan, other), held=_held(problem, exact))
 
 
-def _candidate(r: Replanner, leaf: "ValuePlan", spec) -> Candidate:
+OUTSIDE = "not in the ILP"
+
+
+def _candidate(r: Replanner, leaf: "ValuePlan", spec, plan: "Plan") -> Candidate:
+  if r.problems and not r.holding({leaf.name: spec}):
+    return Candidate(spec, None, note=OUTSIDE, error=r.why_not(leaf.name))
   try:
     p = r.plan({leaf.name: spec})
   except AutoparError as e:
     return Candidate(spec, None, note="no plan", error=str(e).splitlines()[0])
   comm = sum(row["seconds"] for row in collective_rows(p))
-  return Candidate(spec, p.objective, comm, p.objective - comm, p.memory_per_device)
+  got = next(v.spec for v in p.inputs if v.name == leaf.name)
+  notes = ([] if same_spec(got, spec) else [f"planned as {canonical_str(got)}"]) + (
+      [] if p.batch_axes == plan.batch_axes else
+      [f"batch over {axes_str(p.batch_axes)}"])
+  note = "; ".join(notes)
+  return Candidate(spec, p.objective, comm, p.objective - comm, p.memory_per_device,
+                   note)
 
 
 def explain(plan: "Plan", pattern: str, *, max_candidates: int = 16) -> Explanation:
-  """Why the leaf ``pattern`` names has its spec (see the module docstring)."""
+  """Why the leaf ``pattern`` names has its spec (see the module docstring).
+
+  Example::
+
+      plan = step.plan(*abstract_args)
+      print(plan.explain("*layers*3*mlp_in*kernel"))
+  """
   leaves = find_leaves(plan, pattern)
   if not leaves:
     raise PlanError(f"explain: {pattern!r} names no leaf of the plan. Fix: use a path "
@@ -202,6 +358,7 @@ def explain(plan: "Plan", pattern: str, *, max_candidates: int = 16) -> Explanat
                        "an intermediate value: the ILP chose it with its equation; "
                        "candidates are listed for argument leaves only", also)
   r = _replanner(plan, "explain")
+  r.solved()
   specs = enumerate_specs(leaf.shape, plan.mesh_axis_names, plan.axis_sizes)
   if not any(same_spec(s, leaf.spec) for s in specs):
     specs = [leaf.spec] + list(specs)
@@ -215,16 +372,16 @@ def explain(plan: "Plan", pattern: str, *, max_candidates: int = 16) -> Explanat
       candidates.append(Candidate(s, plan.objective, comm, plan.objective - comm,
                                   plan.memory_per_device, "chosen"))
     else:
-      candidates.append(_candidate(r, leaf, s))
+      candidates.append(_candidate(r, leaf, s, plan))
   decided = _decided_by(plan, r, leaf, candidates)
   if left_out:
     decided += f" (among the first {max_candidates} specs; {left_out} more not tried)"
   return Explanation(leaf.name, tuple(leaf.shape), leaf.spec, tuple(candidates),
-                     decided, also)
+                     decided, also, held=_held(r.problem, [leaf.name]))
 
 
 def _decided_by(plan, r: Replanner, leaf, candidates) -> str:
-  if leaf.name in r.pins:
+  if leaf.name in r.pins or r.problem is not None and r.problem.pinned(leaf.name):
     return "a user pin (AutoShardingOption(pins=...))"
   chosen = candidates[0]
   others = [c for c in candidates[1:] if c.objective is not None]
@@ -235,12 +392,13 @@ def _decided_by(plan, r: Replanner, leaf, candidates) -> str:
         f" ({len(over)} other(s) exceed the memory budget)" if over else "")
   best = min(others, key=lambda c: c.objective)
   if best.objective < chosen.objective * (1 - 1e-6):
-    # Pinned alone, the leaf can leave the choice it shares with the leaves
-    # of its shape and role (the repeated layers'); or the solver stopped
-    # short of the optimum.
-    return (f"not the cheapest by this measure: pinned alone, "
-            f"{canonical_str(best.spec)} plans at {_ms(best.objective)} (the leaf's "
-            f"choice is shared with the leaves like it, or the solver's tolerance)")
+    # The rows solve again the problems planning chose among: a pin can beat
+    # the plan only by what the planner counts as a tie (0.1 %, where it keeps
+    # the larger batch split) or by the solver's gap.
+    return (f"a tie: {canonical_str(best.spec)} plans at {_ms(best.objective)}, "
+            f"within what the planner tells apart (0.1 %: of plans that cost the "
+            f"same it keeps the one that splits the batch over more devices) or "
+            f"the solver's tolerance")
   d_comm = best.communication - chosen.communication
   d_other = best.other - chosen.other
   term = ("cheaper communication" if d_comm >= d_other else
