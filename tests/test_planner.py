@@ -133,10 +133,18 @@ def test_tight_memory_budget_shards_the_parameters():
   smallest = float(str(e.value).split("at least ")[1].split(",")[0])
   assert smallest < free.memory_per_device
 
-  p = autopar.parallelize(step, method=method(smallest * 1.01))
+  tight = autopar.parallelize(step, method=method(smallest * 1.01)).plan(
+      make_state(), batch)
+  assert all("data" in str(spec) for spec in kernels(tight))        # FSDP-like
+  assert tight.memory_per_device <= smallest * 1.01
+  # Compiled, the step holds a few % more than the model's estimate: the
+  # budget holds on what it holds (the plan is made again within less, or a
+  # PlanError); 5 % over the model's smallest is met.
+  from autopar.tools.check import compiled_peak
+  p = autopar.parallelize(step, method=method(smallest * 1.05))
   exe = p.get_executable(make_state(), batch)
-  assert all("data" in str(spec) for spec in kernels(exe.plan))     # FSDP-like
-  assert exe.plan.memory_per_device <= smallest * 1.01
+  assert all("data" in str(spec) for spec in kernels(exe.plan))
+  assert compiled_peak(exe.plan, exe.stages, exe.schedule) <= smallest * 1.05
   gathers = [c for c in hlo.collectives(exe.stages["compute_grad"])
              if c.kind == "all-gather" and c.operand_bytes >= 64 * 1024 * 4 // 8]
   assert gathers                       # parameters gathered for each micro-batch
