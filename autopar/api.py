@@ -672,9 +672,10 @@ class ParallelizedFunction:
     outputs not aliased, temporaries, and what the step keeps between
     stages: ``tools.check.compiled_step_memory``) is within the method's
     ``memory_budget_per_device``. Else the step is planned again with the
-    planning budget scaled down by how far the compiled peak missed, up to
-    ``_BUDGET_TRIES`` times; a ``PlanError`` names the smallest compiled
-    peak found if no plan fits. The ILP's memory model is XLA's
+    planning budget scaled down by how far the compiled peak missed (and,
+    once a planning budget is infeasible, halfway between it and the last
+    feasible one), up to ``_BUDGET_TRIES`` times; a ``PlanError`` names the
+    smallest compiled peak found if no plan fits. The ILP's memory model is XLA's
     approximately; this holds the budget on what the devices hold."""
     method = self.method
     option = getattr(method, "option", None)
@@ -682,20 +683,27 @@ class ParallelizedFunction:
     if budget is None or not isinstance(method, ShardParallel) or method.plan is not None:
       return exe
     planning, tried = float(budget), []
-    for attempt in range(_BUDGET_TRIES + 1):
-      peak = compiled_peak(exe.plan, exe.stages, exe.schedule)
-      tried.append((planning, peak))
+    low = None                      # the largest planning budget found infeasible
+    peak = compiled_peak(exe.plan, exe.stages, exe.schedule)
+    tried.append((planning, peak))
+    for _ in range(_BUDGET_TRIES):
       if peak <= budget:
         return exe
-      if attempt == _BUDGET_TRIES:
-        break
-      planning *= budget / peak
+      # Scaled down by the miss; between the last infeasible and the last
+      # planned budget once the model has said no (a bisection).
+      high = planning
+      planning = high * budget / peak if low is None else (low + high) / 2
       retry = self.with_method(dataclasses.replace(method, option=dataclasses.replace(
           option, memory_budget_per_device=planning)))
       try:
         exe = retry._compile(prep)
-      except PlanError:
-        break                       # no plan within the smaller planning budget
+      except PlanError:             # no plan within it, by the model
+        low, planning = planning, high
+        continue
+      peak = compiled_peak(exe.plan, exe.stages, exe.schedule)
+      tried.append((planning, peak))
+    if peak <= budget:
+      return exe
     smallest = min(p for _, p in tried)
     raise PlanError(
         f"{self._name}: no plan found whose compiled step fits memory_budget_per_device="

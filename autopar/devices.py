@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 from autopar.errors import InputError
 
 __all__ = ["DeviceKind", "DEVICE_KINDS", "device_kind", "axes_crossing_hosts",
-           "hardware_costs", "hardware_option", "dominant_float_dtype"]
+           "hardware_costs", "hardware_option", "dominant_float_dtype", "platform_of"]
 
 GB = 1e9
 
@@ -114,6 +114,16 @@ def device_kind(name: str) -> DeviceKind:
                    f"knows ({', '.join(k.name for k in DEVICE_KINDS)}). Fix: name one of "
                    f"those, or give mesh_alpha, mesh_beta and seconds_per_flop (or "
                    f"costs='measured' after autopar.calibrate).")
+
+
+def platform_of(name: str | None) -> str:
+  """The XLA platform ("cpu", "gpu", "tpu") of the device kind ``name``,
+  whose fusion and layout rules the memory model applies (``liveness.py``).
+  No kind named: "cpu", the platform of the default costs."""
+  if name is None:
+    return "cpu"
+  kind = device_kind(name).name
+  return "tpu" if kind.startswith("TPU") else "cpu" if kind == "CPU" else "gpu"
 
 
 def axes_crossing_hosts(mesh, devices_per_host: int | None) -> tuple[str, ...]:

@@ -197,7 +197,7 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
                num_micro_batches: int, batch_axes: Sequence[str],
                planned_axes: Sequence[str], sizes: Mapping[str, int],
                cost: MeshCost, seconds_per_flop: float, seconds_per_byte: float = 0.0,
-               flop_rates: Mapping[str, float] | None = None,
+               flop_rates: Mapping[str, float] | None = None, platform: str = "cpu",
                allow_all_gather: bool = True, allow_all_to_all: bool = True,
                memory_budget: float | None = None, read_by_compute=(),
                share_layers: bool = True, pins: Mapping[int, Spec] | None = None,
@@ -208,7 +208,7 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
                      num_micro_batches=num_micro_batches, batch_axes=batch_axes,
                      planned_axes=planned_axes, sizes=sizes, cost=cost,
                      seconds_per_flop=seconds_per_flop, flop_rates=flop_rates,
-                     read_by_compute=read_by_compute,
+                     read_by_compute=read_by_compute, platform=platform,
                      pins=pins, leaf_names=leaf_names, keep=keep)
     self.donation = dict(donation)
     self.seconds_per_byte = seconds_per_byte

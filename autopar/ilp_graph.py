@@ -75,6 +75,8 @@ class ChoiceGraph:
     cost, seconds_per_flop, flop_rates: the strategies' costs
       (``RuleContext``).
     read_by_compute: leaves compute_grad reads.
+    platform: whose fusion rules count the memory traffic ("cpu", "gpu",
+      "tpu"; ``devices.platform_of``).
     pins: leaf index -> the spec it must take.
     leaf_names: leaves' pytree paths, for errors.
     keep: see :class:`autopar.ilp.ShardingProblem`.
@@ -85,6 +87,7 @@ class ChoiceGraph:
                batch_axes: Sequence[str], planned_axes: Sequence[str],
                sizes: Mapping[str, int], cost: MeshCost, seconds_per_flop: float,
                flop_rates: Mapping[str, float] | None = None, read_by_compute=(),
+               platform: str = "cpu",
                pins: Mapping[int, Spec] | None = None, leaf_names: Sequence[str] = (),
                keep: tuple[Sequence[str], Mapping[str, tuple]] | None = None):
     self.compute = compute
@@ -99,6 +102,7 @@ class ChoiceGraph:
     self.cost = cost
     self.ctx = RuleContext(self.A, self.sizes, cost, seconds_per_flop, dict(flop_rates or {}))
     self.read_by_compute = set(read_by_compute)
+    self.platform = platform
     self.pins = dict(pins or {})
     self.leaf_names = list(leaf_names)
     self.keep = keep
@@ -305,7 +309,7 @@ class ChoiceGraph:
     Merged element-wise equations have no node: their flops (one per
     element) are charged to the node they follow. Loops and calls are
     their bodies' (recorded when the body is added)."""
-    fus = fusions(jaxpr)
+    fus = fusions(jaxpr, self.platform)
     work = self.work
     for idx, eqn in enumerate(jaxpr.eqns):
       if eqn.primitive.name in REGIONS:

@@ -60,7 +60,7 @@ class MemoryModel:
     cj = self.compute.jaxpr
     folded = folded_values(cj, self._stacks) \
         if self.n > 1 or self._batch_size_devices > 1 else []
-    return liveness_peaks(cj, k=k, folded=folded, size=size)
+    return liveness_peaks(cj, k=k, folded=folded, size=size, platform=self.platform)
 
   def _items(self, live) -> list:
     """Memory items of the values in ``live`` that the graph has."""

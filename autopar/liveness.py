@@ -77,7 +77,8 @@ def liveness_peaks(jaxpr, k: int,
                    gathered: Iterable[Var] = (),
                    released: Iterable[Var] = (),
                    folded: Iterable[Var] = (),
-                   size: Callable[[Var], float] | None = None) -> list[list[Var]]:
+                   size: Callable[[Var], float] | None = None,
+                   platform: str = "cpu") -> list[list[Var]]:
   """The ``k`` program points where the most bytes are held.
 
   Each is the list of the values whose buffers are held there, one value
@@ -85,10 +86,14 @@ def liveness_peaks(jaxpr, k: int,
   copies and broadcasts XLA makes there (each counted once more). A
   value's bytes are ``size(value)`` (default: the whole array's), so a
   plan's own peak is found with the bytes per device of its specs.
+  ``platform``: whose rules apply ("cpu", "gpu", "tpu"): XLA:CPU's
+  YNNPACK reductions and operand copies for its convolutions and dots
+  only on "cpu" (``devices.platform_of``).
   """
   eqns = jaxpr.eqns
   end = len(eqns)
-  fusions = _Fusions.of(jaxpr)
+  cpu = platform == "cpu"
+  fusions = _Fusions.of(jaxpr, platform)
   producer, outputs = fusions.producer, fusions.outputs
 
   # Where each buffer is read: the equations that run (not fused into their
@@ -106,7 +111,7 @@ def liveness_peaks(jaxpr, k: int,
     # copied where it is made (the copy fused into its producer,
     # recomputing a ReLU, say), and the copy is held until the last
     # equation that reads it, which reads only it.
-    for v, order in relayouts(eqn):
+    for v, order in relayouts(eqn) if cpu else ():
       if type(v) is not Literal:
         key = (v, order)
         if key not in copied:           # an input's copy: where it is first read
@@ -134,7 +139,7 @@ def liveness_peaks(jaxpr, k: int,
 
   copies: dict[int, list[Var]] = {}  # point -> values held only there
   for i, eqn in enumerate(eqns):
-    if eqn.primitive.name == "conv_general_dilated":
+    if cpu and eqn.primitive.name == "conv_general_dilated":
       # A result not in the convolution's order is written to a copy.
       out = [v for v in conv_relayouts(eqn) if v is eqn.outvars[0] and v in last_use]
       if out:
@@ -145,7 +150,7 @@ def liveness_peaks(jaxpr, k: int,
     bodies = region_jaxprs(eqn)
     if eqn.primitive.name == "while":
       bodies = bodies[1:]               # its cond's values are few and brief
-    inner = [_body_held(sub, size) for sub in bodies]
+    inner = [_body_held(sub, size, platform) for sub in bodies]
     if inner:
       copies.setdefault(i, []).extend(
           max(inner, key=lambda vs: sum(map(size or nbytes, vs))))
@@ -216,10 +221,11 @@ def liveness_peaks(jaxpr, k: int,
           copies.get(t, []) for t in peaks]
 
 
-def _body_held(jaxpr, size) -> list[Var]:
+def _body_held(jaxpr, size, platform: str = "cpu") -> list[Var]:
   """What a control-flow body holds at its peak, less its results."""
   results = {v for v in jaxpr.outvars if type(v) is not Literal}
-  return [v for v in liveness_peaks(jaxpr, k=1, released=jaxpr.outvars, size=size)[0]
+  return [v for v in liveness_peaks(jaxpr, k=1, released=jaxpr.outvars, size=size,
+                                    platform=platform)[0]
           if v not in results]
 
 
@@ -247,10 +253,11 @@ _CONSUMERS = frozenset({
     "broadcast_in_dim", "concatenate", "pad", "slice", "dynamic_slice", *VIEWS})
 
 
-def fusions(jaxpr) -> "_Fusions":
+def fusions(jaxpr, platform: str = "cpu") -> "_Fusions":
   """Which of ``jaxpr``'s values XLA computes inside their readers (see
-  :class:`_Fusions`); the ILP counts memory traffic with it."""
-  return _Fusions.of(jaxpr)
+  :class:`_Fusions`; XLA:CPU's YNNPACK kernels only on "cpu"); the ILP
+  counts memory traffic with it."""
+  return _Fusions.of(jaxpr, platform)
 
 
 class _Fusions:
@@ -260,8 +267,9 @@ class _Fusions:
   fusion takes in a cheap element-wise producer, a broadcast or an iota
   (recomputing it in each such reader, even where another reader needs it
   made, unless it reads more than one operand of its size), an expensive
-  one only as its sole reader. A YNNPACK reduction
-  (``kernel_of``) takes in only what nothing outside it reads. ``runs(i)``:
+  one only as its sole reader. A YNNPACK reduction of XLA:CPU's
+  (``kernel_of``; with ``cpu`` False there are none) takes in only what
+  nothing outside it reads. ``runs(i)``:
   whether equation ``i`` runs where it stands (some reader needs its
   result made); ``reads(i)``: the made values it reads, through what it
   recomputes. ``made_broadcasts()``: the broadcasts a kernel shares with
@@ -269,7 +277,7 @@ class _Fusions:
   """
 
   @classmethod
-  def of(cls, jaxpr) -> "_Fusions":
+  def of(cls, jaxpr, platform: str = "cpu") -> "_Fusions":
     producer: dict[Var, int] = {}
     readers: dict[Var, list[int]] = {}
     for i, eqn in enumerate(jaxpr.eqns):
@@ -278,11 +286,12 @@ class _Fusions:
       for v in dict.fromkeys(v for v in eqn.invars if type(v) is not Literal):
         readers.setdefault(v, []).append(i)
     outputs = {v for v in jaxpr.outvars if type(v) is not Literal}
-    return cls(jaxpr.eqns, producer, readers, outputs)
+    return cls(jaxpr.eqns, producer, readers, outputs, platform == "cpu")
 
-  def __init__(self, eqns, producer, readers, outputs):
+  def __init__(self, eqns, producer, readers, outputs, cpu: bool = True):
     self.eqns, self.producer, self.readers = eqns, producer, readers
     self.outputs = outputs
+    self.cpu = cpu
     self._sources: dict[Var, list[Var]] = {}
     self._kernel: dict[int, int | None] = {}
     # In program order, so that each value's sources are found from its
@@ -301,6 +310,8 @@ class _Fusions:
     literal, or size-1 dimensions) to its own shape; XLA merges equal
     broadcasts (CSE), and a kernel takes one in only if nothing else reads
     it."""
+    if not self.cpu:
+      return []
     readers: dict[tuple, list[int]] = {}
     already = set()                   # made by a broadcast equation that runs
     for i, eqn in enumerate(self.eqns):
@@ -333,6 +344,8 @@ class _Fusions:
     """The YNNPACK reduction of XLA:CPU's that equation ``i`` is, or runs
     inside: an element-wise operation, broadcast or iota all of whose
     readers are inside one."""
+    if not self.cpu:
+      return None
     got = self._kernel.get(i, -1)
     if got != -1:
       return got

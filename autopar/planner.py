@@ -25,6 +25,7 @@ from jax.extend.core import ClosedJaxpr, Literal
 from jax.sharding import PartitionSpec
 
 from autopar.cost_model import MeshCost, assumed_costs, dtype_name
+from autopar.devices import platform_of
 from autopar.errors import PlanError
 from autopar.hints import check_hints, check_pins, entry_axes, model_axes
 # Imported here, not where it is used: importing PuLP keeps the tracebacks of
@@ -518,6 +519,7 @@ def sharding_problem(local: SplitStep, method, S, A, sizes, cost: MeshCost, rows
       seconds_per_flop=option.flop_seconds,
       seconds_per_byte=option.byte_seconds,
       flop_rates=option.dtype_flop_seconds,
+      platform=platform_of(option.device_kind),
       allow_all_gather=option.allow_all_gather,
       allow_all_to_all=option.allow_all_to_all,
       memory_budget=option.memory_budget_per_device,

@@ -24,7 +24,7 @@ from jax.extend.core import Var
 from jax.sharding import PartitionSpec
 
 from autopar.cost_model import MeshCost, assumed_costs, dtype_name, num_bytes
-from autopar.devices import dominant_float_dtype, hardware_option
+from autopar.devices import dominant_float_dtype, hardware_option, platform_of
 from autopar.errors import InputError
 from autopar.gradstack import find_grad_stacks, folded_values
 from autopar.hints import check_hints, check_pins, entry_axes
@@ -146,7 +146,8 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
   local = None
   if split.has_marker and trace_local is not None and d > 1:
     local = trace_local(traced.micro_batch_size // d)
-  memory += _preset_activation_peak(split, local, params, grads, d, zero, n, batch_axes)
+  memory += _preset_activation_peak(split, local, params, grads, d, zero, n, batch_axes,
+                                    platform_of(option.device_kind))
   times = {}
   if split.has_marker and trace_local is not None:
     times = _priced(local or trace_local(traced.micro_batch_size // d), method, mesh,
@@ -275,7 +276,7 @@ def _memory_estimate(inputs, grads, sizes, d, n, accumulate, stacked=()) -> int:
 
 
 def _preset_activation_peak(split: SplitStep, local: SplitStep | None, params, grads,
-                            d, zero, n, batch_axes=()) -> int:
+                            d, zero, n, batch_axes=(), platform: str = "cpu") -> int:
   """Bytes per device of the values live at the peak of one device's
   forward/backward pass (its gradients included): read from ``local``, the
   step split at one device's rows, where given; else from ``split`` with
@@ -309,6 +310,7 @@ def _preset_activation_peak(split: SplitStep, local: SplitStep | None, params, g
   peak = max((sum(num_bytes(v.aval.shape, v.aval.dtype) / (share if v in rows else 1)
                   for v in live)
               for live in liveness_peaks(jaxpr, k=3, gathered=gathered,
-                                         released=released, folded=folded)),
+                                         released=released, folded=folded,
+                                         platform=platform)),
              default=0.0)
   return int(peak)

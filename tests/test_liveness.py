@@ -170,3 +170,18 @@ def test_a_residual_stream_is_not_recomputed():
     return jax.grad(lambda ws: (stream(x, *ws) ** 2).sum())(ws)
   held, compiled = _peak(grad, x, *ws), _compiled(grad, x, *ws)
   assert abs(held / compiled - 1) < 0.15, (held, compiled)
+
+
+def test_cpu_rules_are_keyed_by_platform():
+  """XLA:CPU runs float reductions as YNNPACK kernels (which take in only
+  what nothing else reads); the GPU and TPU backends have no such kernels.
+  The rules apply only to plans for CPU devices (devices.platform_of)."""
+  from autopar.devices import platform_of
+  from autopar.liveness import fusions
+  assert [platform_of(k) for k in (None, "CPU", "H100", "NVIDIA A100-SXM4-80GB",
+                                   "TPU v5 lite")] == ["cpu", "cpu", "gpu", "gpu", "tpu"]
+  jaxpr = jax.make_jaxpr(lambda x: jnp.sum(jnp.exp(x) * 2.0))(jnp.ones((64, 64))).jaxpr
+  i = next(k for k, e in enumerate(jaxpr.eqns) if e.primitive.name == "reduce_sum")
+  assert fusions(jaxpr, "cpu").kernel_of(i) == i
+  assert fusions(jaxpr, "gpu").kernel_of(i) is None
+  assert fusions(jaxpr, "gpu").made_broadcasts() == []

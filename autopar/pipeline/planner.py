@@ -33,6 +33,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from autopar import jax_compat as jc
 from autopar.cost_model import MeshCost, num_bytes
+from autopar.devices import platform_of
 from autopar.errors import PlanError
 from autopar.hints import check_pins, entry_axes
 from autopar.ilp import ShardingProblem
@@ -548,6 +549,7 @@ def solve_stage(ctx: Context, cut_: Cut, s: int, sizes: dict[str, int],
       seconds_per_flop=option.flop_seconds,
       seconds_per_byte=option.byte_seconds,
       flop_rates=option.dtype_flop_seconds,
+      platform=platform_of(option.device_kind),
       allow_all_gather=option.allow_all_gather, allow_all_to_all=option.allow_all_to_all,
       memory_budget=budget, read_by_compute=read_by,
       share_layers=option.share_layers, pins=pins, accumulate=ctx.accumulate,
