@@ -353,7 +353,7 @@ class ParallelizedFunction:
     if (option.pins or option.force_data_parallel or option.forced_batch_axes(mesh)
         is not None):
       return plan
-    best, taken = plan, None
+    best, taken, prices = plan, None, {}
     for preset in (Zero2Parallel, Zero3Parallel):
       other = preset(mesh=method.mesh, num_micro_batches=method.num_micro_batches,
                      remat=method.remat,
@@ -369,7 +369,7 @@ class ParallelizedFunction:
                                 outputs=self._outputs(prep, self._split(prep, micro),
                                                       batch_size),
                                 trace_local=lambda rows: self._split(prep, rows),
-                                option=option)
+                                option=option, price_cache=prices)
       except (InputError, PlanError):
         continue                       # the preset cannot split this batch
       budget = option.memory_budget_per_device

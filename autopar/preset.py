@@ -45,7 +45,7 @@ __all__ = ["plan_preset"]
 
 def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
                 batch_size: int, outputs: SizedOutputs | None = None,
-                trace_local=None, option=None) -> Plan:
+                trace_local=None, option=None, price_cache: dict | None = None) -> Plan:
   """The plan of a preset method (see the module docstring).
 
   ``outputs``: the step's outputs at the whole batch (default: ``split``'s).
@@ -54,6 +54,8 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
   value that depends on the batch divided over the batch axes).
   ``option``: the costs to price it with (default: the method's, or those
   ShardParallel would take on ``mesh``: :func:`preset_option`).
+  ``price_cache``: a dict shared by calls that price the same step with the
+  same option (ZeRO-2's and ZeRO-3's prices solve one problem).
   """
   traced = split.traced
   sizes = axis_sizes_of(mesh)
@@ -155,7 +157,7 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
                     num_grads=sum(1 for g in grads if any(g.spec)),
                     num_params=sum(1 for k in params if any(in_specs[k]) and
                                    not traced.leaves[k].is_batch),
-                    cost_option=option)
+                    cost_option=option, cache=price_cache)
     objective = times["gradient"]["total"] + times["apply"]["total"]
   return Plan(method=method.name, mesh_axis_names=axis_names_of(mesh),
               mesh_shape=tuple(sizes.values()), num_micro_batches=n,
@@ -178,7 +180,7 @@ def preset_option(mesh, leaves) -> AutoShardingOption:
 
 def _priced(local, method, mesh, batch_axes, in_specs, traced, zero, collectives,
             cost: MeshCost, d: int, num_grads: int = 1, num_params: int = 1,
-            cost_option=None) -> dict:
+            cost_option=None, cache: dict | None = None) -> dict:
   """The preset plan's predicted time by stage, by the model ShardParallel's
   ILP minimises (``planner.price_layout``), so that objectives compare
   across methods. ZeRO updates each device's shard of the state, which
@@ -190,8 +192,13 @@ def _priced(local, method, mesh, batch_axes, in_specs, traced, zero, collectives
   rows = traced.micro_batch_size // d
   layout = [PartitionSpec(*s) if l.is_batch or not zero else PartitionSpec()
             for l, s in zip(traced.leaves, in_specs)]
-  _, stage_times = price_layout(local, method, mesh, batch_axes, layout, rows,
-                                option=cost_option)
+  key = (tuple(batch_axes), tuple(map(str, layout)), rows, method.micro_batches)
+  stage_times = None if cache is None else cache.get(key)
+  if stage_times is None:
+    _, stage_times = price_layout(local, method, mesh, batch_axes, layout, rows,
+                                  option=cost_option)
+    if cache is not None:
+      cache[key] = stage_times
   times = predicted_time(stage_times)
   if zero:
     grad, apply = times["gradient"], times["apply"]
