@@ -346,13 +346,14 @@ class ParallelizedFunction:
     and ZeRO-3 are priced as their presets are (``preset.py``) with this
     method's option, and the cheapest plan is kept; the summary's solver
     line says when a preset's was. Not tried with pins, a forced batch
-    split, or where the preset's memory is over the budget."""
+    split, all-gathers forbidden, or where the preset's memory is over the
+    budget."""
     method = self.method
     option = method.option
     mesh = resolve_mesh(method)
-    if (option.pins or option.force_data_parallel or option.forced_batch_axes(mesh)
-        is not None):
-      return plan
+    if (option.pins or option.force_data_parallel or not option.allow_all_gather
+        or option.forced_batch_axes(mesh) is not None):
+      return plan                     # (ZeRO gathers the state it splits)
     best, taken, prices = plan, None, {}
     for preset in (Zero2Parallel, Zero3Parallel):
       other = preset(mesh=method.mesh, num_micro_batches=method.num_micro_batches,
@@ -382,8 +383,24 @@ class ParallelizedFunction:
     s = plan.solver
     note = (f"{s.status}; {taken}'s layout taken: it costs {best.objective:.4g} s, "
             f"the ILP's best {plan.objective:.4g} s")
-    return dataclasses.replace(best, method=method.name,
+    # The ILP's problems stay with the plan: explain and cost_if price the
+    # ILP's alternatives to it (rows solved by the ILP; the taken layout is
+    # not among them, which the solver line says).
+    return dataclasses.replace(best, method=method.name, replan=plan.replan,
                                solver=dataclasses.replace(s, status=note))
+
+  def _keep_plan(self, prep: _Prepared, exe: Executable, first: Plan) -> Executable:
+    """``exe``, whose plan (made within a smaller planning budget than the
+    method's) becomes this step's plan: for ``step.plan`` and in the plan
+    cache under the method's own key, so the next process compiles it at
+    once. Its fingerprint is the method's."""
+    if exe.plan is first:
+      return exe
+    plan = dataclasses.replace(exe.plan, fingerprint=first.fingerprint)
+    self._plans[prep.key] = (plan, self._plans[prep.key][1])
+    if self.method.option.plan_cache and first.fingerprint:
+      plan_cache.store(plan_cache.plan_key(dict(first.fingerprint)), plan)
+    return dataclasses.replace(exe, plan=plan)
 
   def _one_stage(self, prep: _Prepared) -> "ParallelizedFunction | None":
     """For a PipeshardParallel step of one stage (num_stages=1, or the
@@ -684,11 +701,12 @@ class ParallelizedFunction:
       return exe
     planning, tried = float(budget), []
     low = None                      # the largest planning budget found infeasible
+    first = exe.plan
     peak = compiled_peak(exe.plan, exe.stages, exe.schedule)
     tried.append((planning, peak))
     for _ in range(_BUDGET_TRIES):
       if peak <= budget:
-        return exe
+        return self._keep_plan(prep, exe, first)
       # Scaled down by the miss; between the last infeasible and the last
       # planned budget once the model has said no (a bisection).
       high = planning
@@ -697,13 +715,15 @@ class ParallelizedFunction:
           option, memory_budget_per_device=planning)))
       try:
         exe = retry._compile(prep)
-      except PlanError:             # no plan within it, by the model
+      except PlanError as e:
+        if "memory_budget_per_device" not in str(e):
+          raise                     # not a budget the model cannot meet
         low, planning = planning, high
         continue
       peak = compiled_peak(exe.plan, exe.stages, exe.schedule)
       tried.append((planning, peak))
     if peak <= budget:
-      return exe
+      return self._keep_plan(prep, exe, first)
     smallest = min(p for _, p in tried)
     raise PlanError(
         f"{self._name}: no plan found whose compiled step fits memory_budget_per_device="

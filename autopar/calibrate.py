@@ -239,6 +239,7 @@ def measured_option(option, mesh):
       option, costs=None, device_kind=cal.device_kind,
       mesh_alpha={**cal.alpha, **option.alpha}, mesh_beta={**cal.beta, **option.beta},
       seconds_per_flop=(cal.seconds_per_flop[dtype] if dtype else option.flop_seconds),
-      flop_rates=(option.flop_rates if option.seconds_per_flop is not None
-                  or option.flop_rates else dict(cal.seconds_per_flop)),
+      seconds_per_flop_by_dtype=(
+          option.seconds_per_flop_by_dtype if option.seconds_per_flop is not None
+          or option.seconds_per_flop_by_dtype else dict(cal.seconds_per_flop)),
       memory_bandwidth=(option.memory_bandwidth or cal.memory_bandwidth))

@@ -160,7 +160,8 @@ def assumed_costs(axis_sizes: Mapping[str, int], option=None) -> dict:
           "beta": {a: float(beta.get(a, DEFAULT_BETA)) for a in axis_sizes},
           "memory_budget_per_device": None if budget is None else float(budget),
           "device_kind": getattr(option, "device_kind", None),
-          "flop_rates": dict(getattr(option, "flop_rates", None) or {})}
+          "seconds_per_flop_by_dtype": dict(
+              getattr(option, "seconds_per_flop_by_dtype", None) or {})}
 
 
 def ring_bytes_sent(kind: str, operand_bytes: float, group: int) -> float:

@@ -175,7 +175,7 @@ def hardware_option(option, mesh, dtype: str = "float32"):
   (the kind ``option.device_kind`` names, or that of a real mesh's
   devices): α and β per axis, and seconds per flop for ``dtype``; what the
   option gives by hand is kept. Unchanged for an AbstractMesh with no
-  device kind named. Each dtype's peak rate goes in ``flop_rates`` (unless
+  device kind named. Each dtype's 1 / peak rate goes in ``seconds_per_flop_by_dtype`` (unless
   ``seconds_per_flop`` is given by hand: it then prices every dtype)."""
   name = option.device_kind
   if name is None and isinstance(mesh, Mesh):
@@ -185,10 +185,12 @@ def hardware_option(option, mesh, dtype: str = "float32"):
   kind = device_kind(name)
   alpha, beta, spf, _ = hardware_costs(kind, mesh, option.devices_per_host, dtype)
   by_hand = option.seconds_per_flop is not None
-  rates = option.flop_rates if (by_hand or option.flop_rates) else {
+  rates = option.seconds_per_flop_by_dtype if (
+      by_hand or option.seconds_per_flop_by_dtype) else {
       d: 1.0 / r for d, r in kind.flops.items()}
   return dataclasses.replace(
-      option, device_kind=kind.name, mesh_alpha={**alpha, **option.alpha}, flop_rates=rates,
+      option, device_kind=kind.name, mesh_alpha={**alpha, **option.alpha},
+      seconds_per_flop_by_dtype=rates,
       mesh_beta={**beta, **option.beta},
       seconds_per_flop=spf if option.seconds_per_flop is None else option.seconds_per_flop,
       memory_bandwidth=(kind.memory_bandwidth if option.memory_bandwidth is None

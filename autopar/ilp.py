@@ -58,6 +58,7 @@ smallest budget that would fit.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from typing import Mapping, Sequence
 
@@ -399,6 +400,8 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
       for v, a in chosen[part].items():
         terms[v] = terms.get(v, 0.0) + a
     self.prob.setObjective(lp.linear(terms))
+    # A solver model kept for solve_pinned has the old objective.
+    self._relaxed = None
 
   def _roofline_values(self) -> dict[str, tuple[float, float]]:
     """Per stage, (flops seconds, memory seconds) at the current solution."""
@@ -422,9 +425,12 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
     optimal for the true objective: any other costs at least its own
     chosen terms, which cost at least this one."""
     deadline = time.perf_counter() + time_limit
-    tried, best = set(), None
+    parts = sorted(self._regime)
+    every = [dict(zip(parts, c)) for c in itertools.product(("flops", "memory"),
+                                                            repeat=len(parts))]
+    tried, best, self.regimes_settled = [], None, False
     while True:
-      tried.add(tuple(sorted(self._regime.items())))
+      tried.append(dict(self._regime))
       solver_name = self._run_solver(max(1.0, deadline - time.perf_counter()))
       if not self._status.optimal:
         break
@@ -432,11 +438,17 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
       if best is None or value < best[0]:
         best = (value, {v: v.varValue for v in self.prob.variables()}, solver_name,
                 self._status, dict(self._regime))
-      flipped = {p: ("memory" if b > f else "flops")
-                 for p, (f, b) in self._roofline_values().items()}
-      if flipped == self._regime or tuple(sorted(flipped.items())) in tried:
+      bound = {p: ("memory" if b > f else "flops")
+               for p, (f, b) in self._roofline_values().items()}
+      if bound == self._regime:
+        self.regimes_settled = True   # optimal (see above)
         break
-      self._regime = flipped
+      # The other term is the larger somewhere: solve with it; where that
+      # was tried, with a choice of terms not tried yet (at most four).
+      todo = [r for r in [bound] + every if r not in tried]
+      if not todo:
+        break                         # none settles: the best found is kept
+      self._regime = todo[0]
       self._set_objective()
     if best is None:
       return solver_name
@@ -636,6 +648,8 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
           f"{_BUDGET_ROUNDS} rounds the plan's own peak is still {over:.0f} bytes. "
           f"Fix: raise memory_budget_per_device, use more micro-batches or a "
           f"larger mesh.")
+    if not getattr(self, "regimes_settled", True):
+      status += " (no choice of roofline terms settled: the best solution found)"
     self._solved = (status, solver_name, seconds)
     return self.true_objective()
 

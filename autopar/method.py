@@ -137,10 +137,11 @@ class AutoShardingOption:
       a calibration with ``costs="measured"``). Axes not in mesh_alpha /
       mesh_beta then cost the links inside a node, or between nodes for the
       axes that cross hosts.
-    flop_rates: dtype name -> seconds per flop of work in that dtype (a
-      matmul at its operands' dtype, element-wise work at float32's).
-      None (default): the device kind's peak rates, or a calibration's;
-      where ``seconds_per_flop`` is given by hand, every dtype runs at it.
+    seconds_per_flop_by_dtype: dtype name -> seconds per flop of work in
+      that dtype (1 / its peak rate; a matmul runs at its operands' dtype,
+      element-wise work at float32's). None (default): the device kind's
+      peak rates, or a calibration's; where ``seconds_per_flop`` is given by
+      hand (and this is not), every dtype runs at it.
     devices_per_host: for an AbstractMesh, devices per host in
       ``jax.devices()`` order, which says which axes cross hosts (None:
       none do). A real mesh's hosts are read from its devices.
@@ -168,7 +169,7 @@ class AutoShardingOption:
   costs: str | None = None
   device_kind: str | None = None
   devices_per_host: int | None = None
-  flop_rates: Any = None
+  seconds_per_flop_by_dtype: Any = None
 
   def __post_init__(self):
     if self.costs not in (None, "measured"):
@@ -181,8 +182,8 @@ class AutoShardingOption:
     object.__setattr__(self, "pins", _as_pins(self.pins))
     object.__setattr__(self, "mesh_alpha", _as_items(self.mesh_alpha, "mesh_alpha"))
     object.__setattr__(self, "mesh_beta", _as_items(self.mesh_beta, "mesh_beta"))
-    object.__setattr__(self, "flop_rates", _as_items(self.flop_rates, "flop_rates",
-                                                        "dtype name"))
+    object.__setattr__(self, "seconds_per_flop_by_dtype", _as_items(
+        self.seconds_per_flop_by_dtype, "seconds_per_flop_by_dtype", "dtype name"))
     f = self.force_batch_dim_to_mesh_dim
     if isinstance(f, list):
       object.__setattr__(self, "force_batch_dim_to_mesh_dim", tuple(f))
@@ -232,9 +233,9 @@ class AutoShardingOption:
 
   @property
   def dtype_flop_seconds(self) -> dict[str, float]:
-    """``flop_rates`` as a dict; empty where ``seconds_per_flop`` was given
-    by hand (it then prices every dtype)."""
-    return dict(self.flop_rates or ())
+    """``seconds_per_flop_by_dtype`` as a dict (the device kind fills it
+    only where ``seconds_per_flop`` is not given by hand)."""
+    return dict(self.seconds_per_flop_by_dtype or ())
 
   @property
   def alpha(self) -> dict[str, float]:

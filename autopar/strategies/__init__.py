@@ -105,7 +105,7 @@ def grad_sync_costs(aval, planned_axes: Sequence[str], batch_axes: Sequence[str]
   them (:func:`grad_sync_latency`), not per gradient."""
   specs = enumerate_specs(aval.shape, planned_axes, sizes)
   latency = grad_sync_latency(batch_axes, cost)
-  return specs, [cost.all_reduce(local_bytes(aval, s, sizes), batch_axes) - latency
+  return specs, [max(0.0, cost.all_reduce(local_bytes(aval, s, sizes), batch_axes) - latency)
                  for s in specs]
 
 

@@ -322,6 +322,16 @@ def cost_if(plan: "Plan", pins: Mapping[str, Any]) -> CostIf:
 OUTSIDE = "not in the ILP"
 
 
+def _communication(plan: "Plan") -> float:
+  """The seconds of the plan's objective spent in collectives: the
+  model's own (``Plan.predicted_time``, the gradient sync's latency once and
+  each collective's its own), or priced from the plan's collectives where
+  it has none."""
+  if plan.predicted_time:
+    return sum(t["collectives"] for t in plan.predicted_time.values())
+  return sum(row["seconds"] for row in collective_rows(plan))
+
+
 def _candidate(r: Replanner, leaf: "ValuePlan", spec, plan: "Plan") -> Candidate:
   if r.problems and not r.holding({leaf.name: spec}):
     return Candidate(spec, None, note=OUTSIDE, error=r.why_not(leaf.name))
@@ -329,7 +339,7 @@ def _candidate(r: Replanner, leaf: "ValuePlan", spec, plan: "Plan") -> Candidate
     p = r.plan({leaf.name: spec})
   except AutoparError as e:
     return Candidate(spec, None, note="no plan", error=str(e).splitlines()[0])
-  comm = sum(row["seconds"] for row in collective_rows(p))
+  comm = _communication(p)
   got = next(v.spec for v in p.inputs if v.name == leaf.name)
   notes = ([] if same_spec(got, spec) else [f"planned as {canonical_str(got)}"]) + (
       [] if p.batch_axes == plan.batch_axes else
@@ -365,7 +375,7 @@ def explain(plan: "Plan", pattern: str, *, max_candidates: int = 16) -> Explanat
   specs = sorted(specs, key=lambda s: not same_spec(s, leaf.spec))
   left_out = max(0, len(specs) - max_candidates)
   specs = specs[:max_candidates]
-  comm = sum(row["seconds"] for row in collective_rows(plan))
+  comm = _communication(plan)
   candidates = []
   for s in specs:
     if same_spec(s, leaf.spec):
