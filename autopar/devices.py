@@ -1,6 +1,8 @@
 """Device kinds: the figures the cost model takes from the hardware.
 
-Each :class:`DeviceKind` has its peak dense flop rate per dtype, its memory
+Each :class:`DeviceKind` has its peak dense flop rate per dtype ("tfloat32":
+the tensor cores' rate for float32 matmuls, which XLA's GPU backend runs as
+TF32 at JAX's default precision), its memory
 and memory bandwidth, and the bandwidth (per device, one direction) and
 latency (per ring step) of the links inside a node and between nodes, with
 the public source of the figures. ``AutoShardingOption(device_kind=...,
@@ -57,23 +59,26 @@ class DeviceKind:
 _NV = "NVIDIA datasheet, dense (no sparsity); NVLink per GPU one direction; 400 Gb/s NIC per GPU"
 DEVICE_KINDS: tuple[DeviceKind, ...] = (
     DeviceKind("H100", ("h100",), {"bfloat16": 989e12, "float16": 989e12,
-                                   "float8_e4m3fn": 1979e12, "float32": 67e12},
+                                   "float8_e4m3fn": 1979e12, "float32": 67e12,
+                                   "tfloat32": 494.7e12},
                80e9, 3.35e12, 450 * GB, 2e-6, 50 * GB, 5e-6,
                "nvidia.com/en-us/data-center/h100 (H100 SXM5: 989 TFLOP/s BF16, 67 "
                "TFLOP/s FP32, 3.35 TB/s HBM3, NVLink 900 GB/s); " + _NV),
     DeviceKind("H200", ("h200",), {"bfloat16": 989e12, "float16": 989e12,
-                                   "float8_e4m3fn": 1979e12, "float32": 67e12},
+                                   "float8_e4m3fn": 1979e12, "float32": 67e12,
+                                   "tfloat32": 494.7e12},
                141e9, 4.8e12, 450 * GB, 2e-6, 50 * GB, 5e-6,
                "nvidia.com/en-us/data-center/h200 (H200 SXM: 989 TFLOP/s BF16, 67 "
                "TFLOP/s FP32, 4.8 TB/s HBM3e, 141 GB, NVLink 900 GB/s); " + _NV),
     DeviceKind("A100", ("a100",), {"bfloat16": 312e12, "float16": 312e12,
-                                   "float32": 19.5e12},
+                                   "float32": 19.5e12, "tfloat32": 156e12},
                80e9, 2.039e12, 300 * GB, 2e-6, 25 * GB, 5e-6,
                "nvidia.com/en-us/data-center/a100 (A100 80GB SXM: 312 TFLOP/s BF16, "
                "19.5 TFLOP/s FP32, 2,039 GB/s HBM2e, NVLink 600 GB/s; 200 Gb/s HDR "
                "NIC per GPU)"),
     DeviceKind("B200", ("b200",), {"bfloat16": 2250e12, "float16": 2250e12,
-                                   "float8_e4m3fn": 4500e12, "float32": 75e12},
+                                   "float8_e4m3fn": 4500e12, "float32": 75e12,
+                                   "tfloat32": 1100e12},
                180e9, 8e12, 900 * GB, 2e-6, 50 * GB, 5e-6,
                "nvidia.com/en-us/data-center/dgx-b200 and HGX B200 (per GPU: 2.25 "
                "PFLOP/s dense BF16, 4.5 PFLOP/s dense FP8, 75 TFLOP/s FP32, 8 TB/s "

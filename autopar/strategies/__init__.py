@@ -162,6 +162,8 @@ class RuleContext:
     """Seconds per flop of work in ``dtype`` (None: float32, the vector
     units' rate for element-wise work)."""
     name = "float32" if dtype is None else str(dtype)
+    if name == "tfloat32" and name not in self.flop_rates:
+      name = "float32"                  # no TF32 tensor cores: float32's rate
     return self.flop_rates.get(name, self.seconds_per_flop)
 
   def compute(self, flops: float, spec_or_shards, dtype=None) -> float:
