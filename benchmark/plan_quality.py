@@ -4,7 +4,8 @@
     python benchmark/plan_quality.py --realistic   # GPT/MLP at real sizes, from shapes
 
 Every plan, hand-written or autopar's, is compiled and judged by one
-roofline of its compiled modules with H100 constants (float32: 67 TFLOP/s,
+roofline of its compiled modules with H100 constants (float32 matmuls as XLA
+runs them on a GPU at JAX's default precision, on TF32 tensor cores: 494.7 TFLOP/s;
 3.35 TB/s HBM, NVLink α = 2 us, β = 1 / 450 GB/s):
 
     Σ over the stages run per step [ max(flops / peak, bytes accessed / bandwidth)
@@ -232,8 +233,9 @@ _RING_STEPS = {"all-reduce": lambda p: 2 * (p - 1), "all-gather": lambda p: p - 
                "reduce-scatter": lambda p: p - 1, "all-to-all": lambda p: p - 1,
                "collective-permute": lambda p: 1}
 
-# The judge's constants: an H100 at float32 (the models here are float32).
-H100 = dict(seconds_per_flop=1 / 67e12, seconds_per_byte=1 / 3.35e12, alpha=2e-6,
+# The judge's constants: an H100 running these float32 models' matmuls as TF32
+# (benchmark/gpu_cost_model.py measured that on an H200).
+H100 = dict(seconds_per_flop=1 / 494.7e12, seconds_per_byte=1 / 3.35e12, alpha=2e-6,
             beta=1 / 450e9)
 
 
