@@ -357,6 +357,20 @@ def _custom_gemm_flops(line: str, operands, types, arrays) -> float:
   return 2.0 * math.prod(arrays[0][1]) * k
 
 
+def _instructions(lines: list[str], types: dict[str, list]):
+  """(line, opcode, result arrays, operand names) of each instruction of a
+  computation, in order; ``types`` gathers each result's arrays by name
+  (what the operands are looked up in)."""
+  for line in lines:
+    m = _DEF.match(line)
+    if not m:
+      continue
+    arrays = _dims(m.group("type"))
+    types[m.group("name")] = arrays
+    operands = [a.strip().lstrip("%") for a in m.group("args").split(",") if a.strip()]
+    yield line, m.group("op"), arrays, operands
+
+
 def _direct_cost(lines: list[str], comps: dict[str, list[str]],
                  fused: bool = False) -> tuple[float, float]:
   """(flops, bytes) of one computation's own instructions: a fusion's flops
@@ -365,14 +379,7 @@ def _direct_cost(lines: list[str], comps: dict[str, list[str]],
   (:func:`_gemm_flops`)."""
   types: dict[str, list] = {}
   flops = nbytes = 0.0
-  for line in lines:
-    m = _DEF.match(line)
-    if not m:
-      continue
-    arrays = _dims(m.group("type"))
-    types[m.group("name")] = arrays
-    op = m.group("op")
-    operands = [a.strip().lstrip("%") for a in m.group("args").split(",") if a.strip()]
+  for line, op, arrays, operands in _instructions(lines, types):
     if op == "dot":
       lhs = types.get(operands[0], [("f32", ())])[0][1] if operands else ()
       cd = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", line)
@@ -438,17 +445,9 @@ def _in_place(lines, sizes: list[int], out: int) -> tuple[list[int], int]:
 def _gemm_flops(lines: list[str]) -> float:
   """Flops of a computation's library GEMM calls (``_custom_gemm_flops``)."""
   types: dict[str, list] = {}
-  flops = 0.0
-  for line in lines:
-    m = _DEF.match(line)
-    if not m:
-      continue
-    arrays = _dims(m.group("type"))
-    types[m.group("name")] = arrays
-    if m.group("op") == "custom-call":
-      operands = [a.strip().lstrip("%") for a in m.group("args").split(",") if a.strip()]
-      flops += _custom_gemm_flops(line, operands, types, arrays)
-  return flops
+  return sum(_custom_gemm_flops(line, operands, types, arrays)
+             for line, op, arrays, operands in _instructions(lines, types)
+             if op == "custom-call")
 
 
 def module_cost(compiled: Any) -> tuple[float, float]:
