@@ -761,8 +761,11 @@ def _plan_from_solution(split, outputs, local, method, mesh, S, sol, stats,
                                  dtype_name(v.aval.dtype), to_partition_spec(need)))
 
   colls = {}
+  # The gradient stage's collectives run in every micro-batch's stage; with
+  # one micro-batch that is compute_grad_sync alone (grad_stage_names).
+  grad_stage = "accumulate_grad (each micro-batch)" if n > 1 else grad_stage_names(1)[0]
   for part, kind, axes, b, mult in sol.collectives:
-    stage = "accumulate_grad (each micro-batch)" if part == "compute_grad" else part
+    stage = grad_stage if part == "compute_grad" else part
     key = (stage, kind, axes, mult)
     colls[key] = colls.get(key, 0.0) + b
   collectives = [CollectivePlan(stage=k[0], kind=k[1], axes=k[2], bytes=int(b),
