@@ -354,21 +354,21 @@ class ParallelizedFunction:
     if (option.pins or option.force_data_parallel or not option.allow_all_gather
         or option.forced_batch_axes(mesh) is not None):
       return plan                     # (ZeRO gathers the state it splits)
+    split = self._split(prep, micro)
+    if keeps_batch_whole(split, method):
+      return plan                      # a batch ZeRO cannot split
+    sizes = axis_sizes_of(mesh)
+    outputs = self._outputs(prep, split, batch_size)
     best, taken, prices = plan, None, {}
     for preset in (Zero2Parallel, Zero3Parallel):
       other = preset(mesh=method.mesh, num_micro_batches=method.num_micro_batches,
                      remat=method.remat,
                      grad_accumulation_dtype=method.grad_accumulation_dtype)
-      split = self._split(prep, micro)
-      sizes = axis_sizes_of(mesh)
-      if keeps_batch_whole(split, method) or micro % math.prod(
-          sizes[a] for a in batch_axes_for(other, mesh, split.hints)):
+      if micro % math.prod(sizes[a] for a in batch_axes_for(other, mesh, split.hints)):
         return plan                    # a batch ZeRO cannot split
       try:
         candidate = plan_preset(split, other, mesh,
-                                batch_size=batch_size,
-                                outputs=self._outputs(prep, self._split(prep, micro),
-                                                      batch_size),
+                                batch_size=batch_size, outputs=outputs,
                                 trace_local=lambda rows: self._split(prep, rows),
                                 option=option, price_cache=prices)
       except (InputError, PlanError):
