@@ -31,7 +31,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 from autopar import jax_compat as jc
 from autopar.cost_model import MeshCost
 from autopar.errors import PlanError
-from autopar.liveness import fusions
+from autopar.liveness import conv_relayouts, fusions, relayouts
 from autopar.strategies import (REGIONS, RuleContext, Spec, enumerate_specs,
                                 grad_sync_costs, local_bytes, strategies_for)
 from autopar.strategies.elementwise import is_elementwise
@@ -311,9 +311,12 @@ class ChoiceGraph:
     their bodies' (recorded when the body is added)."""
     fus = fusions(jaxpr, self.platform)
     work = self.work
+    copied = set()                    # XLA:CPU's relayout copies, one per order
     for idx, eqn in enumerate(jaxpr.eqns):
       if eqn.primitive.name in REGIONS:
         continue
+      if self.platform == "cpu":
+        self._add_relayouts(eqn, idx, val, mult, part, prefix, eqn_nodes, copied)
       if f"{prefix}{idx}" in self._followers[part]:
         out = eqn.outvars[0]
         work.append((part, mult, val[out], out.aval, "flops"))
@@ -334,6 +337,27 @@ class ChoiceGraph:
           work.append((part, mult, (node, pos), v.aval, "read"))
         elif v in val:
           work.append((part, mult, val[v], v.aval, "bytes"))
+
+  def _add_relayouts(self, eqn, idx, val, mult, part, prefix, eqn_nodes, copied):
+    """XLA:CPU's copies of a convolution's or dot's operands into the order
+    its kernels take (``liveness.relayouts``), one per value and order, and
+    of a convolution's result written in another order: each reads and
+    writes the value once more."""
+    node = eqn_nodes.get(f"{prefix}{idx}")
+    for v, order in relayouts(eqn):
+      if (v, order) in copied:
+        continue
+      copied.add((v, order))
+      pos = next(p for p, a in enumerate(eqn.invars) if a is v)
+      if node is not None and all(st.in_specs[pos] is not None
+                                  for st in self.nodes[node].choices):
+        self.work.extend([(part, mult, (node, pos), v.aval, "read")] * 2)
+      elif v in val:
+        self.work.extend([(part, mult, val[v], v.aval, "bytes")] * 2)
+    if eqn.primitive.name == "conv_general_dilated":
+      out = eqn.outvars[0]
+      if out in val and any(c is out for c in conv_relayouts(eqn)):
+        self.work.extend([(part, mult, val[out], out.aval, "bytes")] * 2)
 
   # -- control flow: planned through --------------------------------------------
 
