@@ -22,7 +22,7 @@ import numpy as np
 from autopar.cost_model import ring_bytes_sent
 
 __all__ = ["HloCollective", "collectives", "bytes_sent", "ScheduledOp", "entry_schedule",
-           "module_cost"]
+           "module_cost", "matmul_flops"]
 
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
           "collective-permute")
@@ -380,11 +380,8 @@ def _direct_cost(lines: list[str], comps: dict[str, list[str]],
   types: dict[str, list] = {}
   flops = nbytes = 0.0
   for line, op, arrays, operands in _instructions(lines, types):
-    if op == "dot":
-      lhs = types.get(operands[0], [("f32", ())])[0][1] if operands else ()
-      cd = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", line)
-      k = math.prod(lhs[int(d)] for d in cd.group(1).split(",") if d) if cd and lhs else 1
-      flops += 2 * math.prod(arrays[0][1]) * k if arrays else 0
+    if op in ("dot", "convolution"):
+      flops += (_matmul(line, op, arrays, operands, types) or ("", 0.0))[1]
     elif op == "fusion":
       for c in called(line):
         flops += _direct_cost(comps.get(c, ()), comps, fused=True)[0]
@@ -440,6 +437,58 @@ def _in_place(lines, sizes: list[int], out: int) -> tuple[list[int], int]:
       sizes[params[buffer]] = 0
       out = _nbytes(types.get(update, ()))
   return sizes, out
+
+
+# HLO's element types -> the dtype names autopar's flop rates are keyed by.
+_RATE_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "f64": "float64",
+                "f8e4m3fn": "float8_e4m3fn", "f8e5m2": "float8_e5m2", "s8": "int8"}
+_DIM_LABELS = re.compile(r"dim_labels=[^_]*_(?P<rhs>[^-]*)->")
+
+
+def _matmul(line: str, op: str, arrays, operands, types) -> tuple[str, float] | None:
+  """(the dtype it runs at, flops) of a dot, a convolution or a library GEMM;
+  None for anything else. float32 operands at default precision run as
+  "tfloat32" (``strategies.dot.work_dtype``)."""
+  if op == "custom-call":
+    flops = _custom_gemm_flops(line, operands, types, arrays)
+  elif op in ("dot", "convolution") and arrays and operands:
+    lhs = types.get(operands[0], [("f32", ())])[0][1]
+    if op == "dot":
+      cd = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", line)
+      k = math.prod(lhs[int(d)] for d in cd.group(1).split(",") if d) if cd and lhs else 1
+    else:                             # a kernel's size less its output features
+      rhs = types.get(operands[1], [("f32", ())])[0][1] if len(operands) > 1 else ()
+      labels = _DIM_LABELS.search(line)
+      o = labels.group("rhs").find("o") if labels else -1
+      k = math.prod(rhs) // rhs[o] if rhs and 0 <= o < len(rhs) and rhs[o] else 1
+    flops = 2.0 * math.prod(arrays[0][1]) * k
+  else:
+    return None
+  if not flops:
+    return None
+  hlo_dtype = types.get(operands[0], [(arrays[0][0], ())])[0][0] if operands else "f32"
+  dtype = _RATE_DTYPES.get(hlo_dtype, hlo_dtype)
+  if dtype == "float32" and "HIGHEST" not in line and "highest" not in line:
+    dtype = "tfloat32"
+  return dtype, flops
+
+
+def matmul_flops(compiled: Any) -> dict[str, float]:
+  """The flops of one run of ``compiled`` that are matmuls or convolutions
+  (dots, convolutions, library GEMMs; inside fusions and loops, counted
+  their runs), by the dtype they run at (``"tfloat32"`` for float32 at
+  default precision, as ``strategies.dot.work_dtype`` names it). The rest
+  of ``module_cost``'s flops are element-wise work, at float32's vector
+  rate."""
+  comps, entry = _computations(_text(compiled))
+  out: dict[str, float] = {}
+  for name, runs in _run_counts(comps, entry).items():
+    types: dict[str, list] = {}
+    for line, op, arrays, operands in _instructions(comps[name], types):
+      got = _matmul(line, op, arrays, operands, types)
+      if got is not None:
+        out[got[0]] = out.get(got[0], 0.0) + runs * got[1]
+  return out
 
 
 def _gemm_flops(lines: list[str]) -> float:

@@ -4,15 +4,19 @@
     python benchmark/plan_quality.py --realistic   # GPT/MLP at real sizes, from shapes
 
 Every plan, hand-written or autopar's, is compiled and judged by one
-roofline of its compiled modules with H100 constants (float32 matmuls as XLA
-runs them on a GPU at JAX's default precision, on TF32 tensor cores: 494.7 TFLOP/s;
-3.35 TB/s HBM, NVLink α = 2 us, β = 1 / 450 GB/s):
+roofline of its compiled modules with H100 constants (its datasheet's 3.35
+TB/s HBM, NVLink α = 2 us, β = 1 / 450 GB/s; float32 matmuls as XLA runs them
+on a GPU at JAX's default precision, on TF32 tensor cores: 494.7 TFLOP/s;
+element-wise work on the vector units, float32's 67 TFLOP/s):
 
-    Σ over the stages run per step [ max(flops / peak, bytes accessed / bandwidth)
+    Σ over the stages run per step [ max(matmul flops / 494.7 TFLOP/s
+                                         + other flops / 67 TFLOP/s,
+                                         bytes accessed / bandwidth)
                                      + Σ collectives (ring steps x α + ring bytes x β) ]
 
 with flops and bytes from ``autopar.hlo.module_cost`` (XLA's cost_analysis,
-loops counted their trips) and the collectives from the HLO.
+loops counted their trips), the matmuls' from ``autopar.hlo.matmul_flops``,
+and the collectives from the HLO.
 
 Hand plans (input shardings to ``jax.jit``; XLA propagates the rest): data
 parallel, FSDP (every parameter and optimizer state split over all 8
@@ -45,7 +49,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import autopar  # noqa: E402
 from autopar import hlo  # noqa: E402
-from autopar.cost_model import DEFAULT_ALPHA, DEFAULT_BETA  # noqa: E402
+from autopar.tools.check import compiled_flop_seconds  # noqa: E402
 
 
 class MLP(nn.Module):
@@ -233,24 +237,26 @@ _RING_STEPS = {"all-reduce": lambda p: 2 * (p - 1), "all-gather": lambda p: p - 
                "reduce-scatter": lambda p: p - 1, "all-to-all": lambda p: p - 1,
                "collective-permute": lambda p: 1}
 
-# The judge's constants: an H100 running these float32 models' matmuls as TF32
-# (benchmark/gpu_cost_model.py measured that on an H200).
-H100 = dict(seconds_per_flop=1 / 494.7e12, seconds_per_byte=1 / 3.35e12, alpha=2e-6,
-            beta=1 / 450e9)
+# The judge's constants: an H100 (datasheet) running these float32 models'
+# matmuls as TF32 on its tensor cores (benchmark/gpu_cost_model.py measured
+# that on an H200), element-wise work at float32's vector rate.
+H100 = dict(seconds_per_flop_by_dtype={"tfloat32": 1 / 494.7e12, "float32": 1 / 67e12},
+            seconds_per_byte=1 / 3.35e12, alpha=2e-6, beta=1 / 450e9)
 
 
-def model_seconds(stages, seconds_per_flop=H100["seconds_per_flop"],
-                  seconds_per_byte=H100["seconds_per_byte"], alpha=H100["alpha"],
-                  beta=H100["beta"]) -> float:
+def model_seconds(stages) -> float:
   """The judge: Σ over the stages run of max(flops x s/flop, bytes accessed x
-  s/byte) plus α x ring steps + β x ring bytes of every collective."""
+  s/byte) plus α x ring steps + β x ring bytes of every collective; the
+  matmuls' and convolutions' flops at their dtype's rate, the rest at
+  float32's (``check.compiled_flop_seconds``)."""
   total = 0.0
   for compiled in stages:
-    f, b = hlo.module_cost(compiled)
-    total += max(seconds_per_flop * f, seconds_per_byte * b)
+    flop_time = compiled_flop_seconds(H100, compiled)
+    total += max(flop_time, H100["seconds_per_byte"] * hlo.module_cost(compiled)[1])
     for c in hlo.collectives(compiled):
       if c.group_size > 1:
-        total += c.count * (alpha * _RING_STEPS[c.kind](c.group_size) + beta * c.bytes_sent)
+        total += c.count * (H100["alpha"] * _RING_STEPS[c.kind](c.group_size)
+                            + H100["beta"] * c.bytes_sent)
   return total
 
 
@@ -260,7 +266,8 @@ def peak_memory(compiled) -> int:
           + m.temp_size_in_bytes)
 
 
-JUDGE_OPTION = dict(seconds_per_flop=H100["seconds_per_flop"],
+JUDGE_OPTION = dict(seconds_per_flop_by_dtype=H100["seconds_per_flop_by_dtype"],
+                    seconds_per_flop=H100["seconds_per_flop_by_dtype"]["float32"],
                     memory_bandwidth=1 / H100["seconds_per_byte"])
 
 

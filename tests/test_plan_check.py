@@ -61,6 +61,25 @@ def test_module_cost_counts_loop_trips():
   assert b10 == pytest.approx(10 * b1, rel=0.1)
 
 
+def test_matmul_flops_by_dtype():
+  """The compiled module's matmul and convolution flops (in loops counted
+  their trips), by the dtype they run at: what plan.check and the judge
+  price at the tensor cores' rate, the rest at float32's."""
+  def f(x, w, k):
+    y = jnp.tanh(x @ w)
+    c = jax.lax.conv_general_dilated(k, jnp.ones((3, 3, 4, 8)), (1, 1), "SAME",
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    z = jax.lax.scan(lambda c, _: (c @ w, None), x, None, length=5)[0]
+    exact = jnp.matmul(x, w, precision=jax.lax.Precision.HIGHEST)
+    return y.sum() + c.sum() + z.sum() + exact.sum()
+  x, w, k = jnp.ones((64, 128)), jnp.ones((128, 128)), jnp.ones((2, 8, 8, 4))
+  compiled = jax.jit(f).lower(x, w, k).compile()
+  got = hlo.matmul_flops(compiled)
+  dot, conv = 2 * 64 * 128 * 128, 2 * (2 * 8 * 8 * 8) * (3 * 3 * 4)
+  assert got == {"tfloat32": pytest.approx(6 * dot + conv), "float32": pytest.approx(dot)}
+  assert hlo.module_cost(compiled)[0] > sum(got.values())    # tanh, sums
+
+
 def test_memory_bandwidth_comes_from_the_device_kind():
   make_state, step, batch = mlp_setup(batch=64, din=64, hidden=64, dout=8)
   abstract = jax.eval_shape(lambda: (make_state(), batch))

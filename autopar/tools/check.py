@@ -226,14 +226,12 @@ def compiled_times(plan: "Plan", stages, schedule: Sequence[str]) -> dict[str, f
   per byte) plus its collectives by α-β; "gradient" sums the gradient
   stages, "apply" is ``apply_grad``."""
   c = plan.costs
-  spf = float(c.get("seconds_per_flop", 1e-12))
   spb = float(c.get("seconds_per_byte", 0.0))
   cost = MeshCost(plan.axis_sizes, c.get("alpha", {}), c.get("beta", {}))
   names, shape = plan.mesh_axis_names, plan.mesh_shape
   out: dict[str, float] = {}
   for stage in schedule:
-    flops, nbytes = hlo.module_cost(stages[stage])
-    t = max(flops * spf, nbytes * spb)
+    t = max(compiled_flop_seconds(c, stages[stage]), hlo.module_cost(stages[stage])[1] * spb)
     for coll in hlo.collectives(stages[stage]):
       if coll.group_size > 1:
         axes = coll.mesh_axes(names, shape) or names
@@ -241,6 +239,25 @@ def compiled_times(plan: "Plan", stages, schedule: Sequence[str]) -> dict[str, f
     key = "apply" if stage == "apply_grad" else "gradient"
     out[key] = out.get(key, 0.0) + t
   return out
+
+
+def compiled_flop_seconds(costs: dict, compiled) -> float:
+  """Seconds for one run's flops of ``compiled`` at the rates in ``costs``
+  (a plan's): its matmuls and convolutions at their dtype's rate
+  (``hlo.matmul_flops``), the rest at float32's, as the planner prices
+  them (``RuleContext.flop_seconds``)."""
+  spf = float(costs.get("seconds_per_flop", 1e-12))
+  rates = dict(costs.get("seconds_per_flop_by_dtype") or {})
+
+  def rate(dtype: str) -> float:
+    if dtype == "tfloat32" and dtype not in rates:
+      dtype = "float32"               # no TF32 tensor cores: float32's rate
+    return float(rates.get(dtype, spf))
+
+  total = hlo.module_cost(compiled)[0]
+  matmuls = hlo.matmul_flops(compiled)
+  rest = max(total - sum(matmuls.values()), 0.0)
+  return rest * rate("float32") + sum(f * rate(d) for d, f in matmuls.items())
 
 
 def compiled_peak(plan: "Plan", stages, schedule: Sequence[str]) -> int:
