@@ -39,8 +39,8 @@ from autopar.pytrees import Partition
 from autopar.calibrate import measured_option
 from autopar.devices import dominant_float_dtype, hardware_option
 from autopar.remat import remat_mode
-from autopar.tools.check import compiled_peak
-from autopar.tools.explain import Replanner
+from autopar.hlo import compiled_peak
+from autopar.replan import Replanner
 from autopar.planner import Progress, batch_axes_for, keeps_batch_whole, plan_auto
 from autopar.preset import plan_preset
 from autopar.split import (MIXED, OutputKind, SplitStep, apply_at, instantiate_split,
@@ -687,7 +687,7 @@ class ParallelizedFunction:
   def _within_budget(self, prep: _Prepared, exe: Executable) -> Executable:
     """``exe``, if what its compiled stages hold per device (arguments,
     outputs not aliased, temporaries, and what the step keeps between
-    stages: ``tools.check.compiled_step_memory``) is within the method's
+    stages: ``hlo.compiled_step_memory``) is within the method's
     ``memory_budget_per_device``. Else the step is planned again with the
     planning budget scaled down by how far the compiled peak missed (and,
     once a planning budget is infeasible, halfway between it and the last

@@ -25,59 +25,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Mapping
 
+from autopar.disk import cache_root, write_atomic
 from autopar.errors import PlanError
 from autopar.method import ParallelMethod, axis_sizes_of
 from autopar.plan import PLAN_FORMAT, Plan
 from autopar.version import __version__
 
-__all__ = ["cache_root", "cache_dir", "use_compilation_cache", "write_atomic", "fingerprint", "check_fingerprint", "plan_key", "load",
+__all__ = ["cache_dir", "fingerprint", "check_fingerprint", "plan_key", "load",
            "store", "program_digest"]
-
-
-def cache_root() -> Path:
-  """What autopar keeps on disk: ``$AUTOPAR_CACHE_DIR`` or ``~/.cache/autopar``."""
-  return Path(os.environ.get("AUTOPAR_CACHE_DIR") or Path.home() / ".cache" / "autopar")
 
 
 def cache_dir() -> Path:
   """Where plans are kept: ``cache_root() / "plans"``."""
   return cache_root() / "plans"
-
-
-def use_compilation_cache() -> None:
-  """Turns on JAX's persistent compilation cache in ``cache_root() / "xla"``,
-  so that a second process reads the step's compiled stages instead of
-  compiling them. Left alone where the user chose a directory
-  (``jax_compilation_cache_dir``) or turned the cache off
-  (``jax_enable_compilation_cache``), and with ``AUTOPAR_XLA_CACHE=0``.
-  JAX keeps what it compiles for at least
-  ``jax_persistent_cache_min_compile_time_secs`` (1 s by default)."""
-  import jax
-  from jax.experimental.compilation_cache import compilation_cache
-
-  if (os.environ.get("AUTOPAR_XLA_CACHE", "1") == "0"
-      or not jax.config.jax_enable_compilation_cache
-      or jax.config.jax_compilation_cache_dir):
-    return
-  compilation_cache.set_cache_dir(str(cache_root() / "xla"))
-  # JAX decides once per process whether to use the cache, at its first
-  # compile (the user's model.init, say): decide again with the directory.
-  compilation_cache.reset_cache()
-
-
-def write_atomic(path: Path, text: str) -> None:
-  """Writes ``text`` to ``path`` whole or not at all (its directory made)."""
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-  with os.fdopen(fd, "w") as f:
-    f.write(text)
-  os.replace(tmp, path)
 
 
 def _sha(text: str) -> str:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
-from autopar.cache import cache_root, write_atomic
+from autopar.disk import cache_root, write_atomic
 from autopar.errors import InputError, PlanError
 
 __all__ = ["Calibration", "calibrate", "cached_calibration", "measured_option"]

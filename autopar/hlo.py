@@ -1,4 +1,4 @@
-"""Read the collectives out of a compiled stage's HLO.
+"""Read compiled stages: the collectives of their HLO, their flops and bytes, and the memory a compiled step holds.
 
 Communication is read exactly from ``Compiled.as_text()``: every all-reduce,
 all-gather, reduce-scatter, all-to-all and collective-permute (or their
@@ -15,14 +15,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from autopar.cost_model import ring_bytes_sent
 
+if TYPE_CHECKING:
+  from autopar.plan import Plan
+
 __all__ = ["HloCollective", "collectives", "bytes_sent", "ScheduledOp", "entry_schedule",
-           "module_cost", "matmul_flops"]
+           "module_cost", "matmul_flops", "compiled_peak", "compiled_step_memory"]
 
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
           "collective-permute")
@@ -528,3 +531,31 @@ def module_cost(compiled: Any) -> tuple[float, float]:
       flops += (runs - 1) * f
       nbytes += (runs - 1) * b
   return flops, nbytes
+
+
+def compiled_peak(plan: "Plan", stages, schedule: Sequence[str]) -> int:
+  """The most bytes per device the compiled step holds while a stage runs
+  (:func:`compiled_step_memory`, the step's inputs as ``plan`` shards
+  them)."""
+  held = sum(v.bytes_per_device(plan.axis_sizes) for v in plan.inputs)
+  return max((b for _, b in compiled_step_memory(stages, schedule, held)), default=0)
+
+
+def compiled_step_memory(stages, schedule: Sequence[str],
+                         held: int) -> tuple[tuple[str, int], ...]:
+  """Per stage of ``schedule`` (once each), the bytes per device the step
+  holds while it runs: the stage's arguments (or, if more, the ``held``
+  bytes of the step's inputs plus what the previous stage returned: the
+  arrays kept between stages whether passed in or not), its outputs not
+  aliased to arguments, and its temporaries."""
+  out, carried = [], 0
+  seen = set()
+  for name in schedule:
+    m = stages[name].memory_analysis()
+    if name not in seen:
+      seen.add(name)
+      live = max(m.argument_size_in_bytes, held + carried)
+      out.append((name, int(live + m.output_size_in_bytes - m.alias_size_in_bytes
+                            + m.temp_size_in_bytes)))
+    carried = m.output_size_in_bytes
+  return tuple(out)

@@ -46,7 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar import jax_compat as jc
 from autopar import rng
-from autopar.cache import use_compilation_cache
+from autopar.disk import use_compilation_cache
 from autopar.evaluate import Rules, check_pins, eqn_at, eval_jaxpr, eval_scan, plan_constraints
 from autopar.gradients import (COMBINE, add_partial, across, loss_marker, make_entry,
                                manual_spec, micro_batch_inputs, reduce_manual,
@@ -532,7 +532,7 @@ def compile_all(lowered: dict, options=None) -> dict:
   """``lowered`` (name -> a ``jax.stages.Lowered``) compiled, the modules
   side by side on threads: XLA compiles without holding the GIL. Each is
   looked up in JAX's persistent compilation cache first
-  (:func:`autopar.cache.use_compilation_cache`)."""
+  (:func:`autopar.disk.use_compilation_cache`)."""
   use_compilation_cache()
   if len(lowered) < 2:
     return {k: v.compile(options) for k, v in lowered.items()}

@@ -13,24 +13,50 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from autopar.cost_model import bytes_per_device
 from autopar.errors import PlanError
-from autopar.tools import check as tools_check
-from autopar.tools import explain as tools_explain
-from autopar.tools import report as tools_report
-from autopar.tools import summary as tools_summary
-from autopar.tools.text import axes_str, format_bytes, format_rows, spec_str
+from autopar.text import axes_str, format_bytes, format_rows, spec_str
 
 if TYPE_CHECKING:
-  from autopar.tools.explain import Replanner
+  from autopar.replan import Replanner
 
 __all__ = ["Plan", "ValuePlan", "CollectivePlan", "SolverStats", "StagePlan",
-           "spec_to_json", "spec_from_json", "spec_str", "format_bytes"]
+           "spec_to_json", "spec_from_json", "spec_str", "format_bytes", "PlanReader",
+           "use_reader"]
+
+
+class PlanReader(Protocol):
+  """What reads a plan for a person (``autopar.tools``): ``Plan.summary``,
+  ``explain``, ``cost_if``, ``check`` and ``to_html`` call it, so that the
+  data type imports no tool."""
+
+  def summary(self, plan: "Plan") -> str: ...
+  def explain(self, plan: "Plan", path: str) -> Any: ...
+  def cost_if(self, plan: "Plan", pins: Any) -> Any: ...
+  def check(self, plan: "Plan", executable: Any) -> Any: ...
+  def to_html(self, plan: "Plan", title: str) -> str: ...
+
+
+# Process-wide, set once: autopar.tools registers itself when imported
+# (``autopar/__init__.py`` imports it before any plan is read).
+_READER: list[PlanReader] = []
+
+
+def use_reader(reader: PlanReader) -> None:
+  """Makes ``reader`` the one plans' reading methods call."""
+  _READER[:] = [reader]
+
+
+def _reader() -> PlanReader:
+  if not _READER:
+    raise PlanError("Plan: reading a plan (summary, explain, cost_if, check, to_html) "
+                    "needs autopar.tools. Fix: import autopar (it imports the tools).")
+  return _READER[0]
 
 PLAN_FORMAT = 2     # 2: plans carry their fingerprint
 
@@ -248,7 +274,7 @@ class Plan:
   predicted_time: Mapping[str, Any] = dataclasses.field(default_factory=dict,
                                                         compare=False)
   # Not serialized: how to solve the plan again with pins, for explain and
-  # cost_if (``tools.explain.Replanner``): the ILPs the solver solved
+  # cost_if (``replan.Replanner``): the ILPs the solver solved
   # (``plan_auto`` keeps them; no arrays, no step), and a weak reference to
   # the step (``step.plan()`` adds it).
   replan: "Replanner | None" = dataclasses.field(default=None, compare=False, repr=False)
@@ -418,7 +444,7 @@ class Plan:
     stage table first (see ``autopar/tools/summary.py``). ``full=True``:
     every leaf on its own line."""
     if not full:
-      return tools_summary.summary(self)
+      return _reader().summary(self)
     return self.full_summary()
 
   def explain(self, path: str):
@@ -428,14 +454,14 @@ class Plan:
     marked, and what decided (``autopar/tools/explain.py``). For a plan
     ShardParallel's solver made (``step.plan(...)``, ``get_executable``),
     which keeps its ILPs: the step may be gone."""
-    return tools_explain.explain(self, path)
+    return _reader().explain(self, path)
 
   def cost_if(self, pins):
     """The plan re-solved with ``pins`` ({path or glob: spec}) added: the
     objective before and after, and the diff."""
-    return tools_explain.cost_if(self, pins)
+    return _reader().cost_if(self, pins)
 
-  def check(self, executable) -> "tools_check.PlanCheck":
+  def check(self, executable):
     """The plan's predicted collectives (kind, axes, bytes) and peak memory
     against ``executable``'s compiled stages (``autopar/tools/check.py``).
 
@@ -445,14 +471,14 @@ class Plan:
         result = exe.plan.check(exe)
         print(result); assert not result.differences()
     """
-    return tools_check.check(self, executable)
+    return _reader().check(self, executable)
 
   def to_html(self, path: str | None = None, *, title: str = "autopar plan") -> str:
     """A self-contained HTML report of the plan (``autopar/tools/report.py``):
     the summary's tables, a picture of each distinct sharding, collectives
     per stage, memory against the budget, a pipeline's stages and schedule.
     Written to ``path`` if given; returns the HTML."""
-    text = tools_report.to_html(self, title=title)
+    text = _reader().to_html(self, title)
     if path is not None:
       with open(path, "w", encoding="utf-8") as f:
         f.write(text)

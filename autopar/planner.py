@@ -42,7 +42,7 @@ from autopar.strategies import (grad_sync_costs, grad_sync_latency, local_bytes,
                                 missing_rules,
                                 warn_missing_rules)
 from autopar.strategies.dot import dot_flops
-from autopar.tools.explain import Replanner
+from autopar.replan import Replanner
 from autopar.trace import TracedStep, eqns_by_path
 
 __all__ = ["plan_auto", "SolvedProblem", "sharding_problem", "price_layout",

@@ -610,7 +610,7 @@ def test_memory_budget_holds_on_compiled_memory(model):
   raises a PlanError naming the smallest compiled peak it found. (The ILP's
   memory model is XLA's only approximately: at 50 % an MLP's plan compiled
   to x1.38 of the budget before the compiled check.)"""
-  from autopar.tools.check import compiled_peak
+  from autopar.hlo import compiled_peak
   if model == "mlp":
     make_state, step, batch = mlp_setup(batch=512, din=256, hidden=256, dout=256,
                                         layers=4)

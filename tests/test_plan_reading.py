@@ -22,7 +22,7 @@ import autopar
 from autopar import ilp
 from autopar.strategies import enumerate_specs
 from autopar.tools.groups import collapse, param_rows
-from autopar.tools.text import canonical_str, same_spec
+from autopar.text import canonical_str, same_spec
 from models import transformer_setup
 
 ADAM = optax.adam(1e-3)

@@ -140,7 +140,7 @@ def test_tight_memory_budget_shards_the_parameters():
   # Compiled, the step holds a few % more than the model's estimate: the
   # budget holds on what it holds (the plan is made again within less, or a
   # PlanError); 5 % over the model's smallest is met.
-  from autopar.tools.check import compiled_peak
+  from autopar.hlo import compiled_peak
   p = autopar.parallelize(step, method=method(smallest * 1.05))
   exe = p.get_executable(make_state(), batch)
   assert all("data" in str(spec) for spec in kernels(exe.plan))

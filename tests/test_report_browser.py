@@ -21,7 +21,7 @@ import pytest
 import autopar
 from autopar.plan import CollectivePlan
 from autopar.tools.groups import collapse, param_rows
-from autopar.tools.text import canonical_str
+from autopar.text import canonical_str
 from models import mlp_setup
 
 P = jax.sharding.PartitionSpec

@@ -22,7 +22,7 @@ from jax.extend.core import Literal, Var
 from jax.sharding import AbstractMesh, PartitionSpec
 
 from autopar import jax_compat as jc
-from autopar.cache import use_compilation_cache
+from autopar.disk import use_compilation_cache
 from autopar.cost_model import assumed_costs, dtype_name
 from autopar.errors import InputError, MarkerError, PlanError
 from autopar.evaluate import Rules, eval_jaxpr

@@ -3,6 +3,38 @@
 ``groups.py`` turns a plan's leaves into one row per parameter (gradient
 and optimizer state beside it, repeated layers collapsed); ``summary.py``,
 ``diff.py``, ``explain.py`` and ``report.py`` build on it; ``cli.py`` is
-the ``autopar`` command. Only ``cli.py`` imports ``autopar.plan`` at run
-time: the plan module uses the others.
+the ``autopar`` command. Nothing below imports them: a ``Plan``'s reading
+methods (``summary``, ``explain``, ``cost_if``, ``check``, ``to_html``) call
+the reader this package registers with ``autopar.plan`` when imported.
 """
+
+from autopar import plan as _plan_module
+from autopar.tools import check, explain, report, summary
+
+
+class Reader:
+  """``autopar.plan.PlanReader``: the tools behind a plan's reading
+  methods."""
+
+  @staticmethod
+  def summary(plan):
+    return summary.summary(plan)
+
+  @staticmethod
+  def explain(plan, path):
+    return explain.explain(plan, path)
+
+  @staticmethod
+  def cost_if(plan, pins):
+    return explain.cost_if(plan, pins)
+
+  @staticmethod
+  def check(plan, executable):
+    return check.check(plan, executable)
+
+  @staticmethod
+  def to_html(plan, title):
+    return report.to_html(plan, title=title)
+
+
+_plan_module.use_reader(Reader())

@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING, Any, Sequence
 from autopar import hlo
 from autopar.cost_model import MeshCost, ring_bytes_sent
 from autopar.errors import PlanError
-from autopar.tools.text import axes_str, format_bytes, format_rows
+from autopar.text import axes_str, format_bytes, format_rows
 
 if TYPE_CHECKING:
   from autopar.plan import Plan
 
-__all__ = ["CollectiveCheck", "PlanCheck", "check", "compiled_peak", "compiled_step_memory"]
+__all__ = ["CollectiveCheck", "PlanCheck", "check", "compiled_flop_seconds", "compiled_times"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +209,7 @@ def check(plan: "Plan", executable: Any) -> PlanCheck:
   rows = tuple(CollectiveCheck(*k, predicted.get(k, 0.0), compiled.get(k, 0.0))
                for k in sorted(set(predicted) | set(compiled)))
   held = sum(v.bytes_per_device(sizes) for v in plan.inputs)
-  by_stage = compiled_step_memory(stages, schedule, held)
+  by_stage = hlo.compiled_step_memory(stages, schedule, held)
   times = ()
   if plan.predicted_time:
     compiled_t = compiled_times(plan, stages, schedule)
@@ -258,31 +258,3 @@ def compiled_flop_seconds(costs: dict, compiled) -> float:
   matmuls = hlo.matmul_flops(compiled)
   rest = max(total - sum(matmuls.values()), 0.0)
   return rest * rate("float32") + sum(f * rate(d) for d, f in matmuls.items())
-
-
-def compiled_peak(plan: "Plan", stages, schedule: Sequence[str]) -> int:
-  """The most bytes per device the compiled step holds while a stage runs
-  (:func:`compiled_step_memory`, the step's inputs as ``plan`` shards
-  them)."""
-  held = sum(v.bytes_per_device(plan.axis_sizes) for v in plan.inputs)
-  return max((b for _, b in compiled_step_memory(stages, schedule, held)), default=0)
-
-
-def compiled_step_memory(stages, schedule: Sequence[str],
-                         held: int) -> tuple[tuple[str, int], ...]:
-  """Per stage of ``schedule`` (once each), the bytes per device the step
-  holds while it runs: the stage's arguments (or, if more, the ``held``
-  bytes of the step's inputs plus what the previous stage returned: the
-  arrays kept between stages whether passed in or not), its outputs not
-  aliased to arguments, and its temporaries."""
-  out, carried = [], 0
-  seen = set()
-  for name in schedule:
-    m = stages[name].memory_analysis()
-    if name not in seen:
-      seen.add(name)
-      live = max(m.argument_size_in_bytes, held + carried)
-      out.append((name, int(live + m.output_size_in_bytes - m.alias_size_in_bytes
-                            + m.temp_size_in_bytes)))
-    carried = m.output_size_in_bytes
-  return tuple(out)

@@ -27,7 +27,7 @@ from autopar.errors import AutoparError, PlanError
 from autopar.plan import Plan
 from autopar.tools.diff import diff
 from autopar.tools.explain import find_leaves
-from autopar.tools.text import format_rows, spec_str
+from autopar.text import format_rows, spec_str
 
 __all__ = ["main"]
 

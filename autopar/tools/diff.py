@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from autopar.tools.groups import Row, collapsed_name, other_rows, param_rows, path_str
 from autopar.tools.summary import collective_rows, memory_by_kind
-from autopar.tools.text import canonical_str, format_bytes, format_rows, same_spec
+from autopar.text import canonical_str, format_bytes, format_rows, same_spec
 
 if TYPE_CHECKING:
   from autopar.plan import Plan

@@ -20,7 +20,7 @@ import re
 from typing import TYPE_CHECKING, Sequence
 
 from autopar.pytrees import ends_with_key
-from autopar.tools.text import canonical_str
+from autopar.text import canonical_str
 
 if TYPE_CHECKING:
   from autopar.plan import Plan, ValuePlan

@@ -20,7 +20,7 @@ from autopar.pipeline.schedule import Task, simulate, stage_tasks
 from autopar.tools.groups import collapse, other_rows, param_rows, params_prefix
 from autopar.tools.summary import (collective_rows, group_rows, input_sizes, memory_by_kind,
                                    solver_lines)
-from autopar.tools.text import canonical_str, format_bytes, spec_str
+from autopar.text import canonical_str, format_bytes, spec_str
 
 if TYPE_CHECKING:
   from autopar.plan import Plan

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from autopar.cost_model import MeshCost
 from autopar.tools.groups import Group, collapse, other_rows, param_rows, params_prefix
-from autopar.tools.text import axes_str, canonical_str, format_bytes, format_rows, same_spec
+from autopar.text import axes_str, canonical_str, format_bytes, format_rows, same_spec
 
 if TYPE_CHECKING:
   from autopar.plan import Plan

@@ -1,0 +1,46 @@
+"""What autopar keeps on disk (plans, calibrations, JAX's compiled stages):
+its root directory, whole-or-nothing writes, and JAX's persistent
+compilation cache under that root. A leaf: imports nothing of autopar's."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+__all__ = ["cache_root", "write_atomic", "use_compilation_cache"]
+
+
+def cache_root() -> Path:
+  """What autopar keeps on disk: ``$AUTOPAR_CACHE_DIR`` or ``~/.cache/autopar``."""
+  return Path(os.environ.get("AUTOPAR_CACHE_DIR") or Path.home() / ".cache" / "autopar")
+
+
+def write_atomic(path: Path, text: str) -> None:
+  """Writes ``text`` to ``path`` whole or not at all (its directory made)."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+  with os.fdopen(fd, "w") as f:
+    f.write(text)
+  os.replace(tmp, path)
+
+
+def use_compilation_cache() -> None:
+  """Turns on JAX's persistent compilation cache in ``cache_root() / "xla"``,
+  so that a second process reads the step's compiled stages instead of
+  compiling them. Left alone where the user chose a directory
+  (``jax_compilation_cache_dir``) or turned the cache off
+  (``jax_enable_compilation_cache``), and with ``AUTOPAR_XLA_CACHE=0``.
+  JAX keeps what it compiles for at least
+  ``jax_persistent_cache_min_compile_time_secs`` (1 s by default)."""
+  import jax
+  from jax.experimental.compilation_cache import compilation_cache
+
+  if (os.environ.get("AUTOPAR_XLA_CACHE", "1") == "0"
+      or not jax.config.jax_enable_compilation_cache
+      or jax.config.jax_compilation_cache_dir):
+    return
+  compilation_cache.set_cache_dir(str(cache_root() / "xla"))
+  # JAX decides once per process whether to use the cache, at its first
+  # compile (the user's model.init, say): decide again with the directory.
+  compilation_cache.reset_cache()
