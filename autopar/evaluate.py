@@ -20,28 +20,9 @@ from autopar import jax_compat as jc
 from autopar import rng
 from autopar.errors import PlanError
 from autopar.hints import HINT_PRIMITIVES, spec_of
-from autopar.plan import Plan
 from autopar.trace import region_jaxprs
 
-__all__ = ["Rules", "check_pins", "eqn_at", "eval_jaxpr", "eval_scan", "plan_constraints"]
-
-
-def plan_constraints(plan: Plan, part: str) -> dict[str, dict]:
-  """Equation path -> {output index, "in<k>" or "x<k>" for operand k: spec}.
-
-  Plan intermediates are named ``<part>/<equation>/<output>`` (the spec an
-  output is produced in), ``<part>/<equation>/in<k>`` (the spec operand
-  ``k`` is resharded to before the equation) or, for a scan,
-  ``<part>/<equation>/x<k>`` (the spec each trip's slice of scanned operand
-  ``k`` enters the body in). An equation inside control flow has a path:
-  ``12.0.5`` is equation 5 of sub-jaxpr 0 of equation 12.
-  """
-  out: dict[str, dict] = {}
-  for v in plan.intermediates:
-    prefix, i, j = v.name.split("/")
-    if prefix == part:
-      out.setdefault(i, {})[int(j) if j.isdigit() else j] = v.spec
-  return out
+__all__ = ["Rules", "check_pins", "eqn_at", "eval_jaxpr", "eval_scan"]
 
 
 def eqn_at(jaxpr, path: str):
@@ -93,7 +74,7 @@ class Rules:
 
   Attributes:
     pins: path -> {output index, ``"in<k>"`` or ``"x<k>"``: spec}: values
-      the plan decided, pinned with ``pin(value, spec)`` (``plan_constraints``).
+      the plan decided, pinned with ``pin(value, spec)`` (``plan.plan_constraints``).
     draws: path -> ``rng.RowDraw``: random draws that must give this
       device and micro-batch its rows of the whole batch's draw; ``rows`` is
       ``(first_row, total_rows)`` then (``rng.draw``).

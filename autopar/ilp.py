@@ -67,7 +67,7 @@ from jax.extend.core import Var
 from autopar.cost_model import MeshCost, itemsize
 from autopar import lp
 from autopar.errors import PlanError
-from autopar.ilp_graph import ChoiceGraph, _on_axes
+from autopar.ilp_graph import ChoiceGraph, on_axes
 from autopar.ilp_memory import MemoryModel
 from autopar.refine import refine_colors
 from autopar.strategies import Spec, Strategy, grad_sync_latency, local_bytes
@@ -234,7 +234,7 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
   def decisions(self) -> dict[str, tuple]:
     """Node name -> how the solution splits its outputs over the planned
     axes (after :meth:`solve`; for ``keep`` of a problem over more axes)."""
-    return {node.name: _on_axes(node.specs[self._chosen(i)], self.A)
+    return {node.name: on_axes(node.specs[self._chosen(i)], self.A)
             for i, node in enumerate(self.nodes)}
 
   # -- variables and constraints ---------------------------------------------------

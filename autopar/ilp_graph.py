@@ -53,7 +53,7 @@ class _Node:
   vars: list = dataclasses.field(default_factory=list)
 
 
-def _on_axes(specs, axes) -> tuple:
+def on_axes(specs, axes) -> tuple:
   """``specs`` (a spec per output) with only the mesh ``axes`` left."""
   return tuple(None if sp is None else tuple(tuple(a for a in dim if a in axes)
                                             for dim in sp) for sp in specs)
@@ -136,7 +136,7 @@ class ChoiceGraph:
                 flops=None, part=None) -> int:
     if self.keep is not None and name in self.keep[1]:
       axes, kept = self.keep[0], self.keep[1][name]
-      idx = [c for c, sp in enumerate(specs) if _on_axes(sp, axes) == kept]
+      idx = [c for c, sp in enumerate(specs) if on_axes(sp, axes) == kept]
       if idx and len(idx) < len(choices):
         choices, specs, costs = ([l[c] for c in idx] for l in (choices, specs, costs))
         mem = None if mem is None else [mem[c] for c in idx]

@@ -47,14 +47,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 from autopar import jax_compat as jc
 from autopar import rng
 from autopar.disk import use_compilation_cache
-from autopar.evaluate import Rules, check_pins, eqn_at, eval_jaxpr, eval_scan, plan_constraints
-from autopar.gradients import (COMBINE, add_partial, across, loss_marker, make_entry,
+from autopar.evaluate import Rules, check_pins, eqn_at, eval_jaxpr, eval_scan
+from autopar.gradients import (BY_DEVICE, COMBINE, add_partial, across, loss_marker, make_entry,
                                manual_spec, micro_batch_inputs, reduce_manual,
                                seed_loss, stacked_spec, sums_pass)
 from autopar.gradstack import GradStack, find_grad_stacks, slots
 from autopar.hints import in_stage
 from autopar.method import accumulation_dtype, auto_mesh
-from autopar.plan import Plan
+from autopar.plan import Plan, plan_constraints
 from autopar.planner import batch_spec, grad_stage_names, leaves_read_by_compute
 from autopar.trace import eqns_by_path
 from autopar.split import OutputKind, SplitStep, dce
@@ -88,11 +88,6 @@ class LoweredStep:
   donated: tuple[int, ...]
   kept: tuple[int, ...]
   batch: tuple[int, ...]
-
-
-# How the outputs the caller said how to combine are combined.
-_BY_DEVICE = {OutputKind.MEAN: "mean", OutputKind.SUM: "sum", OutputKind.MAX: "max",
-              OutputKind.MIN: "min"}
 
 
 def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
@@ -244,8 +239,8 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
         buf = (jnp.zeros((*val.shape[:dim], n * size, *val.shape[dim + 1:]), val.dtype)
                if first else acc[1][j])
         acc_m.append(lax.dynamic_update_slice_in_dim(buf, val, i * size, dim))
-      elif kind in _BY_DEVICE:
-        op = _BY_DEVICE[kind]
+      elif kind in BY_DEVICE:
+        op = BY_DEVICE[kind]
         acc_m.append(val[None] if first else COMBINE[op](acc[1][j], val[None]))
       else:  # OTHER: only possible with one micro-batch on one device
         acc_m.append(val)
@@ -258,7 +253,7 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
                    reduce_manual(t, spec, manual).astype(grad_vars[g].aval.dtype))
     red_g += [across(a[0], op, manual, groups)
               for a, op in zip(acc_g[num_slots:], reduced, strict=True)]
-    red_m = [across(a[0], _BY_DEVICE[kind], manual, groups) if kind in _BY_DEVICE else a
+    red_m = [across(a[0], BY_DEVICE[kind], manual, groups) if kind in BY_DEVICE else a
              for kind, a in zip(kinds, acc_m, strict=True)]
     return red_g, red_m
 
@@ -266,7 +261,7 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
     """Where output j's rows (CONCAT) or its per-device stack (MEAN, ...) are."""
     if kind is OutputKind.CONCAT:
       return batch_spec(len(micro_avals[j].shape), row_dims[j].dim, batch_entry)
-    if kind in _BY_DEVICE:
+    if kind in BY_DEVICE:
       return PartitionSpec(batch_entry)
     return PartitionSpec()
 
@@ -642,7 +637,7 @@ def _acc_avals(split: SplitStep, plan: Plan, accumulate: str | None,
     if kind is OutputKind.CONCAT:
       shape = (*shape[:rows.dim], rows.factor * batch_size, *shape[rows.dim + 1:])
       micro.append(_abstract(shape, v.aval.dtype))
-    elif kind in _BY_DEVICE:
+    elif kind in BY_DEVICE:
       micro.append(_abstract((d, *shape), v.aval.dtype))
     else:
       micro.append(_abstract(shape, v.aval.dtype))

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Plan", "ValuePlan", "CollectivePlan", "SolverStats", "StagePlan",
            "spec_to_json", "spec_from_json", "spec_str", "format_bytes", "PlanReader",
-           "use_reader"]
+           "use_reader", "plan_constraints"]
 
 
 class PlanReader(Protocol):
@@ -572,6 +572,24 @@ def _table(title: str, values: Sequence[ValuePlan], sizes) -> list[str]:
                  format_bytes(b)))
   out = format_rows(rows)
   out.append(f"total {title}: {format_bytes(total)} per device")
+  return out
+
+
+def plan_constraints(plan: Plan, part: str) -> dict[str, dict]:
+  """Equation path -> {output index, "in<k>" or "x<k>" for operand k: spec}.
+
+  Plan intermediates are named ``<part>/<equation>/<output>`` (the spec an
+  output is produced in), ``<part>/<equation>/in<k>`` (the spec operand
+  ``k`` is resharded to before the equation) or, for a scan,
+  ``<part>/<equation>/x<k>`` (the spec each trip's slice of scanned operand
+  ``k`` enters the body in). An equation inside control flow has a path:
+  ``12.0.5`` is equation 5 of sub-jaxpr 0 of equation 12.
+  """
+  out: dict[str, dict] = {}
+  for v in plan.intermediates:
+    prefix, i, j = v.name.split("/")
+    if prefix == part:
+      out.setdefault(i, {})[int(j) if j.isdigit() else j] = v.spec
   return out
 
 

@@ -485,7 +485,7 @@ def instantiate_split(split: SplitStep, micro_batch_size: int) -> SplitStep:
   # the ones after them: the draws and hints are found again by their order.
   draws = split.draws
   if draws and compute is not None:
-    draws = {new: draws[old] for old, new in _renumbered(
+    draws = {new: draws[old] for old, new in renumbered(
         split.compute.jaxpr, compute.jaxpr, DRAW_PRIMITIVES) if old in draws}
   hints = []
   for part, old_j, new_j in (("compute", split.compute, compute),
@@ -493,12 +493,12 @@ def instantiate_split(split: SplitStep, micro_batch_size: int) -> SplitStep:
     mine = {h.path: h for h in split.hints if h.part == part}
     if mine:
       hints += [dataclasses.replace(mine[old], path=new) for old, new in
-                _renumbered(old_j.jaxpr, new_j.jaxpr, HINT_PRIMITIVES) if old in mine]
+                renumbered(old_j.jaxpr, new_j.jaxpr, HINT_PRIMITIVES) if old in mine]
   return dataclasses.replace(split, traced=traced, compute=compute, apply=apply,
                              draws=draws, hints=tuple(hints))
 
 
-def _renumbered(old, new, primitives) -> list[tuple[str, str]]:
+def renumbered(old, new, primitives) -> list[tuple[str, str]]:
   """(path in ``old``, path in ``new``) of the equations of ``primitives``,
   matched in order (``new`` is ``old`` written out at a concrete size)."""
   pairs = _in_order(old, new, primitives)

@@ -28,16 +28,17 @@ from autopar.errors import InputError, MarkerError, PlanError
 from autopar.evaluate import Rules, eval_jaxpr
 from autopar.gradients import sums_pass
 from autopar.loss import check_loss
-from autopar.lower import _BY_DEVICE
+from autopar.gradients import BY_DEVICE
 from autopar.method import PipeshardParallel, auto_mesh, axis_sizes_of, resolve_mesh
 from autopar.pipeline.capture import capture_mode
 from autopar.pipeline.executables import StageLayout, build_stage
-from autopar.pipeline.planner import Context, _functions, cut
-from autopar.pipeline.program import build_program, layer_starts
+from autopar.pipeline.planner import Context, stage_functions, cut
+from autopar.pipeline.layers import layer_starts
+from autopar.pipeline.program import build_program
 from autopar.pipeline.runtime import (ApplySegment, FinalInfo, LossSeeds, PipelineStep,
                                       SumsPass)
 from autopar.pipeline.schedule import dispatch_order, stage_tasks
-from autopar.pipeline.search import search
+from autopar.pipeline.search import StageChoice, search
 from autopar.pipeline.transfer import check_movable
 from autopar.pipeline.submesh import tile
 from autopar.plan import Plan, StagePlan, ValuePlan, submesh
@@ -163,8 +164,8 @@ def _finals(split: SplitStep, program, name: str) -> dict[int, FinalInfo]:
       continue
     if kind is OutputKind.CONCAT:
       out[base + idx] = FinalInfo(None, split.out_dims[o].dim)
-    elif kind in _BY_DEVICE:
-      out[base + idx] = FinalInfo(_BY_DEVICE[kind], None)
+    elif kind in BY_DEVICE:
+      out[base + idx] = FinalInfo(BY_DEVICE[kind], None)
     else:
       why = split.why.get(o, "it cannot be combined over micro-batches")
       raise InputError(
@@ -176,25 +177,6 @@ def _finals(split: SplitStep, program, name: str) -> dict[int, FinalInfo]:
 
 
 # -- the stages' layout --------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class StageChoice:
-  """What the stage search decided for one stage."""
-  layers: tuple[int, int]
-  offset: int
-  shape: tuple[int, ...]
-  batch_axes: tuple[str, ...]
-  root_specs: tuple            # per StageProgram root
-  leaf_specs: tuple            # per StageProgram leaf
-  grad_specs: tuple = ()       # per root: its gradient's spec (default: the root's)
-  update_specs: dict = dataclasses.field(default_factory=dict)  # update-only leaves
-  pins: tuple = ({}, {})
-  time_per_micro_batch: float = 0.0
-  time_per_step: float = 0.0
-  memory: float = 0.0
-  send_bytes: float = 0.0
-  send_seconds: float = 0.0
-
 
 def _plan_of(pre: Prepared, method, mesh, cut_, choices) -> Plan:
   """The pipeline's :class:`Plan`."""
@@ -379,7 +361,7 @@ def compile_pipeline(pre: Prepared, method: PipeshardParallel, mesh, cut_,
         batch_leaf=tuple(program.leaves[k].is_batch for k in st.leaves),
         final_rows=tuple(pre.finals[j].row_dim for j in st.finals),
         grad_specs=tuple(ch.grad_specs), pins=ch.pins, accumulate=ctx.accumulate)
-    fns = _functions(ctx, st, layout.rows)
+    fns = stage_functions(ctx, st, layout.rows)
     exes.append(build_stage(
         st, fns, layout, step_consts=[ctx.consts[k] for k in st.step_consts],
         fn_consts=[program.consts[k] for k in st.fn_consts]))

@@ -246,7 +246,9 @@ def stage_batch_axes(sizes: dict[str, int], micro: int, option) -> list[tuple[st
   return out or [()]
 
 
-def _functions(ctx: Context, st: StageProgram, rows: int) -> StageFunctions:
+def stage_functions(ctx: Context, st: StageProgram, rows: int) -> StageFunctions:
+  """The stage's forward and backward passes as jaxprs at ``rows`` rows per
+  micro-batch (``stages.StageFunctions``; cached in ``ctx``)."""
   key = ("functions", st.signature(), rows, _remat_key(ctx.remat))
   if key not in ctx.cache:
     g, draws, _ = instantiate_stage(st, rows)
@@ -369,7 +371,7 @@ def _joint(fns: StageFunctions, st: StageProgram) -> tuple[Jaxpr, list, int]:
   return jaxpr, [*fwd.consts, *bwd.consts], len(fj.eqns)
 
 
-def _update_inputs(ctx: Context, cut_: Cut, s: int) -> tuple[list, list, list]:
+def update_inputs(ctx: Context, cut_: Cut, s: int) -> tuple[list, list, list]:
   """(this stage's segments, the update inputs its ILP plans besides its
   roots and leaves as (variable, name), the update's own variable for each
   of its roots' gradients (None: homed elsewhere))."""
@@ -494,8 +496,8 @@ def solve_stage(ctx: Context, cut_: Cut, s: int, sizes: dict[str, int],
   st = cut_.stages[s]
   d = math.prod(sizes[a] for a in batch_axes)
   rows = ctx.micro // d
-  fns = _functions(ctx, st, rows)
-  segments, extra, grads = _update_inputs(ctx, cut_, s)
+  fns = stage_functions(ctx, st, rows)
+  segments, extra, grads = update_inputs(ctx, cut_, s)
   io = _io(ctx, cut_, s, fns, extra)
   joint, joint_consts, num_fwd = _joint(fns, st)
   nr, na, nl, nsc, nk = st.input_groups

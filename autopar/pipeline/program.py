@@ -28,9 +28,9 @@ The analyses the stage construction needs are here too:
   every value computed from the batch that crosses it holds the batch's rows
   in some dimension (so each device can send its rows; a reduction over the
   rows, such as an auxiliary loss summed across layers, cannot cross).
-* *layers*: where the repeated blocks of the forward pass start (the remat
-  pass's ``find_layers``), the user's ``mark_pipeline_boundary`` calls, or
-  cuts of balanced flops.
+* *layers* (``layers.py``): where the repeated blocks of the forward pass
+  start (the remat pass's ``find_layers``), the user's
+  ``mark_pipeline_boundary`` calls, or cuts of balanced flops.
 """
 
 from __future__ import annotations
@@ -44,18 +44,15 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from autopar import jax_compat as jc
-from autopar.cost_model import itemsize
-from autopar.errors import InputError, MarkerError
+from autopar.errors import MarkerError
 from autopar.loss import LossGradient, loss_input_p
 from autopar.pipeline.capture import backward_p, boundary_p
-from autopar.remat import find_layers
 from autopar.split import dce
 from autopar.rows import RowOracle
 from autopar.retype import jaxprs_in
-from autopar.strategies.dot import dot_flops
 from autopar.trace import LeafInfo
 
-__all__ = ["Program", "Root", "build_program", "find_cuts", "eqn_flops"]
+__all__ = ["Program", "Root", "build_program", "find_cuts", "sizer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,21 +325,6 @@ def find_cuts(analysis: Analysis) -> tuple[list[bool], dict[int, str]]:
   return ok, why
 
 
-def eqn_flops(eqn, size) -> float:
-  """Rough flops of one equation (``size``: a function from a shape to its
-  element count): a matmul's, or one per output element."""
-  if eqn.primitive.name == "dot_general":
-    lhs = size(eqn.invars[0].aval.shape, dims=True)
-    out = size(eqn.outvars[0].aval.shape, dims=True)
-    return float(dot_flops(lhs, out, eqn.params["dimension_numbers"][0][0]))
-  total = 0.0
-  for v in eqn.outvars:
-    total += size(getattr(v.aval, "shape", ()))
-  for sub in jaxprs_in(eqn):
-    total += sum(eqn_flops(e, size) for e in sub.eqns)
-  return total
-
-
 def sizer(rows: int):
   """``size(shape)`` for shapes that may hold the symbolic row count."""
   from autopar.rows import ROWS_NAME
@@ -360,56 +342,3 @@ def sizer(rows: int):
     shape = tuple(dim(d) for d in shape)
     return shape if dims else math.prod(shape)
   return size
-
-
-def value_bytes(v, size) -> float:
-  return size(getattr(v.aval, "shape", ())) * itemsize(v.aval.dtype)
-
-
-def layer_starts(program: Program, analysis: Analysis, mode: str, *,
-                 max_layers: int, rows: int) -> list[int]:
-  """The positions where layers start (the first is 0).
-
-  ``mode``: ``"manual"`` (the user's boundary markers) or ``"auto"`` (the
-  starts of repeated blocks, else cuts of balanced flops).
-  """
-  ok, why = find_cuts(analysis)
-  n = len(program.eqns)
-  if mode == "manual":
-    if not program.boundaries:
-      raise InputError(
-          f"{program.fn_name}: PipeshardParallel(layers='manual') but the loss "
-          f"function calls autopar.mark_pipeline_boundary() nowhere at its top "
-          f"level. Fix: mark the boundaries between layers, or use layers='auto'.")
-    for c in program.boundaries:
-      if not ok[c]:
-        raise InputError(
-            f"{program.fn_name}: a pipeline boundary (autopar.mark_pipeline_boundary, "
-            f"before equation {c} of the forward pass) is where {why[c]}. Fix: move "
-            f"the boundary to between two layers.")
-    return [0, *program.boundaries]
-  starts = []
-  for stack in find_layers(program.jaxpr):
-    starts.extend(stack.start + k * stack.length for k in range(stack.count))
-  starts = sorted(s for s in set(starts) if 0 < s < n and ok[s])
-  if len(starts) >= 1:
-    return [0, *starts]
-  return _balanced(program, ok, max_layers, rows)
-
-
-def _balanced(program: Program, ok: list[bool], k: int, rows: int) -> list[int]:
-  """Up to ``k`` layers of about equal flops, cut at valid positions."""
-  size = sizer(rows)
-  flops = np.array([eqn_flops(e, size) for e in program.eqns], dtype=float)
-  cum = np.concatenate([[0.0], np.cumsum(flops)])
-  total = cum[-1]
-  valid = [p for p in range(1, len(program.eqns)) if ok[p]]
-  if not valid or total <= 0 or k <= 1:
-    return [0]
-  starts = []
-  for j in range(1, k):
-    target = total * j / k
-    p = min(valid, key=lambda q: abs(cum[q] - target))
-    if p not in starts and (not starts or p > starts[-1]):
-      starts.append(p)
-  return [0, *starts]

@@ -45,12 +45,32 @@ import numpy as np
 from autopar.cost_model import DEFAULT_ALPHA, DEFAULT_BETA
 from autopar.errors import InputError, PlanError
 from autopar.method import axis_sizes_of
-from autopar.pipeline.planner import _update_inputs, cut, solve_stage, stage_batch_axes
-from autopar.pipeline.program import sizer, value_bytes
+from autopar.pipeline.planner import update_inputs, cut, solve_stage, stage_batch_axes
+from autopar.pipeline.layers import value_bytes
+from autopar.pipeline.program import sizer
 from autopar.pipeline.submesh import block_shapes, fits, link_axis, tile
 from autopar.strategies import missing_rules, to_partition_spec, warn_missing_rules
 
-__all__ = ["search", "SearchResult", "Candidate"]
+__all__ = ["search", "SearchResult", "Candidate", "StageChoice"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageChoice:
+  """What the stage search decided for one stage."""
+  layers: tuple[int, int]
+  offset: int
+  shape: tuple[int, ...]
+  batch_axes: tuple[str, ...]
+  root_specs: tuple            # per StageProgram root
+  leaf_specs: tuple            # per StageProgram leaf
+  grad_specs: tuple = ()       # per root: its gradient's spec (default: the root's)
+  update_specs: dict = dataclasses.field(default_factory=dict)  # update-only leaves
+  pins: tuple = ({}, {})
+  time_per_micro_batch: float = 0.0
+  time_per_step: float = 0.0
+  memory: float = 0.0
+  send_bytes: float = 0.0
+  send_seconds: float = 0.0
 
 MAX_DP_LAYERS = 32
 
@@ -310,7 +330,6 @@ def _layer_note(method) -> str:
 
 def _choice(ctx, c, s, cand, sol, layers, in_flight):
   """A StageChoice from the stage's ILP solution."""
-  from autopar.pipeline.compile import StageChoice
   io = sol.io
   solution = sol.problem.solution()
   specs = [to_partition_spec(x) for x in solution.leaf_specs]
@@ -318,7 +337,7 @@ def _choice(ctx, c, s, cand, sol, layers, in_flight):
   leaf_specs = tuple(specs[k] for k in io.index("leaf"))
   # A solution may be shared by stages that compute alike: take this stage's
   # own update inputs, in the same order.
-  own = [v for v, _ in _update_inputs(ctx, c, s)[1]]
+  own = [v for v, _ in update_inputs(ctx, c, s)[1]]
   update_specs = {v: specs[k] for v, k in zip(own, io.index("update"), strict=True)}
   grad_specs = tuple(to_partition_spec(x) for x in solution.grad_specs)
   fwd_pins, bwd_pins = {}, {}

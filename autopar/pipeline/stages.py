@@ -42,7 +42,7 @@ from autopar.pipeline.program import Analysis, Program
 from autopar.retype import Instantiator
 from autopar.rng import DRAW_PRIMITIVES, find_draws
 from autopar.rows import ROWS_NAME, RowOracle
-from autopar.split import _renumbered
+from autopar.split import renumbered
 from autopar.trace import eqns_by_path
 
 __all__ = ["StageProgram", "stage_program", "Residuals", "forward_backward",
@@ -219,11 +219,11 @@ def instantiate_stage(stage: StageProgram, rows: int) -> tuple[Jaxpr, dict, dict
   draws = {}
   if stage.draws:
     draws = {new: stage.draws[old] for old, new in
-             _renumbered(stage.jaxpr, g, DRAW_PRIMITIVES) if old in stage.draws}
+             renumbered(stage.jaxpr, g, DRAW_PRIMITIVES) if old in stage.draws}
   hints = {}
   if stage.hints:
     hints = {new: dataclasses.replace(stage.hints[old], path=new) for old, new in
-             _renumbered(stage.jaxpr, g, HINT_PRIMITIVES) if old in stage.hints}
+             renumbered(stage.jaxpr, g, HINT_PRIMITIVES) if old in stage.hints}
   return g, draws, hints
 
 
