@@ -25,6 +25,7 @@ from autopar import cache as plan_cache
 from autopar import runtime
 from autopar.errors import InputError, MarkerError, PlanError
 from autopar.executor import Executable
+from autopar.pipeline import build as pipeline_build
 from autopar.pipeline import compile as pipeline_compile
 from autopar.pipeline.runtime import PipelineExecutable
 from autopar.hints import check_hints
@@ -333,7 +334,9 @@ class ParallelizedFunction:
       method = self.method
       mesh = resolve_mesh(method)
       with _gc_paused():
-        pre = pipeline_compile.prepare(self, prep, method)
+        pre = pipeline_compile.prepare(self.fun, self._args_for_trace(prep), prep, method,
+                                       name=self._name,
+                                       output_reductions=self.output_reductions)
         plan, chosen = pipeline_compile.plan_pipeline(pre, method, mesh)
       self._pipelines[prep.key] = (pre, plan, chosen)
     return self._pipelines[prep.key]
@@ -614,8 +617,8 @@ class ParallelizedFunction:
           return exe
         pre, plan, (cut, choices, _) = self._pipeline(prep)
         with jax.set_mesh(None):
-          step = pipeline_compile.compile_pipeline(pre, self.method,
-                                                   resolve_mesh(self.method), cut, choices)
+          step = pipeline_build.compile_pipeline(pre, self.method,
+                                                 resolve_mesh(self.method), cut, choices)
         exe = PipelineExecutable(plan=plan, step=step, static_argnums=prep.flags.static)
         self._executables[prep.key] = exe
         return exe

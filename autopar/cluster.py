@@ -528,7 +528,8 @@ class RayCluster(runtime.Runtime):
       kwargs = dict(donate_argnums=pf.donate_argnums, batch_argnums=pf.batch_argnums,
                     static_argnums=pf.static_argnums,
                     output_reductions=pf.output_reductions)
-      payload = cloudpickle.dumps((pf.fun, kwargs))
+      # The step's class travels by reference: workers make the same kind of step.
+      payload = cloudpickle.dumps((type(pf), pf.fun, kwargs))
       self._call([w.register.remote(fn_id, payload) for w in self.workers], "register")
     method = {f.name: getattr(pf.method, f.name) for f in dataclasses.fields(pf.method)
               if f.name not in ("mesh", "plan")}

@@ -17,7 +17,6 @@ import socket
 import time
 from typing import Any
 
-from autopar.api import parallelize
 from autopar.checkpoint import restore_local, save_local
 from autopar.errors import InputError
 from autopar.pipeline.transfer import replicate_over
@@ -150,7 +149,8 @@ class HostWorker:
   # -- running a step -----------------------------------------------------------------
 
   def register(self, fn_id: int, payload: bytes) -> None:
-    """Keeps a step function (cloudpickled with its parallelize settings)."""
+    """Keeps a step function: (the step's class, its function, its
+    parallelize settings), cloudpickled; ``run`` makes the step from them."""
     from ray import cloudpickle
     self.functions[fn_id] = {"fun": cloudpickle.loads(payload), "by_plan": {}}
 
@@ -174,14 +174,14 @@ class HostWorker:
     entry = self.functions[fn_id]
     pf = entry["by_plan"].get(plan_key)
     if pf is None:
-      fun, kwargs = entry["fun"]
+      factory, fun, kwargs = entry["fun"]
       method = cloudpickle.loads(method_bytes)
       mesh_shape, mesh_names = method.pop("mesh")
       cls = method.pop("cls")
       if plan_json is not None:
         method["plan"] = Plan.from_json(plan_json)
-      pf = parallelize(fun, method=cls(mesh=self._mesh(mesh_shape, mesh_names),
-                                                **method), **kwargs)
+      pf = factory(fun, method=cls(mesh=self._mesh(mesh_shape, mesh_names), **method),
+                   **kwargs)
       entry["by_plan"][plan_key] = pf
     # The argument structure comes once per distinct structure (keyed by its
     # pickle's hash) and is reused, so a TrainState's apply_fn stays the same

@@ -49,7 +49,7 @@ from autopar.pipeline.stages import StageProgram
 from autopar.pipeline.transfer import move
 from autopar.split import OutputKind, SplitStep
 
-__all__ = ["PipelineStep", "ApplySegment", "FinalInfo", "LossSeeds", "SumsPass"]
+__all__ = ["PipelineStep", "ApplySegment", "LossSeeds", "SumsPass"]
 
 
 def _per_device_bytes(tree) -> int:
@@ -68,15 +68,6 @@ class ApplySegment:
   fn: Any
   donate: tuple[int, ...]          # input positions donated
   out_specs: tuple                 # per output: spec on the submesh, or None
-
-
-@dataclasses.dataclass(frozen=True)
-class FinalInfo:
-  """How one output of ``P`` is combined over micro-batches: ``op`` over
-  per-device values, or concatenated along ``row_dim``; ``None`` op and
-  row_dim: not a step output (a seeded loss that is not returned)."""
-  op: str | None
-  row_dim: int | None
 
 
 @dataclasses.dataclass(frozen=True)
