@@ -13,7 +13,7 @@ from autopar.cluster import (ClusterError, RemoteArray, global_mesh, init,
 from autopar.errors import (AutoparError, InputError, MarkerError, MeshError,
                             PlanError)
 from autopar.executor import Executable
-from autopar.marker import filter_grad, filter_value_and_grad, grad, value_and_grad
+from autopar.frontend.marker import filter_grad, filter_value_and_grad, grad, value_and_grad
 from autopar.method import (AutoShardingOption, DataParallel, PipeshardParallel,
                             ShardParallel, Zero2Parallel, Zero3Parallel)
 from autopar.pipeline import mark_pipeline_boundary

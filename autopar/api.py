@@ -28,25 +28,25 @@ from autopar.executor import Executable
 from autopar.pipeline import build as pipeline_build
 from autopar.pipeline import compile as pipeline_compile
 from autopar.pipeline.runtime import PipelineExecutable
-from autopar.hints import check_hints
-from autopar.loss import check_loss
+from autopar.frontend.hints import check_hints
+from autopar.frontend.loss import check_loss
 from autopar.lower import lower_step
 from autopar.method import (ParallelMethod, PipeshardParallel, ShardParallel,
                             Zero2Parallel, Zero3Parallel, auto_mesh, axis_sizes_of,
                             resolve_mesh)
 from autopar.cost_model import dtype_name
 from autopar.plan import Plan, ValuePlan
-from autopar.pytrees import Partition
+from autopar.frontend.pytrees import Partition
 from autopar.calibrate import measured_option
 from autopar.devices import dominant_float_dtype, hardware_option
-from autopar.remat import remat_mode
+from autopar.frontend.remat import remat_mode
 from autopar.hlo import compiled_peak
 from autopar.replan import Replanner
 from autopar.planner import Progress, batch_axes_for, keeps_batch_whole, plan_auto
 from autopar.preset import plan_preset
-from autopar.split import (MIXED, OutputKind, SplitStep, apply_at, instantiate_split,
+from autopar.frontend.split import (MIXED, OutputKind, SplitStep, apply_at, instantiate_split,
                             outputs_at, scale_at, split_step)
-from autopar.trace import (ArgFlags, LeafInfo, TracedStep, abstract_leaves, arg_names,
+from autopar.frontend.trace import (ArgFlags, LeafInfo, TracedStep, abstract_leaves, arg_names,
                            batch_candidates, check_batch_leaves, classify_args,
                            state_args, trace_step, trace_step_any_batch)
 

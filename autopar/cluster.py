@@ -48,9 +48,9 @@ from jax.sharding import AbstractMesh, PartitionSpec
 from autopar import runtime
 from autopar.errors import AutoparError, InputError, MeshError
 from autopar.host_worker import ArrayRef, HostWorker, pickled
-from autopar.pytrees import leaf_mask
+from autopar.frontend.pytrees import leaf_mask
 from autopar.shards import block, host_shards
-from autopar.trace import split_updates
+from autopar.frontend.trace import split_updates
 
 __all__ = ["init", "shutdown", "global_mesh", "current", "RemoteArray",
            "ClusterError", "RayCluster"]

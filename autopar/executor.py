@@ -25,9 +25,9 @@ import jax
 from autopar.errors import InputError
 from autopar.lower import SUMS_STAGE, LoweredStep
 from autopar.plan import Plan
-from autopar.pytrees import partition
-from autopar.trace import split_updates
-from autopar.split import OutputKind, SplitStep
+from autopar.frontend.pytrees import partition
+from autopar.frontend.trace import split_updates
+from autopar.frontend.split import OutputKind, SplitStep
 
 __all__ = ["Executable"]
 

@@ -34,8 +34,8 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from autopar import jax_compat as jc
-from autopar.loss import SHARE, loss_cotangent_p
-from autopar.split import OutputKind
+from autopar.frontend.loss import SHARE, loss_cotangent_p
+from autopar.frontend.split import OutputKind
 
 __all__ = ["entry_axes", "make_entry", "restrict", "manual_spec", "auto_spec",
            "stacked_spec", "gather_manual", "reduce_manual", "COMBINE", "BY_DEVICE", "across",

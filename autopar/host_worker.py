@@ -21,7 +21,7 @@ from autopar.checkpoint import restore_local, save_local
 from autopar.errors import InputError
 from autopar.pipeline.transfer import replicate_over
 from autopar.plan import Plan
-from autopar.pytrees import partition
+from autopar.frontend.pytrees import partition
 from autopar.shards import normalize_index
 
 

@@ -22,7 +22,7 @@ from autopar import lp
 from jax.extend.core import Var
 
 from autopar.cost_model import itemsize
-from autopar.gradstack import find_grad_stacks, folded_values
+from autopar.frontend.gradstack import find_grad_stacks, folded_values
 from autopar.liveness import liveness_peaks
 from autopar.method import accumulation_dtype
 from autopar.strategies import local_bytes

@@ -65,7 +65,7 @@ from jax.extend.core import Literal, Var
 
 from autopar.cost_model import itemsize
 from autopar.strategies.elementwise import is_elementwise
-from autopar.trace import region_jaxprs
+from autopar.frontend.trace import region_jaxprs
 
 __all__ = ["liveness_peaks", "fusions"]
 

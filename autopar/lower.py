@@ -1,6 +1,6 @@
 """Lower a plan and a split step to compiled XLA executables.
 
-Stage 7 of the pipeline: (:class:`~autopar.split.SplitStep`,
+Stage 7 of the pipeline: (:class:`~autopar.frontend.split.SplitStep`,
 :class:`~autopar.plan.Plan`, mesh) -> :class:`LoweredStep`, a dict of
 ``jax.stages.Compiled`` plus what the executor needs to call them.
 
@@ -45,19 +45,19 @@ from jax.extend.core import Var
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar import jax_compat as jc
-from autopar import rng
+from autopar.frontend import rng
 from autopar.disk import use_compilation_cache
-from autopar.evaluate import Rules, check_pins, eqn_at, eval_jaxpr, eval_scan
+from autopar.frontend.evaluate import Rules, check_pins, eqn_at, eval_jaxpr, eval_scan
 from autopar.gradients import (BY_DEVICE, COMBINE, add_partial, across, loss_marker, make_entry,
                                manual_spec, micro_batch_inputs, reduce_manual,
                                seed_loss, stacked_spec, sums_pass)
-from autopar.gradstack import GradStack, find_grad_stacks, slots
-from autopar.hints import in_stage
+from autopar.frontend.gradstack import GradStack, find_grad_stacks, slots
+from autopar.frontend.hints import in_stage
 from autopar.method import accumulation_dtype, auto_mesh
 from autopar.plan import Plan, plan_constraints
 from autopar.planner import batch_spec, grad_stage_names, leaves_read_by_compute
-from autopar.trace import eqns_by_path
-from autopar.split import OutputKind, SplitStep, dce
+from autopar.frontend.trace import eqns_by_path
+from autopar.frontend.split import OutputKind, SplitStep, dce
 
 __all__ = ["LoweredStep", "lower_step", "SUMS_STAGE"]
 

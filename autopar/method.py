@@ -25,7 +25,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 
 from autopar.errors import InputError, MeshError
 from autopar.pipeline.submesh import tile
-from autopar.remat import check_remat
+from autopar.frontend.remat import check_remat
 
 __all__ = ["AutoShardingOption", "ParallelMethod", "ShardParallel",
            "DataParallel", "Zero2Parallel", "Zero3Parallel", "PipeshardParallel",
@@ -259,7 +259,7 @@ class ParallelMethod:
     remat: ``"none"`` (default); ``"layers"``: the repeated layers of the
       function passed to ``autopar.grad``/``value_and_grad`` are rolled into
       one ``lax.scan`` with ``jax.checkpoint`` on its body, so the backward
-      pass recomputes one layer at a time (see ``autopar/remat.py``); or a
+      pass recomputes one layer at a time (see ``autopar/frontend/remat.py``); or a
       ``jax.checkpoint_policies`` policy: the same, saving what it names.
     grad_accumulation_dtype: ``"float32"`` (default): bfloat16 and float16
       gradients are summed over micro-batches and devices in float32 and

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec
 from autopar.cost_model import MeshCost, assumed_costs, dtype_name
 from autopar.devices import platform_of
 from autopar.errors import PlanError
-from autopar.hints import check_hints, check_pins, entry_axes, model_axes
+from autopar.frontend.hints import check_hints, check_pins, entry_axes, model_axes
 # Imported here, not where it is used: importing PuLP keeps the tracebacks of
 # the solver libraries it fails to import, and through them every frame on
 # the stack at the time; from inside plan_auto that would keep its problem
@@ -36,14 +36,14 @@ from autopar.ilp import ShardingProblem
 from autopar.method import (ParallelMethod, ShardParallel, axis_names_of,
                             axis_sizes_of, check_axes)
 from autopar.plan import CollectivePlan, Plan, ValuePlan
-from autopar.pytrees import ends_with_key
-from autopar.split import (OutputKind, SizedOutputs, SplitStep, outputs_at, reads)
+from autopar.frontend.pytrees import ends_with_key
+from autopar.frontend.split import (OutputKind, SizedOutputs, SplitStep, outputs_at, reads)
 from autopar.strategies import (grad_sync_costs, grad_sync_latency, local_bytes,
                                 missing_rules,
                                 warn_missing_rules)
 from autopar.strategies.dot import dot_flops
 from autopar.replan import Replanner
-from autopar.trace import TracedStep, eqns_by_path
+from autopar.frontend.trace import TracedStep, eqns_by_path
 
 __all__ = ["plan_auto", "SolvedProblem", "sharding_problem", "price_layout",
            "predicted_time", "donation_pairs", "leaves_read_by_compute", "grad_inputs",

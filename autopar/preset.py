@@ -26,8 +26,8 @@ from jax.sharding import PartitionSpec
 from autopar.cost_model import MeshCost, assumed_costs, dtype_name, num_bytes
 from autopar.devices import dominant_float_dtype, hardware_option, platform_of
 from autopar.errors import InputError
-from autopar.gradstack import find_grad_stacks, folded_values
-from autopar.hints import check_hints, check_pins, entry_axes
+from autopar.frontend.gradstack import find_grad_stacks, folded_values
+from autopar.frontend.hints import check_hints, check_pins, entry_axes
 from autopar.liveness import liveness_peaks
 from autopar.method import (AutoShardingOption, ParallelMethod, ShardParallel,
                             Zero2Parallel, Zero3Parallel, accumulation_dtype,
@@ -38,7 +38,7 @@ from autopar.planner import (batch_axes_for, batch_spec, candidate_batch_axes,
                              keeps_batch_whole, leaves_read_by_compute,
                              predicted_time, price_layout, shard_first_divisible,
                              spec_axes)
-from autopar.split import OutputKind, SizedOutputs, SplitStep, depends_on
+from autopar.frontend.split import OutputKind, SizedOutputs, SplitStep, depends_on
 
 __all__ = ["plan_preset"]
 

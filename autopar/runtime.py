@@ -40,7 +40,7 @@ from typing import Any, Sequence
 
 from autopar import checkpoint
 from autopar.errors import InputError
-from autopar.trace import split_updates
+from autopar.frontend.trace import split_updates
 
 __all__ = ["Runtime", "LocalRuntime", "active", "activate", "deactivate",
            "save_checkpoint", "restore_checkpoint"]

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from autopar.liveness import _Fusions, conv_relayouts, liveness_peaks
-from autopar.trace import _inline_marked_calls
+from autopar.frontend.trace import _inline_marked_calls
 from models import ConvNet
 
 

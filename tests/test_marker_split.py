@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import autopar
-from autopar.marker import grad_marker_p
-from autopar.split import OutputKind, split_step
-from autopar.trace import abstract_leaves, arg_names, classify_args, trace_step
+from autopar.frontend.marker import grad_marker_p
+from autopar.frontend.split import OutputKind, split_step
+from autopar.frontend.trace import abstract_leaves, arg_names, classify_args, trace_step
 
 
 def f(w, x):
@@ -32,7 +32,7 @@ def test_marker_is_invisible_to_jax_transformations():
                              jax.hessian(f)(W, X), rtol=1e-5)
   np.testing.assert_allclose(jax.jacrev(autopar.grad(f))(W, X),
                              jax.hessian(f)(W, X), rtol=1e-5)
-  t = jax.linear_transpose(autopar.marker.mark_gradients, W)(W)
+  t = jax.linear_transpose(autopar.frontend.marker.mark_gradients, W)(W)
   np.testing.assert_allclose(t[0], W)
 
 
@@ -100,7 +100,7 @@ def test_dead_code_elimination_matches_jax():
   JAX's dce_jaxpr removes: dead equations, unused loop outputs and carries
   inside scan / while / cond, and nothing with an effect."""
   from autopar.jax_compat import dce_jaxpr
-  from autopar.split import dce
+  from autopar.frontend.split import dce
 
   def fn(w, x):
     dead = jnp.sin(x) * 3.0                          # unused

@@ -11,7 +11,9 @@ import pytest
 from flax.training import train_state
 
 import autopar
-from autopar import gradstack, hlo, lower, remat
+from autopar import hlo, lower
+from autopar.frontend import gradstack
+from autopar.frontend import remat
 from autopar.lower import GPU_OVERLAP_OPTIONS, compiler_options
 from models import (ReluTransformer, ScanTransformer, assert_trees_close, lm_setup,
                     mlp_setup, single_device, transformer_setup)

@@ -71,7 +71,8 @@ def test_plan_for_64_devices_in_a_process_with_one_device(tmp_path):
       # the function planned, and nothing outlives the plan: the first plan in
       # a process once kept its problem through a traceback.
       import gc
-      from autopar import ilp, split
+      from autopar import ilp
+      from autopar.frontend import split
       problems = {id(p.problem) for p in plan.replan.problems}
       del fn
       gc.collect()
@@ -246,8 +247,8 @@ def test_sharing_layers_keeps_optimizer_state_of_unlike_layers_apart(layers):
 
 
 def test_symbolic_trace_gives_the_same_program_as_a_concrete_one():
-  from autopar.split import instantiate_split, split_step
-  from autopar.trace import (abstract_leaves, arg_names, classify_args,
+  from autopar.frontend.split import instantiate_split, split_step
+  from autopar.frontend.trace import (abstract_leaves, arg_names, classify_args,
                              instantiate, trace_step, trace_step_any_batch)
   make_state, step, batch = transformer_setup(batch=16, d=32, heads=4, tx=SGD)
   args = (make_state(), batch)

@@ -11,6 +11,6 @@ GPipe schedule (``schedule.py``, ``runtime.py``), values moving between
 submeshes by ``transfer.py``.
 """
 
-from autopar.pipeline.capture import mark_pipeline_boundary
+from autopar.frontend.capture import mark_pipeline_boundary
 
 __all__ = ["mark_pipeline_boundary"]

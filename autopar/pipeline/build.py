@@ -18,7 +18,7 @@ from jax.sharding import AbstractMesh, PartitionSpec
 from autopar import jax_compat as jc
 from autopar.disk import use_compilation_cache
 from autopar.errors import InputError, PlanError
-from autopar.evaluate import Rules, eval_jaxpr
+from autopar.frontend.evaluate import Rules, eval_jaxpr
 from autopar.gradients import sums_pass
 from autopar.method import PipeshardParallel, axis_sizes_of
 from autopar.pipeline.compile import Prepared, home_specs
@@ -29,10 +29,10 @@ from autopar.pipeline.schedule import dispatch_order, stage_tasks
 from autopar.pipeline.submesh import tile
 from autopar.pipeline.transfer import check_movable
 from autopar.plan import submesh
-from autopar.retype import Instantiator
-from autopar.rng import DRAW_PRIMITIVES
-from autopar.rows import ROWS_NAME
-from autopar.split import dce, scale_at
+from autopar.frontend.retype import Instantiator
+from autopar.frontend.rng import DRAW_PRIMITIVES
+from autopar.frontend.rows import ROWS_NAME
+from autopar.frontend.split import dce, scale_at
 
 __all__ = ["compile_pipeline"]
 

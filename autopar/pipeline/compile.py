@@ -19,21 +19,21 @@ from jax.sharding import PartitionSpec
 
 from autopar.cost_model import assumed_costs, dtype_name
 from autopar.errors import InputError, MarkerError, PlanError
-from autopar.loss import check_loss
+from autopar.frontend.loss import check_loss
 from autopar.gradients import BY_DEVICE
 from autopar.method import PipeshardParallel, auto_mesh, axis_sizes_of, resolve_mesh
-from autopar.pipeline.capture import capture_mode
+from autopar.frontend.capture import capture_mode
 from autopar.pipeline.planner import Context, cut
 from autopar.pipeline.layers import layer_starts
-from autopar.pipeline.program import build_program
+from autopar.frontend.program import build_program
 from autopar.pipeline.search import StageChoice, search
 from autopar.pipeline.submesh import tile
 from autopar.plan import Plan, StagePlan, ValuePlan
 from autopar.planner import donation_pairs
-from autopar.remat import remat_mode
-from autopar.rows import RowOracle
-from autopar.split import OutputKind, SplitStep, apply_at, split_step
-from autopar.trace import check_batch_leaves, trace_step, trace_step_any_batch
+from autopar.frontend.remat import remat_mode
+from autopar.frontend.rows import RowOracle
+from autopar.frontend.split import OutputKind, SplitStep, apply_at, split_step
+from autopar.frontend.trace import check_batch_leaves, trace_step, trace_step_any_batch
 
 __all__ = ["Prepared", "prepare", "plan_pipeline", "FinalInfo", "home_specs",
            "update_leaf_specs"]

@@ -38,11 +38,11 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from autopar.evaluate import Rules, eval_jaxpr
+from autopar.frontend.evaluate import Rules, eval_jaxpr
 from autopar.gradients import (add_partial, make_entry, manual_spec, reduce_manual,
                                stacked_spec)
 from autopar.method import accumulation_dtype
-from autopar.pipeline.stages import StageFunctions, StageProgram
+from autopar.frontend.stages import StageFunctions, StageProgram
 from autopar.planner import batch_spec
 
 __all__ = ["StageLayout", "StageExecutables", "build_stage"]

@@ -8,9 +8,9 @@ import numpy as np
 
 from autopar.cost_model import itemsize
 from autopar.errors import InputError
-from autopar.pipeline.program import Analysis, Program, find_cuts, sizer
-from autopar.remat import find_layers
-from autopar.retype import jaxprs_in
+from autopar.frontend.program import Analysis, Program, find_cuts, sizer
+from autopar.frontend.remat import find_layers
+from autopar.frontend.retype import jaxprs_in
 from autopar.strategies.dot import dot_flops
 
 __all__ = ["layer_starts", "eqn_flops", "value_bytes"]

@@ -35,11 +35,11 @@ from autopar import jax_compat as jc
 from autopar.cost_model import MeshCost, num_bytes
 from autopar.devices import platform_of
 from autopar.errors import PlanError
-from autopar.hints import check_pins, entry_axes
+from autopar.frontend.hints import check_pins, entry_axes
 from autopar.ilp import ShardingProblem
 from autopar.pipeline.apply import ApplyPartition, partition_apply
-from autopar.pipeline.program import Analysis, Program
-from autopar.pipeline.stages import (StageFunctions, StageProgram, forward_backward,
+from autopar.frontend.program import Analysis, Program
+from autopar.frontend.stages import (StageFunctions, StageProgram, forward_backward,
                                      instantiate_stage, stage_program)
 
 __all__ = ["Context", "Cut", "cut", "StageIO", "StageSolution", "solve_stage",

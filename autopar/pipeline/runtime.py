@@ -40,14 +40,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar import jax_compat as jc
 from autopar.gradients import combine_groups
-from autopar.loss import SHARE
+from autopar.frontend.loss import SHARE
 from autopar.pipeline.apply import Segment
 from autopar.pipeline.executables import StageExecutables
-from autopar.pipeline.program import Program
+from autopar.frontend.program import Program
 from autopar.pipeline.schedule import Task
-from autopar.pipeline.stages import StageProgram
+from autopar.frontend.stages import StageProgram
 from autopar.pipeline.transfer import move
-from autopar.split import OutputKind, SplitStep
+from autopar.frontend.split import OutputKind, SplitStep
 
 __all__ = ["PipelineStep", "ApplySegment", "LossSeeds", "SumsPass"]
 

@@ -33,8 +33,8 @@ from typing import Callable, Mapping, Sequence
 from jax.extend.core import Literal
 
 from autopar.cost_model import MeshCost, itemsize
-from autopar.retype import jaxprs_in
-from autopar.trace import INLINED_CALLS
+from autopar.frontend.retype import jaxprs_in
+from autopar.frontend.trace import INLINED_CALLS
 
 __all__ = ["Spec", "Strategy", "RuleContext", "register", "strategies_for",
            "enumerate_specs", "grad_sync_costs", "grad_sync_latency", "replicated", "shard_count",

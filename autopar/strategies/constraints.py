@@ -11,7 +11,7 @@ from __future__ import annotations
 from jax.extend.core import Literal
 from jax.sharding import PartitionSpec
 
-from autopar.hints import HINT_PRIMITIVES, entry_axes, spec_of
+from autopar.frontend.hints import HINT_PRIMITIVES, entry_axes, spec_of
 from autopar.strategies import RuleContext, Strategy, enumerate_specs, register
 
 

@@ -19,7 +19,7 @@ import dataclasses
 import re
 from typing import TYPE_CHECKING, Sequence
 
-from autopar.pytrees import ends_with_key
+from autopar.frontend.pytrees import ends_with_key
 from autopar.text import canonical_str
 
 if TYPE_CHECKING:

@@ -37,7 +37,7 @@ from jax.extend.core import ClosedJaxpr, Primitive, jaxpr_as_fun
 from autopar import jax_compat as jc
 from autopar.jax_compat import ad, batching, mlir
 
-from autopar.pytrees import leaf_mask
+from autopar.frontend.pytrees import leaf_mask
 
 __all__ = ["forward_p", "forward_lin_p", "backward_p", "boundary_p",
            "mark_pipeline_boundary", "capturing", "capture_mode", "captured"]

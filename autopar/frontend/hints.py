@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec
 
 from autopar import jax_compat as jc
 from autopar.errors import InputError
-from autopar.rows import ROWS_NAME, RowDim
+from autopar.frontend.rows import ROWS_NAME, RowDim
 
 __all__ = ["Hint", "HINT_PRIMITIVES", "find_hints", "model_axes", "check_hints",
            "in_stage", "check_pins", "entry_axes", "spec_of"]

@@ -35,10 +35,10 @@ from jax.sharding import NamedSharding
 
 from autopar import jax_compat as jc
 from autopar.errors import AutoparError, InputError, MarkerError
-from autopar.marker import grad_marker_p
-from autopar.pipeline.capture import backward_p, capture_mode, forward_lin_p, forward_p
-from autopar.pytrees import Partition, mutable_args, partition, write_back
-from autopar.retype import Instantiator, jaxprs_in, without_meshes
+from autopar.frontend.marker import grad_marker_p
+from autopar.frontend.capture import backward_p, capture_mode, forward_lin_p, forward_p
+from autopar.frontend.pytrees import Partition, mutable_args, partition, write_back
+from autopar.frontend.retype import Instantiator, jaxprs_in, without_meshes
 
 __all__ = ["ArgFlags", "LeafInfo", "TracedStep", "classify_args", "batch_candidates",
            "state_args",
@@ -424,7 +424,7 @@ def trace_step(fn: Callable, args: Sequence[Any], flags: ArgFlags,
   in_context = not jc.get_abstract_mesh().empty
   try:
     # The loss function autopar.value_and_grad differentiates is one call in
-    # the trace (pipeline/capture.py), so that split.py can derive its
+    # the trace (frontend/capture.py), so that split.py can derive its
     # gradient as the whole batch's (loss.py).
     with capture_mode():
       try:

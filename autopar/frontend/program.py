@@ -45,12 +45,12 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from autopar import jax_compat as jc
 from autopar.errors import MarkerError
-from autopar.loss import LossGradient, loss_input_p
-from autopar.pipeline.capture import backward_p, boundary_p
-from autopar.split import dce
-from autopar.rows import RowOracle
-from autopar.retype import jaxprs_in
-from autopar.trace import LeafInfo
+from autopar.frontend.loss import LossGradient, loss_input_p
+from autopar.frontend.capture import backward_p, boundary_p
+from autopar.frontend.split import dce
+from autopar.frontend.rows import RowOracle
+from autopar.frontend.retype import jaxprs_in
+from autopar.frontend.trace import LeafInfo
 
 __all__ = ["Program", "Root", "build_program", "find_cuts", "sizer"]
 
@@ -327,7 +327,7 @@ def find_cuts(analysis: Analysis) -> tuple[list[bool], dict[int, str]]:
 
 def sizer(rows: int):
   """``size(shape)`` for shapes that may hold the symbolic row count."""
-  from autopar.rows import ROWS_NAME
+  from autopar.frontend.rows import ROWS_NAME
   memo: dict = {}
 
   def dim(d):

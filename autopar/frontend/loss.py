@@ -39,7 +39,7 @@ its own ``L_g`` (``0 / 0``) is never used.
 The pieces, in the order ``split.py`` uses them:
 
 1. :func:`inline_loss`: the step is traced with the loss function as one
-   call (``pipeline/capture.py``: ``autopar_forward[F]`` and
+   call (``frontend/capture.py``: ``autopar_forward[F]`` and
    ``autopar_backward[F]``). The forward call is replaced by ``F``'s
    equations, its inputs bound by ``autopar_loss_input`` equations (so ``F``'s
    variables stay apart from the step's): the *view* the analyses read.
@@ -60,7 +60,7 @@ The pieces, in the order ``split.py`` uses them:
    ``autopar_loss_cotangent`` is the identity (a plain ``jax.jit`` of the
    jaxpr gives one device's numbers); a gradient stage evaluates it as ``C``
    on the whole batch's ``S`` (``LossGradient.scale``), over ``G`` for the
-   ``H`` entries. The pipeline (``pipeline/program.py``) instead makes the
+   ``H`` entries. The pipeline (``frontend/program.py``) instead makes the
    entries the seeded outputs of its forward program.
 
 Where the loss cannot be derived (rows read other than through reductions,
@@ -81,12 +81,12 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Primitive, Var
 from autopar import jax_compat as jc
 from autopar.jax_compat import mlir
 
-from autopar.combine import reduction_of
+from autopar.frontend.combine import reduction_of
 from autopar.errors import InputError, MarkerError
-from autopar.pipeline.capture import backward_p, forward_p
-from autopar.remat import rolled_eval
-from autopar.retype import jaxprs_in
-from autopar.rows import RowOracle, depends, row_mixing, where
+from autopar.frontend.capture import backward_p, forward_p
+from autopar.frontend.remat import rolled_eval
+from autopar.frontend.retype import jaxprs_in
+from autopar.frontend.rows import RowOracle, depends, row_mixing, where
 
 __all__ = ["loss_input_p", "loss_cotangent_p", "LossCall", "LossHead", "LossGradient",
            "LossValues", "inline_loss", "find_head", "cotangents", "expand",
@@ -353,7 +353,7 @@ def find_head(view: ClosedJaxpr, call: LossCall, *, batch: set, oracle: RowOracl
 class LossValues:
   """A loss's entries and what their cotangents read, as values of the view
   (a pipeline's forward program gives its entries their cotangents:
-  ``pipeline/program.py``).
+  ``frontend/program.py``).
 
   Attributes:
     entries: the values each group differentiates.

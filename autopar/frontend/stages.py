@@ -36,14 +36,14 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from autopar.errors import PlanError
-from autopar.hints import HINT_PRIMITIVES, find_hints
-from autopar.evaluate import Rules, eval_jaxpr
-from autopar.pipeline.program import Analysis, Program
-from autopar.retype import Instantiator
-from autopar.rng import DRAW_PRIMITIVES, find_draws
-from autopar.rows import ROWS_NAME, RowOracle
-from autopar.split import renumbered
-from autopar.trace import eqns_by_path
+from autopar.frontend.hints import HINT_PRIMITIVES, find_hints
+from autopar.frontend.evaluate import Rules, eval_jaxpr
+from autopar.frontend.program import Analysis, Program
+from autopar.frontend.retype import Instantiator
+from autopar.frontend.rng import DRAW_PRIMITIVES, find_draws
+from autopar.frontend.rows import ROWS_NAME, RowOracle
+from autopar.frontend.split import renumbered
+from autopar.frontend.trace import eqns_by_path
 
 __all__ = ["StageProgram", "stage_program", "Residuals", "forward_backward",
            "StageFunctions"]

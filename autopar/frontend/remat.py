@@ -73,7 +73,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from autopar import jax_compat as jc
 from autopar.errors import InputError, PlanError
-from autopar.pytrees import leaf_mask
+from autopar.frontend.pytrees import leaf_mask
 
 __all__ = ["remat_mode", "check_remat", "maybe_roll", "rolled_eval", "find_layers", "Stack"]
 

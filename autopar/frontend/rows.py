@@ -31,7 +31,7 @@ import numpy as np
 from jax.extend.core import Jaxpr, Literal, Var
 
 from autopar import jax_compat as jc
-from autopar.retype import jaxprs_in
+from autopar.frontend.retype import jaxprs_in
 
 __all__ = ["RowDim", "Rows", "RowOracle", "ROWS_NAME", "row_mixing", "mixing_of", "where",
            "depends"]
@@ -128,7 +128,7 @@ class RowOracle:
   @classmethod
   def paired(cls, a, b, rows_a: int, rows_b: int) -> "RowOracle":
     """From jaxprs ``a`` (traced at ``rows_a`` rows) and ``b`` (``rows_b``)."""
-    from autopar.trace import eqns_by_path
+    from autopar.frontend.trace import eqns_by_path
     other: dict = {}
     sized: set = set()
 

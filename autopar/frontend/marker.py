@@ -32,8 +32,8 @@ from jax.extend.core import Primitive
 from autopar.jax_compat import ad, batching, mlir
 
 from autopar.errors import MarkerError
-from autopar.pipeline.capture import captured, capturing
-from autopar.remat import maybe_roll
+from autopar.frontend.capture import captured, capturing
+from autopar.frontend.remat import maybe_roll
 
 __all__ = ["grad", "value_and_grad", "filter_grad", "filter_value_and_grad",
            "grad_marker_p", "value_marker_p", "mark_gradients"]
@@ -187,7 +187,7 @@ def value_and_grad(fun: Callable, argnums: Any = 0, has_aux: bool = False,
 def _differentiated(fun: Callable) -> Callable:
   """``fun`` as autopar differentiates it: with its repeated layers rolled
   under ``remat="layers"`` (``remat.py``), or as one call that a pipeline
-  cuts into stages (``pipeline/capture.py``)."""
+  cuts into stages (``frontend/capture.py``)."""
   rolled, capture = maybe_roll(fun), captured(fun)
 
   def call(*args, **kwargs):

@@ -1,6 +1,6 @@
 """Split a traced step at the grad marker into compute_grad and apply_grad.
 
-Stage 2 of the pipeline: :class:`~autopar.trace.TracedStep` ->
+Stage 2 of the pipeline: :class:`~autopar.frontend.trace.TracedStep` ->
 :class:`SplitStep`. With consts lifted to leading inputs, the step's jaxpr
 ``step(consts, leaves) -> outs`` becomes two jaxprs::
 
@@ -61,16 +61,16 @@ from typing import Any, Mapping, NamedTuple
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from autopar import jax_compat as jc
-from autopar.combine import derive
+from autopar.frontend.combine import derive
 from autopar.errors import InputError, MarkerError
-from autopar.hints import HINT_PRIMITIVES, Hint, find_hints
-from autopar.loss import (LOSS_KEY, LossGradient, cotangents, expand, find_head,
+from autopar.frontend.hints import HINT_PRIMITIVES, Hint, find_hints
+from autopar.frontend.loss import (LOSS_KEY, LossGradient, cotangents, expand, find_head,
                           inline_loss)
-from autopar.marker import grad_marker_p, value_marker_p
-from autopar.retype import without_meshes
-from autopar.rng import DRAW_PRIMITIVES, RowDraw, find_draws
-from autopar.rows import RowDim, RowOracle, mixing_of
-from autopar.trace import (TracedStep, count_markers, eqns_by_path, inline_calls,
+from autopar.frontend.marker import grad_marker_p, value_marker_p
+from autopar.frontend.retype import without_meshes
+from autopar.frontend.rng import DRAW_PRIMITIVES, RowDraw, find_draws
+from autopar.frontend.rows import RowDim, RowOracle, mixing_of
+from autopar.frontend.trace import (TracedStep, count_markers, eqns_by_path, inline_calls,
                            inline_loss_rules, instantiate, instantiator)
 
 __all__ = ["MIXED", "OutputKind", "SplitStep", "split_step", "instantiate_split",
@@ -469,7 +469,7 @@ def _in_order(a, b, primitives) -> list | None:
 
 
 def instantiate_split(split: SplitStep, micro_batch_size: int) -> SplitStep:
-  """``split`` of a symbolic-batch trace (:func:`~autopar.trace.trace_step_any_batch`)
+  """``split`` of a symbolic-batch trace (:func:`~autopar.frontend.trace.trace_step_any_batch`)
   at a concrete micro-batch size.
 
   The same as splitting the step traced at that size, without cutting it
@@ -536,7 +536,7 @@ class SizedOutputs(NamedTuple):
 def outputs_at(split: SplitStep, micro_batch_size: int) -> SizedOutputs:
   """The step's outputs and gradients at ``micro_batch_size`` rows, from
   ``split`` at that size or at a symbolic one
-  (:func:`~autopar.trace.trace_step_any_batch`), without writing the step
+  (:func:`~autopar.frontend.trace.trace_step_any_batch`), without writing the step
   out at the size as :func:`instantiate_split` does."""
   outvars = split.traced.jaxpr.jaxpr.outvars
   grads = split.grad_avals if split.has_marker else []

@@ -47,7 +47,7 @@ from jax.extend.core import Primitive
 
 from autopar import jax_compat as jc
 from autopar.jax_compat import hlo, ir, mlir
-from autopar.rows import RowDim
+from autopar.frontend.rows import RowDim
 
 __all__ = ["RowDraw", "DRAW_PRIMITIVES", "find_draws", "draw"]
 
@@ -59,7 +59,7 @@ DRAW_PRIMITIVES = ("random_bits", "random_split")
 class RowDraw:
   """A draw whose shape holds the batch's rows.
 
-  ``rows``: where (a :class:`~autopar.rows.RowDim`), or None when they are
+  ``rows``: where (a :class:`~autopar.frontend.rows.RowDim`), or None when they are
   there but cannot be reproduced; ``why``: the reason, then.
   """
   rows: RowDim | None

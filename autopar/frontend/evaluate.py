@@ -17,10 +17,10 @@ from jax import lax
 from jax.extend.core import Literal, Var
 
 from autopar import jax_compat as jc
-from autopar import rng
+from autopar.frontend import rng
 from autopar.errors import PlanError
-from autopar.hints import HINT_PRIMITIVES, spec_of
-from autopar.trace import region_jaxprs
+from autopar.frontend.hints import HINT_PRIMITIVES, spec_of
+from autopar.frontend.trace import region_jaxprs
 
 __all__ = ["Rules", "check_pins", "eqn_at", "eval_jaxpr", "eval_scan"]
 

@@ -38,7 +38,7 @@ from typing import Callable, Mapping, Sequence
 
 from jax.extend.core import Literal, Var
 
-from autopar.rows import RowDim
+from autopar.frontend.rows import RowDim
 
 __all__ = ["Derivation", "derive", "reduction_of", "REDUCTIONS"]
 

@@ -1,0 +1,18 @@
+"""The front end: from the user's step to the programs the rest compiles.
+
+Takes: the user's ``train_step`` and its arguments. Gives: the step traced
+to a jaxpr (``trace.py``, ``pytrees.py``, ``retype.py``: arguments as
+leaves, symbolic batch sizes) and split at the gradient marker
+(``marker.py``) into ``compute_grad`` and ``apply_grad`` (``split.py``),
+with what the rest needs to know about it: which dimensions hold the
+batch's rows (``rows.py``), how each output combines over micro-batches
+(``combine.py``), the loss's gradient as the whole batch's (``loss.py``),
+random draws per row (``rng.py``), the user's sharding hints
+(``hints.py``), repeated layers rolled into a checkpointed scan
+(``remat.py``, ``gradstack.py``), a jaxpr interpreter under pins
+(``evaluate.py``), and for pipelines the loss function captured
+(``capture.py``), its forward program ``P`` (``program.py``) and the
+stages cut out of it (``stages.py``).
+
+Imports only the shared leaves (errors, jax_compat, version, text, disk).
+"""
