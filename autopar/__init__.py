@@ -7,7 +7,7 @@ chooses a sharding for every array on the mesh, and runs it.
 """
 
 from autopar.api import ParallelizedFunction, parallelize
-from autopar.calibrate import calibrate
+from autopar.costs.calibrate import calibrate
 from autopar.cluster import (ClusterError, RemoteArray, global_mesh, init,
                              shutdown)
 from autopar.errors import (AutoparError, InputError, MarkerError, MeshError,

@@ -34,11 +34,11 @@ from autopar.lower import lower_step
 from autopar.method import (ParallelMethod, PipeshardParallel, ShardParallel,
                             Zero2Parallel, Zero3Parallel, auto_mesh, axis_sizes_of,
                             resolve_mesh)
-from autopar.cost_model import dtype_name
+from autopar.costs.cost_model import dtype_name
 from autopar.plan import Plan, ValuePlan
 from autopar.frontend.pytrees import Partition
-from autopar.calibrate import measured_option
-from autopar.devices import dominant_float_dtype, hardware_option
+from autopar.costs.calibrate import measured_option
+from autopar.costs.devices import dominant_float_dtype, hardware_option
 from autopar.frontend.remat import remat_mode
 from autopar.hlo import compiled_peak
 from autopar.replan import Replanner

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from autopar.cost_model import ring_bytes_sent
+from autopar.costs.cost_model import ring_bytes_sent
 
 if TYPE_CHECKING:
   from autopar.plan import Plan

@@ -10,7 +10,7 @@ Nodes and variables (the graph is built in ``ilp_graph.py``)
   * a *leaf node* per argument leaf, a *gradient node* per gradient, and an
     *equation node* per equation that has a choice; each has one-hot binary
     variables ``x[v, c]`` over its choices (specs for leaf and gradient nodes,
-    :class:`~autopar.strategies.Strategy` for equations). Elementwise equations
+    :class:`~autopar.costs.strategies.Strategy` for equations). Elementwise equations
     whose array operands all have the output's shape *follow* their first
     operand: they get no variables ("merged"), and each other operand gets an
     edge to the first one's node.
@@ -64,13 +64,13 @@ from typing import Mapping, Sequence
 
 from jax.extend.core import Var
 
-from autopar.cost_model import MeshCost, itemsize
+from autopar.costs.cost_model import MeshCost, itemsize
 from autopar import lp
 from autopar.errors import PlanError
 from autopar.ilp_graph import ChoiceGraph, on_axes
 from autopar.ilp_memory import MemoryModel
 from autopar.refine import refine_colors
-from autopar.strategies import Spec, Strategy, grad_sync_latency, local_bytes
+from autopar.costs.strategies import Spec, Strategy, grad_sync_latency, local_bytes
 
 __all__ = ["ShardingProblem", "Solution", "reshard_cost"]
 

@@ -7,7 +7,7 @@ with its choices and their costs, and the edges along which values move.
   (ZeRO/FSDP);
 * a *gradient node* per gradient (its all-reduce over the batch axes);
 * an *equation node* per equation with a choice (its sharding strategies,
-  ``autopar.strategies``). An element-wise equation whose operands all have
+  ``autopar.costs.strategies``). An element-wise equation whose operands all have
   its output's shape follows its first operand instead (no node of its own);
   its other operands get an edge to that node;
 * control flow (``scan``, ``while``, ``cond``, ``jax.checkpoint``) is planned
@@ -29,12 +29,12 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from autopar import jax_compat as jc
-from autopar.cost_model import MeshCost
+from autopar.costs.cost_model import MeshCost
 from autopar.errors import PlanError
-from autopar.liveness import conv_relayouts, fusions, relayouts
-from autopar.strategies import (REGIONS, RuleContext, Spec, enumerate_specs,
+from autopar.costs.liveness import conv_relayouts, fusions, relayouts
+from autopar.costs.strategies import (REGIONS, RuleContext, Spec, enumerate_specs,
                                 grad_sync_costs, local_bytes, strategies_for)
-from autopar.strategies.elementwise import is_elementwise
+from autopar.costs.strategies.elementwise import is_elementwise
 
 __all__ = ["ChoiceGraph", "REGIONS"]
 

@@ -4,7 +4,7 @@ as bytes at a solution.
 
 * the state: every leaf in its chosen spec, and the gradients held
   besides one micro-batch's pass (``_gradient_items``);
-* the pass: the values live at its peaks (``autopar.liveness``), each in
+* the pass: the values live at its peaks (``autopar.costs.liveness``), each in
   its chosen spec; the constraints take the three peaks of replicated
   bytes, and a solution's own peak is found again under its specs
   (``_peak_at_solution``), which ``ShardingProblem.solve`` adds where it is
@@ -21,11 +21,11 @@ import functools
 from autopar import lp
 from jax.extend.core import Var
 
-from autopar.cost_model import itemsize
+from autopar.costs.cost_model import itemsize
 from autopar.frontend.gradstack import find_grad_stacks, folded_values
-from autopar.liveness import liveness_peaks
+from autopar.costs.liveness import liveness_peaks
 from autopar.method import accumulation_dtype
-from autopar.strategies import local_bytes
+from autopar.costs.strategies import local_bytes
 
 __all__ = ["MemoryModel"]
 

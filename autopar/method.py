@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 
 from autopar.errors import InputError, MeshError
-from autopar.pipeline.submesh import tile
+from autopar.costs.submesh import tile
 from autopar.frontend.remat import check_remat
 
 __all__ = ["AutoShardingOption", "ParallelMethod", "ShardParallel",
@@ -127,12 +127,12 @@ class AutoShardingOption:
       planned around them. The new state returned in place of a pinned
       donated leaf gets the same spec.
     costs: None (default): mesh_alpha, mesh_beta and seconds_per_flop as
-      given; "measured": from ``autopar.calibrate(mesh)`` (measured on the
+      given; "measured": from ``autopar.costs.calibrate(mesh)`` (measured on the
       first plan for a mesh of real devices and kept on disk; for an
       AbstractMesh, a calibration kept for ``device_kind`` and that mesh).
       Axes given in mesh_alpha / mesh_beta keep their given values.
     device_kind: the devices' kind ("H100", "A100", "TPU v5p", ...; see
-      ``autopar/devices.py``), read from the devices of a real mesh; for an
+      ``autopar/costs/devices.py``), read from the devices of a real mesh; for an
       AbstractMesh, name it to cost each axis from the hardware (and to find
       a calibration with ``costs="measured"``). Axes not in mesh_alpha /
       mesh_beta then cost the links inside a node, or between nodes for the
@@ -175,7 +175,7 @@ class AutoShardingOption:
     if self.costs not in (None, "measured"):
       raise InputError(f"AutoShardingOption: costs={self.costs!r}; expected None (the "
                        f"α, β and seconds per flop given) or 'measured' (from "
-                       f"autopar.calibrate).")
+                       f"autopar.costs.calibrate).")
     if self.device_kind is not None and not isinstance(self.device_kind, str):
       raise InputError(f"AutoShardingOption: device_kind={self.device_kind!r}; expected "
                        f"a device kind name (jax.Device.device_kind) or None.")

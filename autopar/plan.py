@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from autopar.cost_model import bytes_per_device
+from autopar.costs.cost_model import bytes_per_device
 from autopar.errors import PlanError
 from autopar.text import axes_str, format_bytes, format_rows, spec_str
 

@@ -24,8 +24,8 @@ from typing import Mapping, Sequence
 from jax.extend.core import ClosedJaxpr, Literal
 from jax.sharding import PartitionSpec
 
-from autopar.cost_model import MeshCost, assumed_costs, dtype_name
-from autopar.devices import platform_of
+from autopar.costs.cost_model import MeshCost, assumed_costs, dtype_name
+from autopar.costs.devices import platform_of
 from autopar.errors import PlanError
 from autopar.frontend.hints import check_hints, check_pins, entry_axes, model_axes
 # Imported here, not where it is used: importing PuLP keeps the tracebacks of
@@ -38,10 +38,10 @@ from autopar.method import (ParallelMethod, ShardParallel, axis_names_of,
 from autopar.plan import CollectivePlan, Plan, ValuePlan
 from autopar.frontend.pytrees import ends_with_key
 from autopar.frontend.split import (OutputKind, SizedOutputs, SplitStep, outputs_at, reads)
-from autopar.strategies import (grad_sync_costs, grad_sync_latency, local_bytes,
+from autopar.costs.strategies import (grad_sync_costs, grad_sync_latency, local_bytes,
                                 missing_rules,
                                 warn_missing_rules)
-from autopar.strategies.dot import dot_flops
+from autopar.costs.strategies.dot import dot_flops
 from autopar.replan import Replanner
 from autopar.frontend.trace import TracedStep, eqns_by_path
 
@@ -664,7 +664,7 @@ def _plan_from_solution(split, outputs, local, method, mesh, S, sol, stats,
   ``split``: the step, possibly at a symbolic batch size; ``outputs``: its
   outputs and gradients at the whole batch (``outputs_at``);
   ``local``: the step at the rows per device it was planned at."""
-  from autopar.strategies import to_partition_spec
+  from autopar.costs.strategies import to_partition_spec
 
   traced = split.traced
   out_avals, out_kinds, grad_avals = outputs

@@ -23,12 +23,12 @@ import numpy as np
 from jax.extend.core import Var
 from jax.sharding import PartitionSpec
 
-from autopar.cost_model import MeshCost, assumed_costs, dtype_name, num_bytes
-from autopar.devices import dominant_float_dtype, hardware_option, platform_of
+from autopar.costs.cost_model import MeshCost, assumed_costs, dtype_name, num_bytes
+from autopar.costs.devices import dominant_float_dtype, hardware_option, platform_of
 from autopar.errors import InputError
 from autopar.frontend.gradstack import find_grad_stacks, folded_values
 from autopar.frontend.hints import check_hints, check_pins, entry_axes
-from autopar.liveness import liveness_peaks
+from autopar.costs.liveness import liveness_peaks
 from autopar.method import (AutoShardingOption, ParallelMethod, ShardParallel,
                             Zero2Parallel, Zero3Parallel, accumulation_dtype,
                             axis_names_of, axis_sizes_of)

@@ -1,11 +1,11 @@
-"""The liveness the planners' memory estimates read (autopar/liveness.py)."""
+"""The liveness the planners' memory estimates read (autopar/costs/liveness.py)."""
 
 import math
 
 import jax
 import jax.numpy as jnp
 
-from autopar.liveness import _Fusions, conv_relayouts, liveness_peaks
+from autopar.costs.liveness import _Fusions, conv_relayouts, liveness_peaks
 from autopar.frontend.trace import _inline_marked_calls
 from models import ConvNet
 
@@ -176,8 +176,8 @@ def test_cpu_rules_are_keyed_by_platform():
   """XLA:CPU runs float reductions as YNNPACK kernels (which take in only
   what nothing else reads); the GPU and TPU backends have no such kernels.
   The rules apply only to plans for CPU devices (devices.platform_of)."""
-  from autopar.devices import platform_of
-  from autopar.liveness import fusions
+  from autopar.costs.devices import platform_of
+  from autopar.costs.liveness import fusions
   assert [platform_of(k) for k in (None, "CPU", "H100", "NVIDIA A100-SXM4-80GB",
                                    "TPU v5 lite")] == ["cpu", "cpu", "gpu", "gpu", "tpu"]
   jaxpr = jax.make_jaxpr(lambda x: jnp.sum(jnp.exp(x) * 2.0))(jnp.ones((64, 64))).jaxpr

@@ -9,8 +9,8 @@ import pytest
 
 import autopar
 from autopar import hlo
-from autopar.cost_model import MeshCost
-from autopar.strategies import RuleContext, strategies_for
+from autopar.costs.cost_model import MeshCost
+from autopar.costs.strategies import RuleContext, strategies_for
 from models import (ConvNet, ScanTransformer, Transformer, image_setup, lm_setup,
                     mlp_setup, transformer_setup)
 

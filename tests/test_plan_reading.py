@@ -20,7 +20,7 @@ import pytest
 
 import autopar
 from autopar import ilp
-from autopar.strategies import enumerate_specs
+from autopar.costs.strategies import enumerate_specs
 from autopar.tools.groups import collapse, param_rows
 from autopar.text import canonical_str, same_spec
 from models import transformer_setup

@@ -12,8 +12,8 @@ import pytest
 
 import autopar
 import test_model_libraries as libs
-from autopar.cost_model import MeshCost
-from autopar.strategies import RuleContext, missing_rules, strategies_for
+from autopar.costs.cost_model import MeshCost
+from autopar.costs.strategies import RuleContext, missing_rules, strategies_for
 from models import assert_trees_close, transformer_setup
 
 NO_RULE = "no sharding rule"

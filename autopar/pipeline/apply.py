@@ -38,7 +38,7 @@ from typing import Mapping
 
 from jax.extend.core import Jaxpr, Literal, Var
 
-from autopar.cost_model import num_bytes
+from autopar.costs.cost_model import num_bytes
 
 __all__ = ["Segment", "ApplyPartition", "partition_apply"]
 

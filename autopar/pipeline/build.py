@@ -26,7 +26,7 @@ from autopar.pipeline.executables import StageLayout, build_stage
 from autopar.pipeline.planner import stage_functions
 from autopar.pipeline.runtime import ApplySegment, LossSeeds, PipelineStep, SumsPass
 from autopar.pipeline.schedule import dispatch_order, stage_tasks
-from autopar.pipeline.submesh import tile
+from autopar.costs.submesh import tile
 from autopar.pipeline.transfer import check_movable
 from autopar.plan import submesh
 from autopar.frontend.retype import Instantiator

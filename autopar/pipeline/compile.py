@@ -17,7 +17,7 @@ from typing import Any
 from jax.extend.core import Literal
 from jax.sharding import PartitionSpec
 
-from autopar.cost_model import assumed_costs, dtype_name
+from autopar.costs.cost_model import assumed_costs, dtype_name
 from autopar.errors import InputError, MarkerError, PlanError
 from autopar.frontend.loss import check_loss
 from autopar.gradients import BY_DEVICE
@@ -27,7 +27,7 @@ from autopar.pipeline.planner import Context, cut
 from autopar.pipeline.layers import layer_starts
 from autopar.frontend.program import build_program
 from autopar.pipeline.search import StageChoice, search
-from autopar.pipeline.submesh import tile
+from autopar.costs.submesh import tile
 from autopar.plan import Plan, StagePlan, ValuePlan
 from autopar.planner import donation_pairs
 from autopar.frontend.remat import remat_mode

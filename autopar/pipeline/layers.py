@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from autopar.cost_model import itemsize
+from autopar.costs.cost_model import itemsize
 from autopar.errors import InputError
 from autopar.frontend.program import Analysis, Program, find_cuts, sizer
 from autopar.frontend.remat import find_layers
 from autopar.frontend.retype import jaxprs_in
-from autopar.strategies.dot import dot_flops
+from autopar.costs.strategies.dot import dot_flops
 
 __all__ = ["layer_starts", "eqn_flops", "value_bytes"]
 

@@ -32,8 +32,8 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from autopar import jax_compat as jc
-from autopar.cost_model import MeshCost, num_bytes
-from autopar.devices import platform_of
+from autopar.costs.cost_model import MeshCost, num_bytes
+from autopar.costs.devices import platform_of
 from autopar.errors import PlanError
 from autopar.frontend.hints import check_pins, entry_axes
 from autopar.ilp import ShardingProblem

@@ -34,7 +34,7 @@ import math
 from typing import TYPE_CHECKING, Any, Sequence
 
 from autopar import hlo
-from autopar.cost_model import MeshCost, ring_bytes_sent
+from autopar.costs.cost_model import MeshCost, ring_bytes_sent
 from autopar.errors import PlanError
 from autopar.text import axes_str, format_bytes, format_rows
 

@@ -53,7 +53,7 @@ from jax.sharding import PartitionSpec
 
 from autopar.errors import AutoparError, PlanError
 from autopar.replan import Replanner
-from autopar.strategies import enumerate_specs
+from autopar.costs.strategies import enumerate_specs
 from autopar.tools.diff import PlanDiff, diff
 from autopar.tools.groups import param_rows, path_str
 from autopar.tools.summary import collective_rows

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from autopar.cost_model import MeshCost
+from autopar.costs.cost_model import MeshCost
 from autopar.tools.groups import Group, collapse, other_rows, param_rows, params_prefix
 from autopar.text import axes_str, canonical_str, format_bytes, format_rows, same_spec
 

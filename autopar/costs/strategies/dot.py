@@ -10,8 +10,8 @@ from __future__ import annotations
 import itertools
 import math
 
-from autopar.cost_model import itemsize
-from autopar.strategies import RuleContext, Strategy, local_bytes, register
+from autopar.costs.cost_model import itemsize
+from autopar.costs.strategies import RuleContext, Strategy, local_bytes, register
 
 
 def dot_flops(lhs_shape, out_shape, contracting) -> int:

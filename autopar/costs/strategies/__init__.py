@@ -32,7 +32,7 @@ from typing import Callable, Mapping, Sequence
 
 from jax.extend.core import Literal
 
-from autopar.cost_model import MeshCost, itemsize
+from autopar.costs.cost_model import MeshCost, itemsize
 from autopar.frontend.retype import jaxprs_in
 from autopar.frontend.trace import INLINED_CALLS
 
@@ -244,5 +244,5 @@ def warn_missing_rules(missing: Mapping[str, int], where: str) -> None:
 
 
 # Register the rule modules (they only call `register`).
-from autopar.strategies import (constraints, dot, elementwise,  # noqa: E402,F401
+from autopar.costs.strategies import (constraints, dot, elementwise,  # noqa: E402,F401
                                 indexing, reductions, shape_ops)

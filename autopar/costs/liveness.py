@@ -63,8 +63,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal, Var
 
-from autopar.cost_model import itemsize
-from autopar.strategies.elementwise import is_elementwise
+from autopar.costs.cost_model import itemsize
+from autopar.costs.strategies.elementwise import is_elementwise
 from autopar.frontend.trace import region_jaxprs
 
 __all__ = ["liveness_peaks", "fusions"]
