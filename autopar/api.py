@@ -21,12 +21,12 @@ import numpy as np
 from jax.sharding import AbstractMesh
 
 from autopar import jax_compat as jc
-from autopar import cache as plan_cache
+from autopar.planner import cache as plan_cache
 from autopar import runtime
 from autopar.errors import InputError, MarkerError, PlanError
 from autopar.executor import Executable
 from autopar.pipeline import build as pipeline_build
-from autopar.pipeline import compile as pipeline_compile
+from autopar.planner import pipeline as pipeline_compile
 from autopar.pipeline.runtime import PipelineExecutable
 from autopar.frontend.hints import check_hints
 from autopar.frontend.loss import check_loss
@@ -41,9 +41,9 @@ from autopar.costs.calibrate import measured_option
 from autopar.costs.devices import dominant_float_dtype, hardware_option
 from autopar.frontend.remat import remat_mode
 from autopar.hlo import compiled_peak
-from autopar.replan import Replanner
-from autopar.planner import Progress, batch_axes_for, keeps_batch_whole, plan_auto
-from autopar.preset import plan_preset
+from autopar.planner.replan import Replanner
+from autopar.planner.shard import Progress, batch_axes_for, keeps_batch_whole, plan_auto
+from autopar.planner.preset import plan_preset
 from autopar.frontend.split import (MIXED, OutputKind, SplitStep, apply_at, instantiate_split,
                             outputs_at, scale_at, split_step)
 from autopar.frontend.trace import (ArgFlags, LeafInfo, TracedStep, abstract_leaves, arg_names,

@@ -55,7 +55,7 @@ from autopar.frontend.gradstack import GradStack, find_grad_stacks, slots
 from autopar.frontend.hints import in_stage
 from autopar.method import accumulation_dtype, auto_mesh
 from autopar.plan import Plan, plan_constraints
-from autopar.planner import batch_spec, grad_stage_names, leaves_read_by_compute
+from autopar.planner.shard import batch_spec, grad_stage_names, leaves_read_by_compute
 from autopar.frontend.trace import eqns_by_path
 from autopar.frontend.split import OutputKind, SplitStep, dce
 

@@ -23,7 +23,7 @@ from autopar.errors import PlanError
 from autopar.text import axes_str, format_bytes, format_rows, spec_str
 
 if TYPE_CHECKING:
-  from autopar.replan import Replanner
+  from autopar.planner.replan import Replanner
 
 __all__ = ["Plan", "ValuePlan", "CollectivePlan", "SolverStats", "StagePlan",
            "spec_to_json", "spec_from_json", "spec_str", "format_bytes", "PlanReader",
@@ -239,7 +239,7 @@ class Plan:
     fingerprint: what the plan was made for (autopar version, digests of the
       program, the arguments and the method's options, the mesh, the number
       of micro-batches, the batch size), as (name, text) pairs; a saved plan
-      is used only for a step with the same (see ``autopar/cache.py``).
+      is used only for a step with the same (see ``autopar/planner/cache.py``).
     stages: for a pipeline (``PipeshardParallel``), its stages, each with
       its own submesh and plan; empty otherwise.
     schedule: the pipeline's schedule ("1f1b", "gpipe"), or None.

@@ -160,7 +160,7 @@ def test_plan_round_trip_and_saved_plan_runs_without_solving(monkeypatch):
 
   def no_search(*a, **k):
     raise AssertionError("a saved plan was solved again")
-  monkeypatch.setattr(autopar.pipeline.compile, "search", no_search)
+  monkeypatch.setattr(autopar.planner.pipeline, "search", no_search)
   saved = autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=2, layers="manual",
                                     plan=loaded)
   pf, got, want = run_steps(step, make_state, batch, saved)

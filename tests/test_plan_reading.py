@@ -19,7 +19,7 @@ import optax
 import pytest
 
 import autopar
-from autopar import ilp
+from autopar.planner import ilp
 from autopar.costs.strategies import enumerate_specs
 from autopar.tools.groups import collapse, param_rows
 from autopar.text import canonical_str, same_spec

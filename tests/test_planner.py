@@ -13,7 +13,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import autopar
-from autopar import hlo, ilp
+from autopar import hlo
+from autopar.planner import ilp
 from models import assert_trees_close, mlp_setup, single_device
 
 SGD = optax.sgd(0.1, momentum=0.9)

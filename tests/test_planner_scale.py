@@ -17,7 +17,9 @@ import pytest
 import autopar
 from flax.training import train_state
 
-from autopar import ilp, planner
+from autopar.planner import ilp
+
+from autopar.planner import shard as planner
 from models import assert_trees_close, mlp_setup, single_device, transformer_setup
 
 SGD = optax.sgd(0.1, momentum=0.9)
@@ -71,7 +73,7 @@ def test_plan_for_64_devices_in_a_process_with_one_device(tmp_path):
       # the function planned, and nothing outlives the plan: the first plan in
       # a process once kept its problem through a traceback.
       import gc
-      from autopar import ilp
+      from autopar.planner import ilp
       from autopar.frontend import split
       problems = {id(p.problem) for p in plan.replan.problems}
       del fn
@@ -161,7 +163,7 @@ def test_plan_cache_hit_on_a_second_call(monkeypatch, tmp_path):
 
 def test_plan_cache_key_tells_programs_apart():
   import hashlib
-  from autopar.cache import program_digest
+  from autopar.planner.cache import program_digest
 
   def digest(f, *shapes):
     h = hashlib.sha256()

@@ -21,9 +21,9 @@ from autopar.errors import InputError, PlanError
 from autopar.frontend.evaluate import Rules, eval_jaxpr
 from autopar.gradients import sums_pass
 from autopar.method import PipeshardParallel, axis_sizes_of
-from autopar.pipeline.compile import Prepared, home_specs
+from autopar.planner.pipeline import Prepared, home_specs
 from autopar.pipeline.executables import StageLayout, build_stage
-from autopar.pipeline.planner import stage_functions
+from autopar.planner.stage import stage_functions
 from autopar.pipeline.runtime import ApplySegment, LossSeeds, PipelineStep, SumsPass
 from autopar.pipeline.schedule import dispatch_order, stage_tasks
 from autopar.costs.submesh import tile

@@ -41,7 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from autopar import jax_compat as jc
 from autopar.gradients import combine_groups
 from autopar.frontend.loss import SHARE
-from autopar.pipeline.apply import Segment
+from autopar.planner.apply_segments import Segment
 from autopar.pipeline.executables import StageExecutables
 from autopar.frontend.program import Program
 from autopar.pipeline.schedule import Task

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from jax.sharding import PartitionSpec
 
 from autopar.errors import AutoparError, PlanError
-from autopar.replan import Replanner
+from autopar.planner.replan import Replanner
 from autopar.costs.strategies import enumerate_specs
 from autopar.tools.diff import PlanDiff, diff
 from autopar.tools.groups import param_rows, path_str
@@ -62,7 +62,7 @@ from autopar.text import (axes_str, canonical_str, format_bytes, format_rows,
 
 if TYPE_CHECKING:
   from autopar.plan import Plan, ValuePlan
-  from autopar.planner import SolvedProblem
+  from autopar.planner.shard import SolvedProblem
 
 __all__ = ["Candidate", "Explanation", "CostIf", "explain", "cost_if",
            "find_leaves"]

@@ -23,13 +23,13 @@ from autopar.frontend.loss import check_loss
 from autopar.gradients import BY_DEVICE
 from autopar.method import PipeshardParallel, auto_mesh, axis_sizes_of, resolve_mesh
 from autopar.frontend.capture import capture_mode
-from autopar.pipeline.planner import Context, cut
-from autopar.pipeline.layers import layer_starts
+from autopar.planner.stage import Context, cut
+from autopar.planner.layers import layer_starts
 from autopar.frontend.program import build_program
-from autopar.pipeline.search import StageChoice, search
+from autopar.planner.stage_search import StageChoice, search
 from autopar.costs.submesh import tile
 from autopar.plan import Plan, StagePlan, ValuePlan
-from autopar.planner import donation_pairs
+from autopar.planner.shard import donation_pairs
 from autopar.frontend.remat import remat_mode
 from autopar.frontend.rows import RowOracle
 from autopar.frontend.split import OutputKind, SplitStep, apply_at, split_step

@@ -33,7 +33,7 @@ from autopar.method import (AutoShardingOption, ParallelMethod, ShardParallel,
                             Zero2Parallel, Zero3Parallel, accumulation_dtype,
                             axis_names_of, axis_sizes_of)
 from autopar.plan import CollectivePlan, Plan, ValuePlan
-from autopar.planner import (batch_axes_for, batch_spec, candidate_batch_axes,
+from autopar.planner.shard import (batch_axes_for, batch_spec, candidate_batch_axes,
                              donation_pairs, grad_inputs, grad_stage_names,
                              keeps_batch_whole, leaves_read_by_compute,
                              predicted_time, price_layout, shard_first_divisible,

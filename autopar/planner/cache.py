@@ -120,7 +120,7 @@ def plan_key(fp: Mapping[str, str]) -> str:
 def _planner_digest() -> str:
   """A digest of autopar's Python sources (read once per process)."""
   h = hashlib.sha256()
-  root = Path(__file__).parent
+  root = Path(__file__).parents[1]          # the autopar package
   try:
     for path in sorted(root.rglob("*.py")):
       h.update(str(path.relative_to(root)).encode())

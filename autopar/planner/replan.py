@@ -16,7 +16,7 @@ from autopar.text import axes_str
 
 if TYPE_CHECKING:
   from autopar.plan import Plan
-  from autopar.planner import SolvedProblem
+  from autopar.planner.shard import SolvedProblem
 
 __all__ = ["Replanner"]
 
@@ -28,7 +28,7 @@ class Replanner:
 
   Attributes:
     problems: the ILPs solved while planning
-      (:class:`~autopar.planner.SolvedProblem`, one per choice of batch
+      (:class:`~autopar.planner.shard.SolvedProblem`, one per choice of batch
       axes; the plan's first), solved again with the pins; empty for a plan
       read from the plan cache until :meth:`solved` plans the step again.
     step_ref: a weak reference to the step (its ``ParallelizedFunction``;

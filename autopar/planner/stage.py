@@ -36,8 +36,8 @@ from autopar.costs.cost_model import MeshCost, num_bytes
 from autopar.costs.devices import platform_of
 from autopar.errors import PlanError
 from autopar.frontend.hints import check_pins, entry_axes
-from autopar.ilp import ShardingProblem
-from autopar.pipeline.apply import ApplyPartition, partition_apply
+from autopar.planner.ilp import ShardingProblem
+from autopar.planner.apply_segments import ApplyPartition, partition_apply
 from autopar.frontend.program import Analysis, Program
 from autopar.frontend.stages import (StageFunctions, StageProgram, forward_backward,
                                      instantiate_stage, stage_program)

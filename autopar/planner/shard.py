@@ -32,7 +32,7 @@ from autopar.frontend.hints import check_hints, check_pins, entry_axes, model_ax
 # the solver libraries it fails to import, and through them every frame on
 # the stack at the time; from inside plan_auto that would keep its problem
 # and traced step alive for the rest of the process.
-from autopar.ilp import ShardingProblem
+from autopar.planner.ilp import ShardingProblem
 from autopar.method import (ParallelMethod, ShardParallel, axis_names_of,
                             axis_sizes_of, check_axes)
 from autopar.plan import CollectivePlan, Plan, ValuePlan
@@ -42,7 +42,7 @@ from autopar.costs.strategies import (grad_sync_costs, grad_sync_latency, local_
                                 missing_rules,
                                 warn_missing_rules)
 from autopar.costs.strategies.dot import dot_flops
-from autopar.replan import Replanner
+from autopar.planner.replan import Replanner
 from autopar.frontend.trace import TracedStep, eqns_by_path
 
 __all__ = ["plan_auto", "SolvedProblem", "sharding_problem", "price_layout",
@@ -423,7 +423,7 @@ class SolvedProblem:
   """An ILP solved while planning a ``ShardParallel`` step, kept with the
   plan (``Plan.replan``) so that ``plan.explain`` and ``plan.cost_if`` solve
   it again with leaves pinned, tracing and building nothing: the solved
-  :class:`~autopar.ilp.ShardingProblem` of one choice of batch axes, its
+  :class:`~autopar.planner.ilp.ShardingProblem` of one choice of batch axes, its
   objective, and what turns another of its solutions into a :class:`Plan`
   (the step's program and shapes; never an array, never the step).
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 
-from autopar import lp
+from autopar.planner import lp
 from jax.extend.core import Var
 
 from autopar.costs.cost_model import itemsize

@@ -65,11 +65,11 @@ from typing import Mapping, Sequence
 from jax.extend.core import Var
 
 from autopar.costs.cost_model import MeshCost, itemsize
-from autopar import lp
+from autopar.planner import lp
 from autopar.errors import PlanError
-from autopar.ilp_graph import ChoiceGraph, on_axes
-from autopar.ilp_memory import MemoryModel
-from autopar.refine import refine_colors
+from autopar.planner.ilp_graph import ChoiceGraph, on_axes
+from autopar.planner.ilp_memory import MemoryModel
+from autopar.planner.refine import refine_colors
 from autopar.costs.strategies import Spec, Strategy, grad_sync_latency, local_bytes
 
 __all__ = ["ShardingProblem", "Solution", "reshard_cost"]

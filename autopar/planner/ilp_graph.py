@@ -61,7 +61,7 @@ def on_axes(specs, axes) -> tuple:
 
 class ChoiceGraph:
   """The nodes and edges of one sharding problem (see the module
-  docstring); :class:`autopar.ilp.ShardingProblem` adds the variables,
+  docstring); :class:`autopar.planner.ilp.ShardingProblem` adds the variables,
   constraints and objective.
 
   Args:
@@ -79,7 +79,7 @@ class ChoiceGraph:
       "tpu"; ``devices.platform_of``).
     pins: leaf index -> the spec it must take.
     leaf_names: leaves' pytree paths, for errors.
-    keep: see :class:`autopar.ilp.ShardingProblem`.
+    keep: see :class:`autopar.planner.ilp.ShardingProblem`.
   """
 
   def __init__(self, *, compute, apply, num_consts: int, leaf_avals: Sequence,

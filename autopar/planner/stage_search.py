@@ -45,8 +45,8 @@ import numpy as np
 from autopar.costs.cost_model import DEFAULT_ALPHA, DEFAULT_BETA
 from autopar.errors import InputError, PlanError
 from autopar.method import axis_sizes_of
-from autopar.pipeline.planner import update_inputs, cut, solve_stage, stage_batch_axes
-from autopar.pipeline.layers import value_bytes
+from autopar.planner.stage import update_inputs, cut, solve_stage, stage_batch_axes
+from autopar.planner.layers import value_bytes
 from autopar.frontend.program import sizer
 from autopar.costs.submesh import block_shapes, fits, link_axis, tile
 from autopar.costs.strategies import missing_rules, to_partition_spec, warn_missing_rules
