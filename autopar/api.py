@@ -30,7 +30,7 @@ from autopar.planner import pipeline as pipeline_compile
 from autopar.pipeline.runtime import PipelineExecutable
 from autopar.frontend.hints import check_hints
 from autopar.frontend.loss import check_loss
-from autopar.lower import lower_step
+from autopar.backend.lower import lower_step
 from autopar.method import (ParallelMethod, PipeshardParallel, ShardParallel,
                             Zero2Parallel, Zero3Parallel, auto_mesh, axis_sizes_of,
                             resolve_mesh)
@@ -40,7 +40,7 @@ from autopar.frontend.pytrees import Partition
 from autopar.costs.calibrate import measured_option
 from autopar.costs.devices import dominant_float_dtype, hardware_option
 from autopar.frontend.remat import remat_mode
-from autopar.hlo import compiled_peak
+from autopar.backend.hlo import compiled_peak
 from autopar.planner.replan import Replanner
 from autopar.planner.shard import Progress, batch_axes_for, keeps_batch_whole, plan_auto
 from autopar.planner.preset import plan_preset

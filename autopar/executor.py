@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import jax
 
 from autopar.errors import InputError
-from autopar.lower import SUMS_STAGE, LoweredStep
+from autopar.backend.lower import SUMS_STAGE, LoweredStep
 from autopar.plan import Plan
 from autopar.frontend.pytrees import partition
 from autopar.frontend.trace import split_updates

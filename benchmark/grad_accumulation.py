@@ -36,7 +36,7 @@ from flax.training import train_state  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import autopar  # noqa: E402
-from autopar import hlo  # noqa: E402
+from autopar.backend import hlo  # noqa: E402
 
 
 class MLP(nn.Module):

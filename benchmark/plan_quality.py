@@ -14,8 +14,8 @@ element-wise work on the vector units, float32's 67 TFLOP/s):
                                          bytes accessed / bandwidth)
                                      + Σ collectives (ring steps x α + ring bytes x β) ]
 
-with flops and bytes from ``autopar.hlo.module_cost`` (XLA's cost_analysis,
-loops counted their trips), the matmuls' from ``autopar.hlo.matmul_flops``,
+with flops and bytes from ``autopar.backend.hlo.module_cost`` (XLA's cost_analysis,
+loops counted their trips), the matmuls' from ``autopar.backend.hlo.matmul_flops``,
 and the collectives from the HLO.
 
 Hand plans (input shardings to ``jax.jit``; XLA propagates the rest): data
@@ -48,7 +48,7 @@ from flax.training import train_state  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import autopar  # noqa: E402
-from autopar import hlo  # noqa: E402
+from autopar.backend import hlo  # noqa: E402
 from autopar.tools.check import compiled_flop_seconds  # noqa: E402
 
 

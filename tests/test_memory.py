@@ -11,10 +11,11 @@ import pytest
 from flax.training import train_state
 
 import autopar
-from autopar import hlo, lower
+from autopar.backend import hlo
+from autopar.backend import lower
 from autopar.frontend import gradstack
 from autopar.frontend import remat
-from autopar.lower import GPU_OVERLAP_OPTIONS, compiler_options
+from autopar.backend.lower import GPU_OVERLAP_OPTIONS, compiler_options
 from models import (ReluTransformer, ScanTransformer, assert_trees_close, lm_setup,
                     mlp_setup, single_device, transformer_setup)
 
@@ -612,7 +613,7 @@ def test_memory_budget_holds_on_compiled_memory(model):
   raises a PlanError naming the smallest compiled peak it found. (The ILP's
   memory model is XLA's only approximately: at 50 % an MLP's plan compiled
   to x1.38 of the budget before the compiled check.)"""
-  from autopar.hlo import compiled_peak
+  from autopar.backend.hlo import compiled_peak
   if model == "mlp":
     make_state, step, batch = mlp_setup(batch=512, din=256, hidden=256, dout=256,
                                         layers=4)

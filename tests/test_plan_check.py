@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 import autopar
-from autopar import hlo
+from autopar.backend import hlo
 from autopar.costs.cost_model import MeshCost
 from autopar.costs.strategies import RuleContext, strategies_for
 from models import (ConvNet, ScanTransformer, Transformer, image_setup, lm_setup,

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import autopar
-from autopar import hlo
+from autopar.backend import hlo
 from autopar.planner import ilp
 from models import assert_trees_close, mlp_setup, single_device
 
@@ -141,7 +141,7 @@ def test_tight_memory_budget_shards_the_parameters():
   # Compiled, the step holds a few % more than the model's estimate: the
   # budget holds on what it holds (the plan is made again within less, or a
   # PlanError); 5 % over the model's smallest is met.
-  from autopar.hlo import compiled_peak
+  from autopar.backend.hlo import compiled_peak
   p = autopar.parallelize(step, method=method(smallest * 1.05))
   exe = p.get_executable(make_state(), batch)
   assert all("data" in str(spec) for spec in kernels(exe.plan))

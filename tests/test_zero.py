@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import autopar
-from autopar import hlo
+from autopar.backend import hlo
 from models import assert_trees_close, mlp_setup, single_device
 
 

@@ -19,10 +19,10 @@ from autopar import jax_compat as jc
 from autopar.disk import use_compilation_cache
 from autopar.errors import InputError, PlanError
 from autopar.frontend.evaluate import Rules, eval_jaxpr
-from autopar.gradients import sums_pass
+from autopar.backend.gradients import sums_pass
 from autopar.method import PipeshardParallel, axis_sizes_of
 from autopar.planner.pipeline import Prepared, home_specs
-from autopar.pipeline.executables import StageLayout, build_stage
+from autopar.backend.stage_executables import StageLayout, build_stage
 from autopar.planner.stage import stage_functions
 from autopar.pipeline.runtime import ApplySegment, LossSeeds, PipelineStep, SumsPass
 from autopar.pipeline.schedule import dispatch_order, stage_tasks

@@ -39,10 +39,10 @@ from jax.extend.core import Var
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar import jax_compat as jc
-from autopar.gradients import combine_groups
+from autopar.backend.gradients import combine_groups
 from autopar.frontend.loss import SHARE
 from autopar.planner.apply_segments import Segment
-from autopar.pipeline.executables import StageExecutables
+from autopar.backend.stage_executables import StageExecutables
 from autopar.frontend.program import Program
 from autopar.pipeline.schedule import Task
 from autopar.frontend.stages import StageProgram

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec
 from autopar.costs.cost_model import assumed_costs, dtype_name
 from autopar.errors import InputError, MarkerError, PlanError
 from autopar.frontend.loss import check_loss
-from autopar.gradients import BY_DEVICE
+from autopar.backend.gradients import BY_DEVICE
 from autopar.method import PipeshardParallel, auto_mesh, axis_sizes_of, resolve_mesh
 from autopar.frontend.capture import capture_mode
 from autopar.planner.stage import Context, cut

@@ -4,7 +4,7 @@ The planner predicts the collectives of a step (kind, mesh axes, bytes per
 device) and its peak memory per device. Here both are read back from the
 compiled stages:
 
-* collectives from ``Compiled.as_text()`` (``autopar.hlo``): each
+* collectives from ``Compiled.as_text()`` (``autopar.backend.hlo``): each
   instruction's mesh axes from its device groups, and the bytes each device
   sends by the ring formulas, times the trips of the loops around it and
   the runs of its stage in the schedule;
@@ -33,7 +33,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any, Sequence
 
-from autopar import hlo
+from autopar.backend import hlo
 from autopar.costs.cost_model import MeshCost, ring_bytes_sent
 from autopar.errors import PlanError
 from autopar.text import axes_str, format_bytes, format_rows

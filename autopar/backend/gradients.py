@@ -1,7 +1,7 @@
 """The gradient path every method shares: seeding the loss, accumulating
 over micro-batches, reducing over devices, combining outputs.
 
-A gradient stage (``lower.py`` for one mesh, ``pipeline/executables.py``
+A gradient stage (``lower.py`` for one mesh, ``backend/stage_executables.py``
 for a pipeline stage on its submesh) runs with the batch axes *manual*
 (a partial-manual ``jax.shard_map``): each device computes on its own rows
 of each micro-batch, one *group* of rows of ``G = n x devices``. What it

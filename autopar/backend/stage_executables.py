@@ -39,7 +39,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.frontend.evaluate import Rules, eval_jaxpr
-from autopar.gradients import (add_partial, make_entry, manual_spec, reduce_manual,
+from autopar.backend.gradients import (add_partial, make_entry, manual_spec, reduce_manual,
                                stacked_spec)
 from autopar.method import accumulation_dtype
 from autopar.frontend.stages import StageFunctions, StageProgram

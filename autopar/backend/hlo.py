@@ -6,7 +6,7 @@ all-gather, reduce-scatter, all-to-all and collective-permute (or their
 
 Example::
 
-    for c in autopar.hlo.collectives(exe.stages["apply_grad"]):
+    for c in autopar.backend.hlo.collectives(exe.stages["apply_grad"]):
         print(c.kind, c.operand_bytes, c.group_size, c.bytes_sent)
 """
 

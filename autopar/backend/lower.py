@@ -48,7 +48,7 @@ from autopar import jax_compat as jc
 from autopar.frontend import rng
 from autopar.disk import use_compilation_cache
 from autopar.frontend.evaluate import Rules, check_pins, eqn_at, eval_jaxpr, eval_scan
-from autopar.gradients import (BY_DEVICE, COMBINE, add_partial, across, loss_marker, make_entry,
+from autopar.backend.gradients import (BY_DEVICE, COMBINE, add_partial, across, loss_marker, make_entry,
                                manual_spec, micro_batch_inputs, reduce_manual,
                                seed_loss, stacked_spec, sums_pass)
 from autopar.frontend.gradstack import GradStack, find_grad_stacks, slots
