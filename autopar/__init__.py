@@ -8,17 +8,17 @@ chooses a sharding for every array on the mesh, and runs it.
 
 from autopar.api import ParallelizedFunction, parallelize
 from autopar.costs.calibrate import calibrate
-from autopar.cluster import (ClusterError, RemoteArray, global_mesh, init,
+from autopar.runtime.cluster import (ClusterError, RemoteArray, global_mesh, init,
                              shutdown)
 from autopar.errors import (AutoparError, InputError, MarkerError, MeshError,
                             PlanError)
-from autopar.executor import Executable
+from autopar.runtime.executor import Executable
 from autopar.frontend.marker import filter_grad, filter_value_and_grad, grad, value_and_grad
 from autopar.method import (AutoShardingOption, DataParallel, PipeshardParallel,
                             ShardParallel, Zero2Parallel, Zero3Parallel)
-from autopar.pipeline import mark_pipeline_boundary
+from autopar.frontend.capture import mark_pipeline_boundary
 from autopar.plan import Plan
-from autopar.runtime import restore_checkpoint, save_checkpoint
+from autopar.runtime.base import restore_checkpoint, save_checkpoint
 from autopar.tools.diff import diff
 from autopar.version import __version__
 from autopar import nn  # noqa: E402  (autopar.nn: memory helpers)

@@ -22,12 +22,12 @@ from jax.sharding import AbstractMesh
 
 from autopar import jax_compat as jc
 from autopar.planner import cache as plan_cache
-from autopar import runtime
+from autopar.runtime import base as runtime
 from autopar.errors import InputError, MarkerError, PlanError
-from autopar.executor import Executable
-from autopar.pipeline import build as pipeline_build
+from autopar.runtime.executor import Executable
+from autopar.runtime import pipeline_build
 from autopar.planner import pipeline as pipeline_compile
-from autopar.pipeline.runtime import PipelineExecutable
+from autopar.runtime.pipeline import PipelineExecutable
 from autopar.frontend.hints import check_hints
 from autopar.frontend.loss import check_loss
 from autopar.backend.lower import lower_step

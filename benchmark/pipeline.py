@@ -38,7 +38,7 @@ import numpy as np                                # noqa: E402
 import optax                                      # noqa: E402
 
 import autopar                                    # noqa: E402
-from autopar.pipeline import schedule as sched    # noqa: E402
+from autopar.runtime import schedule as sched    # noqa: E402
 from models import boundary_mlp_setup, transformer_setup   # noqa: E402
 
 SGD = optax.sgd(0.1, momentum=0.9)

@@ -1,5 +1,5 @@
 """How pipeline activations cross hosts on a Ray cluster: JAX's cross-host
-transfer (what PipeshardParallel uses, ``pipeline/transfer.py``) against
+transfer (what PipeshardParallel uses, ``runtime/transfer.py``) against
 Ray's object store, and against a move between submeshes in one process.
 
     python benchmark/pipeline_transfer.py    # about a minute on 2 CPU cores
@@ -40,7 +40,7 @@ import ray                                        # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P   # noqa: E402
 
 import autopar                                    # noqa: E402
-from autopar import cluster                       # noqa: E402
+from autopar.runtime import cluster                       # noqa: E402
 
 SIZES_MIB = (0.25, 4, 32)
 REPEATS = 5
@@ -65,7 +65,7 @@ def _make(self, rows: int, cols: int):
 
 def _jax_move(self, count: int):
   """Both workers: move to host 1's first ``count`` devices."""
-  from autopar.pipeline.transfer import move
+  from autopar.runtime.transfer import move
   start = time.time()
   y = jax.block_until_ready(move(self._bench_x, _sharding(4, count)))
   ok = all(float(np.asarray(s.data).min()) == 1.0 for s in y.addressable_shards)

@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import autopar  # noqa: E402
-from autopar import cluster  # noqa: E402
+from autopar.runtime import cluster  # noqa: E402
 from models import MLP  # noqa: E402, F401  (the workers import it too)
 
 

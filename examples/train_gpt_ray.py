@@ -96,7 +96,7 @@ def main():
   autopar.init("ray", address=args.address, num_hosts=args.num_hosts,
                num_devices_per_host=args.devices_per_host)
   try:
-    total = autopar.cluster.current().num_devices
+    total = autopar.runtime.cluster.current().num_devices
     shape = tuple(int(s) for s in args.mesh.split(",")) if args.mesh else (total,)
     names = ("data", "model")[:len(shape)] if len(shape) <= 2 else \
         tuple(f"axis{i}" for i in range(len(shape)))
@@ -120,7 +120,7 @@ def main():
       state = autopar.restore_checkpoint(latest, target, shardings)
       start = int(np.asarray(state.step))
       print(f"resumed from {latest} at step {start}")
-    print(f"{autopar.cluster.current().num_hosts} hosts, {total} devices, mesh "
+    print(f"{autopar.runtime.cluster.current().num_hosts} hosts, {total} devices, mesh "
           f"{dict(zip(names, shape))}")
     batch = first
     for _ in range(start):                 # the same data as an uninterrupted run

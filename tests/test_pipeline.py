@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import autopar
-from autopar.pipeline import schedule as sched
+from autopar.runtime import schedule as sched
 from models import (assert_trees_close, boundary_mlp_setup, mlp_setup, single_device,
                     transformer_setup)
 
@@ -194,7 +194,7 @@ def test_which_submeshes_values_can_cross_hosts_between():
   part of the source, or between submeshes within one host each; anything
   else is a PlanError before any value moves (checked alike on every host)."""
   import collections
-  from autopar.pipeline.transfer import check_movable
+  from autopar.runtime.transfer import check_movable
   Dev = collections.namedtuple("Dev", "id process_index")
   hosts = [[Dev(4 * h + k, h) for k in range(2)] for h in range(4)]   # 4 hosts x 2
   two_hosts = hosts[0] + hosts[1]

@@ -21,7 +21,7 @@ import optax
 import pytest
 
 import autopar
-from autopar import cluster
+from autopar.runtime import cluster
 from models import (assert_trees_close, dropout_setup, mlp_setup, single_device,
                     transformer_setup)
 

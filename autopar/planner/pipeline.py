@@ -5,7 +5,7 @@
 picks the stages, their submeshes and their plans (``search.py``,
 ``planner.py``) and returns the :class:`~autopar.Plan`;
 :func:`build.compile_pipeline` then compiles each stage on its submesh
-and returns the runnable :class:`~autopar.pipeline.runtime.PipelineStep`.
+and returns the runnable :class:`~autopar.runtime.pipeline.PipelineStep`.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import itertools
 import math
 from typing import TYPE_CHECKING, Any, Sequence
 
-from autopar.pipeline.schedule import Task, simulate, stage_tasks
+from autopar.runtime.schedule import Task, simulate, stage_tasks
 from autopar.tools.groups import collapse, other_rows, param_rows, params_prefix
 from autopar.tools.summary import (collective_rows, group_rows, input_sizes, memory_by_kind,
                                    solver_lines)

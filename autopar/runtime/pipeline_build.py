@@ -1,7 +1,7 @@
 """From a planned pipeline to the runnable step: each stage compiled on its
 submesh (``executables.py``), the passes before the schedule (the loss's
 sums, the arguments its cotangents read), the update's segments, and the
-:class:`~autopar.pipeline.runtime.PipelineStep` that runs them in the
+:class:`~autopar.runtime.pipeline.PipelineStep` that runs them in the
 schedule's order. (Planning is ``compile.py``'s.)"""
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from autopar.method import PipeshardParallel, axis_sizes_of
 from autopar.planner.pipeline import Prepared, home_specs
 from autopar.backend.stage_executables import StageLayout, build_stage
 from autopar.planner.stage import stage_functions
-from autopar.pipeline.runtime import ApplySegment, LossSeeds, PipelineStep, SumsPass
-from autopar.pipeline.schedule import dispatch_order, stage_tasks
+from autopar.runtime.pipeline import ApplySegment, LossSeeds, PipelineStep, SumsPass
+from autopar.runtime.schedule import dispatch_order, stage_tasks
 from autopar.costs.submesh import tile
-from autopar.pipeline.transfer import check_movable
+from autopar.runtime.transfer import check_movable
 from autopar.plan import submesh
 from autopar.frontend.retype import Instantiator
 from autopar.frontend.rng import DRAW_PRIMITIVES

@@ -44,9 +44,9 @@ from autopar.frontend.loss import SHARE
 from autopar.planner.apply_segments import Segment
 from autopar.backend.stage_executables import StageExecutables
 from autopar.frontend.program import Program
-from autopar.pipeline.schedule import Task
+from autopar.runtime.schedule import Task
 from autopar.frontend.stages import StageProgram
-from autopar.pipeline.transfer import move
+from autopar.runtime.transfer import move
 from autopar.frontend.split import OutputKind, SplitStep
 
 __all__ = ["PipelineStep", "ApplySegment", "LossSeeds", "SumsPass"]

@@ -4,7 +4,7 @@ Every host worker runs in its own process, joins the others with
 ``jax.distributed.initialize`` (gloo collectives on CPU), and runs the same
 SPMD program on its own shards (JAX's multi-controller model). Arrays stay
 here, in ``self.arrays`` under ids the driver assigns; the driver holds
-:class:`~autopar.cluster.RemoteArray` handles to them.
+:class:`~autopar.runtime.cluster.RemoteArray` handles to them.
 
 Only plain data crosses to and from the driver: numpy shards, pickled
 functions, plan JSON, shapes and dtypes.
@@ -17,12 +17,12 @@ import socket
 import time
 from typing import Any
 
-from autopar.checkpoint import restore_local, save_local
+from autopar.runtime.checkpoint import restore_local, save_local
 from autopar.errors import InputError
-from autopar.pipeline.transfer import replicate_over
+from autopar.runtime.transfer import replicate_over
 from autopar.plan import Plan
 from autopar.frontend.pytrees import partition
-from autopar.shards import normalize_index
+from autopar.runtime.shards import normalize_index
 
 
 def pickled(cache: dict, key, value, owner=None) -> bytes:
@@ -77,7 +77,7 @@ class HostWorker:
     if os.environ.get("JAX_PLATFORMS") == "cpu":
       jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # Pipeline stages on different hosts send activations device to device
-    # through JAX's transfer server (see pipeline/transfer.py); it needs a
+    # through JAX's transfer server (see runtime/transfer.py); it needs a
     # port of its own (port 0 is not published to the peers).
     jax.config.update("jax_cross_host_transfer_socket_address",
                       f"{ray.util.get_node_ip_address()}:{_free_port()}")

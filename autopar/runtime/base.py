@@ -5,7 +5,7 @@ A :class:`ParallelizedFunction <autopar.api.ParallelizedFunction>` call,
 (:func:`active`):
 
 * :class:`LocalRuntime` (the default): this process's devices;
-* the Ray cluster (:class:`autopar.cluster.RayCluster`), active between
+* the Ray cluster (:class:`autopar.runtime.cluster.RayCluster`), active between
   ``autopar.init("ray", ...)`` and ``autopar.shutdown()``: the driver plans,
   places each input's shards on the host workers and sends one message per
   step; every worker runs the same step on its shards.
@@ -38,7 +38,7 @@ import os
 import threading
 from typing import Any, Sequence
 
-from autopar import checkpoint
+from autopar.runtime import checkpoint
 from autopar.errors import InputError
 from autopar.frontend.trace import split_updates
 

@@ -2,7 +2,7 @@
 between them.
 
 ``autopar.init(cluster="ray", ...)`` starts (or joins) Ray, places one
-:class:`~autopar.host_worker.HostWorker` actor per host (a placement group,
+:class:`~autopar.runtime.host_worker.HostWorker` actor per host (a placement group,
 one bundle per host), and joins them into one JAX runtime with
 ``jax.distributed.initialize`` (gloo collectives on CPU). The driver only
 plans, dispatches and collects:
@@ -45,11 +45,11 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, PartitionSpec
 
-from autopar import runtime
+from autopar.runtime import base as runtime
 from autopar.errors import AutoparError, InputError, MeshError
-from autopar.host_worker import ArrayRef, HostWorker, pickled
+from autopar.runtime.host_worker import ArrayRef, HostWorker, pickled
 from autopar.frontend.pytrees import leaf_mask
-from autopar.shards import block, host_shards
+from autopar.runtime.shards import block, host_shards
 from autopar.frontend.trace import split_updates
 
 __all__ = ["init", "shutdown", "global_mesh", "current", "RemoteArray",
@@ -306,7 +306,8 @@ class RayCluster(runtime.Runtime):
     # Workers import autopar and the modules the step's code comes from:
     # give them the driver's import path (on a multi-machine cluster, use a
     # Ray runtime_env working_dir or install the code on every node).
-    paths = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    # (the directory holding the autopar package: this file is autopar/runtime/cluster.py)
+    paths = [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
     paths += [p for p in sys.path if p and os.path.isdir(p)]
     env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
     if platform == "cpu":
