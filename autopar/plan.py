@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
@@ -22,12 +22,9 @@ from autopar.costs.cost_model import bytes_per_device
 from autopar.errors import PlanError
 from autopar.text import axes_str, format_bytes, format_rows, spec_str
 
-if TYPE_CHECKING:
-  from autopar.planner.replan import Replanner
-
 __all__ = ["Plan", "ValuePlan", "CollectivePlan", "SolverStats", "StagePlan",
            "spec_to_json", "spec_from_json", "spec_str", "format_bytes", "PlanReader",
-           "use_reader", "plan_constraints"]
+           "use_reader", "plan_constraints", "grad_stage_names"]
 
 
 class PlanReader(Protocol):
@@ -274,10 +271,11 @@ class Plan:
   predicted_time: Mapping[str, Any] = dataclasses.field(default_factory=dict,
                                                         compare=False)
   # Not serialized: how to solve the plan again with pins, for explain and
-  # cost_if (``replan.Replanner``): the ILPs the solver solved
+  # cost_if (an ``autopar.planner.replan.Replanner``; typed Any: the plan's data
+  # imports no planner): the ILPs the solver solved
   # (``plan_auto`` keeps them; no arrays, no step), and a weak reference to
   # the step (``step.plan()`` adds it).
-  replan: "Replanner | None" = dataclasses.field(default=None, compare=False, repr=False)
+  replan: Any = dataclasses.field(default=None, compare=False, repr=False)
   # Not serialized: the structure of the inputs (a ``pytrees.Partition`` of
   # the non-static arguments) and the mesh object the plan was made for. A
   # loaded plan has neither until it is applied.
@@ -573,6 +571,20 @@ def _table(title: str, values: Sequence[ValuePlan], sizes) -> list[str]:
   out = format_rows(rows)
   out.append(f"total {title}: {format_bytes(total)} per device")
   return out
+
+
+def grad_stage_names(n: int) -> list[str]:
+  """Stage run for each of ``n`` micro-batches.
+
+  ``compute_grad`` starts fresh partial sums, ``accumulate_grad`` adds to
+  them, and the ``_sync`` variant (last micro-batch only) reduces them across
+  the batch axes.
+  """
+  names = []
+  for i in range(n):
+    name = "compute_grad" if i == 0 else "accumulate_grad"
+    names.append(name + ("_sync" if i == n - 1 else ""))
+  return names
 
 
 def plan_constraints(plan: Plan, part: str) -> dict[str, dict]:

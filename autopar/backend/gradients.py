@@ -35,10 +35,9 @@ from jax.sharding import PartitionSpec
 
 from autopar import jax_compat as jc
 from autopar.frontend.loss import SHARE, loss_cotangent_p
-from autopar.frontend.split import OutputKind
 
 __all__ = ["entry_axes", "make_entry", "restrict", "manual_spec", "auto_spec",
-           "stacked_spec", "gather_manual", "reduce_manual", "COMBINE", "BY_DEVICE", "across",
+           "stacked_spec", "gather_manual", "reduce_manual", "COMBINE", "across",
            "combine_groups", "seed_loss", "loss_marker", "add_partial", "sums_pass",
            "micro_batch_inputs",
            "num_groups"]
@@ -129,9 +128,6 @@ def add_partial(total, g, dtype):
 
 # How values are combined over micro-batches (elementwise).
 COMBINE = {"sum": jnp.add, "mean": jnp.add, "max": jnp.maximum, "min": jnp.minimum}
-# How the outputs the caller said how to combine are combined over devices.
-BY_DEVICE = {OutputKind.MEAN: "mean", OutputKind.SUM: "sum", OutputKind.MAX: "max",
-             OutputKind.MIN: "min"}
 
 
 def across(x, op: str, manual: Sequence[str], groups: int):

@@ -48,16 +48,17 @@ from autopar import jax_compat as jc
 from autopar.frontend import rng
 from autopar.disk import use_compilation_cache
 from autopar.frontend.evaluate import Rules, check_pins, eqn_at, eval_jaxpr, eval_scan
-from autopar.backend.gradients import (BY_DEVICE, COMBINE, add_partial, across, loss_marker, make_entry,
+from autopar.backend.gradients import (COMBINE, add_partial, across, loss_marker, make_entry,
                                manual_spec, micro_batch_inputs, reduce_manual,
                                seed_loss, stacked_spec, sums_pass)
 from autopar.frontend.gradstack import GradStack, find_grad_stacks, slots
 from autopar.frontend.hints import in_stage
 from autopar.method import accumulation_dtype, auto_mesh
-from autopar.plan import Plan, plan_constraints
-from autopar.planner.shard import batch_spec, grad_stage_names, leaves_read_by_compute
+from autopar.costs.strategies import batch_spec
+from autopar.plan import Plan, grad_stage_names, plan_constraints
 from autopar.frontend.trace import eqns_by_path
-from autopar.frontend.split import OutputKind, SplitStep, dce
+from autopar.frontend.split import (BY_DEVICE, OutputKind, SplitStep, dce,
+                                    leaves_read_by_compute)
 
 __all__ = ["LoweredStep", "lower_step", "SUMS_STAGE"]
 

@@ -43,7 +43,7 @@ from autopar.backend.gradients import (add_partial, make_entry, manual_spec, red
                                stacked_spec)
 from autopar.method import accumulation_dtype
 from autopar.frontend.stages import StageFunctions, StageProgram
-from autopar.planner.shard import batch_spec
+from autopar.costs.strategies import batch_spec
 
 __all__ = ["StageLayout", "StageExecutables", "build_stage"]
 

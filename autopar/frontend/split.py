@@ -74,7 +74,8 @@ from autopar.frontend.trace import (TracedStep, count_markers, eqns_by_path, inl
                            inline_loss_rules, instantiate, instantiator)
 
 __all__ = ["MIXED", "OutputKind", "SplitStep", "split_step", "instantiate_split",
-           "outputs_at", "reads", "depends_on", "dce", "apply_at", "scale_at"]
+           "outputs_at", "reads", "depends_on", "dce", "apply_at", "scale_at",
+           "leaves_read_by_compute", "BY_DEVICE"]
 
 
 # How ``SplitStep.why`` starts for an output whose rows mix.
@@ -89,6 +90,11 @@ class OutputKind(enum.Enum):
   CONCAT = "concat"
   OTHER = "other"
   APPLY = "apply"
+
+
+# How the outputs the caller said how to combine are combined over devices.
+BY_DEVICE = {OutputKind.MEAN: "mean", OutputKind.SUM: "sum", OutputKind.MAX: "max",
+             OutputKind.MIN: "min"}
 
 
 _BY_USER = {"mean": OutputKind.MEAN, "sum": OutputKind.SUM, "max": OutputKind.MAX,
@@ -559,3 +565,12 @@ def _batch_after_marker_error(fn_name: str, path: str | None,
       f"the marker. Fix: compute such values before the gradient call and "
       f"return them (e.g. the loss from autopar.value_and_grad), or derive "
       f"them from the gradients only.")
+
+
+def leaves_read_by_compute(split: SplitStep) -> set[int]:
+  """Indices of the leaves that ``compute_grad`` reads."""
+  if split.compute is None:
+    return set()
+  jaxpr = split.compute.jaxpr
+  read = reads(jaxpr)
+  return {k for k, v in enumerate(jaxpr.invars[len(split.consts):]) if v in read}

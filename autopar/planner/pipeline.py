@@ -20,7 +20,6 @@ from jax.sharding import PartitionSpec
 from autopar.costs.cost_model import assumed_costs, dtype_name
 from autopar.errors import InputError, MarkerError, PlanError
 from autopar.frontend.loss import check_loss
-from autopar.backend.gradients import BY_DEVICE
 from autopar.method import PipeshardParallel, auto_mesh, axis_sizes_of, resolve_mesh
 from autopar.frontend.capture import capture_mode
 from autopar.planner.stage import Context, cut
@@ -32,7 +31,7 @@ from autopar.plan import Plan, StagePlan, ValuePlan
 from autopar.planner.shard import donation_pairs
 from autopar.frontend.remat import remat_mode
 from autopar.frontend.rows import RowOracle
-from autopar.frontend.split import OutputKind, SplitStep, apply_at, split_step
+from autopar.frontend.split import BY_DEVICE, OutputKind, SplitStep, apply_at, split_step
 from autopar.frontend.trace import check_batch_leaves, trace_step, trace_step_any_batch
 
 __all__ = ["Prepared", "prepare", "plan_pipeline", "FinalInfo", "home_specs",

@@ -33,12 +33,13 @@ from autopar.method import (AutoShardingOption, ParallelMethod, ShardParallel,
                             Zero2Parallel, Zero3Parallel, accumulation_dtype,
                             axis_names_of, axis_sizes_of)
 from autopar.plan import CollectivePlan, Plan, ValuePlan
-from autopar.planner.shard import (batch_axes_for, batch_spec, candidate_batch_axes,
-                             donation_pairs, grad_inputs, grad_stage_names,
-                             keeps_batch_whole, leaves_read_by_compute,
-                             predicted_time, price_layout, shard_first_divisible,
-                             spec_axes)
-from autopar.frontend.split import OutputKind, SizedOutputs, SplitStep, depends_on
+from autopar.plan import grad_stage_names
+from autopar.costs.strategies import batch_spec
+from autopar.planner.shard import (batch_axes_for, candidate_batch_axes, donation_pairs,
+                                   grad_inputs, keeps_batch_whole, predicted_time,
+                                   price_layout, shard_first_divisible, spec_axes)
+from autopar.frontend.split import (OutputKind, SizedOutputs, SplitStep, depends_on,
+                                    leaves_read_by_compute)
 
 __all__ = ["plan_preset"]
 

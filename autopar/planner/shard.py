@@ -35,34 +35,20 @@ from autopar.frontend.hints import check_hints, check_pins, entry_axes, model_ax
 from autopar.planner.ilp import ShardingProblem
 from autopar.method import (ParallelMethod, ShardParallel, axis_names_of,
                             axis_sizes_of, check_axes)
-from autopar.plan import CollectivePlan, Plan, ValuePlan
+from autopar.plan import CollectivePlan, Plan, ValuePlan, grad_stage_names
 from autopar.frontend.pytrees import ends_with_key
-from autopar.frontend.split import (OutputKind, SizedOutputs, SplitStep, outputs_at, reads)
-from autopar.costs.strategies import (grad_sync_costs, grad_sync_latency, local_bytes,
-                                missing_rules,
-                                warn_missing_rules)
+from autopar.frontend.split import (OutputKind, SizedOutputs, SplitStep, leaves_read_by_compute,
+                                    outputs_at)
+from autopar.costs.strategies import (batch_spec, grad_sync_costs, grad_sync_latency,
+                                      local_bytes, missing_rules, warn_missing_rules)
 from autopar.costs.strategies.dot import dot_flops
 from autopar.planner.replan import Replanner
 from autopar.frontend.trace import TracedStep, eqns_by_path
 
 __all__ = ["plan_auto", "SolvedProblem", "sharding_problem", "price_layout",
-           "predicted_time", "donation_pairs", "leaves_read_by_compute", "grad_inputs",
-           "batch_axes_for", "shard_first_divisible", "grad_stage_names",
+           "predicted_time", "donation_pairs", "grad_inputs",
+           "batch_axes_for", "shard_first_divisible",
            "candidate_batch_axes", "keeps_batch_whole"]
-
-
-def grad_stage_names(n: int) -> list[str]:
-  """Stage run for each of ``n`` micro-batches.
-
-  ``compute_grad`` starts fresh partial sums, ``accumulate_grad`` adds to
-  them, and the ``_sync`` variant (last micro-batch only) reduces them across
-  the batch axes.
-  """
-  names = []
-  for i in range(n):
-    name = "compute_grad" if i == 0 else "accumulate_grad"
-    names.append(name + ("_sync" if i == n - 1 else ""))
-  return names
 
 
 def batch_axes_for(method: ParallelMethod, mesh, hints=()) -> tuple[str, ...]:
@@ -94,15 +80,6 @@ def shard_first_divisible(shape: Sequence[int], axes: Sequence[str],
       entry = axes[0] if len(axes) == 1 else tuple(axes)
       return PartitionSpec(*([None] * d), entry)
   return PartitionSpec()
-
-
-def leaves_read_by_compute(split: SplitStep) -> set[int]:
-  """Indices of the leaves that ``compute_grad`` reads."""
-  if split.compute is None:
-    return set()
-  jaxpr = split.compute.jaxpr
-  read = reads(jaxpr)
-  return {k for k, v in enumerate(jaxpr.invars[len(split.consts):]) if v in read}
 
 
 def grad_inputs(split: SplitStep) -> tuple[str, ...]:
@@ -179,12 +156,6 @@ def donation_pairs(traced: TracedStep, out_avals=None) -> dict[int, int]:
           break
     start += count
   return pairs
-
-
-def batch_spec(rank: int, dim: int, entry) -> PartitionSpec:
-  """A spec splitting dimension ``dim`` of a rank-``rank`` value over the
-  batch axes (``entry``) and nothing else."""
-  return PartitionSpec(*([None] * dim), entry, *([None] * (rank - dim - 1)))
 
 
 # -- ShardParallel: the ILP ---------------------------------------------------------

@@ -289,7 +289,7 @@ def _stage_label(stage: str, num_micro_batches: int) -> str:
   """The stage a collective runs in, as the report shows it. The planner
   names the pass's own collectives "accumulate_grad (each micro-batch)";
   with one micro-batch the pass runs once, as ``compute_grad_sync`` (see
-  ``planner.grad_stage_names``), and is named so."""
+  ``plan.grad_stage_names``), and is named so."""
   if num_micro_batches == 1:
     return stage.replace(_EACH_MICRO_BATCH, "compute_grad_sync (once per step)")
   return stage

@@ -31,6 +31,7 @@ import warnings
 from typing import Callable, Mapping, Sequence
 
 from jax.extend.core import Literal
+from jax.sharding import PartitionSpec
 
 from autopar.costs.cost_model import MeshCost, itemsize
 from autopar.frontend.retype import jaxprs_in
@@ -39,7 +40,8 @@ from autopar.frontend.trace import INLINED_CALLS
 __all__ = ["Spec", "Strategy", "RuleContext", "register", "strategies_for",
            "enumerate_specs", "grad_sync_costs", "grad_sync_latency", "replicated", "shard_count",
            "local_bytes", "to_partition_spec", "RULES", "missing_rules",
-           "replicated_fallback", "warn_missing_rules", "PLANNED_THROUGH", "REGIONS"]
+           "replicated_fallback", "warn_missing_rules", "PLANNED_THROUGH", "REGIONS",
+           "batch_spec"]
 
 Spec = tuple[tuple[str, ...], ...]
 
@@ -65,9 +67,14 @@ def local_bytes(aval, spec: Spec, sizes) -> float:
 def to_partition_spec(spec: Spec):
   """``spec`` (a tuple of axis-name tuples per dim) as a PartitionSpec; cached,
   as a plan converts one per value of the step."""
-  from jax.sharding import PartitionSpec
   return PartitionSpec(*(None if not e else e[0] if len(e) == 1 else tuple(e)
                          for e in spec))
+
+
+def batch_spec(rank: int, dim: int, entry) -> PartitionSpec:
+  """A spec splitting dimension ``dim`` of a rank-``rank`` value over the
+  batch axes (``entry``) and nothing else."""
+  return PartitionSpec(*([None] * dim), entry, *([None] * (rank - dim - 1)))
 
 
 def enumerate_specs(shape: Sequence[int], axes: Sequence[str],
