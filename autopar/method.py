@@ -127,7 +127,7 @@ class AutoShardingOption:
       planned around them. The new state returned in place of a pinned
       donated leaf gets the same spec.
     costs: None (default): mesh_alpha, mesh_beta and seconds_per_flop as
-      given; "measured": from ``autopar.costs.calibrate(mesh)`` (measured on the
+      given; "measured": from ``autopar.calibrate(mesh)`` (measured on the
       first plan for a mesh of real devices and kept on disk; for an
       AbstractMesh, a calibration kept for ``device_kind`` and that mesh).
       Axes given in mesh_alpha / mesh_beta keep their given values.
@@ -175,7 +175,7 @@ class AutoShardingOption:
     if self.costs not in (None, "measured"):
       raise InputError(f"AutoShardingOption: costs={self.costs!r}; expected None (the "
                        f"α, β and seconds per flop given) or 'measured' (from "
-                       f"autopar.costs.calibrate).")
+                       f"autopar.calibrate).")
     if self.device_kind is not None and not isinstance(self.device_kind, str):
       raise InputError(f"AutoShardingOption: device_kind={self.device_kind!r}; expected "
                        f"a device kind name (jax.Device.device_kind) or None.")

@@ -1,4 +1,4 @@
-"""autopar.costs.calibrate: α and β per mesh axis and seconds per flop, measured on
+"""autopar.calibrate: α and β per mesh axis and seconds per flop, measured on
 the 8 simulated CPU devices, kept on disk, and planned with."""
 
 import jax
@@ -19,7 +19,7 @@ def cache_dir(tmp_path, monkeypatch):
 
 def test_calibrate_fits_every_axis_and_is_kept(cache_dir):
   mesh = jax.make_mesh((2, 4), ("data", "model"))
-  cal = autopar.costs.calibrate(mesh, max_bytes=64 * 1024, repeats=3)
+  cal = autopar.calibrate(mesh, max_bytes=64 * 1024, repeats=3)
   assert not cal.cached and cal.device_kind == jax.devices()[0].device_kind
   assert set(cal.alpha) == set(cal.beta) == {"data", "model"}
   assert all(a >= 0 for a in cal.alpha.values()) and all(b > 0 for b in cal.beta.values())
@@ -28,14 +28,14 @@ def test_calibrate_fits_every_axis_and_is_kept(cache_dir):
   assert len(cal.samples) == 2 * 4 * SIZES
   assert {k for _, k, _, _ in cal.samples} == {"all-reduce", "all-gather",
                                                "reduce-scatter", "all-to-all"}
-  again = autopar.costs.calibrate(mesh)              # from the disk, not measured again
+  again = autopar.calibrate(mesh)              # from the disk, not measured again
   assert again.cached and again.alpha == cal.alpha and again.beta == cal.beta
   assert list((cache_dir / "calibration").iterdir())
 
 
 def test_measured_costs_are_planned_with(cache_dir):
   mesh = jax.make_mesh((2, 4), ("data", "model"))
-  cal = autopar.costs.calibrate(mesh, max_bytes=16 * 1024, repeats=3)
+  cal = autopar.calibrate(mesh, max_bytes=16 * 1024, repeats=3)
   make_state, step, batch = mlp_setup(tx=optax.sgd(0.1))
   option = autopar.AutoShardingOption(costs="measured", mesh_beta={"data": 1e-9})
   plan = autopar.parallelize(step, method=autopar.ShardParallel(
@@ -58,7 +58,7 @@ def test_measured_costs_are_planned_with(cache_dir):
   with pytest.raises(autopar.InputError, match="costs="):
     autopar.AutoShardingOption(costs="fast")
   with pytest.raises(autopar.InputError, match="AbstractMesh"):
-    autopar.costs.calibrate(abstract)
+    autopar.calibrate(abstract)
 
 
 def test_costs_from_the_device_kind():

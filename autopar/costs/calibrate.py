@@ -1,4 +1,4 @@
-"""Measured costs: ``autopar.costs.calibrate(mesh)``.
+"""Measured costs: ``autopar.calibrate(mesh)``.
 
 Times all-reduce, all-gather, reduce-scatter and all-to-all along every mesh
 axis (each operand size from ``min_bytes`` to ``max_bytes`` per device, by
@@ -229,7 +229,7 @@ def measured_option(option, mesh):
       raise PlanError(
           f"AutoShardingOption(costs='measured'): no calibration on disk for "
           f"device_kind={kind!r} and mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))}. "
-          f"Fix: run autopar.costs.calibrate(mesh) on the devices once (it is kept under "
+          f"Fix: run autopar.calibrate(mesh) on the devices once (it is kept under "
           f"$AUTOPAR_CACHE_DIR/calibration), and give device_kind= for an AbstractMesh.")
   else:
     cal = calibrate(mesh)

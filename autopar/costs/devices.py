@@ -118,7 +118,7 @@ def device_kind(name: str) -> DeviceKind:
   raise InputError(f"AutoShardingOption(device_kind={name!r}): not a device kind autopar "
                    f"knows ({', '.join(k.name for k in DEVICE_KINDS)}). Fix: name one of "
                    f"those, or give mesh_alpha, mesh_beta and seconds_per_flop (or "
-                   f"costs='measured' after autopar.costs.calibrate).")
+                   f"costs='measured' after autopar.calibrate).")
 
 
 def platform_of(name: str | None) -> str:
