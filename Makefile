@@ -22,7 +22,7 @@ OLDEST_STAMP := $(OLDEST_VENV)/.autopar-installed-$(call version,$(OLDEST_PYTHON
 QUICK_TESTS := tests/test_jax_compat.py tests/test_marker_split.py \
   tests/test_control_flow.py tests/test_primitive_rules.py tests/test_losses.py
 
-.PHONY: test test-newest test-oldest demo bench clean
+.PHONY: test lint test-newest test-oldest demo bench clean
 
 $(STAMP): setup.py .ci/gemma-deps.txt
 	$(PYTHON) -m venv --clear $(VENV)
@@ -40,7 +40,12 @@ $(OLDEST_STAMP): setup.py .ci/oldest.txt
 	$(OLDEST_PY) -m pip install --quiet -c .ci/oldest.txt -e '.[test]'
 	touch $(OLDEST_STAMP)
 
-test: test-newest test-oldest
+test: lint test-newest test-oldest
+
+# The stages' import contracts (.importlinter) and ruff (ruff.toml).
+lint: $(STAMP)
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check .
 
 test-newest: $(STAMP)
 	@$(PY) -c 'import sys, jax, pulp; print(f"tests on Python {sys.version.split()[0]}, jax {jax.__version__}, PuLP {pulp.__version__}")'

@@ -26,7 +26,8 @@ setup(
     ],
     entry_points={"console_scripts": ["autopar = autopar.tools.cli:main"]},
     extras_require={
-        "test": ["pytest", "hypothesis", "flax", "optax", "orbax-checkpoint", "equinox"],
+        "test": ["pytest", "hypothesis", "flax", "optax", "orbax-checkpoint", "equinox",
+                 "import-linter", "ruff"],
         "dev": ["pytest", "hypothesis", "flax", "optax", "orbax-checkpoint", "equinox"],
     },
 )

@@ -218,7 +218,7 @@ def test_batch_statistics_in_the_loss_are_refused():
   pf = autopar.parallelize(make_step(normalised),
                            method=autopar.DataParallel(mesh=mesh8(), batch_axes=()),
                            batch_argnums=(1,), donate_argnums=())
-  (state, loss, _), (ref, ref_loss, _) = (pf(make_state(), batch_of()),
+  (_, loss, _), (_, ref_loss, _) = (pf(make_state(), batch_of()),
                                           single_device(make_step(normalised))(
                                               make_state(), batch_of()))
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)

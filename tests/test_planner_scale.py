@@ -15,7 +15,6 @@ import optax
 import pytest
 
 import autopar
-from flax.training import train_state
 
 from autopar.planner import ilp
 

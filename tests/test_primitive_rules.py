@@ -3,11 +3,9 @@ primitive without one still runs, replicated and correct."""
 
 import warnings
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import autopar

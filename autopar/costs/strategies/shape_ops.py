@@ -80,9 +80,13 @@ def _reshape_groups(src, dst):
     i, j = i + 1, j + 1
     while ps != pd:
       if ps < pd:
-        ps *= src[i]; gi.append(i); i += 1
+        ps *= src[i]
+        gi.append(i)
+        i += 1
       else:
-        pd *= dst[j]; gj.append(j); j += 1
+        pd *= dst[j]
+        gj.append(j)
+        j += 1
     groups.append((gi, gj))
   for k in range(i, len(src)):
     groups[-1][0].append(k)
