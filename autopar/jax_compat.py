@@ -80,7 +80,7 @@ __all__ = [
     "is_symbolic_dim", "add_p", "convert_constvars_jaxpr", "make_jaxpr_effects",
     "has_effects", "dce_jaxpr", "dce_rule", "get_abstract_mesh",
     "summarize_source", "current_name_stack", "user_context", "eqn_context_without_mesh",
-    "evaluate_dim", "debug_info", "JAX_VERSION", "backends_are_initialized",
+    "evaluate_dim", "key_impl_of", "debug_info", "JAX_VERSION", "backends_are_initialized",
 ]
 
 
@@ -139,6 +139,11 @@ def debug_info(what: str, num_in: int, num_out: int):
   jaxpr without one)."""
   return _core.DebugInfo("autopar", what, tuple(f"x{i}" for i in range(num_in)),
                          tuple(f"y{i}" for i in range(num_out)))
+
+
+def key_impl_of(dtype):
+  """The PRNG implementation of a key dtype (None for other dtypes)."""
+  return getattr(dtype, "_impl", None)
 
 
 def evaluate_dim(d, env: dict) -> int:

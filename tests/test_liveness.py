@@ -5,7 +5,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from autopar.costs.liveness import _Fusions, conv_relayouts, liveness_peaks
+from autopar.costs.liveness import Fusions, conv_relayouts, liveness_peaks
 from autopar.frontend.trace import _inline_marked_calls
 from models import ConvNet
 
@@ -113,7 +113,7 @@ def test_a_broadcast_a_kernel_shares_is_made():
     return jax.grad(lambda p: (ConvNet().apply(p, x) ** 2).sum())(p)
   jaxpr = _inline_marked_calls(jax.make_jaxpr(grad)(params, x), fn_name="grad").jaxpr
   eqns = jaxpr.eqns
-  made = _Fusions.of(jaxpr).made_broadcasts()
+  made = Fusions.of(jaxpr).made_broadcasts()
   assert [(v.aval.shape, eqns[first].primitive.name) for v, first, last in made] == \
       [((16, 8, 8, 32), "reduce_sum")]
   held = sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize

@@ -5,7 +5,7 @@ A value XLA makes holds a buffer from the equation that makes it to its
 last reader (the program's outputs to the end). What XLA makes, and where
 its buffers are shared, follows XLA's fusion and buffer assignment:
 
-* fusion (``_Fusions``): a cheap element-wise producer, a broadcast or an
+* fusion (``Fusions``): a cheap element-wise producer, a broadcast or an
   iota is computed again inside each reader a loop fusion can take it
   into (an element-wise operation, a reduction, a broadcast, a view, a
   slice), an expensive one (``EXPENSIVE``: tanh, exp, division ...) only
@@ -67,7 +67,7 @@ from autopar.costs.cost_model import itemsize
 from autopar.costs.strategies.elementwise import is_elementwise
 from autopar.frontend.trace import region_jaxprs
 
-__all__ = ["liveness_peaks", "fusions"]
+__all__ = ["liveness_peaks", "fusions", "Fusions", "relayouts", "conv_relayouts", "dot_relayouts"]
 
 # The result is the operand's buffer read another way.
 VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "transpose"})
@@ -93,7 +93,7 @@ def liveness_peaks(jaxpr, k: int,
   eqns = jaxpr.eqns
   end = len(eqns)
   cpu = platform == "cpu"
-  fusions = _Fusions.of(jaxpr, platform)
+  fusions = Fusions.of(jaxpr, platform)
   producer, outputs = fusions.producer, fusions.outputs
 
   # Where each buffer is read: the equations that run (not fused into their
@@ -253,14 +253,14 @@ _CONSUMERS = frozenset({
     "broadcast_in_dim", "concatenate", "pad", "slice", "dynamic_slice", *VIEWS})
 
 
-def fusions(jaxpr, platform: str = "cpu") -> "_Fusions":
+def fusions(jaxpr, platform: str = "cpu") -> "Fusions":
   """Which of ``jaxpr``'s values XLA computes inside their readers (see
-  :class:`_Fusions`; XLA:CPU's YNNPACK kernels only on "cpu"); the ILP
+  :class:`Fusions`; XLA:CPU's YNNPACK kernels only on "cpu"); the ILP
   counts memory traffic with it."""
-  return _Fusions.of(jaxpr, platform)
+  return Fusions.of(jaxpr, platform)
 
 
-class _Fusions:
+class Fusions:
   """Which values XLA computes inside their readers instead of making.
 
   ``fused_into(v, i)``: whether reader ``i`` recomputes ``v``. A loop
@@ -277,7 +277,7 @@ class _Fusions:
   """
 
   @classmethod
-  def of(cls, jaxpr, platform: str = "cpu") -> "_Fusions":
+  def of(cls, jaxpr, platform: str = "cpu") -> "Fusions":
     producer: dict[Var, int] = {}
     readers: dict[Var, list[int]] = {}
     for i, eqn in enumerate(jaxpr.eqns):

@@ -335,7 +335,7 @@ def sizer(rows: int):
       return d
     v = memo.get(d)
     if v is None:
-      v = memo[d] = int(d._evaluate({ROWS_NAME: rows}))
+      v = memo[d] = jc.evaluate_dim(d, {ROWS_NAME: rows})
     return v
 
   def size(shape, dims=False):

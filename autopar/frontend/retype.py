@@ -105,7 +105,7 @@ class Instantiator(_Retyper):
     if k == _OPAQUE:
       return v
     if k == _DIM:
-      return int(v._evaluate(self.env))
+      return jc.evaluate_dim(v, self.env)
     if k == _SEQ:
       if all(_KINDS.get(t) == _OPAQUE for t in set(map(type, v))):
         return v                         # e.g. a tuple of ints

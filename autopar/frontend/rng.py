@@ -155,7 +155,7 @@ _warned: set = set()
 def _reproducible(eqn) -> str:
   """Why the draws of ``eqn`` cannot be reproduced by rows ("" if they can)."""
   key_aval = eqn.invars[0].aval
-  impl = getattr(key_aval.dtype, "_impl", None)
+  impl = jc.key_impl_of(key_aval.dtype)
   if impl is not jex_random.threefry_prng_impl:
     name = getattr(impl, "name", None) or str(key_aval.dtype)
     return (f"its key's PRNG implementation is {name!r}, whose values depend "

@@ -24,6 +24,7 @@ from typing import Mapping, Sequence
 from jax.extend.core import ClosedJaxpr, Literal
 from jax.sharding import PartitionSpec
 
+from autopar import jax_compat as jc
 from autopar.costs.cost_model import MeshCost, assumed_costs, dtype_name
 from autopar.costs.devices import platform_of
 from autopar.errors import PlanError
@@ -583,7 +584,7 @@ def _matmul_flops(any_batch: SplitStep):
         return d
       v = dims.get(d)
       if v is None:
-        v = dims[d] = int(d._evaluate(env))
+        v = dims[d] = jc.evaluate_dim(d, env)
       return v
     def shape(s):
       return tuple(map(dim, s))
