@@ -91,6 +91,7 @@ def _takes_live_inputs(rule) -> bool:
     return JAX_VERSION >= (0, 12)
 
 
+# JAX's DCE rule -> its adapted version (process-wide: one per rule).
 _ADAPTED: dict = {}
 
 

@@ -113,7 +113,7 @@ def search_table():
     t = time.perf_counter()
     plan = pf.plan(*abstract)
     seconds = time.perf_counter() - t
-    pipelines = list(pf._pipelines.values())
+    pipelines = [s.planned_pipeline for s in pf.signatures if s.planned_pipeline]
     result = pipelines[0][2][2] if pipelines else None
     return plan, result, seconds
 

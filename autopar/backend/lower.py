@@ -489,6 +489,7 @@ GPU_OVERLAP_OPTIONS = {
     "xla_gpu_enable_while_loop_double_buffering": True,
     "xla_gpu_enable_highest_priority_async_stream": True,
 }
+# (platform, option) -> whether this XLA takes it (process-wide: asked once).
 _KNOWN: dict[tuple[str, str], bool] = {}
 
 

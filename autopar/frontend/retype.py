@@ -66,7 +66,8 @@ def _is_symbolic(d) -> bool:
   return jc.is_symbolic_dim(d)
 
 
-# What _Instantiator.value does with a param, by the param's type.
+# What _Instantiator.value does with a param, by the param's type
+# (process-wide: one entry per parameter type JAX uses).
 _OPAQUE, _DIM, _JAXPR, _SEQ = range(4)
 _KINDS: dict[type, int] = {}
 

@@ -149,6 +149,7 @@ def _positions(first_row, local_shape, global_shape, dim, factor):
 
 # -- drawing ----------------------------------------------------------------------
 
+# The draws already warned about, by call site (process-wide: warn once).
 _warned: set = set()
 
 

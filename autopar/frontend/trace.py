@@ -293,7 +293,7 @@ def abstract_leaves(args: Sequence[Any], flags: ArgFlags, names: Sequence[str]
 # Pytree structure -> (argument position, key path) of each traced leaf. Every
 # call of a step flattens its arguments; spelling out the paths of a large
 # train state is slow (0.1 s for 3000 leaves), so it is done once per
-# structure.
+# structure. Process-wide (docs/design.md), cleared at 1,024 structures.
 _KEYS: dict = {}
 
 

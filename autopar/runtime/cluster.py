@@ -532,12 +532,15 @@ class RayCluster(runtime.Runtime):
       # The step's class travels by reference: workers make the same kind of step.
       payload = cloudpickle.dumps((type(pf), pf.fun, kwargs))
       self._call([w.register.remote(fn_id, payload) for w in self.workers], "register")
-    method = {f.name: getattr(pf.method, f.name) for f in dataclasses.fields(pf.method)
+    # The method with the costs this signature resolved (the workers plan
+    # the presets with it, as the driver did).
+    shipped = sig.method or pf.method
+    method = {f.name: getattr(shipped, f.name) for f in dataclasses.fields(shipped)
               if f.name not in ("mesh", "plan")}
-    method.update(cls=type(pf.method), mesh=(tuple(mesh.axis_sizes),
-                                             tuple(mesh.axis_names)))
-    method_bytes = pickled(self._pickles, ("method", id(pf.method)), method,
-                           owner=pf.method)
+    method.update(cls=type(shipped), mesh=(tuple(mesh.axis_sizes),
+                                           tuple(mesh.axis_names)))
+    method_bytes = pickled(self._pickles, ("method", id(shipped)), method,
+                           owner=shipped)
     # The plan goes to the workers, which run it without solving (the presets
     # plan without an ILP and are planned there again).
     plan_json = plan.to_json(indent=None) if type(pf.method).__name__ in (

@@ -1,0 +1,542 @@
+"""One input signature of a step: what autopar makes for it, made once.
+
+A :class:`Signature` belongs to one ``ParallelizedFunction`` and one key of
+its arguments (their tree, shapes, dtypes, static values and flags,
+``api.py``'s ``_prepare``). It holds the method with the costs resolved for
+these arguments, the step traced and split (at a symbolic batch size, else
+at each size needed), the plan, and the compiled executable, each made on
+first use under the signature's lock; a step's calls look it up by key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import math
+import threading
+import time
+import warnings
+from typing import Any
+
+import jax
+from jax.sharding import AbstractMesh
+
+from autopar import jax_compat as jc
+from autopar.backend.hlo import compiled_peak
+from autopar.backend.lower import lower_step
+from autopar.costs.calibrate import measured_option
+from autopar.costs.cost_model import dtype_name
+from autopar.costs.devices import dominant_float_dtype, hardware_option
+from autopar.errors import InputError, MarkerError, PlanError
+from autopar.frontend.hints import check_hints
+from autopar.frontend.loss import check_loss
+from autopar.frontend.remat import remat_mode
+from autopar.frontend.split import (MIXED, OutputKind, SplitStep, apply_at,
+                                    instantiate_split, outputs_at, scale_at, split_step)
+from autopar.frontend.trace import check_batch_leaves, trace_step, trace_step_any_batch
+from autopar.method import (ParallelMethod, PipeshardParallel, ShardParallel,
+                            Zero2Parallel, Zero3Parallel, auto_mesh, axis_sizes_of,
+                            resolve_mesh)
+from autopar.plan import Plan, ValuePlan
+from autopar.planner import cache as plan_cache
+from autopar.planner import pipeline as pipeline_compile
+from autopar.planner.preset import plan_preset
+from autopar.planner.shard import Progress, batch_axes_for, keeps_batch_whole, plan_auto
+from autopar.runtime import pipeline_build
+from autopar.runtime.executor import Executable
+from autopar.runtime.pipeline import PipelineExecutable
+
+__all__ = ["Signature", "BUDGET_TRIES", "gc_paused", "bind_saved_plan"]
+
+_UNSET = object()
+
+
+class Signature:
+  """What autopar makes for one input signature of a step (see the module
+  docstring).
+
+  Attributes:
+    step: the ``ParallelizedFunction`` (its function, name and settings).
+    method: its method with the costs resolved for these arguments.
+    lock: held while the plan or the executable is made.
+  """
+
+  def __init__(self, step: Any, prep):
+    self.step = step
+    self.method = self._resolved(step.method, prep)
+    self.lock = threading.RLock()
+    self._plan: tuple[Plan, int] | None = None
+    self._pipeline = None
+    self._executable: Executable | None = None
+    self._splits: dict[int, SplitStep] = {}
+    self._any_split: Any = _UNSET             # the symbolic-batch split, or None
+    # Without a symbolic split: one concrete trace to compare others with.
+    self._reference = None
+    self._delegate = None                      # a one-stage pipeline's ShardParallel step
+
+  def _resolved(self, method: ParallelMethod, prep) -> ParallelMethod:
+    """``method`` with its option's costs from the hardware, for this
+    signature: the mesh's calibration with ``costs="measured"``, else the
+    device kind's figures (``devices.py``) for axes and rates not given by
+    hand, rates of the float dtype holding most of these arguments' bytes."""
+    option = getattr(method, "option", None)
+    if option is None:
+      return method
+    mesh = resolve_mesh(method)
+    if option.costs == "measured":
+      option = measured_option(option, mesh)
+    else:
+      dtype = dominant_float_dtype([(dtype_name(l.dtype), math.prod(l.shape))
+                                    for l in prep.leaves])
+      option = hardware_option(option, mesh, dtype)
+    return dataclasses.replace(method, option=option)
+
+  @property
+  def planned_pipeline(self):
+    """A PipeshardParallel step's (prepared trace, plan, (cut, choices,
+    search result)) once planned, else None."""
+    return self._pipeline
+
+  def plan(self, prep) -> tuple[Plan, int]:
+    """The plan for these arguments, and the micro-batch size (rows)."""
+    with self.lock:
+      if self._plan is None:
+        with gc_paused():
+          self._plan = self.plan_uncached(prep)
+      return self._plan
+
+  def pipeline(self, prep):
+    """(prepared trace, plan, (cut, choices)) of a PipeshardParallel step."""
+    with self.lock:
+      if self._pipeline is None:
+        method = self.method
+        mesh = resolve_mesh(method)
+        with gc_paused():
+          pre = pipeline_compile.prepare(self.step.fun, self.args_for_trace(prep), prep,
+                                         method, name=self.step.name,
+                                         output_reductions=self.step.output_reductions)
+          plan, chosen = pipeline_compile.plan_pipeline(pre, method, mesh)
+        self._pipeline = (pre, plan, chosen)
+      return self._pipeline
+
+  def not_dearer_than_zero(self, prep, plan: Plan, micro: int,
+                            batch_size: int) -> Plan:
+    """ShardParallel's plan, or a ZeRO preset's layout where that is cheaper
+    under the same costs. The ILP's space holds data parallelism's layout
+    but not ZeRO's (an update on each device's shard of the state): ZeRO-2
+    and ZeRO-3 are priced as their presets are (``preset.py``) with this
+    method's option, and the cheapest plan is kept; the summary's solver
+    line says when a preset's was. Not tried with pins, a forced batch
+    split, all-gathers forbidden, or where the preset's memory is over the
+    budget."""
+    method = self.method
+    option = method.option
+    mesh = resolve_mesh(method)
+    if (option.pins or option.force_data_parallel or not option.allow_all_gather
+        or option.forced_batch_axes(mesh) is not None):
+      return plan                     # (ZeRO gathers the state it splits)
+    split = self.split(prep, micro)
+    if keeps_batch_whole(split, method):
+      return plan                      # a batch ZeRO cannot split
+    sizes = axis_sizes_of(mesh)
+    outputs = self.outputs(prep, split, batch_size)
+    best, taken, prices = plan, None, {}
+    for preset in (Zero2Parallel, Zero3Parallel):
+      other = preset(mesh=method.mesh, num_micro_batches=method.num_micro_batches,
+                     remat=method.remat,
+                     grad_accumulation_dtype=method.grad_accumulation_dtype)
+      if micro % math.prod(sizes[a] for a in batch_axes_for(other, mesh, split.hints)):
+        return plan                    # a batch ZeRO cannot split
+      try:
+        candidate = plan_preset(split, other, mesh,
+                                batch_size=batch_size, outputs=outputs,
+                                trace_local=lambda rows: self.split(prep, rows),
+                                option=option, price_cache=prices)
+      except (InputError, PlanError):
+        continue                       # the preset cannot split this batch
+      budget = option.memory_budget_per_device
+      if budget is not None and candidate.memory_per_device > budget:
+        continue
+      if candidate.objective < best.objective * (1 - 1e-3):
+        best, taken = candidate, other.name
+    if taken is None:
+      return plan
+    s = plan.solver
+    note = (f"{s.status}; {taken}'s layout taken: it costs {best.objective:.4g} s, "
+            f"the ILP's best {plan.objective:.4g} s")
+    # The ILP's problems stay with the plan: explain and cost_if price the
+    # ILP's alternatives to it (rows solved by the ILP; the taken layout is
+    # not among them, which the solver line says).
+    return dataclasses.replace(best, method=method.name, replan=plan.replan,
+                               solver=dataclasses.replace(s, status=note))
+
+  def keep_plan(self, prep, exe: Executable, first: Plan) -> Executable:
+    """``exe``, whose plan (made within a smaller planning budget than the
+    method's) becomes this step's plan: for ``step.plan`` and in the plan
+    cache under the method's own key, so the next process compiles it at
+    once. Its fingerprint is the method's."""
+    if exe.plan is first:
+      return exe
+    plan = dataclasses.replace(exe.plan, fingerprint=first.fingerprint)
+    self._plan = (plan, self._plan[1])
+    if self.method.option.plan_cache and first.fingerprint:
+      plan_cache.store(plan_cache.plan_key(dict(first.fingerprint)), plan)
+    return dataclasses.replace(exe, plan=plan)
+
+  def one_stage(self, prep) -> Any:
+    """For a PipeshardParallel step of one stage (num_stages=1, or the
+    search found pipelining does not pay): the same step under
+    ShardParallel on the whole mesh, which runs it."""
+    method = self.method
+    if not isinstance(method, PipeshardParallel):
+      return None
+    if method.num_stages != 1 and (method.plan is not None and
+                                   len(method.plan.stages) > 1 or
+                                   method.plan is None and
+                                   len(self.pipeline(prep)[1].stages) > 1):
+      return None
+    if self._delegate is None:
+      self._delegate = self.step.with_method(ShardParallel(
+          mesh=method.mesh, num_micro_batches=method.num_micro_batches,
+          remat=method.remat, grad_accumulation_dtype=method.grad_accumulation_dtype,
+          option=method.option,
+          plan=method.plan if method.plan is not None and not method.plan.stages
+          else None))
+    return self._delegate
+
+  def plan_uncached(self, prep) -> tuple[Plan, int]:
+    method = self.method
+    if isinstance(method, PipeshardParallel):
+      one = self.one_stage(prep)
+      if one is not None:
+        return one.signature_of(prep).plan(prep)
+      pre, plan, _ = self.pipeline(prep)
+      return plan, pre.ctx.micro
+    mesh = resolve_mesh(method)
+    n = method.micro_batches
+    sizes = axis_sizes_of(mesh)
+    # The planner chooses ShardParallel's batch axes among those that divide
+    # the micro-batch; the presets split over theirs, which must divide it.
+    solving = isinstance(method, ShardParallel) and method.plan is None
+    batch_size = check_batch_leaves(prep.leaves, num_micro_batches=n, data_axes=(),
+                                    data_size=1, fn_name=self.step.name)
+    progress = Progress(self.step.name, getattr(getattr(method, "option", None),
+                                            "verbose", False))
+    micro = batch_size // n if batch_size else 0
+    t0 = time.perf_counter()
+    # The ILP plans each choice of batch axes on the step at its rows per
+    # device; of the step at the full micro-batch it needs only the outputs,
+    # which the symbolic trace gives without writing the step out at that size.
+    split = self.traced(prep, micro)
+    progress.add("trace", time.perf_counter() - t0,
+                 f"{len(split.traced.jaxpr.jaxpr.eqns)} equations")
+    # The presets split over their batch axes (by default every axis that no
+    # sharding hint needs elsewhere), which must divide the micro-batch.
+    if not solving:
+      batch_axes = batch_axes_for(method, mesh, split.hints)
+      check_batch_leaves(prep.leaves, num_micro_batches=n, data_axes=batch_axes,
+                         data_size=math.prod(sizes[a] for a in batch_axes),
+                         fn_name=self.step.name)
+    fingerprint = plan_cache.fingerprint(split, method, mesh, batch_size)
+    if not split.has_marker and n > 1:
+      raise MarkerError(
+          f"{self.step.name}: num_micro_batches={n} but the step has no grad marker, "
+          f"so autopar cannot tell which part to run per micro-batch. Fix: "
+          f"compute the gradients with autopar.grad or autopar.value_and_grad "
+          f"instead of jax.grad / jax.value_and_grad.")
+    saved = method.plan if isinstance(method, ShardParallel) else None
+    if saved is not None:
+      plan = bind_saved_plan(saved, split, mesh, fingerprint, self.step.name)
+    elif isinstance(method, ShardParallel) and split.has_marker:
+      key = plan_cache.plan_key(fingerprint) if method.option.plan_cache else None
+      cached = plan_cache.load(key) if key else None
+      if cached is not None and dict(cached.fingerprint) == fingerprint:
+        plan = bind_saved_plan(cached, split, mesh, fingerprint, self.step.name)
+        progress.add("plan cache hit", 0.0, str(plan_cache.cache_dir() / key))
+      else:
+        plan = plan_auto(split, method, mesh, batch_size=batch_size,
+                         trace_local=lambda rows: self.split(prep, rows),
+                         outputs=self.outputs(prep, split, batch_size),
+                         progress=progress, any_batch=None if self._any_split is _UNSET
+                         else self._any_split)
+        plan = self.not_dearer_than_zero(prep, plan, micro, batch_size)
+        plan = dataclasses.replace(plan, fingerprint=tuple(fingerprint.items()))
+        if key:
+          plan_cache.store(key, plan)
+    else:
+      plan = plan_preset(self.split(prep, micro), method, mesh, batch_size=batch_size,
+                         outputs=self.outputs(prep, split, batch_size),
+                         trace_local=lambda rows: self.split(prep, rows))
+      plan = dataclasses.replace(plan, fingerprint=tuple(fingerprint.items()))
+    if not plan.hints and split.hints:
+      plan = dataclasses.replace(plan, hints=tuple(
+          ValuePlan(f"hint {h.part}/{h.path}", h.shape_at(micro), dtype_name(h.dtype),
+                    h.spec) for h in split.hints if h.axes()))
+    data_size = math.prod(sizes[a] for a in plan.batch_axes)
+    if split.has_marker and n * data_size > 1:
+      check_loss(split.loss, self.step.name,
+                 f"{n} micro-batch(es) x {data_size} device(s) along {plan.batch_axes}")
+      for j, (path, kind, aval) in enumerate(zip(
+          split.traced.out_paths, split.out_kinds,
+          self.outputs(prep, split, micro).avals, strict=True)):
+        if kind is OutputKind.OTHER:
+          why = split.why.get(j, "its shape depends on the batch size other than as "
+                              "rows in one dimension")
+          fix = ("" if why.startswith(MIXED) else
+                 f" Fix: compute it from sums, means, maxes or mins over the batch's "
+                 f"rows, return it per example, or say how to combine it: "
+                 f"parallelize(..., output_reductions={{{path!r}: 'mean'}}) (or 'sum', "
+                 f"'max', 'min').")
+          raise InputError(
+              f"{self.step.name}: output {path} (shape {tuple(aval.shape)} for a "
+              f"micro-batch of {micro} rows) is computed from the batch before the "
+              f"gradient marker, and autopar cannot tell how to combine it over {n} "
+              f"micro-batch(es) x {data_size} device(s): {why}.{fix}")
+    return plan, micro
+
+  def outputs(self, prep, split: SplitStep, rows: int):
+    """The step's outputs and gradients at a batch of ``rows`` rows."""
+    if jc.is_symbolic_dim(split.traced.micro_batch_size) or \
+        split.traced.micro_batch_size == rows:
+      return outputs_at(split, rows)
+    return outputs_at(self.split(prep, rows), rows)
+
+  def traced(self, prep, micro_batch_size: int) -> SplitStep:
+    """The step split at a symbolic batch size if it can be traced so, else
+    at ``micro_batch_size`` rows."""
+    any_split = self.symbolic(prep) if micro_batch_size else None
+    return any_split if any_split is not None else self.split(prep, micro_batch_size)
+
+  def symbolic(self, prep) -> SplitStep | None:
+    """The step traced once at a symbolic batch size and split (cached), or
+    None if it cannot be traced so (see trace_step_any_batch)."""
+    if self._any_split is _UNSET:
+      with remat_mode(self.method.remat):
+        traced = trace_step_any_batch(self.step.fun, self.args_for_trace(prep),
+                                      prep.flags, prep.leaves, prep.inputs,
+                                      mesh=auto_mesh(resolve_mesh(self.method)),
+                                      names=prep.names)
+      self._any_split = (None if traced is None else split_step(
+          traced, fn_name=self.step.name, output_reductions=self.step.output_reductions,
+          remat=self.method.remat))
+    return self._any_split
+
+  def split(self, prep, micro_batch_size: int) -> SplitStep:
+    """The step traced and split at ``micro_batch_size`` rows (cached).
+
+    One symbolic trace, split once, serves every batch size; a step that
+    needs a concrete size is traced at each.
+    """
+    if micro_batch_size not in self._splits:
+      any_split = self.symbolic(prep) if micro_batch_size else None
+      if any_split is not None:
+        split = instantiate_split(any_split, micro_batch_size)
+      else:
+        split = self.concrete(prep, micro_batch_size)
+      self._splits[micro_batch_size] = split
+    return self._splits[micro_batch_size]
+
+  def concrete(self, prep, rows: int) -> SplitStep:
+    """The step traced at ``rows`` rows and split; where the batch is split
+    (over micro-batches or devices), which of its dimensions hold rows is
+    read against a trace at another size (``rows.py``)."""
+    traced = self.trace_at(prep, rows)
+    mesh = resolve_mesh(self.method)
+    reference = None
+    if rows and (self.method.micro_batches > 1 or math.prod(mesh.axis_sizes) > 1):
+      known = [self._reference, *(s.raw for s in self._splits.values())]
+      reference = next((t for t in known
+                        if t is not None and t.micro_batch_size != rows), None)
+      if reference is None:
+        reference = self._reference = self.trace_at(prep, 2 * rows)
+    return split_step(traced, fn_name=self.step.name, reference=reference,
+                      output_reductions=self.step.output_reductions, remat=self.method.remat)
+
+  def trace_at(self, prep, rows: int):
+    """The step traced at ``rows`` rows (uncached)."""
+    with remat_mode(self.method.remat):
+      return trace_step(self.step.fun, self.args_for_trace(prep), prep.flags,
+                        prep.leaves, prep.inputs, micro_batch_size=rows,
+                        mesh=auto_mesh(resolve_mesh(self.method)), names=prep.names)
+
+  def args_for_trace(self, prep) -> list:
+    statics = dict(prep.key[1])
+    return [statics.get(i) for i in range(len(prep.names))]
+
+  def executable(self, prep) -> Executable:
+    """The step compiled for these arguments (once)."""
+    with self.lock:
+      if self._executable is None:
+        self._executable = self.build(prep)
+      return self._executable
+
+  def build(self, prep) -> Executable:
+    if isinstance(self.method, PipeshardParallel):
+      one = self.one_stage(prep)
+      if one is not None:
+        return one.signature_of(prep).executable(prep)
+      pre, plan, (cut, choices, _) = self.pipeline(prep)
+      with jax.set_mesh(None):
+        step = pipeline_build.compile_pipeline(pre, self.method,
+                                               resolve_mesh(self.method), cut, choices)
+      return PipelineExecutable(plan=plan, step=step, static_argnums=prep.flags.static)
+    return self.within_budget(prep, self.compile(prep))
+
+  def compile(self, prep) -> Executable:
+    """The step planned and compiled under ``self.method`` (SPMD methods)."""
+    plan, micro = self.plan(prep)
+    with gc_paused():
+      split = self.split(prep, micro)
+    mesh = resolve_mesh(self.method)
+    if isinstance(mesh, AbstractMesh):
+      raise PlanError(
+          f"{self.step.name}: the method's mesh is an AbstractMesh, which can be "
+          f"planned for but not run on. Fix: use .plan(*args) to plan, and run "
+          f"with a concrete mesh (jax.make_mesh or autopar.global_mesh).")
+    split_local = split
+    data_size = math.prod(plan.axis_sizes[a] for a in plan.batch_axes)
+    if split.has_marker and data_size > 1:
+      split_local = self.split(prep, split.traced.micro_batch_size // data_size)
+    # apply_grad runs once per step, on the whole batch's shapes (an output
+    # such as jnp.arange(batch.shape[0]) has the whole batch's length).
+    whole = micro * plan.num_micro_batches
+    if whole == micro:
+      apply = split.apply
+    elif self.symbolic(prep) is not None:
+      apply = apply_at(self.symbolic(prep), whole)
+    else:
+      apply = self.split(prep, whole).apply
+    # Each group (a device's rows of a micro-batch) seeds the loss with the
+    # whole batch's cotangents (loss.py), computed at the whole batch's size.
+    scale = None
+    if split.loss is not None and plan.num_micro_batches * data_size > 1:
+      if self.symbolic(prep) is not None:
+        scale = scale_at(self.symbolic(prep), whole)
+      else:
+        local, at_whole = split_local.loss, self.split(prep, whole).loss
+        check_loss(local, self.step.name, f"{plan.num_micro_batches} micro-batch(es) x "
+                   f"{data_size} device(s) along {plan.batch_axes}")
+        if (local.kinds, local.sum_ops) != (at_whole.kinds, at_whole.sum_ops):
+          raise InputError(
+              f"{self.step.name}: the loss of {local.name} is computed from other sums "
+              f"at {split_local.traced.micro_batch_size} rows (a device's share of "
+              f"a micro-batch) than at the whole batch's {whole} (its program "
+              f"changes with the batch size, and the step cannot be traced at a "
+              f"symbolic one), so autopar cannot give each device the whole "
+              f"batch's gradient. Fix: keep the loss's program the same for every "
+              f"batch size, or say how the loss combines with "
+              f"parallelize(..., output_reductions={{'loss': 'mean'}}).")
+        scale = at_whole.scale
+    if scale is not None and split.loss.forward_sums:
+      warnings.warn(
+          f"autopar: the gradient of the loss of {split.loss.name} needs sums over "
+          f"the rows that depend on the parameters (a ratio or a log of such sums, "
+          f"or a parameter-dependent factor of one) over the whole batch; to give "
+          f"each device the whole batch's gradient, a first pass runs the forward "
+          f"pass once more per step (stage 'loss_sums').", stacklevel=3)
+    # autopar's stages compute on meshes of their own: a mesh the caller
+    # set (jax.set_mesh) applies to the step's own code, not to them.
+    with jax.set_mesh(None):
+      lowered = lower_step(dataclasses.replace(split, apply=apply), split_local,
+                           plan, mesh, accumulate=self.method.grad_accumulation_dtype,
+                           scale=scale)
+    return Executable(plan=plan, lowered=lowered, split=split,
+                      static_argnums=prep.flags.static)
+
+  def within_budget(self, prep, exe: Executable) -> Executable:
+    """``exe``, if what its compiled stages hold per device (arguments,
+    outputs not aliased, temporaries, and what the step keeps between
+    stages: ``hlo.compiled_step_memory``) is within the method's
+    ``memory_budget_per_device``. Else the step is planned again with the
+    planning budget scaled down by how far the compiled peak missed (and,
+    once a planning budget is infeasible, halfway between it and the last
+    feasible one), up to ``BUDGET_TRIES`` times; a ``PlanError`` names the
+    smallest compiled peak found if no plan fits. The ILP's memory model is XLA's
+    approximately; this holds the budget on what the devices hold."""
+    method = self.method
+    option = getattr(method, "option", None)
+    budget = getattr(option, "memory_budget_per_device", None)
+    if budget is None or not isinstance(method, ShardParallel) or method.plan is not None:
+      return exe
+    planning, tried = float(budget), []
+    low = None                      # the largest planning budget found infeasible
+    first = exe.plan
+    peak = compiled_peak(exe.plan, exe.stages, exe.schedule)
+    tried.append((planning, peak))
+    for _ in range(BUDGET_TRIES):
+      if peak <= budget:
+        return self.keep_plan(prep, exe, first)
+      # Scaled down by the miss; between the last infeasible and the last
+      # planned budget once the model has said no (a bisection).
+      high = planning
+      planning = high * budget / peak if low is None else (low + high) / 2
+      retry = self.step.with_method(dataclasses.replace(method, option=dataclasses.replace(
+          option, memory_budget_per_device=planning)))
+      try:
+        exe = retry._compile(prep)
+      except PlanError as e:
+        if "memory_budget_per_device" not in str(e):
+          raise                     # not a budget the model cannot meet
+        low, planning = planning, high
+        continue
+      peak = compiled_peak(exe.plan, exe.stages, exe.schedule)
+      tried.append((planning, peak))
+    if peak <= budget:
+      return self.keep_plan(prep, exe, first)
+    smallest = min(p for _, p in tried)
+    raise PlanError(
+        f"{self.step.name}: no plan found whose compiled step fits memory_budget_per_device="
+        f"{budget:.0f} bytes on mesh {axis_sizes_of(resolve_mesh(method))}: "
+        f"the compiled peaks per device were "
+        f"{', '.join(f'{p:.0f}' for _, p in tried)} bytes (planned within "
+        f"{', '.join(f'{b:.0f}' for b, _ in tried)}); the smallest is {smallest:.0f}. "
+        f"Fix: raise memory_budget_per_device to at least {smallest:.0f}, use more "
+        f"micro-batches, remat, or a larger mesh.")
+
+
+# Plans tried again, with a smaller planning budget, when the compiled step
+# holds more than memory_budget_per_device (Signature.within_budget).
+BUDGET_TRIES = 3
+
+
+@contextlib.contextmanager
+def gc_paused():
+  """Pauses CPython's cyclic garbage collector while a step is planned.
+
+  Tracing and planning a large model make millions of objects that live
+  until planning ends; the collector would walk them again and again (about
+  a quarter of the planning time of a 96-layer model). Nothing planning makes
+  is lost: the collector runs as usual once it is back on.
+  """
+  if not gc.isenabled():
+    yield
+    return
+  gc.disable()
+  try:
+    yield
+  finally:
+    gc.enable()
+
+
+def bind_saved_plan(saved: Plan, split: SplitStep, mesh, fingerprint, name: str
+                     ) -> Plan:
+  """Checks a saved plan against this step and mesh (its fingerprint), and
+  attaches both."""
+  leaves = split.traced.leaves
+  details = {}
+  for v, l in zip(saved.inputs, leaves):
+    if v.name != l.path or tuple(v.shape) != tuple(l.shape):
+      details["arguments"] = (
+          f"it does not match the arguments: it has input {v.name} with shape "
+          f"{tuple(v.shape)} where the step has {l.path} with shape {tuple(l.shape)}")
+      break
+  else:
+    if len(saved.inputs) != len(leaves):
+      details["arguments"] = (f"it does not match the arguments: it has "
+                              f"{len(saved.inputs)} inputs but the step has "
+                              f"{len(leaves)}")
+  plan_cache.check_fingerprint(saved, fingerprint, name, details)
+  check_hints({h.path: h for h in split.hints}, tuple(mesh.axis_names),
+              saved.batch_axes, f"the saved plan (batch axes {saved.batch_axes})")
+  return dataclasses.replace(saved, in_tree=split.traced.inputs, mesh=mesh)
