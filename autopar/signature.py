@@ -121,7 +121,7 @@ class Signature:
       return self._pipeline
 
   def not_dearer_than_zero(self, prep, plan: Plan, micro: int,
-                            batch_size: int) -> Plan:
+                           batch_size: int) -> Plan:
     """ShardParallel's plan, or a ZeRO preset's layout where that is cheaper
     under the same costs. The ILP's space holds data parallelism's layout
     but not ZeRO's (an update on each device's shard of the state): ZeRO-2
@@ -311,6 +311,10 @@ class Signature:
   def symbolic(self, prep) -> SplitStep | None:
     """The step traced once at a symbolic batch size and split (cached), or
     None if it cannot be traced so (see trace_step_any_batch)."""
+    with self.lock:
+      return self._symbolic(prep)
+
+  def _symbolic(self, prep) -> SplitStep | None:
     if self._any_split is _UNSET:
       with remat_mode(self.method.remat):
         traced = trace_step_any_batch(self.step.fun, self.args_for_trace(prep),
@@ -328,14 +332,15 @@ class Signature:
     One symbolic trace, split once, serves every batch size; a step that
     needs a concrete size is traced at each.
     """
-    if micro_batch_size not in self._splits:
-      any_split = self.symbolic(prep) if micro_batch_size else None
-      if any_split is not None:
-        split = instantiate_split(any_split, micro_batch_size)
-      else:
-        split = self.concrete(prep, micro_batch_size)
-      self._splits[micro_batch_size] = split
-    return self._splits[micro_batch_size]
+    with self.lock:
+      if micro_batch_size not in self._splits:
+        any_split = self.symbolic(prep) if micro_batch_size else None
+        if any_split is not None:
+          split = instantiate_split(any_split, micro_batch_size)
+        else:
+          split = self.concrete(prep, micro_batch_size)
+        self._splits[micro_batch_size] = split
+      return self._splits[micro_batch_size]
 
   def concrete(self, prep, rows: int) -> SplitStep:
     """The step traced at ``rows`` rows and split; where the batch is split
@@ -372,6 +377,8 @@ class Signature:
       return self._executable
 
   def build(self, prep) -> Executable:
+    """The step planned and compiled (uncached): a pipeline's stages, or the
+    SPMD stages within the memory budget."""
     if isinstance(self.method, PipeshardParallel):
       one = self.one_stage(prep)
       if one is not None:
