@@ -1,9 +1,9 @@
 """From a traced step to a planned and compiled pipeline.
 
 :func:`prepare` traces the step with the loss function captured
-(``capture.py``) and builds ``P`` and its layers; :func:`plan_pipeline`
-picks the stages, their submeshes and their plans (``search.py``,
-``planner.py``) and returns the :class:`~autopar.Plan`;
+(``frontend/capture.py``) and builds ``P`` and its layers; :func:`plan_pipeline`
+picks the stages, their submeshes and their plans (``stage_search.py``,
+``stage.py``) and returns the :class:`~autopar.Plan`;
 :func:`build.compile_pipeline` then compiles each stage on its submesh
 and returns the runnable :class:`~autopar.runtime.pipeline.PipelineStep`.
 """
@@ -256,7 +256,7 @@ def _in_flight(schedule: str, S: int, n: int) -> list[int]:
 
 def plan_pipeline(pre: Prepared, method: PipeshardParallel, mesh) -> tuple[Plan, Any]:
   """The pipeline's plan, and the cut, choices and search result it was
-  made from (``search.py``); with ``method.plan``, the saved plan's stages,
+  made from (``stage_search.py``); with ``method.plan``, the saved plan's stages,
   without solving."""
   # (The plan knows the arguments' structure and the mesh, for its
   # input_shardings.)

@@ -3,7 +3,7 @@
 A stage's ILP (``ilp.ShardingProblem``, the one ``ShardParallel`` solves)
 plans the stage's joint program: its forward pass, then its backward pass
 (``stages.forward_backward``), as the ILP's per-micro-batch part, and its
-share of the update (``apply.py``) as the once-per-step part. Its inputs
+share of the update (``apply_segments.py``) as the once-per-step part. Its inputs
 (the ILP's "leaves") are, in order::
 
     first_row | roots | acts_in | leaves | update inputs | cotangents in
@@ -18,7 +18,7 @@ over the stage's batch axes along their rows; the ILP plans the rest.
 The objective splits into the per-micro-batch time ``t`` (forward and
 backward, with the resharding inside them) and the per-step time ``u``
 (gradient sync and the update), which the stage search combines as a
-pipeline does (``search.py``).
+pipeline does (``stage_search.py``).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class Context:
   """What planning the stages reads of one step.
 
   Attributes:
-    program, analysis: ``P`` and what ``program.py`` read of it.
+    program, analysis: ``P`` and what ``frontend/program.py`` read of it.
     layers: positions of ``P`` where layers start (the first is 0).
     apply: the update (at the whole batch's shapes), its invars the step's
       consts, the argument leaves, the gradients, the reductions.

@@ -138,7 +138,7 @@ def _solve_layers(ctx, groups, shapes, names, progress=None):
 
 def search(pre, method, mesh):
   """The stages for ``method`` on ``mesh`` (see the module docstring):
-  ``(cut, choices)`` for ``compile.py``."""
+  ``(cut, choices)`` for ``pipeline.py``."""
   t0 = time.perf_counter()
   ctx = pre.ctx
   sizes = axis_sizes_of(mesh)

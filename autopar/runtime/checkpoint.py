@@ -1,7 +1,7 @@
 """Saving and restoring training state with orbax, in this process.
 
 The public ``autopar.save_checkpoint`` / ``autopar.restore_checkpoint``
-(``runtime.py``) go to the active runtime: the local one calls
+(``base.py``) go to the active runtime: the local one calls
 :func:`save_local` and :func:`restore_here`; under a Ray cluster every host
 worker calls :func:`save_local` / :func:`restore_local` on its shards (each
 process writes its own, so state spread over several hosts is saved whole).

@@ -244,7 +244,7 @@ def _join_ray(address: str) -> None:
 
 class RayCluster(runtime.Runtime):
   """The Ray runtime: the host workers and how to reach them (made by
-  :func:`init`; see ``runtime.py`` for the interface)."""
+  :func:`init`; see ``base.py`` for the interface)."""
 
   def __init__(self, address, num_hosts, num_devices_per_host, timeout,
                step_timeout=None):

@@ -15,7 +15,7 @@ One call of :meth:`PipelineStep.run`:
 3. syncs each stage's gradients once (``sync``) and adds the partial
    gradients of parameters that several stages read (tied embeddings) on
    the parameter's own stage;
-4. runs the update's segments (``apply.py``) in order, each on its stage's
+4. runs the update's segments (``planner/apply_segments.py``) in order, each on its stage's
    submesh, moving the few values that cross stages (a global norm);
 5. combines the outputs over micro-batches (the loss, per-example outputs).
 

@@ -1,8 +1,8 @@
 """From a planned pipeline to the runnable step: each stage compiled on its
-submesh (``executables.py``), the passes before the schedule (the loss's
+submesh (``backend/stage_executables.py``), the passes before the schedule (the loss's
 sums, the arguments its cotangents read), the update's segments, and the
 :class:`~autopar.runtime.pipeline.PipelineStep` that runs them in the
-schedule's order. (Planning is ``compile.py``'s.)"""
+schedule's order. (Planning is ``planner/pipeline.py``'s.)"""
 
 from __future__ import annotations
 
