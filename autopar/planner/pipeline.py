@@ -1,10 +1,11 @@
-"""From a traced step to a planned and compiled pipeline.
+"""From a traced step to a planned pipeline.
 
 :func:`prepare` traces the step with the loss function captured
 (``frontend/capture.py``) and builds ``P`` and its layers; :func:`plan_pipeline`
 picks the stages, their submeshes and their plans (``stage_search.py``,
 ``stage.py``) and returns the :class:`~autopar.Plan`;
-:func:`build.compile_pipeline` then compiles each stage on its submesh
+:func:`~autopar.runtime.pipeline_build.compile_pipeline` then compiles each
+stage on its submesh
 and returns the runnable :class:`~autopar.runtime.pipeline.PipelineStep`.
 """
 
