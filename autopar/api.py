@@ -157,6 +157,11 @@ class ParallelizedFunction:
     # its own costs, traces, plan and executable (``signature.Signature``).
     self._signatures: dict[Any, Signature] = {}
     self._state: dict[Any, frozenset] = {}    # signature -> arguments holding state
+    # A call's arguments by what jax.jit keys on (tree structure; per leaf
+    # its shape, dtype and weak type, or a static leaf's value) -> their
+    # preparation without the values, and where the traced leaves are among
+    # the flat leaves: a steady-state call flattens its arguments once.
+    self._prepared: dict[Any, tuple[_Prepared, tuple[int, ...]]] = {}
     self._lock = threading.Lock()
     functools.update_wrapper(self, fun)
 
@@ -264,6 +269,28 @@ class ParallelizedFunction:
   # -- pipeline ----------------------------------------------------------------
 
   def _prepare(self, args: Sequence[Any]) -> _Prepared:
+    """The arguments' flags, leaves, partition, values and key: found by
+    what ``jax.jit`` keys on after the first call with such arguments
+    (``_prepare_new`` otherwise)."""
+    flat, treedef = jax.tree_util.tree_flatten(tuple(args))
+    try:
+      fast = (treedef, tuple(map(_leaf_key, flat)))
+      hit = self._prepared.get(fast)
+    except TypeError:                     # a static leaf that cannot be compared
+      fast, hit = None, None
+    if hit is not None:
+      template, take = hit
+      return dataclasses.replace(template, values=[flat[k] for k in take])
+    prep = self._prepare_new(args)
+    if fast is not None:
+      with self._lock:
+        if len(self._prepared) >= _PREPARED_BOUND:
+          self._prepared.clear()
+        self._prepared[fast] = (dataclasses.replace(prep, values=()),
+                                _traced_positions(args, prep))
+    return prep
+
+  def _prepare_new(self, args: Sequence[Any]) -> _Prepared:
     names = arg_names(self.fun, len(args))
     flags = classify_args(args, static_argnums=self.static_argnums,
                           batch_argnums=self.batch_argnums,
@@ -313,6 +340,40 @@ class ParallelizedFunction:
       except Exception:  # noqa: BLE001 - a step that fails says so when traced again
         self._state[key] = frozenset()
     return self._state[key]
+
+# Kinds of arguments a step keeps the preparation of (``_prepare``); a step
+# called with more starts again (like a static leaf that changes each call).
+_PREPARED_BOUND = 64
+
+
+def _leaf_key(x) -> Any:
+  """What a leaf contributes to the key of a call's arguments: an array its
+  shape, dtype and weak type; anything else (a static leaf, or a Python
+  number the step traces) its type and value (identity where it has no
+  hash)."""
+  if isinstance(x, jax.Array):
+    return (x.shape, x.dtype, x.weak_type)
+  if isinstance(x, np.ndarray):
+    return ("ndarray", x.shape, x.dtype)
+  try:
+    hash(x)
+    return (type(x), x)
+  except TypeError:
+    return (type(x), id(x))
+
+
+def _traced_positions(args: Sequence[Any], prep: _Prepared) -> tuple[int, ...]:
+  """Where ``prep``'s traced leaves are among the flat leaves of ``args``
+  (the static arguments' leaves and the static leaves left out)."""
+  positions, offset = [], 0
+  static = set(prep.flags.static)
+  for i, a in enumerate(args):
+    n = len(jax.tree_util.tree_leaves(a))
+    if i not in static:
+      positions.extend(range(offset, offset + n))
+    offset += n
+  return tuple(p for p, d in zip(positions, prep.inputs.dynamic, strict=True) if d)
+
 
 def _check_not_donated(prep: _Prepared, name: str) -> None:
   """A buffer donated to an earlier call is an autopar error, not JAX's

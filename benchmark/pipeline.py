@@ -22,6 +22,15 @@ between stages, and the stage search's choice against one-mesh plans.
    (the search's model with one stage, and ShardParallel's own objective),
    and of each hand-picked stage count.
 5. Planning time of a 96-layer GPT on an abstract 8 x 8 mesh.
+6. Host time per task: a step of 4 stages x 16 micro-batches (a small MLP,
+   so that dispatch is what is timed), the time ``PipelineStep.run`` takes
+   to return divided by its tasks (forwards and backwards; the syncs and
+   the update's segments run too), median of 10 steps; and of it, what is
+   neither JAX's dispatch of the compiled functions (the tasks' and the
+   sums of cotangents) nor its transfers between submeshes (each timed
+   around its call): autopar's own Python.
+
+    python benchmark/pipeline.py --host    # section 6 alone
 """
 
 import os
@@ -38,6 +47,7 @@ import numpy as np                                # noqa: E402
 import optax                                      # noqa: E402
 
 import autopar                                    # noqa: E402
+from autopar.runtime import pipeline as pipeline_runtime  # noqa: E402
 from autopar.runtime import schedule as sched    # noqa: E402
 from models import boundary_mlp_setup, transformer_setup   # noqa: E402
 
@@ -157,7 +167,56 @@ def planning_time():
         f"{seconds:.1f} s -> {max(1, len(plan.stages))} stage(s)")
 
 
+def host_time_per_task(S=4, n=16, steps=10):
+  make_state, step, batch = boundary_mlp_setup(batch=64, d=32, tx=SGD)
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  pf = autopar.parallelize(step, method=autopar.PipeshardParallel(
+      mesh=mesh, num_micro_batches=n, num_stages=S, layers="manual"))
+  exe = pf.get_executable(make_state(), batch)
+  step_obj = exe.step
+  spent = {"jax": 0.0}
+  call, move, add = step_obj._call, pipeline_runtime.move, pipeline_runtime.add_arrays
+
+  def timed(f):
+    def wrapper(*args, **kwargs):
+      t = time.perf_counter()
+      try:
+        return f(*args, **kwargs)
+      finally:
+        spent["jax"] += time.perf_counter() - t
+    return wrapper
+  times, ours = [], []
+  step_obj._call = timed(call)
+  pipeline_runtime.move = timed(move)
+  pipeline_runtime.add_arrays = timed(add)
+  try:
+    for k in range(steps + 2):
+      leaves = exe.place(pf._prepare((make_state(), batch)).values)
+      spent["jax"] = 0.0
+      t = time.perf_counter()
+      outs = exe.run(leaves)
+      dt = time.perf_counter() - t
+      jax.block_until_ready(outs)
+      if k >= 2:
+        times.append(dt)
+        ours.append(dt - spent["jax"])
+  finally:
+    del step_obj._call
+    pipeline_runtime.move = move
+    pipeline_runtime.add_arrays = add
+  tasks = len(step_obj.order)
+  print(f"6. host time per task, {S} stages x {n} micro-batches ({tasks} tasks, plus "
+        f"{S} syncs and {len(step_obj.segments)} update segments): "
+        f"{np.median(times) / tasks * 1e6:.0f} us, of which autopar's own Python "
+        f"{np.median(ours) / tasks * 1e6:.0f} us (run returns in "
+        f"{np.median(times) * 1e3:.1f} ms)")
+
+
 if __name__ == "__main__":
+  if "--host" in sys.argv:
+    host_time_per_task()
+    sys.exit()
   bubble_table()
   search_table()
   planning_time()
+  host_time_per_task()

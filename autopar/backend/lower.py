@@ -60,7 +60,7 @@ from autopar.frontend.trace import eqns_by_path
 from autopar.frontend.split import (BY_DEVICE, OutputKind, SplitStep, dce,
                                     leaves_read_by_compute)
 
-__all__ = ["LoweredStep", "lower_step", "SUMS_STAGE"]
+__all__ = ["LoweredStep", "lower_step", "SUMS_STAGE", "grad_stage_leaves"]
 
 # The first pass over the batch, for the sums the loss's cotangents read.
 SUMS_STAGE = "loss_sums"
@@ -75,12 +75,16 @@ class LoweredStep:
 
   * ``loss_sums(leaves) -> sums`` (only where the loss's cotangents read
     sums over the whole batch, a token count: the first pass)
-  * ``compute_grad(leaves, sums) -> acc``
-  * ``accumulate_grad(leaves, i, acc, sums) -> acc`` (acc donated)
-  * ``compute_grad_sync(leaves, sums) -> (grads, micro_outs)``
-  * ``accumulate_grad_sync(leaves, i, acc, sums) -> (grads, micro_outs)``
+  * ``compute_grad(used, sums) -> acc``
+  * ``accumulate_grad(used, i, acc, sums) -> acc`` (acc donated)
+  * ``compute_grad_sync(used, sums) -> (grads, micro_outs)``
+  * ``accumulate_grad_sync(used, i, acc, sums) -> (grads, micro_outs)``
   * ``apply_grad(donated, kept, grads) -> apply_outs`` (donated donated)
   * ``step(donated, kept, batch) -> outs`` (a step without a grad marker)
+
+  ``used`` = the leaves at ``grad_leaves``: those the gradient computation
+  reads and the batch (not the optimizer state: each argument is a cost of
+  every call's dispatch).
   """
   stages: dict[str, Any]
   schedule: tuple[str, ...]
@@ -89,6 +93,7 @@ class LoweredStep:
   donated: tuple[int, ...]
   kept: tuple[int, ...]
   batch: tuple[int, ...]
+  grad_leaves: tuple[int, ...] = ()
 
 
 def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
@@ -125,6 +130,7 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
   row_dims = [d for k, d in zip(split.out_kinds, split.out_dims, strict=True)
               if k is not OutputKind.APPLY]
   in_specs = [v.spec for v in plan.inputs]
+  used = grad_stage_leaves(split)
   grad_specs = [g.spec for g in plan.grads]
   slot_specs = [s.spec(grad_specs) if isinstance(s, GradStack) else grad_specs[s]
                 for s in grad_slots]
@@ -290,18 +296,29 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
   # The whole batch's sums the loss's cotangents read (the first pass's).
   num_sums = split.loss.num_sums if scale is not None else 0
   sums_specs = [PartitionSpec()] * num_sums
+  used_specs_manual = [leaf_specs_manual[k] for k in used]
+
+  def every_leaf(used_vals):
+    """The stage's inputs in the places of all the leaves (None where the
+    gradient computation reads none)."""
+    out = [None] * len(leaves)
+    for k, x in zip(used, used_vals, strict=True):
+      out[k] = x
+    return out
+
   if first:
-    def fn(leaf_vals, sums):
-      return manual_over_batch_axes(lambda lv, sm: body(lv, 0, None, sm),
-                                    (leaf_specs_manual, sums_specs))(leaf_vals, sums)
+    def fn(used_vals, sums):
+      return manual_over_batch_axes(lambda uv, sm: body(every_leaf(uv), 0, None, sm),
+                                    (used_specs_manual, sums_specs))(used_vals, sums)
   else:
-    def fn(leaf_vals, i, acc, sums):
+    def fn(used_vals, i, acc, sums):
       return manual_over_batch_axes(
-          body, (leaf_specs_manual, PartitionSpec(), acc_specs, sums_specs))(
-              leaf_vals, i, acc, sums)
+          lambda uv, j, a, sm: body(every_leaf(uv), j, a, sm),
+          (used_specs_manual, PartitionSpec(), acc_specs, sums_specs))(
+              used_vals, i, acc, sums)
 
   ns = lambda s, m=amesh: NamedSharding(m, s)
-  leaf_shardings = [ns(s) for s in in_specs]
+  leaf_shardings = [ns(in_specs[k]) for k in used]
   acc_shardings = ([ns(stacked_spec(s, manual)) for s in slot_specs] +
                    [ns(PartitionSpec(batch_entry))] * len(reduced),
                    [ns(rows_spec(j, k)) for j, k in enumerate(kinds)])
@@ -317,6 +334,13 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
   return jax.jit(fn, in_shardings=(leaf_shardings, ns(PartitionSpec()), acc_shardings,
                                    sums_shardings),
                  out_shardings=out_shardings, donate_argnums=(2,))
+
+
+def grad_stage_leaves(split: SplitStep) -> tuple[int, ...]:
+  """The leaves a gradient stage takes: those its computation reads, and
+  the batch's."""
+  read = leaves_read_by_compute(split)
+  return tuple(k for k, l in enumerate(split.traced.leaves) if k in read or l.is_batch)
 
 
 def _sums_stage(split: SplitStep, plan: Plan, amesh, *, micro_rows: int):
@@ -594,10 +618,11 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
         fn = _grad_stage(split_local, plan, amesh, mesh, first=first, sync=sync,
                          micro_rows=rows, accumulate=accumulate, stacks=stacks,
                          scale=scale)
+        used = [leaf_avals[k] for k in grad_stage_leaves(split_local)]
         if first:
-          lowered = fn.lower(leaf_avals, sums_avals)
+          lowered = fn.lower(used, sums_avals)
         else:
-          lowered = fn.lower(leaf_avals, _abstract((), np.int32), acc_avals, sums_avals)
+          lowered = fn.lower(used, _abstract((), np.int32), acc_avals, sums_avals)
         stages[name] = lowered
       fn = _apply_stage(split, plan, amesh, mesh, donated, kept, stacks)
       grad_avals = [_abstract(a.shape, a.dtype)
@@ -610,7 +635,8 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
       index = tuple(jax.device_put(np.int32(i), replicated) for i in range(n))
   stages = compile_all(stages, options)
   return LoweredStep(stages=stages, schedule=schedule, in_shardings=in_shardings,
-                     micro_batch_index=index, donated=donated, kept=kept, batch=batch)
+                     micro_batch_index=index, donated=donated, kept=kept, batch=batch,
+                     grad_leaves=grad_stage_leaves(split_local) if split.has_marker else ())
 
 
 def _slot_avals(split: SplitStep, stacks: Sequence[GradStack]) -> list:

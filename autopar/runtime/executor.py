@@ -3,9 +3,9 @@
 Stage 8 of the pipeline. For ``n`` micro-batches one call runs::
 
     sums = loss_sums(leaves)                      # only if the loss needs them
-    acc = compute_grad(leaves, sums)              # micro-batch 0
-    acc = accumulate_grad(leaves, i, acc, sums)   # micro-batches 1 .. n-2, in place
-    grads, outs = accumulate_grad_sync(leaves, n-1, acc, sums)   # reduce once
+    acc = compute_grad(used, sums)                # micro-batch 0 (used: the leaves it reads)
+    acc = accumulate_grad(used, i, acc, sums)     # micro-batches 1 .. n-2, in place
+    grads, outs = accumulate_grad_sync(used, n-1, acc, sums)     # reduce once
     new_state, ... = apply_grad(state, other, grads)       # state donated
 
 (``compute_grad_sync`` when ``n == 1``). ``loss_sums`` is the first pass
@@ -45,6 +45,10 @@ class Executable:
   lowered: LoweredStep
   split: SplitStep
   static_argnums: tuple[int, ...]
+  # (id of an array's sharding, leaf position) -> (that sharding, whether it
+  # is the leaf's planned one): the outputs of one step share a few sharding
+  # objects, so a steady-state call compares each once.
+  _placed: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
   @property
   def stages(self) -> dict[str, jax.stages.Compiled]:
@@ -71,11 +75,22 @@ class Executable:
   def place(self, leaves: Sequence[Any]) -> list[Any]:
     """Puts each leaf on the devices with its planned sharding."""
     out = []
-    for x, s in zip(leaves, self.lowered.in_shardings, strict=True):
-      if isinstance(x, jax.Array) and _same_placement(x, s):
-        out.append(x)
-      else:
-        out.append(jax.device_put(x, s))
+    placed = self._placed
+    for k, (x, s) in enumerate(zip(leaves, self.lowered.in_shardings, strict=True)):
+      if isinstance(x, jax.Array):
+        xs = x.sharding
+        if xs is s:
+          out.append(x)
+          continue
+        seen = placed.get((id(xs), k))
+        if seen is None or seen[0] is not xs:
+          if len(placed) > 4 * len(leaves) + 64:
+            placed.clear()
+          seen = placed[(id(xs), k)] = (xs, _same_placement(x, s))
+        if seen[1]:
+          out.append(x)
+          continue
+      out.append(jax.device_put(x, s))
     return out
 
   def run(self, leaves: Sequence[Any]) -> list[Any]:
@@ -92,11 +107,12 @@ class Executable:
       sums = stages[SUMS_STAGE](leaves)
       schedule = schedule[1:]
     acc = None
+    used = [leaves[k] for k in lw.grad_leaves]
     for i, name in enumerate(schedule[:-1]):
       if i == 0:
-        acc = stages[name](leaves, sums)
+        acc = stages[name](used, sums)
       else:
-        acc = stages[name](leaves, lw.micro_batch_index[i], acc, sums)
+        acc = stages[name](used, lw.micro_batch_index[i], acc, sums)
     grads, micro_outs = acc
     del acc
     apply_outs = stages["apply_grad"]([leaves[k] for k in lw.donated],

@@ -21,9 +21,11 @@ One call of :meth:`PipelineStep.run`:
 
 ``record`` keeps what ran, in order, with the micro-batches each stage held
 (for the schedule's invariants), when ``recording`` is set; ``stats`` has,
-per stage, the most activation bytes per device it held and the bytes it
-sent, and with ``timing`` set each task's time (each task then runs alone:
-for measuring, not for training).
+with ``recording`` or ``timing`` set, per stage the most activation bytes
+per device it held and the bytes it sent, and with ``timing`` each task's
+time (each task then runs alone: for measuring, not for training). Unset
+(training), a task's host work is its dispatch: shardings, routes between
+stages and constant zeros are made on the first call and kept.
 """
 
 from __future__ import annotations
@@ -50,6 +52,11 @@ from autopar.runtime.transfer import move
 from autopar.frontend.split import OutputKind, SplitStep
 
 __all__ = ["PipelineStep", "ApplySegment", "LossSeeds", "SumsPass"]
+
+
+# Sums of cotangents and of partial gradients (a value several stages read):
+# one compiled add, not an eager operation per call.
+add_arrays = jax.jit(jnp.add)
 
 
 def _per_device_bytes(tree) -> int:
@@ -156,6 +163,11 @@ class PipelineStep:
   timing: bool = False
   stats: dict = dataclasses.field(default_factory=dict)
   _calls: dict = dataclasses.field(default_factory=dict)
+  # Made on the first call and kept (see the module docstring): shardings per
+  # (stage, spec), the routes of activations between stages, constant zeros.
+  _shardings: dict = dataclasses.field(default_factory=dict, repr=False)
+  _routes: Any = dataclasses.field(default=None, repr=False)
+  _zeros: dict = dataclasses.field(default_factory=dict, repr=False)
 
   @property
   def num_stages(self) -> int:
@@ -164,7 +176,41 @@ class PipelineStep:
   # -- placing -------------------------------------------------------------------
 
   def _on(self, s: int, x, spec):
-    return move(x, NamedSharding(self.exes[s].layout.mesh, spec))
+    sharding = self._shardings.get((s, spec))
+    if sharding is None:
+      sharding = self._shardings[(s, spec)] = NamedSharding(self.exes[s].layout.mesh, spec)
+    return move(x, sharding)
+
+  def _zeros_on(self, key, s: int, shape, dtype, spec):
+    """Zeros of ``shape`` on stage ``s``, made once per ``key`` (no task
+    donates them)."""
+    x = self._zeros.get(key)
+    if x is None:
+      x = self._zeros[key] = self._on(s, np.zeros(shape, dtype), spec)
+    return x
+
+  def routes(self):
+    """Per stage's forward output, the stages that read it with the spec
+    they read it in; per stage's backward cotangent, the stage that made
+    the activation with its spec (computed once)."""
+    if self._routes is None:
+      consumers: dict[Var, list[int]] = {}
+      for s, st in enumerate(self.stages):
+        for v in st.acts_in:
+          consumers.setdefault(v, []).append(s)
+      to = {}
+      for s, st in enumerate(self.stages):
+        to[s] = [[(c, self.exes[c].act_in_specs[self.stages[c].acts_in.index(v)])
+                  for c in consumers.get(v, ())] for v in st.acts_out]
+      producer = {v: s for s, st in enumerate(self.stages) for v in st.acts_out}
+      back = {}
+      for s, st in enumerate(self.stages):
+        tangent = [v for v, tg in zip(st.acts_in, st.tangent_in) if tg]
+        back[s] = [(v, producer[v],
+                    self.exes[producer[v]].act_out_specs[
+                        self.stages[producer[v]].acts_out.index(v)]) for v in tangent]
+      self._routes = (to, back)
+    return self._routes
 
   def place(self, leaves: Sequence[Any]):
     """Per stage, its roots and leaves on its submesh; per leaf, its array on
@@ -179,7 +225,7 @@ class PipelineStep:
         leaf = program.roots[k].leaf
         if leaf is None:
           aval = program.roots[k].var.aval
-          roots.append(self._on(s, np.zeros(aval.shape, aval.dtype), spec))
+          roots.append(self._zeros_on(("root", s, k), s, aval.shape, aval.dtype, spec))
         else:
           x = self._on(s, leaves[leaf], spec)
           roots.append(x)
@@ -209,19 +255,23 @@ class PipelineStep:
     return fn(*args)
 
   def compiled(self) -> dict[str, jax.stages.Compiled]:
-    """Every function the last call ran, compiled (``exe.stages``)."""
-    return {name: fn.lower(*args).compile() for name, (fn, args) in self._calls.items()}
+    """Every function the last call ran, compiled (``exe.stages``); each
+    compiled once."""
+    out = {}
+    for name, entry in self._calls.items():
+      if len(entry) == 2:
+        fn, args = entry
+        entry = self._calls[name] = (fn, args, fn.lower(*args).compile())
+      out[name] = entry[2]
+    return out
 
   def run(self, leaves: Sequence[Any]) -> list[Any]:
     """Runs one step; returns the flat outputs (as ``Executable.run``)."""
     program, S, n = self.program, self.num_stages, self.n
     per_stage, home = self.place(leaves)
     seeds = self.seeds.values(self, leaves)
-    consumers: dict[Var, list[int]] = {}
-    for s, st in enumerate(self.stages):
-      for v in st.acts_in:
-        consumers.setdefault(v, []).append(s)
-    producer_stage = {v: s for s, st in enumerate(self.stages) for v in st.acts_out}
+    to, back = self.routes()
+    measuring = self.recording or self.timing
     acts: dict = {}          # (stage, micro-batch, var) -> array on that stage
     cts: dict = {}           # (stage, micro-batch, var) -> cotangent on that stage
     saved: dict = {}         # (stage, micro-batch) -> (outputs, stored)
@@ -244,42 +294,44 @@ class PipelineStep:
         outs, stored = self._call(f"stage{s}/forward", ex.forward, ex.index[i], roots,
                                   a_in, ls)
         saved[(s, i)] = (outs, stored)
-        nbytes = _per_device_bytes((outs, stored))
-        held_bytes[s] += nbytes
-        peak_bytes[s] = max(peak_bytes[s], held_bytes[s])
+        if measuring:
+          held_bytes[s] += _per_device_bytes((outs, stored))
+          peak_bytes[s] = max(peak_bytes[s], held_bytes[s])
         n_acts = len(st.acts_out)
         g_out = [None] * len(ex.out_rows)
         for pos, k in enumerate(ex.fns_out_order):
           g_out[k] = outs[pos]
         for k, v in enumerate(st.acts_out):
-          for c in consumers.get(v, ()):
-            spec = self.exes[c].act_in_specs[self.stages[c].acts_in.index(v)]
+          for c, spec in to[s][k]:
             acts[(c, i, v)] = self._on(c, g_out[k], spec)
-            sent[s] += g_out[k].nbytes
+            if measuring:
+              sent[s] += g_out[k].nbytes
         for j, x in zip(st.finals, g_out[n_acts:], strict=True):
           finals.setdefault(j, []).append(x)
         held[s] += 1
       else:
         outs, stored = saved.pop((s, i))
-        held_bytes[s] -= _per_device_bytes((outs, stored))
+        if measuring:
+          held_bytes[s] -= _per_device_bytes((outs, stored))
         ct = []
         for k in ex.ct_from_next:
           v = st.acts_out[k]
           x = cts.pop((s, i, v), None)
           if x is None:        # no later stage differentiates it
-            x = jnp.zeros_like(outs[ex.fns_out_order.index(k)])
+            like = outs[ex.fns_out_order.index(k)]
+            x = self._zeros.get(("ct", s, k))
+            if x is None:
+              x = self._zeros[("ct", s, k)] = jnp.zeros_like(like)
           ct.append(x)
         acc[s], ct_in = self._call(f"stage{s}/backward", ex.backward, ex.index[i],
                                    acc[s], roots, a_in, ls, outs, stored, ct,
                                    [seeds[j] for j in st.seeded_finals])
-        tangent = [v for v, tg in zip(st.acts_in, st.tangent_in) if tg]
-        for v, x in zip(tangent, ct_in, strict=True):
-          p = producer_stage[v]
-          spec = self.exes[p].act_out_specs[self.stages[p].acts_out.index(v)]
+        for (v, p, spec), x in zip(back[s], ct_in, strict=True):
           x = self._on(p, x, spec)
-          sent[s] += x.nbytes
+          if measuring:
+            sent[s] += x.nbytes
           key = (p, i, v)
-          cts[key] = x if key not in cts else cts[key] + x
+          cts[key] = x if key not in cts else add_arrays(cts[key], x)
         for v in st.acts_in:
           acts.pop((s, i, v), None)
         held[s] -= 1
@@ -288,8 +340,9 @@ class PipelineStep:
         durations[t] = time.perf_counter() - started
       if self.recording:
         self.record.append((t, tuple(held)))
-    self.stats = {"held_bytes_peak": peak_bytes, "sent_bytes": sent,
-                  "durations": durations}
+    if measuring:
+      self.stats = {"held_bytes_peak": peak_bytes, "sent_bytes": sent,
+                    "durations": durations}
     # Gradients: synced once per stage, partial sums added on the root's home.
     root_grads: dict[int, Any] = {}
     for s, (st, ex) in enumerate(zip(self.stages, self.exes, strict=True)):
@@ -298,7 +351,7 @@ class PipelineStep:
         h = self.root_home[k]
         if h != s:
           g = self._on(h, g, self.exes[h].grad_specs[self.stages[h].roots.index(k)])
-        root_grads[k] = g if k not in root_grads else root_grads[k] + g
+        root_grads[k] = g if k not in root_grads else add_arrays(root_grads[k], g)
     del acc
     # Outputs of P, combined over micro-batches.
     combined = {}
@@ -328,8 +381,8 @@ class PipelineStep:
     for g, k in enumerate(program.grad_roots):
       v = aj.invars[nc + nl + g]
       if k not in root_grads:     # a parameter no stage reads: its gradient is zero
-        root_grads[k] = self._on(self.root_home[k], np.zeros(v.aval.shape, v.aval.dtype),
-                                 PartitionSpec())
+        root_grads[k] = self._zeros_on(("grad", k), self.root_home[k], v.aval.shape,
+                                       v.aval.dtype, PartitionSpec())
       env[v] = (self.root_home[k], root_grads[k])
     base = program.num_seeded
     for r, v in enumerate(aj.invars[nc + nl + ng:]):

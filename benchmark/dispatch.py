@@ -1,0 +1,114 @@
+"""Host time per steady-state call: autopar's step against ``jax.jit``'s.
+
+    python benchmark/dispatch.py [--leaves 100 1000 5000] [--calls 30]
+
+A step whose state has ``--leaves`` parameter leaves (a dict of small
+matrices, SGD with momentum: three leaves each in the train state), on 8
+simulated CPU devices, data parallel, one micro-batch. Per call, the time
+until the call returns (work is dispatched asynchronously; each call's
+outputs are waited for before the next call, outside the timed part), the
+median over ``--calls`` calls after two warm-up calls:
+
+* ``jax.jit``: the same step written by hand (batch split over the mesh,
+  state replicated and donated);
+* autopar ``DataParallel``: its call, the number of executables it runs per
+  call, and the bound issue 34 sets: executables x ``jax.jit``'s time +
+  0.5 ms.
+
+Timings are this machine's (2 CPU cores); the ratios are measured side by
+side in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax.training import train_state  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import autopar  # noqa: E402
+
+
+def setup(num_leaves: int, batch: int = 64, width: int = 8):
+  """A train state of ``num_leaves`` parameter leaves and a batch."""
+  rng = np.random.RandomState(0)
+  params = {f"w{i:05d}": jnp.asarray(rng.randn(width, width).astype(np.float32) * 0.1)
+            for i in range(num_leaves)}
+  tx = optax.sgd(1e-3, momentum=0.9)
+  state = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+  data = {"x": rng.randn(batch, width).astype(np.float32),
+          "y": rng.randn(batch, width).astype(np.float32)}
+
+  def loss_fn(p, batch):
+    h = batch["x"]
+    total = 0.0
+    for w in p.values():                # every leaf read: each has a gradient
+      total = total + jnp.mean((h @ w - batch["y"]) ** 2)
+    return total / len(p)
+
+  def step(state, batch):
+    loss, grads = autopar.value_and_grad(loss_fn)(state.params, batch)
+    return state.apply_gradients(grads=grads), loss
+
+  def plain_step(state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+    return state.apply_gradients(grads=grads), loss
+
+  return state, data, step, plain_step
+
+
+def host_times(call, state, batch, calls: int) -> list[float]:
+  """Seconds until each call returns; outputs waited for between calls."""
+  out = []
+  for i in range(calls + 2):
+    t = time.perf_counter()
+    state, loss = call(state, batch)
+    dt = time.perf_counter() - t
+    jax.block_until_ready((state, loss))
+    if i >= 2:
+      out.append(dt)
+  return out
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--leaves", type=int, nargs="+", default=[100, 1000, 5000])
+  parser.add_argument("--calls", type=int, default=30)
+  args = parser.parse_args()
+  mesh = jax.make_mesh((8,), ("data",))
+  print(f"host time per call, median of {args.calls} (8 CPU devices, data parallel, "
+        f"1 micro-batch)")
+  print(f"{'leaves':>7} {'jax.jit ms':>11} {'autopar ms':>11} {'executables':>12} "
+        f"{'bound ms':>9} {'ratio':>6}")
+  for n in args.leaves:
+    state, data, step, plain_step = setup(n)
+    rep = NamedSharding(mesh, P())
+    shard = NamedSharding(mesh, P("data"))
+    jitted = jax.jit(plain_step, in_shardings=(rep, shard), out_shardings=(rep, rep),
+                     donate_argnums=(0,))
+    batch = jax.device_put(data, shard)
+    host = jax.tree.map(np.asarray, state)             # each run donates its own copy
+    fresh = lambda: jax.device_put(host, rep)           # noqa: E731
+    pf = autopar.parallelize(step, method=autopar.DataParallel(mesh=mesh))
+    executables = len(pf.get_executable(state, data).schedule)
+    jit_t = statistics.median(host_times(jitted, fresh(), batch, args.calls))
+    ap_t = statistics.median(host_times(pf, fresh(), batch, args.calls))
+    bound = executables * jit_t + 0.5e-3
+    print(f"{n:>7} {jit_t * 1e3:>11.2f} {ap_t * 1e3:>11.2f} {executables:>12} "
+          f"{bound * 1e3:>9.2f} {ap_t / jit_t:>6.2f}", flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,80 @@
+"""A steady-state call's host work (issue 34): arguments prepared once per
+kind, placement checked once per sharding, gradient stages given only the
+leaves they read, a pipeline's step without per-task statistics or
+recompiles. Timings are benchmark/dispatch.py's and benchmark/pipeline.py's;
+these check the behaviour those figures rest on."""
+
+import jax
+import numpy as np
+import optax
+
+import autopar
+from models import assert_trees_close, boundary_mlp_setup, mlp_setup, single_device
+
+
+def _mesh8():
+  return jax.make_mesh((8,), ("data",))
+
+
+def test_calls_reuse_the_preparation_of_their_kind_of_arguments():
+  make_state, step, batch = mlp_setup(batch=32, din=8, hidden=16, dout=4)
+  pf = autopar.parallelize(step, method=autopar.DataParallel(mesh=_mesh8()))
+  state = make_state()
+  first = pf._prepare((state, batch))
+  again = pf._prepare((state, batch))
+  assert again.key == first.key and again.leaves is first.leaves
+  assert all(a is b for a, b in zip(again.values, first.values))
+  # Another shape, or another static value, is another kind of arguments.
+  half = {k: v[:16] for k, v in batch.items()}
+  assert pf._prepare((state, half)).key != first.key
+  # The fast path gives what preparing afresh gives.
+  fresh = pf._prepare_new((state, batch))
+  assert fresh.key == again.key and fresh.flags == again.flags
+  assert [l.path for l in fresh.leaves] == [l.path for l in again.leaves]
+  assert all(a is b for a, b in zip(fresh.values, again.values))
+
+
+def test_steady_state_calls_equal_one_device_and_skip_placed_leaves():
+  make_state, step, batch = mlp_setup(batch=32, din=8, hidden=16, dout=4)
+  pf = autopar.parallelize(step, method=autopar.DataParallel(mesh=_mesh8(),
+                                                             num_micro_batches=2))
+  ref = single_device(step)
+  state, want = make_state(), make_state()
+  for _ in range(3):
+    state, loss = pf(state, batch)
+    want, want_loss = ref(want, batch)
+  assert_trees_close(state.params, want.params)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  exe = pf.get_executable(state, batch)
+  placed = exe.place(pf._prepare((state, batch)).values)
+  params = jax.tree.leaves(state.params)
+  assert any(p is x for p in params for x in placed)   # no copy of a placed leaf
+  # The gradient stages take the leaves the gradient reads and the batch,
+  # not the optimizer state.
+  lw = exe.lowered
+  assert 0 < len(lw.grad_leaves) < len(lw.in_shardings)
+
+
+def test_pipeline_step_keeps_no_statistics_unless_asked_and_compiles_once():
+  make_state, step, batch = boundary_mlp_setup(batch=16, d=8, tx=optax.sgd(0.1))
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  pf = autopar.parallelize(step, method=autopar.PipeshardParallel(
+      mesh=mesh, num_micro_batches=4, num_stages=2, layers="manual"))
+  state = make_state()
+  state, _ = pf(state, batch)
+  exe = pf.get_executable(state, batch)
+  assert exe.step.stats == {}                  # training: nothing measured
+  first = exe.stages
+  assert all(first[k] is v for k, v in exe.stages.items())   # compiled once
+  exe.step.recording = True
+  state, _ = pf(state, batch)
+  assert len(exe.step.stats["held_bytes_peak"]) == 2
+  exe.step.recording = False
+  # Its results equal one device's.
+  ref = single_device(step)
+  s1, s2 = make_state(), make_state()
+  for _ in range(2):
+    s1, l1 = pf(s1, batch)
+    s2, l2 = ref(s2, batch)
+  assert_trees_close(s1["params"], s2["params"])
+  np.testing.assert_allclose(l1, l2, rtol=1e-5)
