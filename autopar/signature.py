@@ -481,7 +481,7 @@ class Signature:
       retry = self.step.with_method(dataclasses.replace(method, option=dataclasses.replace(
           option, memory_budget_per_device=planning)))
       try:
-        exe = retry._compile(prep)
+        exe = retry.signature_of(prep).compile(prep)
       except PlanError as e:
         if "memory_budget_per_device" not in str(e):
           raise                     # not a budget the model cannot meet
