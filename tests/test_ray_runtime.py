@@ -141,6 +141,21 @@ def test_two_hosts_equal_one_process(ray_cluster, references, model, mname):
   assert_trees_close(jax.device_get(state.params), ref_params)
 
 
+def test_steps_overlap_and_their_outputs_are_read_later(ray_cluster, references):
+  """A call returns once the workers dispatched the step: three steps are
+  sent before any loss is read, and each loss, read afterwards, is the one
+  this process computes."""
+  make_state, step, batch = setups()["mlp"]
+  p = autopar.parallelize(step, method=methods(autopar.global_mesh(
+      (2, 4), ("data", "model")))["dp"])
+  state, kept = make_state(), []
+  for _ in range(STEPS):
+    state, loss = p(state, batch)
+    kept.append(loss)
+  np.testing.assert_allclose([float(x) for x in kept], references["mlp", "dp"][1],
+                             rtol=1e-5)
+
+
 def test_only_batch_shards_move_after_the_first_step(ray_cluster):
   make_state, step, batch = setups()["mlp"]
   p = autopar.parallelize(step, method=autopar.DataParallel(
