@@ -352,7 +352,7 @@ def _leaf_key(x) -> Any:
   number the step traces) its type and value (identity where it has no
   hash)."""
   if isinstance(x, jax.Array):
-    return (x.shape, x.dtype, x.weak_type)
+    return (x.shape, x.dtype, getattr(x, "weak_type", False))   # (a key array has none)
   if isinstance(x, np.ndarray):
     return ("ndarray", x.shape, x.dtype)
   try:

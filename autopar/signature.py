@@ -17,6 +17,7 @@ import math
 import threading
 import time
 import warnings
+import weakref
 from typing import Any
 
 import jax
@@ -57,13 +58,17 @@ class Signature:
   docstring).
 
   Attributes:
-    step: the ``ParallelizedFunction`` (its function, name and settings).
+    fun, name, output_reductions: the step's function, name and setting.
     method: its method with the costs resolved for these arguments.
     lock: held while the plan or the executable is made.
   """
 
   def __init__(self, step: Any, prep):
-    self.step = step
+    # The step's function and settings, and a weak reference to the step
+    # itself (it holds this signature: a plan must not keep it alive).
+    self.fun, self.name = step.fun, step.name
+    self.output_reductions = step.output_reductions
+    self._step = weakref.ref(step)
     self.method = self._resolved(step.method, prep)
     self.lock = threading.RLock()
     self._plan: tuple[Plan, int] | None = None
@@ -92,6 +97,14 @@ class Signature:
       option = hardware_option(option, mesh, dtype)
     return dataclasses.replace(method, option=option)
 
+  def with_method(self, method: ParallelMethod):
+    """The step under another method (a ParallelizedFunction)."""
+    step = self._step()
+    if step is None:
+      raise PlanError(f"{self.name}: the step this signature belongs to is gone. Fix: "
+                      f"keep the parallelized step alive while it is planned.")
+    return step.with_method(method)
+
   @property
   def planned_pipeline(self):
     """A PipeshardParallel step's (prepared trace, plan, (cut, choices,
@@ -113,9 +126,9 @@ class Signature:
         method = self.method
         mesh = resolve_mesh(method)
         with gc_paused():
-          pre = pipeline_compile.prepare(self.step.fun, self.args_for_trace(prep), prep,
-                                         method, name=self.step.name,
-                                         output_reductions=self.step.output_reductions)
+          pre = pipeline_compile.prepare(self.fun, self.args_for_trace(prep), prep,
+                                         method, name=self.name,
+                                         output_reductions=self.output_reductions)
           plan, chosen = pipeline_compile.plan_pipeline(pre, method, mesh)
         self._pipeline = (pre, plan, chosen)
       return self._pipeline
@@ -197,7 +210,7 @@ class Signature:
                                    len(self.pipeline(prep)[1].stages) > 1):
       return None
     if self._delegate is None:
-      self._delegate = self.step.with_method(ShardParallel(
+      self._delegate = self.with_method(ShardParallel(
           mesh=method.mesh, num_micro_batches=method.num_micro_batches,
           remat=method.remat, grad_accumulation_dtype=method.grad_accumulation_dtype,
           option=method.option,
@@ -220,8 +233,8 @@ class Signature:
     # the micro-batch; the presets split over theirs, which must divide it.
     solving = isinstance(method, ShardParallel) and method.plan is None
     batch_size = check_batch_leaves(prep.leaves, num_micro_batches=n, data_axes=(),
-                                    data_size=1, fn_name=self.step.name)
-    progress = Progress(self.step.name, getattr(getattr(method, "option", None),
+                                    data_size=1, fn_name=self.name)
+    progress = Progress(self.name, getattr(getattr(method, "option", None),
                                             "verbose", False))
     micro = batch_size // n if batch_size else 0
     t0 = time.perf_counter()
@@ -237,22 +250,22 @@ class Signature:
       batch_axes = batch_axes_for(method, mesh, split.hints)
       check_batch_leaves(prep.leaves, num_micro_batches=n, data_axes=batch_axes,
                          data_size=math.prod(sizes[a] for a in batch_axes),
-                         fn_name=self.step.name)
+                         fn_name=self.name)
     fingerprint = plan_cache.fingerprint(split, method, mesh, batch_size)
     if not split.has_marker and n > 1:
       raise MarkerError(
-          f"{self.step.name}: num_micro_batches={n} but the step has no grad marker, "
+          f"{self.name}: num_micro_batches={n} but the step has no grad marker, "
           f"so autopar cannot tell which part to run per micro-batch. Fix: "
           f"compute the gradients with autopar.grad or autopar.value_and_grad "
           f"instead of jax.grad / jax.value_and_grad.")
     saved = method.plan if isinstance(method, ShardParallel) else None
     if saved is not None:
-      plan = bind_saved_plan(saved, split, mesh, fingerprint, self.step.name)
+      plan = bind_saved_plan(saved, split, mesh, fingerprint, self.name)
     elif isinstance(method, ShardParallel) and split.has_marker:
       key = plan_cache.plan_key(fingerprint) if method.option.plan_cache else None
       cached = plan_cache.load(key) if key else None
       if cached is not None and dict(cached.fingerprint) == fingerprint:
-        plan = bind_saved_plan(cached, split, mesh, fingerprint, self.step.name)
+        plan = bind_saved_plan(cached, split, mesh, fingerprint, self.name)
         progress.add("plan cache hit", 0.0, str(plan_cache.cache_dir() / key))
       else:
         plan = plan_auto(split, method, mesh, batch_size=batch_size,
@@ -275,7 +288,7 @@ class Signature:
                     h.spec) for h in split.hints if h.axes()))
     data_size = math.prod(sizes[a] for a in plan.batch_axes)
     if split.has_marker and n * data_size > 1:
-      check_loss(split.loss, self.step.name,
+      check_loss(split.loss, self.name,
                  f"{n} micro-batch(es) x {data_size} device(s) along {plan.batch_axes}")
       for j, (path, kind, aval) in enumerate(zip(
           split.traced.out_paths, split.out_kinds,
@@ -289,7 +302,7 @@ class Signature:
                  f"parallelize(..., output_reductions={{{path!r}: 'mean'}}) (or 'sum', "
                  f"'max', 'min').")
           raise InputError(
-              f"{self.step.name}: output {path} (shape {tuple(aval.shape)} for a "
+              f"{self.name}: output {path} (shape {tuple(aval.shape)} for a "
               f"micro-batch of {micro} rows) is computed from the batch before the "
               f"gradient marker, and autopar cannot tell how to combine it over {n} "
               f"micro-batch(es) x {data_size} device(s): {why}.{fix}")
@@ -317,12 +330,12 @@ class Signature:
   def _symbolic(self, prep) -> SplitStep | None:
     if self._any_split is _UNSET:
       with remat_mode(self.method.remat):
-        traced = trace_step_any_batch(self.step.fun, self.args_for_trace(prep),
+        traced = trace_step_any_batch(self.fun, self.args_for_trace(prep),
                                       prep.flags, prep.leaves, prep.inputs,
                                       mesh=auto_mesh(resolve_mesh(self.method)),
                                       names=prep.names)
       self._any_split = (None if traced is None else split_step(
-          traced, fn_name=self.step.name, output_reductions=self.step.output_reductions,
+          traced, fn_name=self.name, output_reductions=self.output_reductions,
           remat=self.method.remat))
     return self._any_split
 
@@ -355,13 +368,13 @@ class Signature:
                         if t is not None and t.micro_batch_size != rows), None)
       if reference is None:
         reference = self._reference = self.trace_at(prep, 2 * rows)
-    return split_step(traced, fn_name=self.step.name, reference=reference,
-                      output_reductions=self.step.output_reductions, remat=self.method.remat)
+    return split_step(traced, fn_name=self.name, reference=reference,
+                      output_reductions=self.output_reductions, remat=self.method.remat)
 
   def trace_at(self, prep, rows: int):
     """The step traced at ``rows`` rows (uncached)."""
     with remat_mode(self.method.remat):
-      return trace_step(self.step.fun, self.args_for_trace(prep), prep.flags,
+      return trace_step(self.fun, self.args_for_trace(prep), prep.flags,
                         prep.leaves, prep.inputs, micro_batch_size=rows,
                         mesh=auto_mesh(resolve_mesh(self.method)), names=prep.names)
 
@@ -398,7 +411,7 @@ class Signature:
     mesh = resolve_mesh(self.method)
     if isinstance(mesh, AbstractMesh):
       raise PlanError(
-          f"{self.step.name}: the method's mesh is an AbstractMesh, which can be "
+          f"{self.name}: the method's mesh is an AbstractMesh, which can be "
           f"planned for but not run on. Fix: use .plan(*args) to plan, and run "
           f"with a concrete mesh (jax.make_mesh or autopar.global_mesh).")
     split_local = split
@@ -422,11 +435,11 @@ class Signature:
         scale = scale_at(self.symbolic(prep), whole)
       else:
         local, at_whole = split_local.loss, self.split(prep, whole).loss
-        check_loss(local, self.step.name, f"{plan.num_micro_batches} micro-batch(es) x "
+        check_loss(local, self.name, f"{plan.num_micro_batches} micro-batch(es) x "
                    f"{data_size} device(s) along {plan.batch_axes}")
         if (local.kinds, local.sum_ops) != (at_whole.kinds, at_whole.sum_ops):
           raise InputError(
-              f"{self.step.name}: the loss of {local.name} is computed from other sums "
+              f"{self.name}: the loss of {local.name} is computed from other sums "
               f"at {split_local.traced.micro_batch_size} rows (a device's share of "
               f"a micro-batch) than at the whole batch's {whole} (its program "
               f"changes with the batch size, and the step cannot be traced at a "
@@ -478,7 +491,7 @@ class Signature:
       # planned budget once the model has said no (a bisection).
       high = planning
       planning = high * budget / peak if low is None else (low + high) / 2
-      retry = self.step.with_method(dataclasses.replace(method, option=dataclasses.replace(
+      retry = self.with_method(dataclasses.replace(method, option=dataclasses.replace(
           option, memory_budget_per_device=planning)))
       try:
         exe = retry.signature_of(prep).compile(prep)
@@ -493,7 +506,7 @@ class Signature:
       return self.keep_plan(prep, exe, first)
     smallest = min(p for _, p in tried)
     raise PlanError(
-        f"{self.step.name}: no plan found whose compiled step fits memory_budget_per_device="
+        f"{self.name}: no plan found whose compiled step fits memory_budget_per_device="
         f"{budget:.0f} bytes on mesh {axis_sizes_of(resolve_mesh(method))}: "
         f"the compiled peaks per device were "
         f"{', '.join(f'{p:.0f}' for _, p in tried)} bytes (planned within "
