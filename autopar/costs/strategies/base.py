@@ -1,4 +1,4 @@
-"""Per-primitive sharding strategies, filled by registration.
+"""The sharding strategies' types, the rule registry and the spec helpers.
 
 For one jaxpr equation, a rule lists its candidate :class:`Strategy`\\ s: the
 sharding of each output, the sharding each input must have, and the compute
@@ -248,8 +248,3 @@ def warn_missing_rules(missing: Mapping[str, int], where: str) -> None:
         f"autopar: {where}: no sharding rule for {names}; those equations run "
         f"replicated (each device computes the whole value: correct, without "
         f"parallelism). Please report the primitive.", stacklevel=3)
-
-
-# Register the rule modules (they only call `register`).
-from autopar.costs.strategies import (constraints, dot, elementwise,  # noqa: E402,F401
-                                indexing, reductions, shape_ops)

@@ -12,7 +12,7 @@ from jax.extend.core import Literal
 from jax.sharding import PartitionSpec
 
 from autopar.frontend.hints import HINT_PRIMITIVES, entry_axes, spec_of
-from autopar.costs.strategies import RuleContext, Strategy, enumerate_specs, register
+from autopar.costs.strategies.base import RuleContext, Strategy, enumerate_specs, register
 
 
 @register(*HINT_PRIMITIVES)

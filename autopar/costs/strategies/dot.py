@@ -11,7 +11,7 @@ import itertools
 import math
 
 from autopar.costs.cost_model import itemsize
-from autopar.costs.strategies import RuleContext, Strategy, local_bytes, register
+from autopar.costs.strategies.base import RuleContext, Strategy, local_bytes, register
 
 
 def dot_flops(lhs_shape, out_shape, contracting) -> int:

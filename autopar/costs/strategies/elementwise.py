@@ -6,7 +6,7 @@ import math
 
 from jax.extend.core import Literal
 
-from autopar.costs.strategies import RuleContext, Strategy, enumerate_specs, register
+from autopar.costs.strategies.base import RuleContext, Strategy, enumerate_specs, register
 
 ELEMENTWISE = (
     "add", "add_any", "sub", "mul", "div", "rem", "pow", "max", "min", "atan2",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 
-from autopar.costs.strategies import (RuleContext, Strategy, local_bytes, register,
+from autopar.costs.strategies.base import (RuleContext, Strategy, local_bytes, register,
                                 replicated)
 
 

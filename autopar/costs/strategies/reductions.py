@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from autopar.costs.strategies import (RuleContext, Strategy, enumerate_specs,
+from autopar.costs.strategies.base import (RuleContext, Strategy, enumerate_specs,
                                 local_bytes, register)
 
 

@@ -13,7 +13,7 @@ import math
 
 from jax.extend.core import Literal
 
-from autopar.costs.strategies import (RuleContext, Strategy, enumerate_specs, register,
+from autopar.costs.strategies.base import (RuleContext, Strategy, enumerate_specs, register,
                                 replicated)
 
 
