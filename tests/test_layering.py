@@ -46,3 +46,50 @@ def test_the_tools_are_imported_by_nothing_below_them():
                  and m not in ("autopar", "autopar.__main__"))
   assert not below, f"imported by {below}"
   assert autopar.Plan.summary    # the reading methods stay on the Plan
+
+
+def test_no_module_imports_itself_through_others():
+  """No circle of imports among autopar's modules (strongly connected
+  components of the import graph, function-local imports included)."""
+  graph = _graph()
+  mods = sorted(graph.modules)
+  edges = {m: sorted(graph.find_modules_directly_imported_by(m)) for m in mods}
+  index, low, on, stack, circles, counter = {}, {}, set(), [], [], [0]
+
+  def visit(v):                         # Tarjan's algorithm, iteratively
+    work = [(v, iter(edges[v]))]
+    index[v] = low[v] = counter[0]
+    counter[0] += 1
+    stack.append(v)
+    on.add(v)
+    while work:
+      node, it = work[-1]
+      for w in it:
+        if w not in index:
+          index[w] = low[w] = counter[0]
+          counter[0] += 1
+          stack.append(w)
+          on.add(w)
+          work.append((w, iter(edges[w])))
+          break
+        if w in on:
+          low[node] = min(low[node], index[w])
+      else:
+        work.pop()
+        if work:
+          low[work[-1][0]] = min(low[work[-1][0]], low[node])
+        if low[node] == index[node]:
+          comp = []
+          while True:
+            w = stack.pop()
+            on.discard(w)
+            comp.append(w)
+            if w == node:
+              break
+          if len(comp) > 1:
+            circles.append(sorted(comp))
+
+  for m in mods:
+    if m not in index:
+      visit(m)
+  assert not circles, circles

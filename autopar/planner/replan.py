@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 from jax.sharding import PartitionSpec
 
@@ -16,9 +16,21 @@ from autopar.text import axes_str
 
 if TYPE_CHECKING:
   from autopar.plan import Plan
-  from autopar.planner.shard import SolvedProblem
 
-__all__ = ["Replanner"]
+
+class SolvedProblem(Protocol):
+  """What a plan keeps of an ILP solved while planning, as ``Replanner``
+  uses it (``planner.shard.SolvedProblem`` is one)."""
+  objective: float
+  batch_axes: tuple[str, ...]
+  kept_axes: tuple[str, ...]
+
+  def can_pin(self, path: str, spec: PartitionSpec) -> bool: ...
+  def pinned(self, path: str) -> bool: ...
+  def plan(self, pins: Mapping[str, PartitionSpec], *, above: float | None = None
+           ) -> "Plan | None": ...
+
+__all__ = ["Replanner", "SolvedProblem"]
 
 
 @dataclasses.dataclass(eq=False)
