@@ -350,11 +350,16 @@ def _leaf_key(x) -> Any:
   """What a leaf contributes to the key of a call's arguments: an array its
   shape, dtype and weak type; anything else (a static leaf, or a Python
   number the step traces) its type and value (identity where it has no
-  hash)."""
+  hash). TypeError for arguments whose preparation is not kept."""
   if isinstance(x, jax.Array):
     return (x.shape, x.dtype, getattr(x, "weak_type", False))   # (a key array has none)
   if isinstance(x, np.ndarray):
     return ("ndarray", x.shape, x.dtype)
+  if (hasattr(x, "shape") and hasattr(x, "dtype") and
+      not isinstance(x, (np.generic, jax.ShapeDtypeStruct))):
+    # Another runtime's array handle (a Ray RemoteArray): not kept by the
+    # cache (its value lives as long as the handle), so not cached at all.
+    raise TypeError("an array handle")
   try:
     hash(x)
     return (type(x), x)

@@ -209,6 +209,10 @@ class Signature:
                                    method.plan is None and
                                    len(self.pipeline(prep)[1].stages) > 1):
       return None
+    with self.lock:
+      return self._one_stage_delegate(method)
+
+  def _one_stage_delegate(self, method):
     if self._delegate is None:
       self._delegate = self.with_method(ShardParallel(
           mesh=method.mesh, num_micro_batches=method.num_micro_batches,

@@ -78,3 +78,26 @@ def test_pipeline_step_keeps_no_statistics_unless_asked_and_compiles_once():
     s2, l2 = ref(s2, batch)
   assert_trees_close(s1["params"], s2["params"])
   np.testing.assert_allclose(l1, l2, rtol=1e-5)
+
+
+def test_a_remote_array_handle_is_not_kept_by_the_arguments_cache():
+  """A Ray RemoteArray frees its value on the workers when the handle goes:
+  the preparation cache must not keep handles (it keeps none of their calls)."""
+  import gc
+
+  from autopar.runtime.cluster import RemoteArray
+
+  class Cluster:                      # what a RemoteArray tells when it goes
+    forgotten: list = []
+
+    def _forget(self, i):
+      self.forgotten.append(i)
+  cluster = Cluster()
+  pf = autopar.parallelize(lambda w, x: w, donate_argnums=(), batch_argnums=(1,),
+                           static_argnums=())
+  for i in range(3):
+    w = RemoteArray(cluster, i, (4,), np.float32)
+    pf.check_donation((w, np.ones((8, 4), np.float32)))
+    del w
+    gc.collect()
+  assert cluster.forgotten == [0, 1, 2]

@@ -340,9 +340,8 @@ class PipelineStep:
         durations[t] = time.perf_counter() - started
       if self.recording:
         self.record.append((t, tuple(held)))
-    if measuring:
-      self.stats = {"held_bytes_peak": peak_bytes, "sent_bytes": sent,
-                    "durations": durations}
+    self.stats = ({"held_bytes_peak": peak_bytes, "sent_bytes": sent,
+                   "durations": durations} if measuring else {})
     # Gradients: synced once per stage, partial sums added on the root's home.
     root_grads: dict[int, Any] = {}
     for s, (st, ex) in enumerate(zip(self.stages, self.exes, strict=True)):
@@ -381,8 +380,9 @@ class PipelineStep:
     for g, k in enumerate(program.grad_roots):
       v = aj.invars[nc + nl + g]
       if k not in root_grads:     # a parameter no stage reads: its gradient is zero
-        root_grads[k] = self._zeros_on(("grad", k), self.root_home[k], v.aval.shape,
-                                       v.aval.dtype, PartitionSpec())
+        # (made each step: the step may return it, and a caller may donate it)
+        root_grads[k] = self._on(self.root_home[k], np.zeros(v.aval.shape, v.aval.dtype),
+                                 PartitionSpec())
       env[v] = (self.root_home[k], root_grads[k])
     base = program.num_seeded
     for r, v in enumerate(aj.invars[nc + nl + ng:]):
