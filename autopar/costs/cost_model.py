@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["MeshCost", "bytes_per_device", "num_bytes", "itemsize", "dtype_name",
+           "dtype_flop_seconds",
            "COLLECTIVE_KINDS"]
 
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
@@ -146,6 +147,18 @@ class MeshCost:
 
   def all_to_all(self, nbytes: float, axes: Sequence[str]) -> float:
     return self.collective("all-to-all", nbytes, axes)
+
+
+def dtype_flop_seconds(rates: Mapping[str, float], dtype: str | None,
+                       default: float) -> float:
+  """Seconds per flop of work in ``dtype`` from ``rates`` (dtype name ->
+  seconds per flop; None: float32, the vector units' rate for element-wise
+  work); "tfloat32" falls back to float32's where the device has no TF32
+  tensor cores, and a dtype without a rate to ``default``."""
+  name = "float32" if dtype is None else str(dtype)
+  if name == "tfloat32" and name not in rates:
+    name = "float32"
+  return float(rates.get(name, default))
 
 
 def assumed_costs(axis_sizes: Mapping[str, int], option=None) -> dict:

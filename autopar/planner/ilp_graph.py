@@ -329,14 +329,18 @@ class ChoiceGraph:
       direct = {v: pos for pos, v in enumerate(eqn.invars)
                 if isinstance(v, Var) and not fus.fused_into(v, idx)}
       for v in fus.reads(idx):
-        pos = direct.get(v)
-        if node is not None and pos is not None and all(
-            st.in_specs[pos] is not None for st in self.nodes[node].choices):
-          # Read as the equation's strategy needs it (a gathered operand
-          # is read whole), charged to the reader's choice.
-          work.append((part, mult, (node, pos), v.aval, "read"))
-        elif v in val:
-          work.append((part, mult, val[v], v.aval, "bytes"))
+        self._charge_read(v, node, direct.get(v), val, mult, part)
+
+  def _charge_read(self, v, node, pos, val, mult, part, times: int = 1):
+    """Records ``times`` reads of value ``v``: as the reader's strategy
+    needs operand ``pos`` (a gathered operand is read whole), charged to the
+    reader's choice, where every choice of node ``node`` says; else at the
+    spec the plan gives ``v``."""
+    if node is not None and pos is not None and all(
+        st.in_specs[pos] is not None for st in self.nodes[node].choices):
+      self.work.extend([(part, mult, (node, pos), v.aval, "read")] * times)
+    elif v in val:
+      self.work.extend([(part, mult, val[v], v.aval, "bytes")] * times)
 
   def _add_relayouts(self, eqn, idx, val, mult, part, prefix, eqn_nodes, copied):
     """XLA:CPU's copies of a convolution's or dot's operands into the order
@@ -349,11 +353,7 @@ class ChoiceGraph:
         continue
       copied.add((v, order))
       pos = next(p for p, a in enumerate(eqn.invars) if a is v)
-      if node is not None and all(st.in_specs[pos] is not None
-                                  for st in self.nodes[node].choices):
-        self.work.extend([(part, mult, (node, pos), v.aval, "read")] * 2)
-      elif v in val:
-        self.work.extend([(part, mult, val[v], v.aval, "bytes")] * 2)
+      self._charge_read(v, node, pos, val, mult, part, times=2)
     if eqn.primitive.name == "conv_general_dilated":
       out = eqn.outvars[0]
       if out in val and any(c is out for c in conv_relayouts(eqn)):

@@ -8,7 +8,7 @@ methods (``summary``, ``explain``, ``cost_if``, ``check``, ``to_html``) call
 the reader this package registers with ``autopar.plan`` when imported.
 """
 
-from autopar import plan as _plan_module
+from autopar import plan as plan_data
 from autopar.tools import check, explain, report, summary
 
 
@@ -37,4 +37,4 @@ class Reader:
     return report.to_html(plan, title=title)
 
 
-_plan_module.use_reader(Reader())
+plan_data.use_reader(Reader())

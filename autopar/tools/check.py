@@ -34,7 +34,7 @@ import math
 from typing import TYPE_CHECKING, Any, Sequence
 
 from autopar.backend import hlo
-from autopar.costs.cost_model import MeshCost, ring_bytes_sent
+from autopar.costs.cost_model import MeshCost, dtype_flop_seconds, ring_bytes_sent
 from autopar.errors import PlanError
 from autopar.text import axes_str, format_bytes, format_rows
 
@@ -248,12 +248,7 @@ def compiled_flop_seconds(costs: dict, compiled) -> float:
   them (``RuleContext.flop_seconds``)."""
   spf = float(costs.get("seconds_per_flop", 1e-12))
   rates = dict(costs.get("seconds_per_flop_by_dtype") or {})
-
-  def rate(dtype: str) -> float:
-    if dtype == "tfloat32" and dtype not in rates:
-      dtype = "float32"               # no TF32 tensor cores: float32's rate
-    return float(rates.get(dtype, spf))
-
+  rate = lambda dtype: dtype_flop_seconds(rates, dtype, spf)   # noqa: E731
   total = hlo.module_cost(compiled)[0]
   matmuls = hlo.matmul_flops(compiled)
   rest = max(total - sum(matmuls.values()), 0.0)

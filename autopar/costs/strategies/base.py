@@ -33,7 +33,7 @@ from typing import Callable, Mapping, Sequence
 from jax.extend.core import Literal
 from jax.sharding import PartitionSpec
 
-from autopar.costs.cost_model import MeshCost, itemsize
+from autopar.costs.cost_model import MeshCost, dtype_flop_seconds, itemsize
 from autopar.frontend.retype import jaxprs_in
 from autopar.frontend.trace import INLINED_CALLS
 
@@ -168,10 +168,7 @@ class RuleContext:
   def flop_seconds(self, dtype=None) -> float:
     """Seconds per flop of work in ``dtype`` (None: float32, the vector
     units' rate for element-wise work)."""
-    name = "float32" if dtype is None else str(dtype)
-    if name == "tfloat32" and name not in self.flop_rates:
-      name = "float32"                  # no TF32 tensor cores: float32's rate
-    return self.flop_rates.get(name, self.seconds_per_flop)
+    return dtype_flop_seconds(self.flop_rates, dtype, self.seconds_per_flop)
 
   def compute(self, flops: float, spec_or_shards, dtype=None) -> float:
     """Seconds per device for ``flops`` (of the whole array) split evenly
