@@ -19,6 +19,7 @@ from autopar.method import (AutoShardingOption, DataParallel, PipeshardParallel,
 from autopar.frontend.capture import mark_pipeline_boundary
 from autopar.plan import Plan
 from autopar.runtime.base import restore_checkpoint, save_checkpoint
+from autopar.runtime.data import DataSource, HostShard
 from autopar.tools.diff import diff
 from autopar.version import __version__
 from autopar import nn  # noqa: E402  (autopar.nn: memory helpers)
@@ -31,6 +32,7 @@ __all__ = [
     "PipeshardParallel", "mark_pipeline_boundary",
     "AutoShardingOption", "Plan", "AutoparError", "InputError", "MarkerError",
     "MeshError", "PlanError", "ClusterError", "init", "shutdown", "global_mesh",
-    "RemoteArray", "save_checkpoint", "restore_checkpoint", "diff", "calibrate", "nn",
+    "RemoteArray", "DataSource", "HostShard", "save_checkpoint", "restore_checkpoint",
+    "diff", "calibrate", "nn",
     "__version__",
 ]

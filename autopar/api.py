@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from autopar.runtime import base as runtime
+from autopar.runtime import data as runtime_data
 from autopar.errors import InputError
 from autopar.runtime.executor import Executable
 from autopar.method import (ParallelMethod, PipeshardParallel, ShardParallel,
@@ -241,7 +242,7 @@ class ParallelizedFunction:
         exe = train_step.get_executable(state, batch)
         print(exe.plan.summary()); print(exe.schedule)
     """
-    prep = self._prepare(args)
+    prep = self._prepare(runtime_data.as_shapes(args))
     return self.signature_of(prep).executable(prep)
 
   def plan(self, *args) -> Plan:
@@ -250,7 +251,8 @@ class ParallelizedFunction:
     The arguments may be ``jax.ShapeDtypeStruct`` pytrees (e.g. from
     ``jax.eval_shape``) and the method's mesh an ``AbstractMesh``.
     """
-    prep = self._prepare(runtime.active().abstractify(args))
+    args = runtime.active().abstractify(args)
+    prep = self._prepare(args)
     plan, _ = self.signature_of(prep).plan(prep)
     if isinstance(self.method, ShardParallel) and self.method.plan is None:
       # (Shapes only: the plan must not keep the caller's arrays alive.)
@@ -292,6 +294,14 @@ class ParallelizedFunction:
 
   def _prepare_new(self, args: Sequence[Any]) -> _Prepared:
     names = arg_names(self.fun, len(args))
+    if any(isinstance(x, runtime_data.DataSource) for x in jax.tree.leaves(tuple(args))):
+      path = next(p for p, x in jax.tree_util.tree_flatten_with_path(tuple(args))[0]
+                  if isinstance(x, runtime_data.DataSource))
+      raise InputError(
+          f"{self.name}: a DataSource at argument{jax.tree_util.keystr(path)} is "
+          f"inside another argument; a DataSource is a whole argument (the "
+          f"batch). Fix: pass it as the batch itself, e.g. step(state, source), "
+          f"with every batch leaf in its like.")
     flags = classify_args(args, static_argnums=self.static_argnums,
                           batch_argnums=self.batch_argnums,
                           donate_argnums=self.donate_argnums, fn_name=self.name,

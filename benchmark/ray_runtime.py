@@ -15,6 +15,12 @@ Prints the median step time of each and their ratio (target <= 1.5 on a
 ten steps each read at once (the workers return once a step is dispatched,
 so steps overlap the driver's work), and the bytes sent from the driver per
 step after the first (target: only the batch's shards, each row once).
+
+Then the same step with each host loading its own rows (``autopar.DataSource``)
+at batch 2048 and 4096: one step read alone, ten steps sent before the last
+is read (target: no more than 10 x one step's device time + one step), and
+the bytes of a call's message to a host (target: the same for both batch
+sizes), against the message carrying the batch from the driver.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import optax  # noqa: E402
 
 import autopar  # noqa: E402
 from autopar.runtime import cluster  # noqa: E402
-from models import MLP  # noqa: E402, F401  (the workers import it too)
+from models import MLP, StoredBatches  # noqa: E402, F401  (the workers import them too)
 
 
 def setup():
@@ -93,6 +99,30 @@ def main(steps=20):
       remote_state, rloss = remote(remote_state, batch)
     float(rloss)
     overlapped = time.perf_counter() - t
+    # The same steps with each host loading its own rows (a DataSource):
+    # ten steps against one step read alone, and the bytes of a call's
+    # message for two batch sizes against the batch sent by the driver.
+    loaded = {}
+    for rows in (len(batch["x"]), 2 * len(batch["x"])):
+      data = {k: np.concatenate([v] * (rows // len(v))) for k, v in batch.items()}
+      loader = StoredBatches([data])
+      source = autopar.DataSource(loader, like=loader.like())
+      remote_state, rloss = remote(remote_state, source)      # compile
+      float(rloss)
+      one = []
+      for _ in range(5):
+        t = time.perf_counter()
+        remote_state, rloss = remote(remote_state, source)
+        float(rloss)
+        one.append(time.perf_counter() - t)
+      t = time.perf_counter()
+      for _ in range(10):
+        remote_state, rloss = remote(remote_state, source)
+      float(rloss)
+      loaded[rows] = (float(np.median(one)), time.perf_counter() - t, c.last_call_bytes)
+      remote_state, rloss = remote(remote_state, data)
+      float(rloss)
+      loaded[rows] += (c.last_call_bytes,)
   finally:
     autopar.shutdown()
   med = {k: float(np.median(v)) for k, v in times.items()}
@@ -106,6 +136,11 @@ def main(steps=20):
         f"(x{overlapped / (10 * med['ray']):.2f})")
   print(f"bytes sent from the driver per step after the first: "
         f"{int(np.median(moved))} (the batch is {batch_bytes} bytes)")
+  for rows, (one, ten, source_bytes, driver_bytes) in loaded.items():
+    print(f"batch {rows} loaded by each host (DataSource): one step {one * 1e3:.1f} ms, "
+          f"ten unread steps {ten * 1e3:.1f} ms (x{ten / (10 * one):.2f} of 10 x one "
+          f"step); a call's message to a host {source_bytes} bytes, {driver_bytes} "
+          f"with the batch sent by the driver")
 
 
 if __name__ == "__main__":

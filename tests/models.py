@@ -260,3 +260,18 @@ def image_setup(model, batch=32, hw=8):
     return state.apply_gradients(grads=grads), loss
 
   return make_state, step, {"x": x, "y": y}
+
+
+class StoredBatches:
+  """A data set of several batches in memory, read as a DataSource's loader:
+  batch number ``step % len`` and of it the rows ``shard.rows``."""
+
+  def __init__(self, batches):
+    self.batches = batches
+
+  def __call__(self, shard):
+    batch = self.batches[shard.step % len(self.batches)]
+    return jax.tree.map(lambda a: a[shard.rows], batch)
+
+  def like(self):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.batches[0])

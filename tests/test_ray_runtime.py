@@ -22,8 +22,8 @@ import pytest
 
 import autopar
 from autopar.runtime import cluster
-from models import (assert_trees_close, dropout_setup, mlp_setup, single_device,
-                    transformer_setup)
+from models import (StoredBatches, assert_trees_close, dropout_setup, mlp_setup,
+                    single_device, transformer_setup)
 
 SGD = optax.sgd(0.1, momentum=0.9)
 STEPS = 3
@@ -165,6 +165,68 @@ def test_only_batch_shards_move_after_the_first_step(ray_cluster):
   state, _ = p(state, batch)
   moved = ray_cluster.bytes_sent - before
   assert moved == sum(x.nbytes for x in batch.values())   # each row once
+
+
+@pytest.mark.parametrize("mname", ["dp", "shard", "pipeline"])
+def test_each_host_loads_its_rows_as_the_driver_would_send_them(ray_cluster, mname):
+  """A DataSource in the batch's place: each host loads its own rows (a
+  pipeline's first-stage host the inputs, its last the labels), and three
+  steps on three batches give the numbers of the same batches sent through
+  the driver."""
+  batches = [transformer_setup(batch=16, d=32, heads=4, seed=s, tx=SGD)[2]
+             for s in range(3)]
+  make_state, step, _ = transformer_setup(batch=16, d=32, heads=4, tx=SGD)
+  if mname == "pipeline":
+    method = autopar.PipeshardParallel(
+        mesh=autopar.global_mesh((2, 4), ("host", "model")), num_micro_batches=2,
+        num_stages=2, stage_mesh_shapes=[(1, 4), (1, 4)])
+  else:
+    method = methods(autopar.global_mesh((2, 4), ("data", "model")))[mname]
+  loader = StoredBatches(batches)
+  source = autopar.DataSource(loader, like=loader.like())
+  from_hosts = autopar.parallelize(step, method=method)
+  from_driver = autopar.parallelize(step, method=method)
+  a, b = make_state(), make_state()
+  c = cluster.current()
+  for k in range(3):
+    before = c.bytes_sent
+    a, loss_a = from_hosts(a, source)
+    if k:                    # (the first step sends the state)
+      assert c.bytes_sent == before        # no batch bytes left the driver
+    b, loss_b = from_driver(b, batches[k])
+    np.testing.assert_allclose(float(loss_a), float(loss_b), rtol=1e-6)
+  assert_trees_close(jax.device_get(a.params), jax.device_get(b.params), rtol=1e-6)
+
+
+def test_bytes_through_the_driver_do_not_grow_with_a_loaded_batch(ray_cluster):
+  """Per step the driver sends a data source's hosts the same message for a
+  batch of 32 rows and of 512, and the batch itself through the driver."""
+  mesh = autopar.global_mesh((8,), ("data",))
+  sent = {}
+  for rows in (32, 512):
+    make_state, step, batch = mlp_setup(batch=rows, tx=SGD)
+    loader = StoredBatches([batch])
+    p = autopar.parallelize(step, method=autopar.DataParallel(mesh=mesh))
+    for how, data in (("source", autopar.DataSource(loader, like=loader.like())),
+                      ("driver", batch)):
+      state, _ = p(make_state(), data)
+      state, loss = p(state, data)
+      float(loss)
+      sent[how, rows] = ray_cluster.last_call_bytes
+  assert sent["source", 512] - sent["source", 32] <= 16, sent    # (digits of shapes)
+  grown = sum(x.nbytes for x in mlp_setup(batch=512)[2].values()) - sum(
+      x.nbytes for x in mlp_setup(batch=32)[2].values())
+  assert sent["driver", 512] - sent["driver", 32] >= grown / 8, sent   # (per host)
+
+
+def test_a_loader_that_returns_other_rows_is_named(ray_cluster):
+  make_state, step, batch = mlp_setup(batch=32, tx=SGD)
+  like = StoredBatches([batch]).like()
+  wrong = autopar.DataSource(StoredBatches([{k: v[:4] for k, v in batch.items()}]), like)
+  p = autopar.parallelize(step, method=autopar.DataParallel(
+      mesh=autopar.global_mesh((8,), ("data",))))
+  with pytest.raises(autopar.InputError, match="shard.rows names"):
+    p(make_state(), wrong)
 
 
 @pytest.mark.parametrize("model,shapes,schedule", [

@@ -38,7 +38,7 @@ import os
 import threading
 from typing import Any, Sequence
 
-from autopar.runtime import checkpoint
+from autopar.runtime import checkpoint, data
 from autopar.errors import InputError
 from autopar.frontend.trace import split_updates
 
@@ -70,8 +70,13 @@ class LocalRuntime(Runtime):
   """This process's devices."""
 
   def call(self, step, args):
+    if data.has_sources(args):      # (this process loads every row)
+      args = data.materialize(args, step.name)
     whole, traced = step.run_here(*args)
     return split_updates(traced, whole, args)
+
+  def abstractify(self, args):
+    return data.as_shapes(args)
 
   def save_checkpoint(self, path, state):
     checkpoint.save_local(path, checkpoint.arrays_only(state))

@@ -46,6 +46,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, PartitionSpec
 
 from autopar.runtime import base as runtime
+from autopar.runtime import data
 from autopar.errors import AutoparError, InputError, MeshError
 from autopar.runtime.host_worker import ArrayRef, HostWorker, pickled
 from autopar.frontend.pytrees import leaf_mask
@@ -267,7 +268,11 @@ class RayCluster(runtime.Runtime):
     self._forgotten: list[int] = []
     # A step whose method has no mesh -> the same step on the cluster's mesh.
     self._variants = weakref.WeakKeyDictionary()
+    self._sources: dict[data.DataSource, int] = {}   # data source -> its id
     self.bytes_sent = 0                          # numpy bytes shipped to workers
+    # Bytes the last call sent each host: its arguments' message and the
+    # NumPy shards (what grows with a batch that passes through the driver).
+    self.last_call_bytes = 0
 
   # -- lifecycle ------------------------------------------------------------------
 
@@ -486,6 +491,39 @@ class RayCluster(runtime.Runtime):
                        blocks, impl, offset))
     return array_id, per_host
 
+  def _loads(self, loads: dict, mesh_names) -> list[list]:
+    """Per host, what it loads for this call: per data source (id, the
+    batch's number, the rows the host's devices hold of any of the source's
+    leaves or None, and per leaf (array id, leaf index, shape, dtype, mesh
+    shape, mesh names, spec, device offset)). A source's loader goes to the
+    workers the first time."""
+    from ray import cloudpickle
+    per_host: list[list] = [[] for _ in self.workers]
+    for source, leaves in loads.items():
+      source_id = self._sources.get(source)
+      if source_id is None:
+        source_id = self._sources[source] = next(self._ids)
+        payload = cloudpickle.dumps(source)
+        self._call([w.register_source.remote(source_id, payload) for w in self.workers],
+                   "register the data source")
+      step = source.next_step()
+      rows: dict[int, tuple[int, int]] = {}
+      entries = []
+      for array_id, leaf, mesh_shape, spec, offset in leaves:
+        spec = PartitionSpec(*list(spec)[:len(leaf.shape)])
+        held = host_shards(leaf.shape, spec, mesh_shape, mesh_names,
+                           self.device_hosts[offset:offset + math.prod(mesh_shape)])
+        for h, indices in held.items():
+          lo = min(i[0][0] for i in indices)
+          hi = max(i[0][1] for i in indices)
+          a, b = rows.get(h, (lo, hi))
+          rows[h] = (min(a, lo), max(b, hi))
+        entries.append((array_id, leaf.index, leaf.shape, leaf.dtype, mesh_shape,
+                        tuple(mesh_names), spec, offset))
+      for h in range(len(self.workers)):
+        per_host[h].append((source_id, step, rows.get(h), entries))
+    return per_host
+
   def fetch(self, x: RemoteArray) -> np.ndarray:
     if x.deleted:
       raise InputError(f"autopar: {x!r} was donated to a later step. Fix: use the "
@@ -515,6 +553,8 @@ class RayCluster(runtime.Runtime):
     """Runs ``pf`` (a ParallelizedFunction) on the workers."""
     from ray import cloudpickle
     pf = _with_global_mesh(pf, self)
+    # A DataSource's leaves stand in for arrays the hosts load themselves.
+    args = data.expand(args) if data.has_sources(args) else args
     pf.check_donation(args)
     # Planned (and traced) once per signature on the driver; every later call
     # finds both in pf's caches.
@@ -557,15 +597,22 @@ class RayCluster(runtime.Runtime):
     static = set(sig.static_argnums)
     arg_of = [i for i, child in enumerate(tree.children()) for _ in range(child.num_leaves)]
     traced = [t and arg_of[k] not in static for k, t in
-              enumerate(leaf_mask(list(args), arrays=(RemoteArray,)))]
+              enumerate(leaf_mask(list(args), arrays=(RemoteArray, data.SourceLeaf)))]
     # Each input on its mesh: the whole mesh, or a pipeline stage's submesh.
     specs = iter(plan.placements())
     temporary = []
     shipped = []
     puts: list[list] = [[] for _ in self.workers]    # sent with the call
+    loads: dict[data.DataSource, list] = {}          # a source -> its leaves
     for x, is_traced in zip(leaves, traced, strict=True):
       if not is_traced:
         shipped.append(x)          # static: Python values go as they are
+      elif isinstance(x, data.SourceLeaf):
+        offset, shape, spec = next(specs)
+        array_id = next(self._ids)
+        loads.setdefault(x.source, []).append((array_id, x, tuple(shape), spec, offset))
+        temporary.append(array_id)
+        shipped.append(ArrayRef(array_id))
       elif isinstance(x, RemoteArray):
         next(specs)
         if x.deleted:
@@ -582,15 +629,20 @@ class RayCluster(runtime.Runtime):
           puts[h].append(p)
         temporary.append(array_id)
         shipped.append(ArrayRef(array_id))
+    loading = self._loads(loads, mesh.axis_names)
     tree_bytes = pickled(self._pickles, tree, tree)
     tree_key = hashlib.sha256(tree_bytes).hexdigest()
     new_tree = tree_key not in self._sent_trees
     args_bytes = cloudpickle.dumps((tree_key, tree_bytes if new_tree else None, shipped))
     forgotten, self._forgotten = self._forgotten, []
     out_ids = [next(self._ids) for _ in range(num_outs)]
+    self.last_call_bytes = max(
+        len(args_bytes) + len(cloudpickle.dumps(loading[h])) +
+        sum(b.nbytes for p in puts[h] for b in p[6].values())
+        for h in range(len(self.workers)))
     results = self._call([
         w.run.remote(fn_id, plan_key, plan_json if first else None, method_bytes,
-                     args_bytes, out_ids, SMALL_BYTES, puts[h], forgotten)
+                     args_bytes, out_ids, SMALL_BYTES, puts[h], forgotten, loading[h])
         for h, w in enumerate(self.workers)], "the step")
     self._sent_plans.add((fn_id, plan_key))
     self._sent_trees.add(tree_key)
@@ -680,10 +732,11 @@ class RayCluster(runtime.Runtime):
 
 def abstractify(args):
   """``args`` with RemoteArray leaves as ``jax.ShapeDtypeStruct``s."""
+  handles = (RemoteArray, data.SourceLeaf)
   return jax.tree.map(
       lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
-      if isinstance(a, RemoteArray) else a, args,
-      is_leaf=lambda a: isinstance(a, RemoteArray))
+      if isinstance(a, handles) else a, data.as_shapes(args),
+      is_leaf=lambda a: isinstance(a, handles))
 
 
 def _with_global_mesh(pf, c: RayCluster):

@@ -60,6 +60,7 @@ class HostWorker:
                                  f"{num_devices or 1}").strip()
     self.arrays: dict[int, Any] = {}
     self.functions: dict[int, Any] = {}
+    self.sources: dict[int, Any] = {}        # id -> a DataSource (data.py)
     self.trees: dict[str, Any] = {}
     self.tree_pickles: dict = {}            # see pickled
     self.mesh = None
@@ -154,9 +155,42 @@ class HostWorker:
     from ray import cloudpickle
     self.functions[fn_id] = {"fun": cloudpickle.loads(payload), "by_plan": {}}
 
+  def register_source(self, source_id: int, payload: bytes) -> None:
+    """Keeps a DataSource (cloudpickled), whose loader runs here each step."""
+    from ray import cloudpickle
+    self.sources[source_id] = cloudpickle.loads(payload)
+
+  def load(self, source_id: int, step: int, rows, entries) -> None:
+    """Loads this host's rows of a DataSource's batch number ``step`` and
+    makes its global arrays (``entries``: per leaf, (array id, leaf index,
+    shape, dtype, mesh shape, mesh names, spec, device offset)); ``rows``
+    is None on a host whose devices hold none of them."""
+    import jax
+    from jax.sharding import NamedSharding
+    from autopar.runtime.data import HostShard, check_loaded
+    source = self.sources[source_id]
+    leaves = None
+    if rows is not None:
+      shard = HostShard(host=self.host_index, num_hosts=jax.process_count(),
+                        rows=slice(*rows), step=step)
+      leaves = check_loaded(source, source.load(shard), shard,
+                            f"host {self.host_index}")
+    for array_id, k, shape, dtype, mesh_shape, mesh_names, spec, offset in entries:
+      sharding = NamedSharding(self._mesh(mesh_shape, mesh_names, offset), spec)
+      if not sharding.addressable_devices:
+        x = jax.make_array_from_single_device_arrays(shape, sharding, [], dtype=dtype)
+      else:
+        local, start = leaves[k], rows[0]
+        def rows_of(idx, local=local, start=start, shape=shape):
+          (a, b), *rest = normalize_index(idx, shape)
+          return local[(slice(a - start, b - start),) +
+                       tuple(slice(lo, hi) for lo, hi in rest)]
+        x = jax.make_array_from_callback(shape, sharding, rows_of, dtype=dtype)
+      self.arrays[array_id] = x
+
   def run(self, fn_id: int, plan_key: str, plan_json: str | None,
           method_bytes: bytes, args_bytes: bytes, out_ids: list[int],
-          small_bytes: int, puts=(), deletes=()) -> dict:
+          small_bytes: int, puts=(), deletes=(), loads=()) -> dict:
     """Runs the step on the global arrays; keeps its outputs under ``out_ids``.
 
     The plan (JSON, for ShardParallel and PipeshardParallel; the presets
@@ -171,6 +205,8 @@ class HostWorker:
     self.delete(deletes)
     for p in puts:
       self.put(*p)
+    for source_id, step, rows, entries in loads:
+      self.load(source_id, step, rows, entries)
     entry = self.functions[fn_id]
     pf = entry["by_plan"].get(plan_key)
     if pf is None:
