@@ -464,7 +464,7 @@ class Signature:
     with jax.set_mesh(None):
       lowered = lower_step(dataclasses.replace(split, apply=apply), split_local,
                            plan, mesh, accumulate=self.method.grad_accumulation_dtype,
-                           scale=scale)
+                           scale=scale, one_executable=self.method.one_executable)
     return Executable(plan=plan, lowered=lowered, split=split,
                       static_argnums=prep.flags.static)
 

@@ -60,10 +60,30 @@ from autopar.frontend.trace import eqns_by_path
 from autopar.frontend.split import (BY_DEVICE, OutputKind, SplitStep, dce,
                                     leaves_read_by_compute)
 
-__all__ = ["LoweredStep", "lower_step", "SUMS_STAGE", "grad_stage_leaves"]
+__all__ = ["LoweredStep", "lower_step", "SUMS_STAGE", "ONE_STAGE", "grad_stage_leaves"]
 
 # The first pass over the batch, for the sums the loss's cotangents read.
 SUMS_STAGE = "loss_sums"
+
+
+# One executable for the gradient and the update (one micro-batch,
+# ``one_executable=True``): ``grad_and_apply(donated, kept, batch) ->
+# (apply_outs, micro_outs)``.
+ONE_STAGE = "grad_and_apply"
+
+
+@dataclasses.dataclass(frozen=True)
+class _StageFn:
+  """A stage's function and how to jit it: each stage is jitted on its own,
+  or (``_one_executable``) called inside one jitted function with the others."""
+  fn: Callable
+  in_shardings: Any
+  out_shardings: Any
+  donate_argnums: tuple[int, ...] = ()
+
+  def jit(self):
+    return jax.jit(self.fn, in_shardings=self.in_shardings,
+                   out_shardings=self.out_shardings, donate_argnums=self.donate_argnums)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +101,8 @@ class LoweredStep:
   * ``accumulate_grad_sync(used, i, acc, sums) -> (grads, micro_outs)``
   * ``apply_grad(donated, kept, grads) -> apply_outs`` (donated donated)
   * ``step(donated, kept, batch) -> outs`` (a step without a grad marker)
+  * ``grad_and_apply(donated, kept, batch) -> (apply_outs, micro_outs)``
+    (one micro-batch, ``one_executable``: the stages above in one)
 
   ``used`` = the leaves at ``grad_leaves``: those the gradient computation
   reads and the batch (not the optimizer state: each argument is a cost of
@@ -329,11 +351,9 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
     out_shardings = acc_shardings
   sums_shardings = [ns(PartitionSpec())] * num_sums
   if first:
-    return jax.jit(fn, in_shardings=(leaf_shardings, sums_shardings),
-                   out_shardings=out_shardings)
-  return jax.jit(fn, in_shardings=(leaf_shardings, ns(PartitionSpec()), acc_shardings,
-                                   sums_shardings),
-                 out_shardings=out_shardings, donate_argnums=(2,))
+    return _StageFn(fn, (leaf_shardings, sums_shardings), out_shardings)
+  return _StageFn(fn, (leaf_shardings, ns(PartitionSpec()), acc_shardings, sums_shardings),
+                  out_shardings, donate_argnums=(2,))
 
 
 def grad_stage_leaves(split: SplitStep) -> tuple[int, ...]:
@@ -407,8 +427,7 @@ def _sums_stage(split: SplitStep, plan: Plan, amesh, *, micro_rows: int):
       body, mesh=amesh, in_specs=(specs,), out_specs=[PartitionSpec()] * len(ops),
       axis_names=set(manual), check_vma=False)
   ns = lambda s: NamedSharding(amesh, s)
-  return jax.jit(fn, in_shardings=([ns(s) for s in in_specs],),
-                 out_shardings=[ns(PartitionSpec())] * len(ops))
+  return _StageFn(fn, ([ns(s) for s in in_specs],), [ns(PartitionSpec())] * len(ops))
 
 
 def _apply_stage(split: SplitStep, plan: Plan, amesh, user_mesh,
@@ -456,8 +475,33 @@ def _apply_stage(split: SplitStep, plan: Plan, amesh, user_mesh,
                       else plan.grads[s].spec) for s in grad_slots] +
                   [ns(PartitionSpec())] * len(split.reduced))
   out_shardings = [ns(s, user_mesh) for s in apply_specs]
-  return jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
-                 donate_argnums=(0,) if donated else ())
+  return _StageFn(fn, in_shardings, out_shardings, (0,) if donated else ())
+
+
+def _one_executable(sums: _StageFn | None, grad: _StageFn, apply: _StageFn,
+                    used: Sequence[int], donated: Sequence[int], kept: Sequence[int],
+                    batch: Sequence[int], num_leaves: int, in_shardings) -> _StageFn:
+  """``grad_and_apply``: the sums pass (if any), the one micro-batch's
+  gradient stage and the update in one function. The values between them
+  keep the shardings the separate stages give them (the plan's), so the
+  numbers are the separate stages'; XLA may overlap and fuse across them,
+  and no gradient is written out between two executables."""
+  wsc = jax.lax.with_sharding_constraint
+
+  def fn(donated_vals, kept_vals, batch_vals):
+    vals: list[Any] = [None] * num_leaves
+    for idx, group in ((donated, donated_vals), (kept, kept_vals), (batch, batch_vals)):
+      for k, x in zip(idx, group, strict=True):
+        vals[k] = x
+    partial = wsc(sums.fn(vals), sums.out_shardings) if sums is not None else []
+    grads, micro_outs = grad.fn([vals[k] for k in used], partial)
+    grads = wsc(grads, grad.out_shardings[0])
+    apply_outs = apply.fn([vals[k] for k in donated], [vals[k] for k in kept], grads)
+    return apply_outs, micro_outs
+
+  shardings = tuple([in_shardings[k] for k in idx] for idx in (donated, kept, batch))
+  return _StageFn(fn, shardings, (apply.out_shardings, grad.out_shardings[1]),
+                  (0,) if donated else ())
 
 
 def _unconstrained_where_unsplit(spec: PartitionSpec) -> PartitionSpec:
@@ -564,7 +608,8 @@ def compile_all(lowered: dict, options=None) -> dict:
 
 
 def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
-               accumulate: str | None = "float32", scale=None) -> LoweredStep:
+               accumulate: str | None = "float32", scale=None,
+               one_executable: bool = False) -> LoweredStep:
   """Compiles every stage of ``split`` under ``plan`` on the concrete ``mesh``.
 
   ``split`` is the step traced at the global micro-batch size; ``split_local``
@@ -573,6 +618,8 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
   the method's ``grad_accumulation_dtype``. ``scale``: the loss's
   cotangents from the sums at the whole batch's size (``split.scale_at``),
   given when the batch is split (over micro-batches or devices).
+  ``one_executable``: with one micro-batch, the stages as one executable
+  (``grad_and_apply``).
   """
   amesh = auto_mesh(mesh)
   leaves = split.traced.leaves
@@ -581,6 +628,7 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
   batch = tuple(k for k, l in enumerate(leaves) if l.is_batch)
   in_shardings = tuple(NamedSharding(amesh, v.spec) for v in plan.inputs)
   leaf_avals = [l.abstract() for l in leaves]
+  of = lambda idx: [leaf_avals[k] for k in idx]   # noqa: E731
   n = plan.num_micro_batches
   stages: dict[str, Any] = {}
   index = ()
@@ -592,9 +640,7 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
     if not split.has_marker:
       fn = _whole_step(split, plan, amesh, mesh, donated, kept, batch)
-      stages["step"] = fn.lower([leaf_avals[k] for k in donated],
-                                [leaf_avals[k] for k in kept],
-                                [leaf_avals[k] for k in batch])
+      stages["step"] = fn.lower(of(donated), of(kept), of(batch))
       schedule = ("step",)
     else:
       rows = split_local.traced.micro_batch_size
@@ -602,35 +648,41 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
       stacks = find_grad_stacks(split_local.compute.jaxpr, split.num_grads,
                                 [g.spec for g in plan.grads], plan.batch_axes)
       acc_avals = _acc_avals(split, plan, accumulate, stacks)
-      sums_avals = []
+      sums_avals, sums = [], None
       if scale is not None and split_local.loss is not None and split_local.loss.num_sums:
         compute = split_local.compute.jaxpr
         marker = compute.eqns[loss_marker(compute)]
         k = len(marker.outvars)
         sums_avals = [_abstract(v.aval.shape, v.aval.dtype)
                       for v in marker.invars[k:k + split_local.loss.num_sums]]
-        fn = _sums_stage(split_local, plan, amesh, micro_rows=rows)
-        stages[SUMS_STAGE] = fn.lower(leaf_avals)
+        sums = _sums_stage(split_local, plan, amesh, micro_rows=rows)
+      used = grad_stage_leaves(split_local)
+      grad_fns = {}
       for pos, name in enumerate(names):
-        if name in stages:
-          continue
-        first, sync = pos == 0, pos == n - 1
-        fn = _grad_stage(split_local, plan, amesh, mesh, first=first, sync=sync,
-                         micro_rows=rows, accumulate=accumulate, stacks=stacks,
-                         scale=scale)
-        used = [leaf_avals[k] for k in grad_stage_leaves(split_local)]
-        if first:
-          lowered = fn.lower(used, sums_avals)
-        else:
-          lowered = fn.lower(used, _abstract((), np.int32), acc_avals, sums_avals)
-        stages[name] = lowered
-      fn = _apply_stage(split, plan, amesh, mesh, donated, kept, stacks)
-      grad_avals = [_abstract(a.shape, a.dtype)
-                    for a in (*_slot_avals(split, stacks), *split.reduced_avals)]
-      stages["apply_grad"] = fn.lower([leaf_avals[k] for k in donated],
-                                      [leaf_avals[k] for k in kept],
-                                      grad_avals)
-      schedule = ((SUMS_STAGE,) if SUMS_STAGE in stages else ()) + (*names, "apply_grad")
+        if name not in grad_fns:
+          grad_fns[name] = _grad_stage(split_local, plan, amesh, mesh, first=pos == 0,
+                                       sync=pos == n - 1, micro_rows=rows,
+                                       accumulate=accumulate, stacks=stacks, scale=scale)
+      apply = _apply_stage(split, plan, amesh, mesh, donated, kept, stacks)
+      if one_executable and n == 1:
+        (grad,) = grad_fns.values()
+        fn = _one_executable(sums, grad, apply, used, donated, kept, batch, len(leaves),
+                             in_shardings).jit()
+        stages[ONE_STAGE] = fn.lower(of(donated), of(kept), of(batch))
+        schedule = (ONE_STAGE,)
+      else:
+        if sums is not None:
+          stages[SUMS_STAGE] = sums.jit().lower(leaf_avals)
+        for pos, (name, grad) in enumerate(grad_fns.items()):
+          if pos == 0:
+            stages[name] = grad.jit().lower(of(used), sums_avals)
+          else:
+            stages[name] = grad.jit().lower(of(used), _abstract((), np.int32), acc_avals,
+                                            sums_avals)
+        grad_avals = [_abstract(a.shape, a.dtype)
+                      for a in (*_slot_avals(split, stacks), *split.reduced_avals)]
+        stages["apply_grad"] = apply.jit().lower(of(donated), of(kept), grad_avals)
+        schedule = ((SUMS_STAGE,) if sums is not None else ()) + (*names, "apply_grad")
       replicated = NamedSharding(amesh, PartitionSpec())
       index = tuple(jax.device_put(np.int32(i), replicated) for i in range(n))
   stages = compile_all(stages, options)

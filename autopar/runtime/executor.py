@@ -8,7 +8,8 @@ Stage 8 of the pipeline. For ``n`` micro-batches one call runs::
     grads, outs = accumulate_grad_sync(used, n-1, acc, sums)     # reduce once
     new_state, ... = apply_grad(state, other, grads)       # state donated
 
-(``compute_grad_sync`` when ``n == 1``). ``loss_sums`` is the first pass
+(``compute_grad_sync`` when ``n == 1``; or, with ``one_executable=True``,
+one ``grad_and_apply(donated, kept, batch)`` doing all of it). ``loss_sums`` is the first pass
 over the batch for the sums the loss's gradient is scaled by, such as the
 token count of a mean over a padding mask (``loss.py``). Every check that can fail runs
 before the first stage, and the state is donated only to the last stage, so
@@ -23,7 +24,7 @@ from typing import Any, Sequence
 import jax
 
 from autopar.errors import InputError
-from autopar.backend.lower import SUMS_STAGE, LoweredStep
+from autopar.backend.lower import ONE_STAGE, SUMS_STAGE, LoweredStep
 from autopar.plan import Plan
 from autopar.frontend.pytrees import partition
 from autopar.frontend.trace import split_updates
@@ -102,6 +103,11 @@ class Executable:
                                  [leaves[k] for k in lw.kept],
                                  [leaves[k] for k in lw.batch]))
     schedule = lw.schedule
+    if schedule[0] == ONE_STAGE:
+      apply_outs, micro_outs = stages[ONE_STAGE]([leaves[k] for k in lw.donated],
+                                                 [leaves[k] for k in lw.kept],
+                                                 [leaves[k] for k in lw.batch])
+      return self._outputs(apply_outs, micro_outs)
     sums = []
     if schedule[0] == SUMS_STAGE:
       sums = stages[SUMS_STAGE](leaves)
@@ -117,6 +123,10 @@ class Executable:
     del acc
     apply_outs = stages["apply_grad"]([leaves[k] for k in lw.donated],
                                       [leaves[k] for k in lw.kept], grads)
+    return self._outputs(apply_outs, micro_outs)
+
+  def _outputs(self, apply_outs, micro_outs) -> list[Any]:
+    """The step's flat outputs from the update's and the gradient stages'."""
     outs = []
     for kind, idx in zip(self.split.out_kinds, self.split.out_index, strict=True):
       outs.append(apply_outs[idx] if kind is OutputKind.APPLY else micro_outs[idx])

@@ -34,6 +34,7 @@ import math
 from typing import TYPE_CHECKING, Any, Sequence
 
 from autopar.backend import hlo
+from autopar.backend.lower import ONE_STAGE
 from autopar.costs.cost_model import MeshCost, dtype_flop_seconds, ring_bytes_sent
 from autopar.errors import PlanError
 from autopar.text import axes_str, format_bytes, format_rows
@@ -187,6 +188,11 @@ def check(plan: "Plan", executable: Any) -> PlanCheck:
   if not stages or not schedule:
     raise PlanError(f"plan.check: expected the step's executable (step.get_executable("
                     f"*args)), got {type(executable).__name__}.")
+  if ONE_STAGE in schedule:
+    raise PlanError(f"plan.check: this step was compiled as one executable "
+                    f"({ONE_STAGE}, one_executable=True), and the check compares the "
+                    f"plan's gradient and update with their own stages. Fix: check "
+                    f"the step compiled with one_executable=False (the same plan).")
   names, shape = plan.mesh_axis_names, plan.mesh_shape
   sizes = plan.axis_sizes
 
