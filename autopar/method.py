@@ -265,18 +265,22 @@ class ParallelMethod:
       gradients are summed over micro-batches and devices in float32 and
       handed to the update in their own dtype; None: summed in their own
       dtype (half the buffer, more rounding).
-    one_executable: with one micro-batch, compile the gradient and the update
-      as one executable (stage ``grad_and_apply``): one dispatch per call
-      instead of two, and no gradient written out between them; the plan
-      and the numbers are the same. False (default): separate stages, which
-      ``plan.check`` compares with the plan stage by stage.
+    one_executable: None (default) or True: with one micro-batch, the
+      gradient and the update compile as one executable (stage
+      ``grad_and_apply``): one dispatch per call instead of two, no gradient
+      written out between them, and no wait on the host for the gradient
+      before the update's dispatch (a donated buffer still being read makes
+      the dispatch wait); the plan and the numbers are the same. False:
+      separate stages (``compute_grad_sync``, ``apply_grad``) to inspect one
+      by one. With more micro-batches the stages are separate; True is then
+      an error.
   """
   mesh: Mesh | AbstractMesh | None = None
   num_micro_batches: int | None = None
   remat: Any = dataclasses.field(default="none", kw_only=True)
   grad_accumulation_dtype: str | None = dataclasses.field(default="float32",
                                                           kw_only=True)
-  one_executable: bool = dataclasses.field(default=False, kw_only=True)
+  one_executable: bool | None = dataclasses.field(default=None, kw_only=True)
   # Alpa's name for the mesh: a Mesh, or a sequence of devices (a 1-D
   # "data" mesh over them). Not a field: it sets `mesh`.
   devices: dataclasses.InitVar[Any] = dataclasses.field(default=None, kw_only=True)
@@ -297,15 +301,15 @@ class ParallelMethod:
                           or n < 1):
       raise InputError(f"{type(self).__name__}: num_micro_batches={n!r}; expected "
                        f"a positive int (or None for 1).")
-    if not isinstance(self.one_executable, bool):
+    if self.one_executable is not None and not isinstance(self.one_executable, bool):
       raise InputError(f"{type(self).__name__}: one_executable={self.one_executable!r}; "
-                       f"expected True or False.")
+                       f"expected None, True or False.")
     if self.one_executable and (n or 1) > 1:
       raise InputError(f"{type(self).__name__}: one_executable=True with "
                        f"num_micro_batches={n}: the gradient and the update are one "
                        f"executable only with one micro-batch (with more, the "
                        f"gradient stage runs once per micro-batch). Fix: "
-                       f"num_micro_batches=1, or one_executable=False.")
+                       f"num_micro_batches=1, or one_executable=None.")
     m = self.mesh
     if m is not None and not isinstance(m, (Mesh, AbstractMesh)):
       raise MeshError(f"{type(self).__name__}: mesh must be a jax.sharding.Mesh "

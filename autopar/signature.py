@@ -464,7 +464,8 @@ class Signature:
     with jax.set_mesh(None):
       lowered = lower_step(dataclasses.replace(split, apply=apply), split_local,
                            plan, mesh, accumulate=self.method.grad_accumulation_dtype,
-                           scale=scale, one_executable=self.method.one_executable)
+                           scale=scale,
+                           one_executable=self.method.one_executable is not False)
     return Executable(plan=plan, lowered=lowered, split=split,
                       static_argnums=prep.flags.static)
 

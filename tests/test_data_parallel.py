@@ -124,8 +124,8 @@ def test_gradients_cross_devices_once_per_step(model):
   smallest_grad = None
   per_step = {}
   for n in (1, 2, 4, 8):
-    p = autopar.parallelize(step, method=autopar.DataParallel(
-        mesh=mesh_of(8), num_micro_batches=n))
+    p = autopar.parallelize(step, method=autopar.DataParallel(   # (stages apart)
+        mesh=mesh_of(8), num_micro_batches=n, one_executable=False))
     exe = p.get_executable(make_state(), batch)
     grad_bytes = [g.bytes_per_device(exe.plan.axis_sizes) for g in exe.plan.grads]
     smallest_grad = min(grad_bytes)

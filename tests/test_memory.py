@@ -224,7 +224,8 @@ def test_remat_layers_reads_the_weights_in_place(seq, bound):
   mesh = jax.make_mesh((8,), ("data",))
   temp = {}
   for mode in ("none", "layers"):
-    p = autopar.parallelize(step, method=autopar.DataParallel(mesh=mesh, remat=mode))
+    p = autopar.parallelize(step, method=autopar.DataParallel(   # (the gradient's stage)
+        mesh=mesh, remat=mode, one_executable=False))
     stage = _grad_stage(p.get_executable(make_state(), batch))
     temp[mode] = stage.memory_analysis().temp_size_in_bytes
   assert temp["layers"] <= bound * temp["none"], temp
@@ -241,7 +242,8 @@ def test_remat_policy_reads_the_weights_in_place():
   ref_state, ref_loss = single_device(step)(make_state(), batch)
   temp = {}
   for mode in ("none", "layers", jax.checkpoint_policies.dots_with_no_batch_dims_saveable):
-    p = autopar.parallelize(step, method=autopar.DataParallel(mesh=mesh, remat=mode))
+    p = autopar.parallelize(step, method=autopar.DataParallel(   # (the gradient's stage)
+        mesh=mesh, remat=mode, one_executable=False))
     state, loss = p(make_state(), batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert_trees_close(state.params, ref_state.params)
@@ -594,15 +596,18 @@ def test_overlap_flags_only_on_gpus():
 def test_apply_grad_is_one_program_with_donated_state():
   make_state, step, batch = transformer_setup(tx=optax.adam(1e-3))
   mesh = jax.make_mesh((2, 4), ("data", "model"))
-  p = autopar.parallelize(step, method=autopar.Zero2Parallel(mesh=mesh),
-                          donate_argnums=(0,))
-  exe = p.get_executable(make_state(), batch)
-  assert exe.schedule[-1] == "apply_grad" and exe.schedule.count("apply_grad") == 1
-  text = exe.stages["apply_grad"].as_text()
-  header = next(line for line in text.splitlines() if "input_output_alias" in line)
   state_leaves = len(jax.tree.leaves(make_state()))
-  # every donated state leaf (params, Adam's mu and nu, counts) is updated in place
-  assert header.count("-alias)") == state_leaves
+  # The update on its own, and (the default at one micro-batch) with the
+  # gradient in one executable.
+  for one, last in ((False, "apply_grad"), (None, "grad_and_apply")):
+    p = autopar.parallelize(step, method=autopar.Zero2Parallel(mesh=mesh, one_executable=one),
+                            donate_argnums=(0,))
+    exe = p.get_executable(make_state(), batch)
+    assert exe.schedule[-1] == last and exe.schedule.count(last) == 1
+    text = exe.stages[last].as_text()
+    header = next(line for line in text.splitlines() if "input_output_alias" in line)
+    # every donated state leaf (params, Adam's mu and nu, counts) is updated in place
+    assert header.count("-alias)") == state_leaves
 
 
 @pytest.mark.parametrize("model", ["mlp", "gpt"])

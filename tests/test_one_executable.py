@@ -1,6 +1,6 @@
-"""one_executable=True (issue 34): with one micro-batch the gradient and the
-update compile as one executable, ``grad_and_apply``, with the numbers of
-the separate stages: the language-model losses of test_losses (a token mean
+"""one_executable (issue 34; the default): with one micro-batch the gradient
+and the update compile as one executable, ``grad_and_apply``, with the
+numbers of the separate stages (one_executable=False): the language-model losses of test_losses (a token mean
 over a mask, a sum, weights, a second reduction, a loss whose cotangent
 needs a first pass over the batch), float32 and bfloat16 state, every SPMD
 method; and what it is not for is refused."""
@@ -76,10 +76,11 @@ def test_what_one_executable_is_not_for_is_refused():
     autopar.DataParallel(mesh=mesh8(), num_micro_batches=2, one_executable=True)
   with pytest.raises(autopar.InputError, match="a pipeline runs"):
     autopar.PipeshardParallel(mesh=mesh24(), one_executable=True)
-  with pytest.raises(autopar.InputError, match="True or False"):
+  with pytest.raises(autopar.InputError, match="None, True or False"):
     autopar.DataParallel(mesh=mesh8(), one_executable="auto")
-  pf = autopar.parallelize(make_step(token_mean), method=autopar.ShardParallel(
-      mesh=mesh24(), one_executable=True), batch_argnums=(1,))
-  exe = pf.get_executable(make_state(), batch_of())
-  with pytest.raises(autopar.PlanError, match="one_executable=False"):
-    exe.plan.check(exe)
+  # The default: one executable with one micro-batch, the stages apart with more.
+  for n, schedule in ((1, ["grad_and_apply"]),
+                      (2, ["compute_grad", "accumulate_grad_sync", "apply_grad"])):
+    pf = autopar.parallelize(make_step(token_mean), method=autopar.ShardParallel(
+        mesh=mesh24(), num_micro_batches=n), batch_argnums=(1,))
+    assert pf.get_executable(make_state(), batch_of()).schedule[-len(schedule):] == schedule

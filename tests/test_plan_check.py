@@ -193,11 +193,17 @@ def test_plan_check_under_remat_loops():
 def test_plan_check_reports_what_differs():
   make_state, step, batch = mlp_setup(batch=64, din=256, hidden=1024, dout=256)
   mesh = jax.make_mesh((8,), ("x",))
-  exe = autopar.parallelize(step, method=autopar.DataParallel(mesh=mesh)).get_executable(
-      make_state(), batch)
-  result = exe.plan.check(exe)
-  assert [(c.phase, c.kind, c.axes) for c in result.collectives
-          if c.predicted > 1024] == [("per micro-batch", "all-reduce", ("x",))]
+  # One micro-batch's gradient and update in one executable (the default):
+  # one phase, "step", and one time row; apart, the gradient's phase.
+  for one, phase in ((None, "step"), (False, "per micro-batch")):
+    exe = autopar.parallelize(step, method=autopar.DataParallel(
+        mesh=mesh, one_executable=one)).get_executable(make_state(), batch)
+    result = exe.plan.check(exe)
+    assert [(c.phase, c.kind, c.axes) for c in result.collectives
+            if c.predicted > 1024] == [(phase, "all-reduce", ("x",))]
+    assert [t[0] for t in result.times] == (["step"] if one is None else
+                                            ["gradient", "apply"])
+    assert not result.differences(memory_tolerance=0.5), str(result)
   assert "all-reduce" in str(result) and "peak memory" in str(result)
   # A plan claiming half the memory is caught.
   import dataclasses

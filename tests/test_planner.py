@@ -41,8 +41,8 @@ def check_numerics(p, make_state, step, batch):
 def test_large_batch_small_hidden_is_data_parallel():
   # Default costs (alpha 1 us per ring step, beta 1e-10 s/B, 1e-12 s/flop).
   make_state, step, batch = mlp_setup(batch=8192, din=64, hidden=64, dout=64, tx=SGD)
-  p = autopar.parallelize(step, method=autopar.ShardParallel(
-      mesh=jax.make_mesh((8,), ("model",))))
+  p = autopar.parallelize(step, method=autopar.ShardParallel(   # (the gradient's own stage)
+      mesh=jax.make_mesh((8,), ("model",)), one_executable=False))
   exe = p.get_executable(make_state(), batch)
   assert exe.plan.batch_axes == ("model",)
   assert kernels(exe.plan) == [P(None, None), P(None, None)]
@@ -57,8 +57,8 @@ def test_large_batch_small_hidden_is_data_parallel():
 def test_small_batch_large_hidden_is_megatron_on_1d_mesh():
   # Default costs.
   make_state, step, batch = mlp_setup(batch=8, din=512, hidden=2048, dout=512, tx=SGD)
-  p = autopar.parallelize(step, method=autopar.ShardParallel(
-      mesh=jax.make_mesh((8,), ("model",))))
+  p = autopar.parallelize(step, method=autopar.ShardParallel(   # (the gradient's own stage)
+      mesh=jax.make_mesh((8,), ("model",)), one_executable=False))
   exe = p.get_executable(make_state(), batch)
   assert exe.plan.batch_axes == ()
   assert kernels(exe.plan) == [P(None, "model"), P("model", None)]   # column, row
@@ -173,8 +173,8 @@ def test_transformer_layer_gets_the_megatron_layout():
         lambda p: jnp.mean(state.apply_fn(p, batch) ** 2))(state.params)
     return state.apply_gradients(grads=g), loss
 
-  p = autopar.parallelize(step, method=autopar.ShardParallel(
-      mesh=jax.make_mesh((4,), ("model",))))
+  p = autopar.parallelize(step, method=autopar.ShardParallel(   # (the gradient's own stage)
+      mesh=jax.make_mesh((4,), ("model",)), one_executable=False))
   exe = p.get_executable(make_state(), x)
   spec = {v.name.split("['params']")[-1]: v.spec for v in exe.plan.inputs
           if v.name.startswith("state.params")}

@@ -23,8 +23,10 @@ compiled stages:
 
 Collectives are compared per (phase, kind, axes), where the phase is "per
 micro-batch" (every gradient stage), "apply" (``apply_grad``) or "step"
-(a step with no gradient marker): XLA fuses and splits collectives, so
-single instructions are not matched.
+(a step with no gradient marker, or one micro-batch's gradient and update
+compiled as one executable, ``grad_and_apply``, whose time is compared as
+one too): XLA fuses and splits collectives, so single instructions are not
+matched.
 """
 
 from __future__ import annotations
@@ -172,7 +174,7 @@ class PlanCheck:
 def _phase(stage: str) -> str:
   if stage == "apply_grad":
     return "apply"
-  if stage == "step":
+  if stage in ("step", ONE_STAGE):
     return "step"
   return "per micro-batch"
 
@@ -188,18 +190,16 @@ def check(plan: "Plan", executable: Any) -> PlanCheck:
   if not stages or not schedule:
     raise PlanError(f"plan.check: expected the step's executable (step.get_executable("
                     f"*args)), got {type(executable).__name__}.")
-  if ONE_STAGE in schedule:
-    raise PlanError(f"plan.check: this step was compiled as one executable "
-                    f"({ONE_STAGE}, one_executable=True), and the check compares the "
-                    f"plan's gradient and update with their own stages. Fix: check "
-                    f"the step compiled with one_executable=False (the same plan).")
+  # One executable for the gradient and the update: compared as one phase.
+  fused = ONE_STAGE in schedule
   names, shape = plan.mesh_axis_names, plan.mesh_shape
   sizes = plan.axis_sizes
 
   predicted: dict[tuple[str, str, tuple[str, ...]], float] = {}
   for c in plan.collectives:
     p = math.prod(sizes[a] for a in c.axes)
-    key = (_phase(c.stage), c.kind, tuple(sorted(c.axes, key=names.index)))
+    key = ("step" if fused else _phase(c.stage), c.kind,
+           tuple(sorted(c.axes, key=names.index)))
     predicted[key] = predicted.get(key, 0.0) + ring_bytes_sent(c.kind, c.bytes, p) * c.per_step
 
   compiled: dict[tuple[str, str, tuple[str, ...]], float] = {}
@@ -221,6 +221,8 @@ def check(plan: "Plan", executable: Any) -> PlanCheck:
     compiled_t = compiled_times(plan, stages, schedule)
     times = tuple((s, float(plan.predicted_time[s]["total"]), compiled_t.get(s, 0.0))
                   for s in ("gradient", "apply") if s in plan.predicted_time)
+    if fused:
+      times = (("step", sum(p for _, p, _ in times), compiled_t.get("step", 0.0)),)
   return PlanCheck(collectives=rows, predicted_memory=int(plan.memory_per_device),
                    compiled_memory=max((b for _, b in by_stage), default=0),
                    stage_memory=by_stage, times=times)
@@ -230,7 +232,8 @@ def compiled_times(plan: "Plan", stages, schedule: Sequence[str]) -> dict[str, f
   """Seconds per step of the compiled stages by the plan's own constants:
   per stage run, max(flops x seconds per flop, bytes accessed x seconds
   per byte) plus its collectives by α-β; "gradient" sums the gradient
-  stages, "apply" is ``apply_grad``."""
+  stages, "apply" is ``apply_grad``, "step" is ``grad_and_apply`` (one
+  micro-batch's gradient and update in one executable)."""
   c = plan.costs
   spb = float(c.get("seconds_per_byte", 0.0))
   cost = MeshCost(plan.axis_sizes, c.get("alpha", {}), c.get("beta", {}))
@@ -242,7 +245,7 @@ def compiled_times(plan: "Plan", stages, schedule: Sequence[str]) -> dict[str, f
       if coll.group_size > 1:
         axes = coll.mesh_axes(names, shape) or names
         t += cost.collective(coll.kind, coll.operand_bytes, axes) * coll.count
-    key = "apply" if stage == "apply_grad" else "gradient"
+    key = {"apply_grad": "apply", ONE_STAGE: "step"}.get(stage, "gradient")
     out[key] = out.get(key, 0.0) + t
   return out
 
