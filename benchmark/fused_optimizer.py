@@ -96,7 +96,9 @@ def main():
   mesh = jax.make_mesh((1,), ("data",), devices=[dev])
   make = lambda: train_state.TrainState.create(apply_fn=None, tx=tx,
                                                params=jax.tree.map(jnp.copy, params))
-  p = autopar.parallelize(step, method=autopar.DataParallel(mesh=mesh), donate_argnums=(0,))
+  # (The update's own executable: one_executable=False.)
+  p = autopar.parallelize(step, method=autopar.DataParallel(mesh=mesh, one_executable=False),
+                          donate_argnums=(0,))
   batch = {"w": np.ones((1,), np.float32)}
   exe = p.get_executable(make(), batch)
   apply = exe.stages["apply_grad"]
