@@ -442,7 +442,7 @@ class PipeshardParallel(ParallelMethod):
     name = "PipeshardParallel"
     if self.one_executable:
       raise InputError(f"{name}: one_executable=True; a pipeline runs each stage's "
-                       f"passes as their own executables. Fix: leave it False, or use "
+                       f"passes as their own executables. Fix: leave it None, or use "
                        f"ShardParallel for one executable per step.")
     k = self.num_stages
     if k != "auto" and (not isinstance(k, (int, np.integer)) or isinstance(k, bool)

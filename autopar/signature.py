@@ -217,7 +217,7 @@ class Signature:
       self._delegate = self.with_method(ShardParallel(
           mesh=method.mesh, num_micro_batches=method.num_micro_batches,
           remat=method.remat, grad_accumulation_dtype=method.grad_accumulation_dtype,
-          option=method.option,
+          one_executable=method.one_executable, option=method.option,
           plan=method.plan if method.plan is not None and not method.plan.stages
           else None))
     return self._delegate

@@ -275,3 +275,33 @@ class StoredBatches:
 
   def like(self):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.batches[0])
+
+
+class RowsChecked(StoredBatches):
+  """StoredBatches that raises unless each host asks for the rows
+  ``rows[host]`` ((start, stop)) names."""
+
+  def __init__(self, batches, rows):
+    super().__init__(batches)
+    self.rows = rows
+
+  def __call__(self, shard):
+    if (shard.rows.start, shard.rows.stop) != self.rows[shard.host]:
+      raise ValueError(f"host {shard.host} asked for rows {shard.rows}, expected "
+                       f"{self.rows[shard.host]}")
+    return super().__call__(shard)
+
+
+class FailsOnce(StoredBatches):
+  """StoredBatches that raises on host ``host`` the first time it is called
+  there (a file not there yet)."""
+
+  def __init__(self, batches, host):
+    super().__init__(batches)
+    self.host, self.calls = host, 0
+
+  def __call__(self, shard):
+    self.calls += 1
+    if shard.host == self.host and self.calls == 1:
+      raise OSError(f"host {shard.host}: the data file is not there yet")
+    return super().__call__(shard)

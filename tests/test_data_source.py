@@ -27,9 +27,10 @@ def test_a_source_gives_the_numbers_of_its_batches():
     b, loss_b = given(b, batches[k % 3])
     np.testing.assert_allclose(float(loss_a), float(loss_b), rtol=1e-6)
   assert_trees_close(jax.device_get(a.params), jax.device_get(b.params), rtol=1e-6)
-  # Planning and compiling take the source as its shapes.
+  # Planning and compiling take the source as its shapes, loading nothing.
   assert loaded.plan(a, source).summary() == loaded.plan(a, batches[0]).summary()
   assert loaded.get_executable(a, source) is loaded.get_executable(a, batches[0])
+  assert source.step == 4
 
 
 def test_what_a_loader_returns_is_checked():
@@ -40,6 +41,7 @@ def test_what_a_loader_returns_is_checked():
   short = autopar.DataSource(lambda s: {k: v[:4] for k, v in batch.items()}, like)
   with pytest.raises(autopar.InputError, match=r"shape \(4, 9\).*expected \(16, 9\)"):
     p(make_state(), short)
+  assert short.step == 0                  # (a failed load takes the same batch again)
   floats = autopar.DataSource(lambda s: {k: v.astype(np.float32) for k, v in batch.items()},
                               like)
   with pytest.raises(autopar.InputError, match="as float32; like says int32"):

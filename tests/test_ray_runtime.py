@@ -22,7 +22,7 @@ import pytest
 
 import autopar
 from autopar.runtime import cluster
-from models import (StoredBatches, assert_trees_close, dropout_setup, mlp_setup,
+from models import (FailsOnce, RowsChecked, StoredBatches, assert_trees_close, dropout_setup, mlp_setup,
                     single_device, transformer_setup)
 
 SGD = optax.sgd(0.1, momentum=0.9)
@@ -182,7 +182,9 @@ def test_each_host_loads_its_rows_as_the_driver_would_send_them(ray_cluster, mna
         num_stages=2, stage_mesh_shapes=[(1, 4), (1, 4)])
   else:
     method = methods(autopar.global_mesh((2, 4), ("data", "model")))[mname]
-  loader = StoredBatches(batches)
+  # Data parallel over both hosts: each host loads its own half of the rows.
+  loader = (RowsChecked(batches, {0: (0, 8), 1: (8, 16)}) if mname == "dp" else
+            StoredBatches(batches))
   source = autopar.DataSource(loader, like=loader.like())
   from_hosts = autopar.parallelize(step, method=method)
   from_driver = autopar.parallelize(step, method=method)
@@ -217,6 +219,27 @@ def test_bytes_through_the_driver_do_not_grow_with_a_loaded_batch(ray_cluster):
   grown = sum(x.nbytes for x in mlp_setup(batch=512)[2].values()) - sum(
       x.nbytes for x in mlp_setup(batch=32)[2].values())
   assert sent["driver", 512] - sent["driver", 32] >= grown / 8, sent   # (per host)
+
+
+def test_a_loader_failing_on_one_host_fails_the_call_and_nothing_else(ray_cluster):
+  """Host 1's loader raises the first time: the call raises on the driver,
+  host 0 has not started the step (no collective left waiting), the state
+  is untouched, and the next call loads batch 0 again and trains on."""
+  batches = [mlp_setup(batch=32, seed=s, tx=SGD)[2] for s in range(2)]
+  make_state, step, _ = mlp_setup(batch=32, tx=SGD)
+  loader = FailsOnce(batches, host=1)
+  source = autopar.DataSource(loader, like=loader.like())
+  method = autopar.DataParallel(mesh=autopar.global_mesh((2, 4), ("data", "model")))
+  p, ref = autopar.parallelize(step, method=method), autopar.parallelize(step, method=method)
+  state, ref_state = p(make_state(), batches[0])[0], ref(make_state(), batches[0])[0]
+  with pytest.raises(autopar.ClusterError, match="not there yet"):
+    p(state, source)
+  assert source.step == 0
+  for k in range(2):
+    state, loss = p(state, source)
+    ref_state, ref_loss = ref(ref_state, batches[k])
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+  assert source.step == 2
 
 
 def test_a_loader_that_returns_other_rows_is_named(ray_cluster):

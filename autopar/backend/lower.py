@@ -66,8 +66,8 @@ __all__ = ["LoweredStep", "lower_step", "SUMS_STAGE", "ONE_STAGE", "grad_stage_l
 SUMS_STAGE = "loss_sums"
 
 
-# One executable for the gradient and the update (one micro-batch,
-# ``one_executable=True``): ``grad_and_apply(donated, kept, batch) ->
+# One executable for the gradient and the update (one micro-batch, unless
+# ``one_executable=False``): ``grad_and_apply(donated, kept, batch) ->
 # (apply_outs, micro_outs)``.
 ONE_STAGE = "grad_and_apply"
 
@@ -495,7 +495,7 @@ def _one_executable(sums: _StageFn | None, grad: _StageFn, apply: _StageFn,
         vals[k] = x
     partial = wsc(sums.fn(vals), sums.out_shardings) if sums is not None else []
     grads, micro_outs = grad.fn([vals[k] for k in used], partial)
-    grads = wsc(grads, grad.out_shardings[0])
+    grads = wsc(grads, apply.in_shardings[2])     # (as the update takes them)
     apply_outs = apply.fn([vals[k] for k in donated], [vals[k] for k in kept], grads)
     return apply_outs, micro_outs
 

@@ -268,7 +268,10 @@ class RayCluster(runtime.Runtime):
     self._forgotten: list[int] = []
     # A step whose method has no mesh -> the same step on the cluster's mesh.
     self._variants = weakref.WeakKeyDictionary()
-    self._sources: dict[data.DataSource, int] = {}   # data source -> its id
+    # A data source -> its id on the workers; ids of sources let go, which
+    # the workers drop with the next call.
+    self._sources = weakref.WeakKeyDictionary()
+    self._dropped_sources: list[int] = []
     self.bytes_sent = 0                          # numpy bytes shipped to workers
     # Bytes the last call sent each host: its arguments' message and the
     # NumPy shards (what grows with a batch that passes through the driver).
@@ -463,6 +466,9 @@ class RayCluster(runtime.Runtime):
   def _forget(self, array_id: int) -> None:
     self._forgotten.append(array_id)
 
+  def _drop_source(self, source_id: int) -> None:
+    self._dropped_sources.append(source_id)
+
   # -- arrays -------------------------------------------------------------------------
 
   def _puts(self, array, spec: PartitionSpec, mesh_shape, mesh_names,
@@ -491,22 +497,33 @@ class RayCluster(runtime.Runtime):
                        blocks, impl, offset))
     return array_id, per_host
 
-  def _loads(self, loads: dict, mesh_names) -> list[list]:
-    """Per host, what it loads for this call: per data source (id, the
+  def _loads(self, loads: dict, mesh_names) -> tuple[list[list], list]:
+    """Per host, what it loads for this call, and (source, batch number)
+    per source: per data source (id, the
     batch's number, the rows the host's devices hold of any of the source's
     leaves or None, and per leaf (array id, leaf index, shape, dtype, mesh
     shape, mesh names, spec, device offset)). A source's loader goes to the
     workers the first time."""
     from ray import cloudpickle
     per_host: list[list] = [[] for _ in self.workers]
+    steps = []
     for source, leaves in loads.items():
       source_id = self._sources.get(source)
       if source_id is None:
-        source_id = self._sources[source] = next(self._ids)
-        payload = cloudpickle.dumps(source)
+        try:
+          payload = cloudpickle.dumps(source)
+        except Exception as e:   # noqa: BLE001 - whatever the loader holds that cannot be
+          raise InputError(      # pickled (an open file, a lock)
+              f"autopar: the DataSource's load ({type(source.load).__name__}) cannot "
+              f"be sent to the hosts: {type(e).__name__}: {e}. Fix: open files and "
+              f"make iterators inside load, on its first call on each host.") from e
+        source_id = next(self._ids)
         self._call([w.register_source.remote(source_id, payload) for w in self.workers],
                    "register the data source")
-      step = source.next_step()
+        self._sources[source] = source_id
+        weakref.finalize(source, self._drop_source, source_id)
+      step = source.step
+      steps.append((source, step))
       rows: dict[int, tuple[int, int]] = {}
       entries = []
       for array_id, leaf, mesh_shape, spec, offset in leaves:
@@ -522,7 +539,7 @@ class RayCluster(runtime.Runtime):
                         tuple(mesh_names), spec, offset))
       for h in range(len(self.workers)):
         per_host[h].append((source_id, step, rows.get(h), entries))
-    return per_host
+    return per_host, steps
 
   def fetch(self, x: RemoteArray) -> np.ndarray:
     if x.deleted:
@@ -629,21 +646,37 @@ class RayCluster(runtime.Runtime):
           puts[h].append(p)
         temporary.append(array_id)
         shipped.append(ArrayRef(array_id))
-    loading = self._loads(loads, mesh.axis_names)
+    loading, steps = self._loads(loads, mesh.axis_names)
     tree_bytes = pickled(self._pickles, tree, tree)
     tree_key = hashlib.sha256(tree_bytes).hexdigest()
     new_tree = tree_key not in self._sent_trees
     args_bytes = cloudpickle.dumps((tree_key, tree_bytes if new_tree else None, shipped))
     forgotten, self._forgotten = self._forgotten, []
+    dropped, self._dropped_sources = self._dropped_sources, []
     out_ids = [next(self._ids) for _ in range(num_outs)]
     self.last_call_bytes = max(
         len(args_bytes) + len(cloudpickle.dumps(loading[h])) +
         sum(b.nbytes for p in puts[h] for b in p[6].values())
         for h in range(len(self.workers)))
-    results = self._call([
-        w.run.remote(fn_id, plan_key, plan_json if first else None, method_bytes,
-                     args_bytes, out_ids, SMALL_BYTES, puts[h], forgotten, loading[h])
-        for h, w in enumerate(self.workers)], "the step")
+    try:
+      if loads:
+        # Every host loads its rows before any starts the step: a loader
+        # that fails on one host fails the call on all, the state untouched.
+        self._call([w.load_batches.remote(loading[h], dropped)
+                    for h, w in enumerate(self.workers)], "loading the batch")
+        dropped = []
+        for source, step in steps:
+          source.loaded(step)
+      results = self._call([
+          w.run.remote(fn_id, plan_key, plan_json if first else None, method_bytes,
+                       args_bytes, out_ids, SMALL_BYTES, puts[h], forgotten, dropped)
+          for h, w in enumerate(self.workers)], "the step")
+    except BaseException:
+      # The arrays sent or loaded for this call, and those let go before
+      # it, are dropped with the next call (an unknown id is ignored).
+      self._forgotten = forgotten + temporary + self._forgotten
+      self._dropped_sources = dropped + self._dropped_sources
+      raise
     self._sent_plans.add((fn_id, plan_key))
     self._sent_trees.add(tree_key)
     self.last_step_seconds = [r["seconds"] for r in results]

@@ -17,9 +17,12 @@ bytes it sends per step do not grow with the batch size::
     for _ in range(steps):
       state, loss = train_step(state, data)
 
-``load`` is sent to every host once (cloudpickled: a callable object may keep
-an open file or an iterator there) and called once per step on each host
-that holds part of the batch. Which rows a host loads depends on the plan
+``load`` is sent to every host once (cloudpickled: a callable object may
+open a file or make an iterator there, lazily on its first call) and called
+once per step on each host that holds part of the batch; every host loads
+before any starts the step, so a loader that fails on one host fails the
+call on all, with the state untouched, and the next call loads the same
+batch number again. Which rows a host loads depends on the plan
 (a batch split over hosts: each its own rows; a replicated one: all of
 them), so ``load`` is told them (:class:`HostShard`). Run in this process
 (``cluster="local"``), the one host loads every row.
@@ -49,7 +52,8 @@ class HostShard:
     num_hosts: how many hosts run the step.
     rows: the rows of the global batch this host returns, in order
       (``rows.start`` to ``rows.stop``, step 1).
-    step: how many batches this source gave before this one (0, 1, ...).
+    step: how many batches this source loaded before this one (0, 1, ...;
+      a call that failed to load does not count).
   """
   host: int
   num_hosts: int
@@ -111,11 +115,16 @@ class DataSource:
     """The global batch's shapes (``jax.ShapeDtypeStruct``s)."""
     return jax.tree.unflatten(self.treedef, list(self.shapes))
 
-  def next_step(self) -> int:
-    """The number of the batch a call takes now (counting on)."""
+  @property
+  def step(self) -> int:
+    """The number of the batch the next call loads: how many were loaded."""
+    return self._steps
+
+  def loaded(self, step: int) -> None:
+    """Batch ``step`` was loaded (by every host): the next call loads the
+    next one. A call that failed to load takes the same batch again."""
     with self._lock:
-      step, self._steps = self._steps, self._steps + 1
-    return step
+      self._steps = max(self._steps, step + 1)
 
   def __getstate__(self):             # (sent to the hosts; a lock does not pickle)
     state = dict(self.__dict__)
@@ -167,10 +176,10 @@ def materialize(args, step_name: str) -> tuple:
   out = []
   for i, a in enumerate(args):
     if isinstance(a, DataSource):
-      shard = HostShard(host=0, num_hosts=1, rows=slice(0, a.batch_size),
-                        step=a.next_step())
-      a = jax.tree.unflatten(a.treedef, check_loaded(a, a.load(shard), shard,
-                                                     f"{step_name}: argument {i}"))
+      shard = HostShard(host=0, num_hosts=1, rows=slice(0, a.batch_size), step=a.step)
+      source, a = a, jax.tree.unflatten(a.treedef, check_loaded(
+          a, a.load(shard), shard, f"{step_name}: argument {i}"))
+      source.loaded(shard.step)
     out.append(a)
   return tuple(out)
 

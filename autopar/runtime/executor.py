@@ -8,8 +8,9 @@ Stage 8 of the pipeline. For ``n`` micro-batches one call runs::
     grads, outs = accumulate_grad_sync(used, n-1, acc, sums)     # reduce once
     new_state, ... = apply_grad(state, other, grads)       # state donated
 
-(``compute_grad_sync`` when ``n == 1``; or, with ``one_executable=True``,
-one ``grad_and_apply(donated, kept, batch)`` doing all of it). ``loss_sums`` is the first pass
+(``compute_grad_sync`` when ``n == 1``; there, unless
+``one_executable=False``, one ``grad_and_apply(donated, kept, batch)``
+doing all of it). ``loss_sums`` is the first pass
 over the batch for the sums the loss's gradient is scaled by, such as the
 token count of a mean over a padding mask (``loss.py``). Every check that can fail runs
 before the first stage, and the state is donated only to the last stage, so

@@ -160,6 +160,14 @@ class HostWorker:
     from ray import cloudpickle
     self.sources[source_id] = cloudpickle.loads(payload)
 
+  def load_batches(self, loads, dropped=()) -> None:
+    """Loads this host's rows of each data source's batch (``load``);
+    first forgets the sources the driver let go."""
+    for i in dropped:
+      self.sources.pop(i, None)
+    for source_id, step, rows, entries in loads:
+      self.load(source_id, step, rows, entries)
+
   def load(self, source_id: int, step: int, rows, entries) -> None:
     """Loads this host's rows of a DataSource's batch number ``step`` and
     makes its global arrays (``entries``: per leaf, (array id, leaf index,
@@ -190,7 +198,7 @@ class HostWorker:
 
   def run(self, fn_id: int, plan_key: str, plan_json: str | None,
           method_bytes: bytes, args_bytes: bytes, out_ids: list[int],
-          small_bytes: int, puts=(), deletes=(), loads=()) -> dict:
+          small_bytes: int, puts=(), deletes=(), dropped=()) -> dict:
     """Runs the step on the global arrays; keeps its outputs under ``out_ids``.
 
     The plan (JSON, for ShardParallel and PipeshardParallel; the presets
@@ -205,8 +213,8 @@ class HostWorker:
     self.delete(deletes)
     for p in puts:
       self.put(*p)
-    for source_id, step, rows, entries in loads:
-      self.load(source_id, step, rows, entries)
+    for i in dropped:                 # data sources the driver let go
+      self.sources.pop(i, None)
     entry = self.functions[fn_id]
     pf = entry["by_plan"].get(plan_key)
     if pf is None:
