@@ -453,11 +453,8 @@ def _apply_stage(split: SplitStep, plan: Plan, amesh, user_mesh,
                  hint=pin if any(h.part == "apply" for h in split.hints) else None)
 
   def fn(donated_vals, kept_vals, grads):
-    vals: list[Any] = [None] * len(leaves)   # batch leaves are never read here
-    for k, x in zip(donated, donated_vals, strict=True):
-      vals[k] = x
-    for k, x in zip(kept, kept_vals, strict=True):
-      vals[k] = x
+    # (batch leaves are never read here)
+    vals = _leaf_values(len(leaves), (donated, donated_vals), (kept, kept_vals))
     each: list[Any] = [None] * split.num_grads
     for slot, x in zip(grad_slots, grads, strict=False):
       if isinstance(slot, GradStack):
@@ -489,10 +486,8 @@ def _one_executable(sums: _StageFn | None, grad: _StageFn, apply: _StageFn,
   wsc = jax.lax.with_sharding_constraint
 
   def fn(donated_vals, kept_vals, batch_vals):
-    vals: list[Any] = [None] * num_leaves
-    for idx, group in ((donated, donated_vals), (kept, kept_vals), (batch, batch_vals)):
-      for k, x in zip(idx, group, strict=True):
-        vals[k] = x
+    vals = _leaf_values(num_leaves, (donated, donated_vals), (kept, kept_vals),
+                        (batch, batch_vals))
     partial = wsc(sums.fn(vals), sums.out_shardings) if sums is not None else []
     grads, micro_outs = grad.fn([vals[k] for k in used], partial)
     grads = wsc(grads, apply.in_shardings[2])     # (as the update takes them)
@@ -502,6 +497,16 @@ def _one_executable(sums: _StageFn | None, grad: _StageFn, apply: _StageFn,
   shardings = tuple([in_shardings[k] for k in idx] for idx in (donated, kept, batch))
   return _StageFn(fn, shardings, (apply.out_shardings, grad.out_shardings[1]),
                   (0,) if donated else ())
+
+
+def _leaf_values(num_leaves: int, *groups) -> list[Any]:
+  """The values in the places of all the step's leaves, from groups of
+  (leaf positions, values) (None where no group gives one)."""
+  vals: list[Any] = [None] * num_leaves
+  for idx, values in groups:
+    for k, x in zip(idx, values, strict=True):
+      vals[k] = x
+  return vals
 
 
 def _unconstrained_where_unsplit(spec: PartitionSpec) -> PartitionSpec:
@@ -520,10 +525,8 @@ def _whole_step(split: SplitStep, plan: Plan, amesh, user_mesh,
   rules = Rules(hint=pin if split.hints else None)
 
   def fn(donated_vals, kept_vals, batch_vals):
-    vals: list[Any] = [None] * len(leaves)
-    for idx, group in ((donated, donated_vals), (kept, kept_vals), (batch, batch_vals)):
-      for k, x in zip(idx, group, strict=True):
-        vals[k] = x
+    vals = _leaf_values(len(leaves), (donated, donated_vals), (kept, kept_vals),
+                        (batch, batch_vals))
     return eval_jaxpr(jaxpr, consts, vals, rules)
 
   ns = lambda s, m=amesh: NamedSharding(m, s)

@@ -498,12 +498,12 @@ class RayCluster(runtime.Runtime):
     return array_id, per_host
 
   def _loads(self, loads: dict, mesh_names) -> tuple[list[list], list]:
-    """Per host, what it loads for this call, and (source, batch number)
-    per source: per data source (id, the
-    batch's number, the rows the host's devices hold of any of the source's
-    leaves or None, and per leaf (array id, leaf index, shape, dtype, mesh
-    shape, mesh names, spec, device offset)). A source's loader goes to the
-    workers the first time."""
+    """What each host loads for this call, and (source, batch number) per
+    source. A host's list has per data source (its id, the batch number, the
+    span of rows the host's devices hold of any of its leaves or None, and
+    per leaf (array id, leaf index, shape, dtype, mesh shape, mesh names,
+    spec, device offset)). A source's loader goes to the workers the first
+    time."""
     from ray import cloudpickle
     per_host: list[list] = [[] for _ in self.workers]
     steps = []

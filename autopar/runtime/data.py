@@ -82,20 +82,20 @@ class DataSource:
     if not callable(load):
       raise InputError(f"DataSource: load must be a callable taking an "
                        f"autopar.HostShard; got {type(load).__name__}.")
-    leaves, self.treedef = jax.tree.flatten(like)
-    if not leaves:
+    flat, self.treedef = jax.tree_util.tree_flatten_with_path(like)
+    if not flat:
       raise InputError("DataSource: like has no leaves. Fix: give the batch's "
                        "shapes, e.g. {'x': jax.ShapeDtypeStruct((64, 784), np.float32)}.")
+    self.paths = tuple(jax.tree_util.keystr(p) for p, _ in flat)
     shapes = []
-    for path, x in jax.tree_util.tree_flatten_with_path(like)[0]:
+    for path, x in zip(self.paths, (x for _, x in flat)):
       if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise InputError(f"DataSource: like{jax.tree_util.keystr(path)} is a "
-                         f"{type(x).__name__}, not a shape. Fix: give "
-                         f"jax.ShapeDtypeStruct(shape, dtype) leaves.")
+        raise InputError(f"DataSource: like{path} is a {type(x).__name__}, not a "
+                         f"shape. Fix: give jax.ShapeDtypeStruct(shape, dtype) leaves.")
       if len(x.shape) == 0:
-        raise InputError(f"DataSource: like{jax.tree_util.keystr(path)} is a "
-                         f"scalar; every leaf of a batch has the batch on its "
-                         f"first axis. Fix: pass scalars as another argument.")
+        raise InputError(f"DataSource: like{path} is a scalar; every leaf of a batch "
+                         f"has the batch on its first axis. Fix: pass scalars as "
+                         f"another argument.")
       dtype = jax.dtypes.canonicalize_dtype(x.dtype)
       shapes.append(jax.ShapeDtypeStruct(tuple(int(d) for d in x.shape), dtype))
     sizes = {s.shape[0] for s in shapes}
@@ -105,8 +105,6 @@ class DataSource:
     self.load = load
     self.shapes = tuple(shapes)
     self.batch_size = sizes.pop()
-    self.paths = tuple(jax.tree_util.keystr(p)
-                       for p, _ in jax.tree_util.tree_flatten_with_path(like)[0])
     self._steps = 0
     self._lock = threading.Lock()
 
@@ -177,9 +175,9 @@ def materialize(args, step_name: str) -> tuple:
   for i, a in enumerate(args):
     if isinstance(a, DataSource):
       shard = HostShard(host=0, num_hosts=1, rows=slice(0, a.batch_size), step=a.step)
-      source, a = a, jax.tree.unflatten(a.treedef, check_loaded(
-          a, a.load(shard), shard, f"{step_name}: argument {i}"))
-      source.loaded(shard.step)
+      loaded = check_loaded(a, a.load(shard), shard, f"{step_name}: argument {i}")
+      a.loaded(shard.step)
+      a = jax.tree.unflatten(a.treedef, loaded)
     out.append(a)
   return tuple(out)
 

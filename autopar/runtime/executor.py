@@ -99,16 +99,14 @@ class Executable:
     """Runs one step on placed leaves; returns the flat outputs."""
     lw = self.lowered
     stages = lw.stages
+    # (the whole step's and grad_and_apply's arguments)
+    by_role = lambda: ([leaves[k] for k in lw.donated], [leaves[k] for k in lw.kept],  # noqa: E731
+                       [leaves[k] for k in lw.batch])
     if not self.split.has_marker:
-      return list(stages["step"]([leaves[k] for k in lw.donated],
-                                 [leaves[k] for k in lw.kept],
-                                 [leaves[k] for k in lw.batch]))
+      return list(stages["step"](*by_role()))
     schedule = lw.schedule
     if schedule[0] == ONE_STAGE:
-      apply_outs, micro_outs = stages[ONE_STAGE]([leaves[k] for k in lw.donated],
-                                                 [leaves[k] for k in lw.kept],
-                                                 [leaves[k] for k in lw.batch])
-      return self._outputs(apply_outs, micro_outs)
+      return self._outputs(*stages[ONE_STAGE](*by_role()))
     sums = []
     if schedule[0] == SUMS_STAGE:
       sums = stages[SUMS_STAGE](leaves)

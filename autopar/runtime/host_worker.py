@@ -113,14 +113,8 @@ class HostWorker:
     import jax
     from jax.sharding import NamedSharding
     sharding = NamedSharding(self._mesh(mesh_shape, mesh_names, offset), spec)
-    if not sharding.addressable_devices:     # (on other hosts' devices only)
-      x = jax.make_array_from_single_device_arrays(tuple(shape), sharding, [],
-                                                    dtype=dtype)
-    else:
-      x = jax.make_array_from_callback(
-          tuple(shape), sharding,
-          lambda idx: shards[normalize_index(idx, shape)].astype(dtype, copy=False),
-          dtype=dtype)
+    x = _global_array(shape, sharding, dtype, lambda idx: shards[
+        normalize_index(idx, shape)].astype(dtype, copy=False))
     self.arrays[array_id] = jax.random.wrap_key_data(x, impl=key_impl) if key_impl else x
 
   def fetch(self, array_id: int) -> dict:
@@ -163,10 +157,13 @@ class HostWorker:
   def load_batches(self, loads, dropped=()) -> None:
     """Loads this host's rows of each data source's batch (``load``);
     first forgets the sources the driver let go."""
-    for i in dropped:
-      self.sources.pop(i, None)
+    self._drop_sources(dropped)
     for source_id, step, rows, entries in loads:
       self.load(source_id, step, rows, entries)
+
+  def _drop_sources(self, ids) -> None:
+    for i in ids:                     # data sources the driver let go
+      self.sources.pop(i, None)
 
   def load(self, source_id: int, step: int, rows, entries) -> None:
     """Loads this host's rows of a DataSource's batch number ``step`` and
@@ -185,16 +182,12 @@ class HostWorker:
                             f"host {self.host_index}")
     for array_id, k, shape, dtype, mesh_shape, mesh_names, spec, offset in entries:
       sharding = NamedSharding(self._mesh(mesh_shape, mesh_names, offset), spec)
-      if not sharding.addressable_devices:
-        x = jax.make_array_from_single_device_arrays(shape, sharding, [], dtype=dtype)
-      else:
-        local, start = leaves[k], rows[0]
-        def rows_of(idx, local=local, start=start, shape=shape):
-          (a, b), *rest = normalize_index(idx, shape)
-          return local[(slice(a - start, b - start),) +
-                       tuple(slice(lo, hi) for lo, hi in rest)]
-        x = jax.make_array_from_callback(shape, sharding, rows_of, dtype=dtype)
-      self.arrays[array_id] = x
+
+      def rows_of(idx, k=k, shape=shape):
+        (a, b), *rest = normalize_index(idx, shape)
+        return leaves[k][(slice(a - rows[0], b - rows[0]),) +
+                         tuple(slice(lo, hi) for lo, hi in rest)]
+      self.arrays[array_id] = _global_array(shape, sharding, dtype, rows_of)
 
   def run(self, fn_id: int, plan_key: str, plan_json: str | None,
           method_bytes: bytes, args_bytes: bytes, out_ids: list[int],
@@ -213,8 +206,7 @@ class HostWorker:
     self.delete(deletes)
     for p in puts:
       self.put(*p)
-    for i in dropped:                 # data sources the driver let go
-      self.sources.pop(i, None)
+    self._drop_sources(dropped)
     entry = self.functions[fn_id]
     pf = entry["by_plan"].get(plan_key)
     if pf is None:
@@ -303,6 +295,16 @@ class HostWorker:
       self.arrays[i] = x
       weak.append(bool(jax.typeof(x).weak_type))
     return weak
+
+
+def _global_array(shape, sharding, dtype, block):
+  """The global array of ``sharding`` whose shard at each index of this
+  host's devices is ``block(index)`` (none on a host that holds no part)."""
+  import jax
+  if not sharding.addressable_devices:     # (on other hosts' devices only)
+    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, [],
+                                                    dtype=dtype)
+  return jax.make_array_from_callback(tuple(shape), sharding, block, dtype=dtype)
 
 
 def _free_port() -> int:
