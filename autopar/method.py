@@ -25,7 +25,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 
 from autopar.errors import InputError, MeshError
 from autopar.costs.submesh import tile
-from autopar.frontend.remat import check_remat
+from autopar.frontend.remat import check_remat, check_remat_loop
 
 __all__ = ["AutoShardingOption", "ParallelMethod", "ShardParallel",
            "DataParallel", "Zero2Parallel", "Zero3Parallel", "PipeshardParallel",
@@ -257,10 +257,17 @@ class ParallelMethod:
     num_micro_batches: split each batch into this many micro-batches and
       accumulate gradients over them (None or 1: no split).
     remat: ``"none"`` (default); ``"layers"``: the repeated layers of the
-      function passed to ``autopar.grad``/``value_and_grad`` are rolled into
-      one ``lax.scan`` with ``jax.checkpoint`` on its body, so the backward
-      pass recomputes one layer at a time (see ``autopar/frontend/remat.py``); or a
+      function passed to ``autopar.grad``/``value_and_grad`` are found and
+      checkpointed one by one, so the backward pass recomputes one layer at
+      a time (see ``autopar/frontend/remat.py``); or a
       ``jax.checkpoint_policies`` policy: the same, saving what it names.
+    remat_loop: how those layers run. ``"unrolled"``: one after another, each
+      reading its own weights (no loop, no conditional; XLA compiles every
+      layer); ``"scan"``: one ``lax.scan`` over the layers, compiled once,
+      which picks each layer's weights with a ``lax.switch`` (a conditional,
+      whose branch index XLA:GPU reads back to the host). None (default):
+      ``"unrolled"`` on GPU and TPU, ``"scan"`` on CPU (where XLA would merge
+      an unrolled layer's recomputation with its forward pass).
     grad_accumulation_dtype: ``"float32"`` (default): bfloat16 and float16
       gradients are summed over micro-batches and devices in float32 and
       handed to the update in their own dtype; None: summed in their own
@@ -278,6 +285,7 @@ class ParallelMethod:
   mesh: Mesh | AbstractMesh | None = None
   num_micro_batches: int | None = None
   remat: Any = dataclasses.field(default="none", kw_only=True)
+  remat_loop: str | None = dataclasses.field(default=None, kw_only=True)
   grad_accumulation_dtype: str | None = dataclasses.field(default="float32",
                                                           kw_only=True)
   one_executable: bool | None = dataclasses.field(default=None, kw_only=True)
@@ -292,6 +300,7 @@ class ParallelMethod:
                          f"devices= is Alpa's name for the mesh. Fix: give one.")
       object.__setattr__(self, "mesh", _mesh_of_devices(devices, type(self).__name__))
     check_remat(self.remat, type(self).__name__)
+    check_remat_loop(self.remat_loop, type(self).__name__)
     if self.grad_accumulation_dtype not in ("float32", None):
       raise InputError(f"{type(self).__name__}: grad_accumulation_dtype="
                        f"{self.grad_accumulation_dtype!r}; expected 'float32' or None "

@@ -28,11 +28,11 @@ from autopar.backend.hlo import compiled_peak
 from autopar.backend.lower import lower_step
 from autopar.costs.calibrate import measured_option
 from autopar.costs.cost_model import dtype_name
-from autopar.costs.devices import dominant_float_dtype, hardware_option
+from autopar.costs.devices import dominant_float_dtype, hardware_option, platform_of
 from autopar.errors import InputError, MarkerError, PlanError
 from autopar.frontend.hints import check_hints
 from autopar.frontend.loss import check_loss
-from autopar.frontend.remat import remat_mode
+from autopar.frontend.remat import layer_loop, remat_mode
 from autopar.frontend.split import (MIXED, OutputKind, SplitStep, apply_at,
                                     instantiate_split, outputs_at, scale_at, split_step)
 from autopar.frontend.trace import check_batch_leaves, trace_step, trace_step_any_batch
@@ -53,6 +53,15 @@ __all__ = ["Signature", "BUDGET_TRIES", "gc_paused", "bind_saved_plan"]
 _UNSET = object()
 
 
+def _platform(method: ParallelMethod) -> str:
+  """The platform ``method`` compiles for: its mesh's devices', or for an
+  AbstractMesh its option's device kind's (CPU without one)."""
+  mesh = resolve_mesh(method)
+  if isinstance(mesh, AbstractMesh):
+    return platform_of(getattr(getattr(method, "option", None), "device_kind", None))
+  return mesh.devices.flat[0].platform
+
+
 class Signature:
   """What autopar makes for one input signature of a step (see the module
   docstring).
@@ -70,6 +79,7 @@ class Signature:
     self.output_reductions = step.output_reductions
     self._step = weakref.ref(step)
     self.method = self._resolved(step.method, prep)
+    self.remat_loop = layer_loop(self.method.remat_loop, _platform(self.method))
     self.lock = threading.RLock()
     self._plan: tuple[Plan, int] | None = None
     self._pipeline = None
@@ -157,7 +167,7 @@ class Signature:
     best, taken, prices = plan, None, {}
     for preset in (Zero2Parallel, Zero3Parallel):
       other = preset(mesh=method.mesh, num_micro_batches=method.num_micro_batches,
-                     remat=method.remat,
+                     remat=method.remat, remat_loop=method.remat_loop,
                      grad_accumulation_dtype=method.grad_accumulation_dtype)
       if micro % math.prod(sizes[a] for a in batch_axes_for(other, mesh, split.hints)):
         return plan                    # a batch ZeRO cannot split
@@ -216,7 +226,8 @@ class Signature:
     if self._delegate is None:
       self._delegate = self.with_method(ShardParallel(
           mesh=method.mesh, num_micro_batches=method.num_micro_batches,
-          remat=method.remat, grad_accumulation_dtype=method.grad_accumulation_dtype,
+          remat=method.remat, remat_loop=method.remat_loop,
+          grad_accumulation_dtype=method.grad_accumulation_dtype,
           one_executable=method.one_executable, option=method.option,
           plan=method.plan if method.plan is not None and not method.plan.stages
           else None))
@@ -333,14 +344,15 @@ class Signature:
 
   def _symbolic(self, prep) -> SplitStep | None:
     if self._any_split is _UNSET:
-      with remat_mode(self.method.remat):
+      with remat_mode(self.method.remat, self.remat_loop):
         traced = trace_step_any_batch(self.fun, self.args_for_trace(prep),
                                       prep.flags, prep.leaves, prep.inputs,
                                       mesh=auto_mesh(resolve_mesh(self.method)),
                                       names=prep.names)
       self._any_split = (None if traced is None else split_step(
           traced, fn_name=self.name, output_reductions=self.output_reductions,
-          remat=self.method.remat))
+          remat=self.method.remat,
+          remat_loop=self.remat_loop))
     return self._any_split
 
   def split(self, prep, micro_batch_size: int) -> SplitStep:
@@ -373,11 +385,12 @@ class Signature:
       if reference is None:
         reference = self._reference = self.trace_at(prep, 2 * rows)
     return split_step(traced, fn_name=self.name, reference=reference,
-                      output_reductions=self.output_reductions, remat=self.method.remat)
+                      output_reductions=self.output_reductions, remat=self.method.remat,
+          remat_loop=self.remat_loop)
 
   def trace_at(self, prep, rows: int):
     """The step traced at ``rows`` rows (uncached)."""
-    with remat_mode(self.method.remat):
+    with remat_mode(self.method.remat, self.remat_loop):
       return trace_step(self.fun, self.args_for_trace(prep), prep.flags,
                         prep.leaves, prep.inputs, micro_batch_size=rows,
                         mesh=auto_mesh(resolve_mesh(self.method)), names=prep.names)

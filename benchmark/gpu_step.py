@@ -8,14 +8,19 @@ For a 12-layer hidden-768 and a 24-layer hidden-2048 GPT in bfloat16
 micro-batches, all with per-layer rematerialization:
 
 * autopar: ``DataParallel(num_micro_batches=n, remat="layers")`` on a mesh
-  of the one device;
+  of the one device, with each ``remat_loop``: ``"unrolled"`` (the default
+  on a GPU: no loop, no conditional) and ``"scan"`` (one loop, each layer's
+  weights picked by a conditional whose branch index XLA:GPU reads back to
+  the host);
 * by hand: one ``jax.jit`` of the same loss, each block under
   ``jax.checkpoint``, the micro-batches' gradients accumulated by
   ``lax.scan`` in float32, then the same Adam update, the state donated.
 
-Both are timed alike in one run (median of ``--steps`` steps after two
+All are timed alike in one run (median of ``--steps`` steps after two
 warm-ups, each step's outputs waited for), and printed side by side: step
-time, autopar / hand, and model FLOPs utilisation (PaLM's count: 6 x
+time, autopar / hand, the temp memory XLA gives each program (autopar's:
+its gradient stage's, which holds the layers' activations), and model
+FLOPs utilisation (PaLM's count: 6 x
 parameters + 12 x layers x hidden x sequence flops per token, over the
 device's bfloat16 peak: ``--peak-tflops``, 989 for an H100 SXM). Issue 34's
 goal: autopar / hand <= 1.02 at one micro-batch and <= 1.05 at four; MFU
@@ -92,14 +97,15 @@ def loss_fn(params, tokens, heads, checkpoint_blocks=False):
   return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
-def autopar_step(heads, tx, mesh, n):
+def autopar_step(heads, tx, mesh, n, loop):
   def step(state, tokens):
     params, opt = state
     loss, grads = autopar.value_and_grad(lambda p: loss_fn(p, tokens, heads))(params)
     updates, opt = tx.update(grads, opt, params)
     return (optax.apply_updates(params, updates), opt), loss
   return autopar.parallelize(step, method=autopar.DataParallel(
-      mesh=mesh, num_micro_batches=n, remat="layers"), donate_argnums=(0,))
+      mesh=mesh, num_micro_batches=n, remat="layers", remat_loop=loop),
+      donate_argnums=(0,))
 
 
 def hand_step(heads, tx, n):
@@ -121,6 +127,17 @@ def hand_step(heads, tx, n):
     updates, opt = tx.update(grads, opt, params)
     return (optax.apply_updates(params, updates), opt), loss / n
   return jax.jit(step, donate_argnums=(0,))
+
+
+def temp_bytes(step, state, tokens) -> int:
+  """The temp memory of ``step``'s program: a jax.jit's, or an autopar
+  step's gradient stage."""
+  if isinstance(step, autopar.ParallelizedFunction):
+    exe = step.get_executable(state, tokens)
+    compiled = exe.stages[exe.schedule[0]]
+  else:
+    compiled = step.lower(state, tokens).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
 
 
 def seconds_per_step(step, make_state, tokens, steps) -> tuple[float, float]:
@@ -149,8 +166,8 @@ def main(argv=None) -> list[dict]:
   rows = []
   print(f"one {device.device_kind} ({device.platform}), {jnp.dtype(dtype).name}, "
         f"remat per layer; median of {args.steps} steps")
-  print(f"{'model':<18} {'micro':>5} {'hand ms':>9} {'autopar ms':>11} {'ratio':>6} "
-        f"{'MFU hand':>9} {'MFU autopar':>12}")
+  print(f"{'model':<18} {'micro':>5} {'step':<16} {'ms':>9} {'ratio':>6} "
+        f"{'temp MiB':>9} {'MFU':>6}")
   for name, L, d, H, T, V, B in (TINY_SIZES if args.tiny else SIZES):
     params = init_params(jax.random.PRNGKey(0), L, d, V, T, dtype)
     tokens = jax.device_put(np.random.RandomState(0).randint(0, V, (B, T + 1)).astype(
@@ -158,19 +175,22 @@ def main(argv=None) -> list[dict]:
     n_params = sum(x.size for x in jax.tree.leaves(params))
     flops = (6 * n_params + 12 * L * d * T) * B * T
     make_state = lambda: jax.tree.map(jnp.copy, (params, tx.init(params)))  # noqa: E731
+    peak = args.peak_tflops * 1e12
     for n in (1, 4):
-      hand, hand_loss = seconds_per_step(hand_step(H, tx, n), make_state, tokens,
-                                         args.steps)
-      ours, our_loss = seconds_per_step(autopar_step(H, tx, mesh, n), make_state,
-                                        tokens, args.steps)
-      peak = args.peak_tflops * 1e12
-      row = dict(model=name, micro=n, hand=hand, autopar=ours, ratio=ours / hand,
-                 loss_hand=hand_loss, loss_autopar=our_loss,
-                 mfu_hand=flops / hand / peak, mfu_autopar=flops / ours / peak)
+      steps = {"hand": hand_step(H, tx, n),
+               **{f"autopar {loop}": autopar_step(H, tx, mesh, n, loop)
+                  for loop in ("unrolled", "scan")}}
+      row = dict(model=name, micro=n)
+      for what, step in steps.items():
+        row[what] = dict(zip(("seconds", "loss"), seconds_per_step(
+            step, make_state, tokens, args.steps)))
+        row[what]["temp"] = temp_bytes(step, make_state(), tokens)
+        row[what]["ratio"] = row[what]["seconds"] / row["hand"]["seconds"]
+        row[what]["mfu"] = flops / row[what]["seconds"] / peak
+        r = row[what]
+        print(f"{name:<18} {n:>5} {what:<16} {r['seconds'] * 1e3:>9.2f} {r['ratio']:>6.2f} "
+              f"{r['temp'] / 2**20:>9.1f} {r['mfu']:>6.1%}", flush=True)
       rows.append(row)
-      print(f"{name:<18} {n:>5} {hand * 1e3:>9.2f} {ours * 1e3:>11.2f} "
-            f"{row['ratio']:>6.2f} {row['mfu_hand']:>9.1%} {row['mfu_autopar']:>12.1%}",
-            flush=True)
   return rows
 
 

@@ -338,6 +338,57 @@ def test_stacked_gradients_accumulated_in_their_scan(method, mesh_shape, scanned
       (16, {(1, True)} if scanned else {(3, False)})]
 
 
+@pytest.mark.parametrize("method, mesh_shape, n", [
+    ("DataParallel", (8,), 1), ("ShardParallel", (2, 4), 2), ("Zero3Parallel", (8,), 2)])
+def test_remat_unrolled_has_no_loop_or_conditional(method, mesh_shape, n):
+  """remat_loop="unrolled" (the default on GPU and TPU): each layer reads its
+  own weights, so the compiled gradient stage holds no loop and no
+  conditional (XLA:GPU reads a conditional's branch index back to the host);
+  it recomputes each layer (more matmuls than without remat), and its numbers
+  are single-device jax.jit's. (Its memory saving needs XLA to keep the
+  optimization barriers, which XLA:CPU drops: see the GPU program test.)"""
+  make_state, step, batch = transformer_setup(layers=4, batch=16)
+  ref_state, ref_loss = single_device(step)(make_state(), batch)
+  mesh = jax.make_mesh(mesh_shape, ("data", "model")[:len(mesh_shape)])
+  stages = {}
+  for mode in ("none", "layers"):
+    p = autopar.parallelize(step, method=getattr(autopar, method)(
+        mesh=mesh, num_micro_batches=n, remat=mode, remat_loop="unrolled"))
+    state, loss = p(make_state(), batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_trees_close(state.params, ref_state.params)
+    assert_trees_close(state.opt_state, ref_state.opt_state)
+    stages[mode] = _grad_stage(p.get_executable(make_state(), batch))
+  text = stages["layers"].as_text()
+  assert " while(" not in text and " conditional(" not in text
+  assert _dots(stages["layers"]) > _dots(stages["none"])
+
+
+def test_remat_unrolled_gpu_program():
+  """The program XLA:GPU is given for a 6-layer transformer's gradient under
+  remat="layers" (lowered for CUDA here, without a GPU): no case, no while,
+  and one optimization barrier per layer, which ties the layer's
+  recomputation to its output's cotangent."""
+  make_state, _, batch = transformer_setup(layers=6)
+  loss_fn, params = _loss_of(make_state, batch)
+  loop = remat.layer_loop(None, "gpu")
+  assert loop == "unrolled"
+  with remat.remat_mode("layers", loop):
+    grad = jax.jit(autopar.grad(loss_fn))
+    text = jax.export.export(grad, platforms=("cuda",))(params).mlir_module()
+  assert "stablehlo.case" not in text and "stablehlo.while" not in text
+  assert text.count("stablehlo.optimization_barrier") == 6
+
+
+def test_remat_loop_choice():
+  assert [remat.layer_loop(None, p) for p in ("cpu", "gpu", "tpu")] == \
+      ["scan", "unrolled", "unrolled"]
+  assert remat.layer_loop("scan", "gpu") == "scan"
+  assert remat.layer_loop("unrolled", "cpu") == "unrolled"
+  with pytest.raises(autopar.InputError, match="remat_loop='unroll'"):
+    autopar.DataParallel(remat="layers", remat_loop="unroll")
+
+
 def test_remat_layers_under_the_planner():
   make_state, step, batch = transformer_setup(layers=4)
   ref_state, ref_loss = single_device(step)(make_state(), batch)
@@ -415,13 +466,18 @@ def _check_rolled_equals_loop():
   for f in (skip_two, shared_input, two_stacks, keys_and_counter):
     ref_v, ref_g = jax.value_and_grad(f)(params)
     for mode in ("layers", jax.checkpoint_policies.dots_saveable):
-      with remat.remat_mode(mode):
-        fn = autopar.value_and_grad(f)
-        text = str(jax.make_jaxpr(fn)(params))
-        v, g = jax.jit(fn)(params)
-      assert text.count("scan[") == (4 if f is two_stacks else 2), f.__name__  # fwd + bwd
-      np.testing.assert_allclose(v, ref_v, rtol=1e-10)
-      assert_trees_close(g, ref_g, rtol=1e-10, atol=1e-10)
+      for loop in remat.LOOPS:
+        with remat.remat_mode(mode, loop):
+          fn = autopar.value_and_grad(f)
+          text = str(jax.make_jaxpr(fn)(params))
+          v, g = jax.jit(fn)(params)
+        loops = (4 if f is two_stacks else 2) if loop == "scan" else 0   # fwd + bwd
+        assert text.count("scan[") == loops, (f.__name__, loop)
+        # Unrolled: a barrier per layer, in its backward pass.
+        layers = sum(s.count for s in remat.find_layers(jax.make_jaxpr(f)(params).jaxpr))
+        assert text.count("optimization_barrier") == (0 if loop == "scan" else layers)
+        np.testing.assert_allclose(v, ref_v, rtol=1e-10)
+        assert_trees_close(g, ref_g, rtol=1e-10, atol=1e-10)
 
 
 def test_remat_layers_with_dropout():
@@ -448,12 +504,13 @@ def test_remat_layers_with_dropout():
   def loss(p):
     return jnp.mean(net.apply(p, x, rngs={"dropout": jax.random.PRNGKey(3)}) ** 2)
   ref_v, ref_g = jax.value_and_grad(loss)(params)
-  with remat.remat_mode("layers"):
-    fn = autopar.value_and_grad(loss)
-    assert str(jax.make_jaxpr(fn)(params)).count("scan[") == 2
-    v, g = jax.jit(fn)(params)
-  np.testing.assert_allclose(v, ref_v, rtol=1e-5)
-  assert_trees_close(g, ref_g)
+  for loop in remat.LOOPS:
+    with remat.remat_mode("layers", loop):
+      fn = autopar.value_and_grad(loss)
+      assert str(jax.make_jaxpr(fn)(params)).count("scan[") == (2 if loop == "scan" else 0)
+      v, g = jax.jit(fn)(params)
+    np.testing.assert_allclose(v, ref_v, rtol=1e-5)
+    assert_trees_close(g, ref_g)
 
 
 def test_remat_layers_rolls_layers_with_custom_derivatives():

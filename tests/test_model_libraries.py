@@ -128,19 +128,23 @@ def test_nnx_split_and_merge_style(nnx_reference):
     assert_trees_close(params_of(model), ref_params)
 
 
-def test_nnx_remat_layers_rolls_the_blocks(nnx_reference):
+@pytest.mark.parametrize("loop", ["scan", "unrolled"])
+def test_nnx_remat_layers_rolls_the_blocks(nnx_reference, loop):
   ref_losses, ref_params = nnx_reference
   model, opt = nnx_make()
   p = autopar.parallelize(nnx_step(autopar.value_and_grad),
-                          method=methods()["dp"](2, remat="layers"))
+                          method=methods()["dp"](2, remat="layers", remat_loop=loop))
   with warnings.catch_warnings():
     warnings.simplefilter("error")              # "found no repeated layers" fails
     losses = [float(p(model, opt, tokens())) for _ in range(2)]
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
   assert_trees_close(params_of(model), ref_params)
   m2, o2 = nnx_make()
-  # One loop over the layers for the forward pass and one for the backward.
-  assert p.get_executable(m2, o2, tokens()).as_text()["compute_grad"].count(" while(") == 2
+  # Scan: one loop over the layers for the forward pass and one for the
+  # backward; unrolled: none, and no conditional.
+  text = p.get_executable(m2, o2, tokens()).as_text()["compute_grad"]
+  assert text.count(" while(") == (2 if loop == "scan" else 0)
+  assert text.count(" conditional(") == (2 if loop == "scan" else 0)
 
 
 def test_an_nnx_update_without_a_grad_marker_is_kept():
@@ -481,6 +485,7 @@ def gemma_step(model):
 GEMMA_METHODS = {
     "dp": lambda: methods()["dp"](2),
     "shard remat": lambda: methods()["shard"](2, remat="layers"),
+    "dp remat unrolled": lambda: methods()["dp"](2, remat="layers", remat_loop="unrolled"),
     "pipeshard": lambda: autopar.PipeshardParallel(
         mesh=jax.make_mesh((2, 4), ("data", "model")), num_micro_batches=2, num_stages=2),
 }

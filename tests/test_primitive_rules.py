@@ -92,8 +92,13 @@ def _cholesky(p, h):                                     # no sharding rule
   return h @ jnp.linalg.cholesky(g)
 
 
-@pytest.mark.parametrize("extra", [_scalar_reshape, _split, _cholesky],
-                         ids=["scalar-reshape", "split", "no-rule"])
+def _barrier(p, h):                                      # operands of three shapes
+  h, w, s = jax.lax.optimization_barrier((h, p["w1"], p["s"]))
+  return h * s + jnp.sum(w)
+
+
+@pytest.mark.parametrize("extra", [_scalar_reshape, _split, _cholesky, _barrier],
+                         ids=["scalar-reshape", "split", "no-rule", "barrier"])
 @pytest.mark.parametrize("method", ["shard", "pipeshard"])
 def test_shape_primitives_and_the_fallback_equal_jit(extra, method):
   step, args = _step_with(extra)

@@ -439,10 +439,11 @@ def _sds(aval) -> jax.ShapeDtypeStruct:
                                                                         False))
 
 
-def _evaluate(fn: Jaxpr, consts, args, remat, name: str, without: Jaxpr) -> list:
+def _evaluate(fn: Jaxpr, consts, args, remat, remat_loop: str, name: str,
+              without: Jaxpr) -> list:
   if remat is None or remat == "none":
     return jc.eval_jaxpr(fn, consts, *args)
-  return rolled_eval(fn, consts, args, remat, name, without=without)
+  return rolled_eval(fn, consts, args, remat, name, without=without, loop=remat_loop)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -529,7 +530,7 @@ def _without_bindings(eqns, outputs) -> tuple[list, list]:
 
 
 def expand(view: ClosedJaxpr, call: LossCall, head: LossHead, *, remat: Any = "none",
-           how: str | None = None) -> tuple[ClosedJaxpr, LossGradient]:
+           remat_loop: str = "scan", how: str | None = None) -> tuple[ClosedJaxpr, LossGradient]:
   """The step with the loss function differentiated as the whole batch's
   (see the module docstring), and how its stages seed it."""
   jaxpr = view.jaxpr
@@ -555,7 +556,7 @@ def expand(view: ClosedJaxpr, call: LossCall, head: LossHead, *, remat: Any = "n
       full = list(xs)
       for p, x in zip(diff_pos, d, strict=True):
         full[p] = x
-      outs = _evaluate(fx, call.consts, full, remat, call.name, fn)
+      outs = _evaluate(fx, call.consts, full, remat, remat_loop, call.name, fn)
       ex = outs[nout:]
       return [ex[k] for k in entry_at], (outs[:nout], ex)
     _, vjp, (outs, ex) = jax.vjp(f, *[xs[p] for p in diff_pos], has_aux=True)

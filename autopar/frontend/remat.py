@@ -1,26 +1,39 @@
-"""``remat="layers"``: the repeated layers of a forward pass rolled into a scan.
+"""``remat="layers"``: the repeated layers of a forward pass, checkpointed one by one.
 
 A transformer written as a Python loop over blocks traces to the same run of
 equations once per layer, each reading its own weights. With a method's
 ``remat="layers"`` (or a ``jax.checkpoint`` policy), ``autopar.grad`` /
 ``autopar.value_and_grad`` do not differentiate the user's loss function as
 written: they trace it, find the longest stretch of equations that repeats
-layer after layer, and differentiate an equivalent program in which that
-stretch is one loop over the layers. XLA then compiles one loop body, and the
-backward pass keeps only what crosses layer boundaries (the carry, and what
-a policy saves) plus one layer's activations at a time.
+layer after layer, and differentiate an equivalent program in which each
+repetition is a layer whose backward pass recomputes it. The backward pass
+keeps only what crosses layer boundaries (the carry, and what a policy
+saves) plus one layer's activations at a time. Each layer reads its weights
+where they are: no stacked copy of them exists, and the user's parameters
+keep their own pytree, so each layer's gradient comes back to its own leaf.
 
-The loop reads each layer's weights where they are
-(:func:`_run_stack_selected`): a forward scan over the layer index picks
-layer ``k``'s inputs with ``lax.switch`` and saves the carry entering each
-layer, plus what a ``jax.checkpoint`` policy saves inside it (nothing, with
-``remat="layers"``); a VJP of its own runs a reverse scan that picks the
-same inputs and differentiates layer ``k`` from what was saved, recomputing
-the rest. No stacked copy of the weights exists. The layers' gradients
-leave the backward loop as one stacked output, a layer per trip, which the
-gradient stages fold into the partial sums (or reduce) trip by trip, never
-holding it whole (``gradstack.py``). The user's parameters keep their own
-pytree, so each layer's gradient comes back to its own leaf.
+The layers run in one of two ways (``loop``, the method's ``remat_loop``;
+:func:`layer_loop` picks it by platform when the method does not):
+
+* ``"unrolled"`` (:func:`_run_stack_unrolled`; the default on GPU and TPU):
+  one layer after another, each a call with a VJP of its own
+  (:func:`_recomputed_layer`) that keeps the layer's inputs and, in the
+  backward pass, recomputes and differentiates the layer once the
+  cotangent of its output exists, the two tied by an optimization barrier.
+  No loop and no conditional; XLA compiles every layer. XLA:CPU drops
+  optimization barriers before its common-subexpression pass, merging each
+  recomputation with the forward pass (no memory saved), hence:
+* ``"scan"`` (:func:`_run_stack_selected`; the default on CPU): a forward
+  scan over the layer index picks layer ``k``'s inputs with ``lax.switch``
+  and saves the carry entering each layer, plus what a ``jax.checkpoint``
+  policy saves inside it (nothing, with ``remat="layers"``); a VJP of its
+  own runs a reverse scan that picks the same inputs and differentiates
+  layer ``k`` from what was saved, recomputing the rest. XLA compiles one
+  loop body. The conditional's branch index is read back to the host on
+  XLA:GPU, once per layer per pass. The layers' gradients leave the
+  backward loop as one stacked output, a layer per trip, which the gradient
+  stages fold into the partial sums (or reduce) trip by trip, never holding
+  it whole (``gradstack.py``).
 
 How a stretch is found (:func:`find_layers`):
 
@@ -77,8 +90,10 @@ from autopar.frontend.pytrees import leaf_mask
 
 __all__ = ["remat_mode", "check_remat", "maybe_roll", "rolled_eval", "find_layers", "Stack"]
 
-_MODE: contextvars.ContextVar = contextvars.ContextVar("autopar_remat", default="none")
+_MODE: contextvars.ContextVar = contextvars.ContextVar("autopar_remat",
+                                                      default=("none", "scan"))
 _NOTHING = jax.checkpoint_policies.nothing_saveable
+LOOPS = ("scan", "unrolled")
 
 
 def check_remat(remat: Any, where: str) -> None:
@@ -89,10 +104,30 @@ def check_remat(remat: Any, where: str) -> None:
                    f"dots_with_no_batch_dims_saveable).")
 
 
+def check_remat_loop(loop: Any, where: str) -> None:
+  if loop is None or loop in LOOPS:
+    return
+  raise InputError(f"{where}: remat_loop={loop!r}; expected None (the platform's: "
+                   f"'unrolled' on GPU and TPU, 'scan' on CPU), 'scan' or 'unrolled'.")
+
+
+def layer_loop(loop: str | None, platform: str) -> str:
+  """How the layers rolled under remat reach their weights: ``loop`` if the
+  method names one, else ``"unrolled"`` where XLA keeps optimization
+  barriers until it has scheduled the program (GPU, TPU) and ``"scan"`` on
+  CPU, whose compiler drops them before its common-subexpression pass and
+  so would merge each layer's recomputation with its forward pass (see the
+  module docstring)."""
+  if loop is not None:
+    return loop
+  return "scan" if platform == "cpu" else "unrolled"
+
+
 @contextlib.contextmanager
-def remat_mode(remat: Any):
-  """While tracing a step: how ``autopar.grad`` treats repeated layers."""
-  token = _MODE.set(remat)
+def remat_mode(remat: Any, loop: str = "scan"):
+  """While tracing a step: how ``autopar.grad`` treats repeated layers
+  (``loop``: ``layer_loop``'s)."""
+  token = _MODE.set((remat, loop))
   try:
     yield
   finally:
@@ -100,14 +135,14 @@ def remat_mode(remat: Any):
 
 
 def maybe_roll(fun: Callable) -> Callable:
-  """``fun``, or ``fun`` with its repeated layers rolled into a checkpointed
-  scan when the step is traced under ``remat="layers"`` or a policy."""
+  """``fun``, or ``fun`` with its repeated layers checkpointed one by one when
+  the step is traced under ``remat="layers"`` or a policy."""
   def call(*args, **kwargs):
-    mode = _MODE.get()
+    mode, loop = _MODE.get()
     if mode == "none":
       return fun(*args, **kwargs)
     policy = _NOTHING if mode == "layers" else mode
-    return _rolled_call(fun, policy, args, kwargs)
+    return _rolled_call(fun, policy, loop, args, kwargs)
   return call
 
 
@@ -141,7 +176,7 @@ class Stack:
     return self.start + self.length * self.count
 
 
-def _rolled_call(fun, policy, args, kwargs):
+def _rolled_call(fun, policy, loop, args, kwargs):
   flat, tree = jax.tree.flatten((args, kwargs))
   is_array = leaf_mask((args, kwargs))      # traced as autopar traces the step
   out_tree = []
@@ -160,20 +195,22 @@ def _rolled_call(fun, policy, args, kwargs):
   arrays = [x for a, x in zip(is_array, flat) if a]
   closed = jax.make_jaxpr(flat_fun)(*arrays)
   outs = rolled_eval(closed.jaxpr, closed.consts, arrays, policy,
-                     getattr(fun, "__name__", "the function"), stacklevel=5)
+                     getattr(fun, "__name__", "the function"), stacklevel=5, loop=loop)
   outs = [x if c is None else c[0] for x, c in zip(outs, constant_outs[0], strict=True)]
   return jax.tree.unflatten(out_tree[0], outs)
 
 
 def rolled_eval(jaxpr: Jaxpr, consts, args, remat: Any, name: str, *,
-                stacklevel: int = 2, without: Jaxpr | None = None) -> list:
-  """``jaxpr`` evaluated on ``args`` with its repeated layers rolled into a
-  checkpointed loop (``remat``: ``"layers"`` or a ``jax.checkpoint``
-  policy), for differentiating: what ``autopar.value_and_grad`` runs under a
-  method's remat. ``name``: the function's, for the warning when it has no
-  repeated layers. ``without``: the same function without the extra
-  outputs ``jaxpr`` has (the loss's sums, ``loss.py``), for that warning to
-  say when it is those that hide the layers."""
+                stacklevel: int = 2, without: Jaxpr | None = None,
+                loop: str = "scan") -> list:
+  """``jaxpr`` evaluated on ``args`` with its repeated layers checkpointed
+  one by one (``remat``: ``"layers"`` or a ``jax.checkpoint`` policy), for
+  differentiating: what ``autopar.value_and_grad`` runs under a method's
+  remat. ``loop``: ``"scan"`` (one loop over the layers) or ``"unrolled"``
+  (see the module docstring). ``name``: the function's, for the warning
+  when it has no repeated layers. ``without``: the same function without
+  the extra outputs ``jaxpr`` has (the loss's sums, ``loss.py``), for that
+  warning to say when it is those that hide the layers."""
   policy = _NOTHING if remat == "layers" else remat
   stacks = find_layers(jaxpr)
   if not stacks and not any(_is_layer_scan(e) for e in jaxpr.eqns):
@@ -191,10 +228,10 @@ def rolled_eval(jaxpr: Jaxpr, consts, args, remat: Any, name: str, *,
           f"equations that repeats with different weights, or a scan over "
           f"per-layer inputs), so nothing is rematerialised.",
           stacklevel=stacklevel + 1)
-  return _eval(jaxpr, consts, args, stacks, policy)
+  return _eval(jaxpr, consts, args, stacks, policy, loop)
 
 
-def _eval(jaxpr: Jaxpr, consts, args, stacks: list[Stack], policy) -> list:
+def _eval(jaxpr: Jaxpr, consts, args, stacks: list[Stack], policy, loop: str) -> list:
   env: dict = {}
 
   def read(v):
@@ -222,7 +259,10 @@ def _eval(jaxpr: Jaxpr, consts, args, stacks: list[Stack], policy) -> list:
   pos = 0
   for s in stacks:
     run(jaxpr.eqns[pos:s.start], env)
-    _run_stack_selected(jaxpr, s, env, run, policy)
+    if loop == "unrolled":
+      _run_stack_unrolled(jaxpr, s, env, run, policy)
+    else:
+      _run_stack_selected(jaxpr, s, env, run, policy)
     pos = s.end
   run(jaxpr.eqns[pos:], env)
   return [read(v) for v in jaxpr.outvars]
@@ -318,11 +358,7 @@ def _run_stack_selected(jaxpr: Jaxpr, s: Stack, env: dict, run, policy) -> None:
   forward loop stacked.
   """
   body_eqns = jaxpr.eqns[s.start:s.start + s.length]
-  bound = {id(v) for v in (*s.carry_init, *s.stacked_template) if v is not None}
-  made = {v for e in body_eqns for v in e.outvars}
-  invariant = list(dict.fromkeys(
-      v for e in body_eqns for v in e.invars
-      if not isinstance(v, Literal) and v not in made and id(v) not in bound))
+  invariant = _invariants(s, body_eqns)
   # Per-layer inputs: literals (a layer's RNG fold-in constant) are stacked as
   # numpy constants; the rest (weights) are picked per layer.
   lit = [i for i, t in enumerate(s.stacked_template) if isinstance(t, Literal)]
@@ -443,6 +479,97 @@ def _run_stack_selected(jaxpr: Jaxpr, s: Stack, env: dict, run, policy) -> None:
   stack.defvjp(stack_fwd, stack_bwd)
   final = stack(init, per_layer, inv)
   _set_outputs(jaxpr, s, env, final)
+
+
+def _invariants(s: Stack, body_eqns) -> list:
+  """The values from before the stack that every layer reads alike."""
+  bound = {id(v) for v in (*s.carry_init, *s.stacked_template) if v is not None}
+  made = {v for e in body_eqns for v in e.outvars}
+  return list(dict.fromkeys(
+      v for e in body_eqns for v in e.invars
+      if not isinstance(v, Literal) and v not in made and id(v) not in bound))
+
+
+def _run_stack_unrolled(jaxpr: Jaxpr, s: Stack, env: dict, run, policy) -> None:
+  """The stack one layer after another, each layer a call whose backward
+  pass recomputes it (:func:`_recomputed_layer`): no loop, so each layer
+  reads its own weights where they are, with neither a conditional to pick
+  them nor a stacked copy of them. XLA compiles every layer."""
+  body_eqns = jaxpr.eqns[s.start:s.start + s.length]
+  invariant = _invariants(s, body_eqns)
+  inv = [env[v] for v in invariant]
+
+  def layer(carry, inputs, inv):
+    return _run_layer(s, body_eqns, run, dict(zip(invariant, inv, strict=True)),
+                      carry, inputs)
+  carry = _initial_carries(s, body_eqns, env)
+  for k in range(s.count):
+    inputs = [_outer_value(env, per_layer[k]) for per_layer in s.stacked]
+    carry = _recomputed_layer(layer, policy)(carry, inputs, inv)
+  _set_outputs(jaxpr, s, env, carry)
+
+
+def _recomputed_layer(layer: Callable, policy) -> Callable:
+  """``layer`` (carries, per-layer inputs, invariants -> carries) as a call
+  that keeps its inputs, plus what ``policy`` saves, for its backward pass,
+  which runs the layer's VJP under ``jax.checkpoint(policy)`` from them.
+
+  The backward pass passes what it recomputes from, with the cotangents of
+  the layer's outputs, through one ``lax.optimization_barrier``: XLA cannot
+  see the recomputation as the forward pass's (and merge the two, keeping
+  every layer's activations), nor run it before the layers above have been
+  differentiated. (XLA:CPU drops barriers before its own passes, so there
+  the merge happens: ``layer_loop`` picks the scan on CPU.)
+  """
+  kept: dict = {}
+
+  def vjp_of(carry, inputs, inv):
+    masks = [[_differentiable(x) for x in xs] for xs in (carry, inputs, inv)]
+
+    def f(c, p, i):
+      # Integer carries (positions, masks) are aux: the VJP then takes no
+      # float0 cotangents, which a symbolic batch size cannot shape.
+      out = layer(_merge(carry, c, masks[0]), _merge(inputs, p, masks[1]),
+                  _merge(inv, i, masks[2]))
+      return _take(out, masks[0]), [o for o, d in zip(out, masks[0], strict=True) if not d]
+    diff_outs, vjp, aux = jax.vjp(
+        jax.checkpoint(f, policy=policy, prevent_cse=False),
+        *(_take(xs, m) for xs, m in zip((carry, inputs, inv), masks, strict=True)),
+        has_aux=True)
+    diff_it, aux_it = iter(diff_outs), iter(aux)
+    return [next(diff_it) if d else next(aux_it) for d in masks[0]], vjp, masks
+
+  @jax.custom_vjp
+  def call(carry, inputs, inv):
+    return layer(carry, inputs, inv)
+
+  def call_fwd(carry, inputs, inv):
+    outs, vjp, masks = vjp_of(carry, inputs, inv)
+    leaves, tree = jax.tree.flatten(vjp)
+    is_array = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
+    # A Python scalar among the VJP's leaves is the same in the backward pass.
+    kept.update(tree=tree, masks=masks, is_array=is_array,
+                constants=[None if a else x for x, a in zip(leaves, is_array, strict=True)])
+    return outs, [x for x, a in zip(leaves, is_array, strict=True) if a]
+
+  def call_bwd(arrays, cts):
+    masks = kept["masks"]
+    if len(arrays) != sum(kept["is_array"]):
+      raise PlanError(
+          f"autopar: remat traced a layer's forward pass with a different structure "
+          f"from the one its backward pass rebuilds ({len(arrays)} residuals against "
+          f"{sum(kept['is_array'])}). This is a bug in autopar; remat='none' avoids it.")
+    arrays, ct = lax.optimization_barrier((list(arrays), _take(list(cts), masks[0])))
+    it = iter(arrays)
+    vjp = jax.tree.unflatten(kept["tree"], [next(it) if a else c for a, c in zip(
+        kept["is_array"], kept["constants"], strict=True)])
+    grads = vjp(ct)
+    # None: the zero cotangent of an integer input (see _zero_cotangent).
+    return tuple([next(g) if d else None for d in m]
+                 for g, m in zip(map(iter, grads), masks, strict=True))
+
+  call.defvjp(call_fwd, call_bwd)
+  return call
 
 
 def _differentiable(x) -> bool:

@@ -236,6 +236,13 @@ def _dependences(jaxpr, deps: _Deps, oracle: RowOracle) -> _Deps:
       # that do not depend on the batch.
       _cond_dependences(e, _Deps(values, sized, positions), oracle)
       continue
+    if e.primitive.name == "optimization_barrier":
+      # An identity per operand: each output depends on its own operand.
+      for a, o in zip(e.invars, e.outvars, strict=True):
+        for group in (values, sized, positions):
+          if a in group:
+            group.add(o)
+      continue
     if any(a in values for a in ins):
       values.update(e.outvars)
     elif (oracle.size_dependent(e) or any(a in sized for a in ins) or

@@ -229,7 +229,8 @@ def dce(jaxpr: Jaxpr, keep=None) -> Jaxpr:
 def split_step(traced: TracedStep, *, fn_name: str = "step",
                reference: TracedStep | None = None,
                output_reductions: Mapping[str, str] | None = None,
-               remat: Any = "none", pipeline: bool = False) -> SplitStep:
+               remat: Any = "none", remat_loop: str = "scan",
+               pipeline: bool = False) -> SplitStep:
   """Cuts ``traced`` at its grad marker (see the module docstring).
 
   Which dimensions hold rows is read from ``traced`` itself when it was
@@ -239,12 +240,13 @@ def split_step(traced: TracedStep, *, fn_name: str = "step",
   ``output_reductions``: output path (or glob) -> "sum" / "mean" / "max" /
   "min", for outputs the program does not say how to combine; its key
   ``"loss"``: how to combine the loss itself (``loss.py``). ``remat``: the
-  method's, applied where the loss function is differentiated.
+  method's, applied where the loss function is differentiated, its layers
+  in a ``remat_loop`` (``remat.layer_loop``).
   """
   how = _loss_how(output_reductions)
   raw = traced
   traced, reference, loss_grad = _differentiate(traced, reference, fn_name, how, remat,
-                                                pipeline)
+                                                remat_loop, pipeline)
   closed = traced.jaxpr
   jaxpr = jc.convert_constvars_jaxpr(closed.jaxpr)
   nconst = len(closed.consts)
@@ -375,7 +377,8 @@ def _loss_how(output_reductions) -> str | None:
 
 
 def _differentiate(traced: TracedStep, reference: TracedStep | None, fn_name: str,
-                   how: str | None, remat, pipeline: bool = False) -> tuple:
+                   how: str | None, remat, remat_loop: str = "scan",
+                   pipeline: bool = False) -> tuple:
   """``traced`` (and ``reference``, the same step at another size) with the
   loss function differentiated as the whole batch's (``loss.py``), and how
   the gradient stages seed it; as they are, with None, for a step without
@@ -402,7 +405,7 @@ def _differentiate(traced: TracedStep, reference: TracedStep | None, fn_name: st
   def differentiated(t: TracedStep, v: ClosedJaxpr, c, oracle):
     batch = {x for x, l in zip(v.jaxpr.invars, t.leaves, strict=True) if l.is_batch}
     head = find_head(v, c, batch=batch, oracle=oracle, how=how)
-    closed, grad = expand(v, c, head, remat=remat, how=how)
+    closed, grad = expand(v, c, head, remat=remat, remat_loop=remat_loop, how=how)
     closed = without_meshes(inline_calls(closed, fn_name=fn_name))
     return dataclasses.replace(t, jaxpr=closed), grad
 

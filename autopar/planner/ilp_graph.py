@@ -261,6 +261,13 @@ class ChoiceGraph:
       if eqn.primitive.name in REGIONS:
         self._add_region(eqn, i, val, mult, part, eqn_nodes)
         continue
+      if eqn.primitive.name == "optimization_barrier":
+        # An identity XLA does not look through: each output is its operand,
+        # in its operand's spec (operands of any shapes; nothing to choose).
+        for a, o in zip(eqn.invars, eqn.outvars, strict=True):
+          if isinstance(a, Var) and a in val:
+            val[o] = val[a]
+        continue
       merge = is_elementwise(eqn) and len(eqn.outvars) == 1
       if merge:
         operands = [v for v in eqn.invars if isinstance(v, Var) and v.aval.shape]
