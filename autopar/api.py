@@ -163,6 +163,10 @@ class ParallelizedFunction:
     # preparation without the values, and where the traced leaves are among
     # the flat leaves: a steady-state call flattens its arguments once.
     self._prepared: dict[Any, tuple[_Prepared, tuple[int, ...]]] = {}
+    # (Tree structure of a call's arguments, its batch leaves' shapes) -> the
+    # one-executable step it ran, called on the next such call's leaves as
+    # they come (_Direct).
+    self._direct: dict[Any, _Direct] = {}
     self._lock = threading.Lock()
     functools.update_wrapper(self, fun)
 
@@ -200,12 +204,29 @@ class ParallelizedFunction:
     values of the arguments it changed in place not yet written back, and
     the traced step that says how to write them back
     (``trace.split_updates``)."""
-    prep = self._prepare(args)
+    flat, treedef = jax.tree_util.tree_flatten(tuple(args))
+    direct = self._direct.get(treedef)
+    if direct is not None:
+      direct = self._direct.get((treedef, direct.batch_shapes(flat)))
+    if direct is not None:
+      outs = direct.run(flat)
+      if outs is not None:
+        return direct.traced.outputs.merge(outs), direct.traced
+    prep = self._prepare(args, (flat, treedef))
     _check_not_donated(prep, self.name)
     check_donation(prep.leaves, prep.values, self.name)
     exe = self.signature_of(prep).executable(prep)
     traced = exe.split.traced
-    return traced.outputs.merge(exe.run(exe.place(prep.values))), traced
+    outs = exe.run(exe.place(prep.values))
+    if (isinstance(exe, Executable) and exe.one_call and not prep.flags.static and
+        len(prep.values) == len(flat)):
+      direct = _Direct(exe, traced)   # (every leaf traced: the flat leaves are its values)
+      with self._lock:
+        if len(self._direct) >= _PREPARED_BOUND:
+          self._direct.clear()
+        # (by structure: where its batch leaves are, the same for every shape)
+        self._direct[treedef] = self._direct[treedef, direct.batch_shapes(flat)] = direct
+    return traced.outputs.merge(outs), traced
 
   def check_donation(self, args: Sequence[Any]) -> None:
     """Raises if ``args`` pass one array as two donated leaves, or as a
@@ -270,11 +291,12 @@ class ParallelizedFunction:
 
   # -- pipeline ----------------------------------------------------------------
 
-  def _prepare(self, args: Sequence[Any]) -> _Prepared:
+  def _prepare(self, args: Sequence[Any], flattened: tuple | None = None) -> _Prepared:
     """The arguments' flags, leaves, partition, values and key: found by
     what ``jax.jit`` keys on after the first call with such arguments
-    (``_prepare_new`` otherwise)."""
-    flat, treedef = jax.tree_util.tree_flatten(tuple(args))
+    (``_prepare_new`` otherwise). ``flattened``: ``tree_flatten(tuple(args))``
+    where the caller has it."""
+    flat, treedef = flattened or jax.tree_util.tree_flatten(tuple(args))
     try:
       fast = (treedef, tuple(map(_leaf_key, flat)))
       hit = self._prepared.get(fast)
@@ -354,6 +376,45 @@ class ParallelizedFunction:
 # Kinds of arguments a step keeps the preparation of (``_prepare``); a step
 # called with more starts again (like a static leaf that changes each call).
 _PREPARED_BOUND = 64
+
+
+def _deleted(x) -> bool:
+  return isinstance(x, jax.Array) and x.is_deleted()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Direct:
+  """A one-executable step (``Executable.one_call``) called on the flat
+  leaves of its arguments as they come, every leaf traced: the executable
+  checks their types and shardings itself (in JAX's C++, as ``jax.jit``
+  does), so a steady-state call does no work per leaf in Python beyond
+  picking them by role and the donation check's identities. Arguments it
+  does not take make it raise before it runs; the call then takes the full
+  path, which places them, or says what is wrong with them."""
+  exe: Executable
+  traced: TracedStep
+
+  def batch_shapes(self, flat: list) -> tuple:
+    """The shapes of the batch leaves among ``flat`` (with the structure,
+    what tells one batch size's executable from another's)."""
+    return tuple(getattr(flat[k], "shape", None) for k in self.exe.lowered.batch)
+
+  def run(self, flat: list) -> list | None:
+    """The flat outputs, or None where the full path must run the call."""
+    lw = self.exe.lowered
+    donated = [flat[k] for k in lw.donated]
+    kept = [flat[k] for k in lw.kept]
+    # One array passed as two donated leaves, or as a donated and a kept one
+    # (check_donation says so); an array donated before (_check_not_donated:
+    # the executable would crash the process on it).
+    ids = set(map(id, donated))
+    if (len(ids) != len(donated) or not ids.isdisjoint(map(id, kept)) or
+        any(map(_deleted, flat))):
+      return None
+    try:
+      return self.exe.run_by_role(donated, kept, [flat[k] for k in lw.batch])
+    except Exception:  # noqa: BLE001 - raised before running: the full path says why
+      return None
 
 
 def _leaf_key(x) -> Any:

@@ -7,6 +7,7 @@ these check the behaviour those figures rest on."""
 import jax
 import numpy as np
 import optax
+import pytest
 
 import autopar
 from models import assert_trees_close, boundary_mlp_setup, mlp_setup, single_device
@@ -101,3 +102,49 @@ def test_a_remote_array_handle_is_not_kept_by_the_arguments_cache():
     del w
     gc.collect()
   assert cluster.forgotten == [0, 1, 2]
+
+
+def test_a_one_executable_step_calls_its_executable_on_the_leaves_as_they_come(monkeypatch):
+  """With one micro-batch the step is one executable: a steady-state call
+  hands it the argument leaves as they come, and it checks their types and
+  shardings itself (api._Direct). Each batch size keeps its own; host
+  batches, an argument on another sharding, a donated state passed again
+  and tied donated leaves take the full path, which places them or says
+  what is wrong (the executable crashes the process on a donated array)."""
+  from autopar import api
+  runs = []
+  real = api._Direct.run
+  monkeypatch.setattr(api._Direct, "run",
+                      lambda self, flat: runs.append(real(self, flat)) or runs[-1])
+  make_state, step, batch = mlp_setup(batch=32, din=8, hidden=16, dout=4)
+  mesh = _mesh8()
+  pf = autopar.parallelize(step, method=autopar.DataParallel(mesh=mesh))
+  ref = single_device(step)
+  state, want = make_state(), make_state()
+  half = {k: v[:16] for k, v in batch.items()}
+  for b in (batch, batch, half, batch, half, half):
+    state, loss = pf(state, b)                     # host (numpy) batches
+    want, want_loss = ref(want, b)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  assert_trees_close(state.params, want.params)
+  assert_trees_close(state.opt_state, want.opt_state)
+  # Every call after each batch size's first ran directly.
+  assert len(runs) == 4 and all(r is not None for r in runs), runs
+  # A state on one device (another sharding): placed by the full path.
+  moved = jax.device_put(state, jax.devices()[3])
+  state, loss = pf(moved, batch)
+  want, want_loss = ref(want, batch)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  assert runs[-1] is None
+  # The state donated to the last call, passed again: autopar's error.
+  old = state
+  state, _ = pf(state, batch)
+  with pytest.raises(autopar.InputError, match="was donated to an earlier call"):
+    pf(old, batch)
+  # Tied donated leaves.
+  leaves, tree = jax.tree.flatten(state)
+  params = [k for k, x in enumerate(leaves) if x.ndim == 2]
+  leaves[params[1]] = leaves[params[0]]
+  with pytest.raises(autopar.InputError, match="are the same array"):
+    pf(jax.tree.unflatten(tree, leaves), batch)
+  assert runs[-2:] == [None, None]

@@ -95,18 +95,29 @@ class Executable:
       out.append(jax.device_put(x, s))
     return out
 
+  @property
+  def one_call(self) -> bool:
+    """Whether a step is one executable taking its leaves by role
+    (:meth:`run_by_role`): a step without a grad marker, or
+    ``grad_and_apply``."""
+    return not self.split.has_marker or self.lowered.schedule[0] == ONE_STAGE
+
+  def run_by_role(self, donated: list, kept: list, batch: list) -> list[Any]:
+    """A :attr:`one_call` step on its donated, kept and batch leaves (in
+    ``lowered``'s order); returns the flat outputs. Leaves not yet on their
+    planned shardings make the executable raise before it runs."""
+    if not self.split.has_marker:
+      return list(self.lowered.stages["step"](donated, kept, batch))
+    return self._outputs(*self.lowered.stages[ONE_STAGE](donated, kept, batch))
+
   def run(self, leaves: Sequence[Any]) -> list[Any]:
     """Runs one step on placed leaves; returns the flat outputs."""
     lw = self.lowered
     stages = lw.stages
-    # (the whole step's and grad_and_apply's arguments)
-    by_role = lambda: ([leaves[k] for k in lw.donated], [leaves[k] for k in lw.kept],  # noqa: E731
-                       [leaves[k] for k in lw.batch])
-    if not self.split.has_marker:
-      return list(stages["step"](*by_role()))
+    if self.one_call:
+      return self.run_by_role([leaves[k] for k in lw.donated], [leaves[k] for k in lw.kept],
+                              [leaves[k] for k in lw.batch])
     schedule = lw.schedule
-    if schedule[0] == ONE_STAGE:
-      return self._outputs(*stages[ONE_STAGE](*by_role()))
     sums = []
     if schedule[0] == SUMS_STAGE:
       sums = stages[SUMS_STAGE](leaves)
