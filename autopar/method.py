@@ -267,7 +267,9 @@ class ParallelMethod:
       which picks each layer's weights with a ``lax.switch`` (a conditional,
       whose branch index XLA:GPU reads back to the host). None (default):
       ``"unrolled"`` on GPU and TPU, ``"scan"`` on CPU (where XLA would merge
-      an unrolled layer's recomputation with its forward pass).
+      an unrolled layer's recomputation with its forward pass). A pipeline's
+      stages (``PipeshardParallel`` with several) checkpoint their layers
+      their own way and do not read it.
     grad_accumulation_dtype: ``"float32"`` (default): bfloat16 and float16
       gradients are summed over micro-batches and devices in float32 and
       handed to the update in their own dtype; None: summed in their own

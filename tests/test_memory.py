@@ -380,6 +380,25 @@ def test_remat_unrolled_gpu_program():
   assert text.count("stablehlo.optimization_barrier") == 6
 
 
+def test_remat_loop_on_a_cluster_is_the_workers_platforms():
+  """The driver plans on an AbstractMesh, without the workers' devices: the
+  step it plans for a Ray cluster has the loop of the workers' platform,
+  the program they trace."""
+  import types
+  import weakref
+  from autopar.runtime import cluster
+  _, step, _ = transformer_setup(layers=2)
+  for platform, loop in (("gpu", "unrolled"), ("cpu", "scan")):
+    fake = types.SimpleNamespace(num_devices=8, platform=platform,
+                                 _variants=weakref.WeakKeyDictionary())
+    pf = autopar.parallelize(step, method=autopar.DataParallel(remat="layers"))
+    planned = cluster._for_cluster(pf, fake).method
+    assert planned.remat_loop == loop and planned.mesh.axis_sizes == (8,)
+  pf = autopar.parallelize(step, method=autopar.DataParallel(
+      mesh=jax.sharding.AbstractMesh((8,), ("data",)), remat="layers", remat_loop="scan"))
+  assert cluster._for_cluster(pf, fake) is pf                 # named: kept
+
+
 def test_remat_loop_choice():
   assert [remat.layer_loop(None, p) for p in ("cpu", "gpu", "tpu")] == \
       ["scan", "unrolled", "unrolled"]
