@@ -382,6 +382,10 @@ def _deleted(x) -> bool:
   return isinstance(x, jax.Array) and x.is_deleted()
 
 
+def _single_device(x) -> bool:
+  return isinstance(x, jax.Array) and type(x.sharding) is jax.sharding.SingleDeviceSharding
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Direct:
   """A one-executable step (``Executable.one_call``) called on the flat
@@ -393,6 +397,11 @@ class _Direct:
   path, which places them, or says what is wrong with them."""
   exe: Executable
   traced: TracedStep
+
+  @functools.cached_property
+  def one_device(self) -> bool:
+    return len(self.exe.lowered.in_shardings[0].device_set) == 1 \
+        if self.exe.lowered.in_shardings else True
 
   def batch_shapes(self, flat: list) -> tuple:
     """The shapes of the batch leaves among ``flat`` (with the structure,
@@ -407,13 +416,20 @@ class _Direct:
     # One array passed as two donated leaves, or as a donated and a kept one
     # (check_donation says so); an array donated before (_check_not_donated:
     # the executable would crash the process on it).
+    # On a one-device mesh, two objects can hold one buffer: check_donation
+    # compares buffers there.
     ids = set(map(id, donated))
     if (len(ids) != len(donated) or not ids.isdisjoint(map(id, kept)) or
-        any(map(_deleted, flat))):
+        any(map(_deleted, flat)) or
+        (self.one_device and any(map(_single_device, donated)))):
       return None
     try:
       return self.exe.run_by_role(donated, kept, [flat[k] for k in lw.batch])
-    except Exception:  # noqa: BLE001 - raised before running: the full path says why
+    except (TypeError, ValueError):
+      # The executable's checks of the leaves' types and shardings, made
+      # before it runs; but a donated leaf used up means it ran: raise.
+      if any(map(_deleted, donated)):
+        raise
       return None
 
 

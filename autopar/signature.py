@@ -45,6 +45,7 @@ from autopar.planner import pipeline as pipeline_compile
 from autopar.planner.preset import plan_preset
 from autopar.planner.shard import Progress, batch_axes_for, keeps_batch_whole, plan_auto
 from autopar.runtime import pipeline_build
+from autopar.runtime.base import active as active_runtime
 from autopar.runtime.executor import Executable
 from autopar.runtime.pipeline import PipelineExecutable
 
@@ -54,12 +55,16 @@ _UNSET = object()
 
 
 def _platform(method: ParallelMethod) -> str:
-  """The platform ``method`` compiles for: its mesh's devices', or for an
-  AbstractMesh its option's device kind's (CPU without one)."""
+  """The platform ``method`` compiles for: its mesh's devices'; for an
+  AbstractMesh its option's device kind's, else the active runtime's (a Ray
+  cluster's workers'), else CPU."""
   mesh = resolve_mesh(method)
-  if isinstance(mesh, AbstractMesh):
-    return platform_of(getattr(getattr(method, "option", None), "device_kind", None))
-  return mesh.devices.flat[0].platform
+  if not isinstance(mesh, AbstractMesh):
+    return mesh.devices.flat[0].platform
+  kind = getattr(getattr(method, "option", None), "device_kind", None)
+  if kind is not None:
+    return platform_of(kind)
+  return active_runtime().platform or "cpu"
 
 
 class Signature:
@@ -79,7 +84,7 @@ class Signature:
     self.output_reductions = step.output_reductions
     self._step = weakref.ref(step)
     self.method = self._resolved(step.method, prep)
-    self.remat_loop = layer_loop(self.method.remat_loop, _platform(self.method))
+    self.remat_loop = self.method.remat_loop or "scan"
     self.lock = threading.RLock()
     self._plan: tuple[Plan, int] | None = None
     self._pipeline = None
@@ -94,7 +99,13 @@ class Signature:
     """``method`` with its option's costs from the hardware, for this
     signature: the mesh's calibration with ``costs="measured"``, else the
     device kind's figures (``devices.py``) for axes and rates not given by
-    hand, rates of the float dtype holding most of these arguments' bytes."""
+    hand, rates of the float dtype holding most of these arguments' bytes;
+    under remat, the loop its layers run in on the platform it compiles for
+    (``remat.layer_loop``: in the plan's fingerprint, and what a Ray
+    cluster's workers are sent)."""
+    if method.remat != "none" and method.remat_loop is None:
+      method = dataclasses.replace(method,
+                                   remat_loop=layer_loop(None, _platform(method)))
     option = getattr(method, "option", None)
     if option is None:
       return method

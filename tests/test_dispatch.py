@@ -148,3 +148,20 @@ def test_a_one_executable_step_calls_its_executable_on_the_leaves_as_they_come(m
   with pytest.raises(autopar.InputError, match="are the same array"):
     pf(jax.tree.unflatten(tree, leaves), batch)
   assert runs[-2:] == [None, None]
+
+
+def test_an_error_from_a_direct_call_that_ran_is_raised_as_it_is():
+  """A step that fails once it has run (a NaN under jax_debug_nans) raises
+  that error, and is not run again by the full path."""
+  make_state, step, batch = mlp_setup(batch=32, din=8, hidden=16, dout=4)
+  pf = autopar.parallelize(step, method=autopar.DataParallel(mesh=_mesh8()))
+  state = make_state()
+  for _ in range(2):
+    state, _ = pf(state, batch)
+  bad = {k: np.full_like(v, np.nan) if k == "x" else v for k, v in batch.items()}
+  # (JAX's own error from a compiled program, which it does not run again op
+  # by op as jax.jit does; the full path would take the state it used up for
+  # one donated to an earlier call)
+  with jax.debug_nans(True), pytest.raises(Exception, match="nan") as raised:
+    pf(state, bad)
+  assert not isinstance(raised.value, autopar.InputError)

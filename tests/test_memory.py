@@ -380,23 +380,26 @@ def test_remat_unrolled_gpu_program():
   assert text.count("stablehlo.optimization_barrier") == 6
 
 
-def test_remat_loop_on_a_cluster_is_the_workers_platforms():
-  """The driver plans on an AbstractMesh, without the workers' devices: the
-  step it plans for a Ray cluster has the loop of the workers' platform,
-  the program they trace."""
+def test_remat_loop_follows_the_platform_the_plan_is_for(monkeypatch):
+  """Planned on an AbstractMesh, without the devices: the loop is the
+  active runtime's platform's (a Ray cluster's workers', which the driver
+  sends the resolved method); in the method the plan is made for."""
   import types
-  import weakref
-  from autopar.runtime import cluster
-  _, step, _ = transformer_setup(layers=2)
-  for platform, loop in (("gpu", "unrolled"), ("cpu", "scan")):
-    fake = types.SimpleNamespace(num_devices=8, platform=platform,
-                                 _variants=weakref.WeakKeyDictionary())
-    pf = autopar.parallelize(step, method=autopar.DataParallel(remat="layers"))
-    planned = cluster._for_cluster(pf, fake).method
-    assert planned.remat_loop == loop and planned.mesh.axis_sizes == (8,)
+  from autopar import signature
+  make_state, step, batch = transformer_setup(layers=2)
+  mesh = jax.sharding.AbstractMesh((8,), ("data",))
+  for platform, loop in ((None, "scan"), ("gpu", "unrolled"), ("cpu", "scan")):
+    monkeypatch.setattr(signature, "active_runtime",
+                        lambda p=platform: types.SimpleNamespace(platform=p))
+    pf = autopar.parallelize(step, method=autopar.DataParallel(mesh=mesh, remat="layers"))
+    plan = pf.plan(make_state(), batch)
+    assert pf.signatures[0].method.remat_loop == loop, platform
+    assert pf.signatures[0].remat_loop == loop
+    assert plan is not None
   pf = autopar.parallelize(step, method=autopar.DataParallel(
-      mesh=jax.sharding.AbstractMesh((8,), ("data",)), remat="layers", remat_loop="scan"))
-  assert cluster._for_cluster(pf, fake) is pf                 # named: kept
+      mesh=mesh, remat="layers", remat_loop="scan"))       # named: kept
+  pf.plan(make_state(), batch)
+  assert pf.signatures[0].method.remat_loop == "scan"
 
 
 def test_remat_loop_choice():

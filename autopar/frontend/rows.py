@@ -240,7 +240,7 @@ def _dependences(jaxpr, deps: _Deps, oracle: RowOracle) -> _Deps:
       # An identity per operand: each output depends on its own operand.
       for a, o in zip(e.invars, e.outvars, strict=True):
         for group in (values, sized, positions):
-          if a in group:
+          if isinstance(a, Var) and a in group:
             group.add(o)
       continue
     if any(a in values for a in ins):

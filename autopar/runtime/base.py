@@ -47,7 +47,15 @@ __all__ = ["Runtime", "LocalRuntime", "active", "activate", "deactivate",
 
 
 class Runtime(abc.ABC):
-  """Where steps run (see the module docstring)."""
+  """Where steps run (see the module docstring).
+
+  Attributes:
+    platform: the platform of the devices steps run on, where this process
+      plans on an AbstractMesh without them (a Ray cluster's, once
+      started); None: the mesh's own devices say.
+  """
+
+  platform: str | None = None
 
   @abc.abstractmethod
   def call(self, step, args: Sequence[Any]) -> Any:

@@ -50,7 +50,6 @@ from autopar.runtime import data
 from autopar.errors import AutoparError, InputError, MeshError
 from autopar.runtime.host_worker import ArrayRef, HostWorker, pickled
 from autopar.frontend.pytrees import leaf_mask
-from autopar.frontend.remat import layer_loop
 from autopar.runtime.shards import block, host_shards
 from autopar.frontend.trace import split_updates
 
@@ -260,7 +259,6 @@ class RayCluster(runtime.Runtime):
     self.started_ray = False
     self.placement_group = None
     self.broken: str | None = None
-    self.platform: str | None = None            # the workers' devices' (after start)
     self._ids = itertools.count(1)
     self._functions: dict[Any, int] = {}        # step function -> fn id
     self._sent_plans: set = set()
@@ -268,7 +266,7 @@ class RayCluster(runtime.Runtime):
     self._trees: dict[bytes, Any] = {}
     self._pickles: dict = {}          # see host_worker.pickled
     self._forgotten: list[int] = []
-    # A step -> the same step as planned for the cluster (_for_cluster).
+    # A step whose method has no mesh -> the same step on the cluster's mesh.
     self._variants = weakref.WeakKeyDictionary()
     # A data source -> its id on the workers; ids of sources let go, which
     # the workers drop with the next call.
@@ -572,7 +570,7 @@ class RayCluster(runtime.Runtime):
   def run(self, pf, args: Sequence[Any]):
     """Runs ``pf`` (a ParallelizedFunction) on the workers."""
     from ray import cloudpickle
-    pf = _for_cluster(pf, self)
+    pf = _with_global_mesh(pf, self)
     # A DataSource's leaves stand in for arrays the hosts load themselves.
     args = data.expand(args) if data.has_sources(args) else args
     pf.check_donation(args)
@@ -775,24 +773,21 @@ def abstractify(args):
       is_leaf=lambda a: isinstance(a, handles))
 
 
-def _for_cluster(pf, c: RayCluster):
-  """``pf`` as the driver plans it for the cluster: for a method without a
-  mesh, on a 1-D "data" mesh over every device of the cluster; with the
-  remat loop of the workers' platform (the driver, planning on an
-  AbstractMesh, does not see their devices; the plan is made for the
-  program they trace)."""
-  method = pf.method
-  changes = {}
-  if not isinstance(method.mesh, AbstractMesh):
-    changes["mesh"] = AbstractMesh((c.num_devices,), ("data",))
-  if method.remat_loop is None:
-    changes["remat_loop"] = layer_loop(None, c.platform)
-  if not changes:
+def _with_global_mesh(pf, c: RayCluster):
+  """``pf``, or for a method without a mesh, ``pf`` on a 1-D "data" mesh
+  over every device of the cluster."""
+  mesh = pf.method.mesh
+  if isinstance(mesh, AbstractMesh):
     return pf
   cached = c._variants.get(pf)
   if cached is not None:
     return cached
-  variant = c._variants[pf] = pf.with_method(dataclasses.replace(method, **changes))
+  mesh = AbstractMesh((c.num_devices,), ("data",))
+  if math.prod(mesh.axis_sizes) != c.num_devices:
+    raise MeshError(f"autopar: the method's mesh has {math.prod(mesh.axis_sizes)} "
+                    f"devices but the Ray cluster has {c.num_devices}. Fix: use "
+                    f"autopar.global_mesh(shape, names) with {c.num_devices} devices.")
+  variant = c._variants[pf] = pf.with_method(dataclasses.replace(pf.method, mesh=mesh))
   return variant
 
 
