@@ -413,11 +413,11 @@ class _Direct:
     lw = self.exe.lowered
     donated = [flat[k] for k in lw.donated]
     kept = [flat[k] for k in lw.kept]
-    # One array passed as two donated leaves, or as a donated and a kept one
-    # (check_donation says so); an array donated before (_check_not_donated:
-    # the executable would crash the process on it).
-    # On a one-device mesh, two objects can hold one buffer: check_donation
-    # compares buffers there.
+    # The full path says what is wrong with: one array passed as two donated
+    # leaves, or as a donated and a kept one, or (on a one-device mesh, where
+    # two objects can hold one buffer) any donated single-device array
+    # (check_donation); an array donated before (_check_not_donated: the
+    # executable would crash the process on it).
     ids = set(map(id, donated))
     if (len(ids) != len(donated) or not ids.isdisjoint(map(id, kept)) or
         any(map(_deleted, flat)) or
@@ -471,7 +471,7 @@ def _check_not_donated(prep: _Prepared, name: str) -> None:
   """A buffer donated to an earlier call is an autopar error, not JAX's
   "Array has been deleted"."""
   for leaf, x in zip(prep.leaves, prep.values, strict=True):
-    if isinstance(x, jax.Array) and x.is_deleted():
+    if _deleted(x):
       raise InputError(
           f"{name}: argument leaf {leaf.path} (shape {leaf.shape}) was donated to "
           f"an earlier call of this step, which reused its buffer for the state it "
@@ -487,10 +487,8 @@ def check_donation(leaves: Sequence[LeafInfo], values: Sequence[Any], name: str)
   # The common case at once: every donated array its own object on several
   # devices (their buffers differ), and no kept leaf one of them.
   donated_ids = {id(x) for l, x in zip(leaves, values) if l.is_donated}
-  single = jax.sharding.SingleDeviceSharding
   if (len(donated_ids) == sum(l.is_donated for l in leaves) and
-      not any(l.is_donated and isinstance(x, jax.Array) and type(x.sharding) is single
-              for l, x in zip(leaves, values)) and
+      not any(l.is_donated and _single_device(x) for l, x in zip(leaves, values)) and
       not any(not l.is_donated and id(x) in donated_ids for l, x in zip(leaves, values))):
     return
   donated: dict[Any, LeafInfo] = {}

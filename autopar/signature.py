@@ -84,7 +84,6 @@ class Signature:
     self.output_reductions = step.output_reductions
     self._step = weakref.ref(step)
     self.method = self._resolved(step.method, prep)
-    self.remat_loop = self.method.remat_loop or "scan"
     self.lock = threading.RLock()
     self._plan: tuple[Plan, int] | None = None
     self._pipeline = None
@@ -94,6 +93,11 @@ class Signature:
     # Without a symbolic split: one concrete trace to compare others with.
     self._reference = None
     self._delegate = None                      # a one-stage pipeline's ShardParallel step
+
+  @property
+  def remat_loop(self) -> str:
+    """The loop its remat's layers run in (``_resolved``; "scan" without remat)."""
+    return self.method.remat_loop or "scan"
 
   def _resolved(self, method: ParallelMethod, prep) -> ParallelMethod:
     """``method`` with its option's costs from the hardware, for this

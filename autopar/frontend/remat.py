@@ -76,7 +76,7 @@ import contextlib
 import contextvars
 import dataclasses
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -391,17 +391,8 @@ def _run_stack_selected(jaxpr: Jaxpr, s: Stack, env: dict, run, policy) -> None:
   def layer_vjp(carry, picked, lits, inv):
     """The layer's outputs and the residuals of its VJP that are not its
     inputs (``kept`` records where each residual comes from)."""
-    def f(c, p, iv):
-      # The integer outputs (positions, masks) are aux: the VJP then takes
-      # no float0 cotangents, which a symbolic batch size cannot shape.
-      out = layer(_merge(carry, c, c_diff), _merge(picked, p, p_diff),
-                  lits, _merge(inv, iv, i_diff))
-      return _take(out, c_diff), [o for o, d in zip(out, c_diff, strict=True) if not d]
-    diff_outs, vjp, aux = jax.vjp(
-        jax.checkpoint(f, policy=policy, prevent_cse=False),
-        _take(carry, c_diff), _take(picked, p_diff), _take(inv, i_diff), has_aux=True)
-    diff_it, aux_it = iter(diff_outs), iter(aux)
-    outs = [next(diff_it) if d else next(aux_it) for d in c_diff]
+    outs, vjp = _layer_vjp(layer, policy, (carry, picked, lits, inv),
+                           (c_diff, p_diff, None, i_diff))
     leaves, tree = jax.tree.flatten(vjp)
     inputs = {id(x): (name, i) for name, xs in (
         ("carry", carry), ("picked", picked), ("lits", lits), ("inv", inv))
@@ -523,28 +514,13 @@ def _recomputed_layer(layer: Callable, policy) -> Callable:
   """
   kept: dict = {}
 
-  def vjp_of(carry, inputs, inv):
-    masks = [[_differentiable(x) for x in xs] for xs in (carry, inputs, inv)]
-
-    def f(c, p, i):
-      # Integer carries (positions, masks) are aux: the VJP then takes no
-      # float0 cotangents, which a symbolic batch size cannot shape.
-      out = layer(_merge(carry, c, masks[0]), _merge(inputs, p, masks[1]),
-                  _merge(inv, i, masks[2]))
-      return _take(out, masks[0]), [o for o, d in zip(out, masks[0], strict=True) if not d]
-    diff_outs, vjp, aux = jax.vjp(
-        jax.checkpoint(f, policy=policy, prevent_cse=False),
-        *(_take(xs, m) for xs, m in zip((carry, inputs, inv), masks, strict=True)),
-        has_aux=True)
-    diff_it, aux_it = iter(diff_outs), iter(aux)
-    return [next(diff_it) if d else next(aux_it) for d in masks[0]], vjp, masks
-
   @jax.custom_vjp
   def call(carry, inputs, inv):
     return layer(carry, inputs, inv)
 
   def call_fwd(carry, inputs, inv):
-    outs, vjp, masks = vjp_of(carry, inputs, inv)
+    masks = [[_differentiable(x) for x in xs] for xs in (carry, inputs, inv)]
+    outs, vjp = _layer_vjp(layer, policy, (carry, inputs, inv), masks)
     leaves, tree = jax.tree.flatten(vjp)
     is_array = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
     # A Python scalar among the VJP's leaves is the same in the backward pass.
@@ -570,6 +546,28 @@ def _recomputed_layer(layer: Callable, policy) -> Callable:
 
   call.defvjp(call_fwd, call_bwd)
   return call
+
+
+def _layer_vjp(layer: Callable, policy, args: tuple, masks: Sequence) -> tuple:
+  """``layer(*args)``'s carries and the VJP of ``jax.checkpoint(layer,
+  policy)`` with respect to the entries of each argument under its mask
+  (None: an argument not differentiated). ``args[0]`` are the carries the
+  layer takes, in the slots of those it returns."""
+  diff = [i for i, m in enumerate(masks) if m is not None]
+  carry_mask = masks[0]
+
+  def f(*parts):
+    full = list(args)
+    for i, part in zip(diff, parts, strict=True):
+      full[i] = _merge(args[i], part, masks[i])
+    out = layer(*full)
+    # The integer carries (positions, masks) are aux: the VJP then takes no
+    # float0 cotangents, which a symbolic batch size cannot shape.
+    return _take(out, carry_mask), [o for o, d in zip(out, carry_mask, strict=True) if not d]
+  diff_outs, vjp, aux = jax.vjp(jax.checkpoint(f, policy=policy, prevent_cse=False),
+                                *(_take(args[i], masks[i]) for i in diff), has_aux=True)
+  diff_it, aux_it = iter(diff_outs), iter(aux)
+  return [next(diff_it) if d else next(aux_it) for d in carry_mask], vjp
 
 
 def _differentiable(x) -> bool:
