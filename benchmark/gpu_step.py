@@ -16,10 +16,11 @@ micro-batches, all with per-layer rematerialization:
   ``jax.checkpoint``, the micro-batches' gradients accumulated by
   ``lax.scan`` in float32, then the same Adam update, the state donated.
 
-All are timed alike in one run (median of ``--steps`` steps after two
-warm-ups, each step's outputs waited for), and printed side by side: step
-time, autopar / hand, the temp memory XLA gives each program (autopar's:
-its gradient stage's, which holds the layers' activations), and model
+All are compiled once and timed alike in one run (median of ``--steps``
+steps after two warm-ups, each step's outputs waited for), and printed side
+by side: step time, autopar / hand, the temp memory XLA gives each program
+(autopar's: its gradient stage's, which holds the layers' activations), the
+compile time, the last loss, and model
 FLOPs utilisation (PaLM's count: 6 x
 parameters + 12 x layers x hidden x sequence flops per token, over the
 device's bfloat16 peak: ``--peak-tflops``, 989 for an H100 SXM). Issue 34's
@@ -30,6 +31,7 @@ goal: autopar / hand <= 1.02 at one micro-batch and <= 1.05 at four; MFU
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -98,14 +100,15 @@ def loss_fn(params, tokens, heads, checkpoint_blocks=False):
 
 
 def autopar_step(heads, tx, mesh, n, loop):
+  """``loop``: a ``remat_loop`` ("unrolled" or "scan"), or None for no remat."""
   def step(state, tokens):
     params, opt = state
     loss, grads = autopar.value_and_grad(lambda p: loss_fn(p, tokens, heads))(params)
     updates, opt = tx.update(grads, opt, params)
     return (optax.apply_updates(params, updates), opt), loss
+  remat = {} if loop is None else dict(remat="layers", remat_loop=loop)
   return autopar.parallelize(step, method=autopar.DataParallel(
-      mesh=mesh, num_micro_batches=n, remat="layers", remat_loop=loop),
-      donate_argnums=(0,))
+      mesh=mesh, num_micro_batches=n, **remat), donate_argnums=(0,))
 
 
 def hand_step(heads, tx, n):
@@ -129,15 +132,19 @@ def hand_step(heads, tx, n):
   return jax.jit(step, donate_argnums=(0,))
 
 
-def temp_bytes(step, state, tokens) -> int:
-  """The temp memory of ``step``'s program: a jax.jit's, or an autopar
-  step's gradient stage."""
+def compiled_step(step, state, tokens):
+  """(a callable step, the temp bytes XLA gives its program, the number of
+  conditionals in its programs), compiling it once: a jax.jit's one program,
+  or an autopar step's gradient stage (which holds the layers'
+  activations)."""
   if isinstance(step, autopar.ParallelizedFunction):
     exe = step.get_executable(state, tokens)
-    compiled = exe.stages[exe.schedule[0]]
-  else:
-    compiled = step.lower(state, tokens).compile()
-  return compiled.memory_analysis().temp_size_in_bytes
+    stages = [exe.stages[name] for name in dict.fromkeys(exe.schedule)]
+    return step, stages[0].memory_analysis().temp_size_in_bytes, sum(
+        s.as_text().count(" conditional(") for s in stages)
+  compiled = step.lower(state, tokens).compile()
+  return (compiled, compiled.memory_analysis().temp_size_in_bytes,
+          compiled.as_text().count(" conditional("))
 
 
 def seconds_per_step(step, make_state, tokens, steps) -> tuple[float, float]:
@@ -153,22 +160,39 @@ def seconds_per_step(step, make_state, tokens, steps) -> tuple[float, float]:
   return statistics.median(times), float(loss)
 
 
+VARIANTS = ("hand", "unrolled", "scan", "none")
+
+
 def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser()
   parser.add_argument("--tiny", action="store_true")
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--peak-tflops", type=float, default=989.0)
+  parser.add_argument("--sizes", default=None,
+                      help="comma-separated indices into the size list (default: all)")
+  parser.add_argument("--micro", default="1,4", help="micro-batch counts")
+  parser.add_argument("--variants", default="hand,unrolled,scan",
+                      help=f"which steps, from {','.join(VARIANTS)} (none: autopar "
+                           "without remat); hand is always timed first, as the ratio's base")
+  parser.add_argument("--out", default=None, help="append each row as a JSON line here")
   args = parser.parse_args(argv)
+  variants = [v for v in args.variants.split(",") if v != "hand"]
+  unknown = set(variants) - set(VARIANTS)
+  if unknown:
+    parser.error(f"--variants: unknown {sorted(unknown)}; choose from {VARIANTS}")
+  sizes = TINY_SIZES if args.tiny else SIZES
+  if args.sizes is not None:
+    sizes = [sizes[int(i)] for i in args.sizes.split(",")]
   device = jax.devices()[0]
   mesh = jax.make_mesh((1,), ("data",), devices=[device])
   dtype = jnp.float32 if args.tiny else jnp.bfloat16
   tx = optax.adam(1e-4)
   rows = []
-  print(f"one {device.device_kind} ({device.platform}), {jnp.dtype(dtype).name}, "
-        f"remat per layer; median of {args.steps} steps")
+  print(f"one {device.device_kind} ({device.platform}), jax {jax.__version__}, "
+        f"{jnp.dtype(dtype).name}, median of {args.steps} steps")
   print(f"{'model':<18} {'micro':>5} {'step':<16} {'ms':>9} {'ratio':>6} "
-        f"{'temp MiB':>9} {'MFU':>6}")
-  for name, L, d, H, T, V, B in (TINY_SIZES if args.tiny else SIZES):
+        f"{'temp MiB':>9} {'MFU':>6} {'compile s':>9} {'loss':>8} {'cond':>4}")
+  for name, L, d, H, T, V, B in sizes:
     params = init_params(jax.random.PRNGKey(0), L, d, V, T, dtype)
     tokens = jax.device_put(np.random.RandomState(0).randint(0, V, (B, T + 1)).astype(
         np.int32), device)
@@ -176,20 +200,28 @@ def main(argv=None) -> list[dict]:
     flops = (6 * n_params + 12 * L * d * T) * B * T
     make_state = lambda: jax.tree.map(jnp.copy, (params, tx.init(params)))  # noqa: E731
     peak = args.peak_tflops * 1e12
-    for n in (1, 4):
+    for n in map(int, args.micro.split(",")):
       steps = {"hand": hand_step(H, tx, n),
-               **{f"autopar {loop}": autopar_step(H, tx, mesh, n, loop)
-                  for loop in ("unrolled", "scan")}}
+               **{("autopar no remat" if v == "none" else f"autopar {v}"):
+                  autopar_step(H, tx, mesh, n, None if v == "none" else v)
+                  for v in variants}}
       row = dict(model=name, micro=n)
       for what, step in steps.items():
-        row[what] = dict(zip(("seconds", "loss"), seconds_per_step(
-            step, make_state, tokens, args.steps)))
-        row[what]["temp"] = temp_bytes(step, make_state(), tokens)
-        row[what]["ratio"] = row[what]["seconds"] / row["hand"]["seconds"]
-        row[what]["mfu"] = flops / row[what]["seconds"] / peak
-        r = row[what]
-        print(f"{name:<18} {n:>5} {what:<16} {r['seconds'] * 1e3:>9.2f} {r['ratio']:>6.2f} "
-              f"{r['temp'] / 2**20:>9.1f} {r['mfu']:>6.1%}", flush=True)
+        t = time.perf_counter()
+        step, temp, conditionals = compiled_step(step, make_state(), tokens)
+        compile_s = time.perf_counter() - t
+        seconds, loss = seconds_per_step(step, make_state, tokens, args.steps)
+        base = row["hand"]["seconds"] if what != "hand" else seconds
+        r = row[what] = dict(seconds=seconds, loss=loss, temp=temp, compile_s=compile_s,
+                             conditionals=conditionals,
+                             ratio=seconds / base, mfu=flops / seconds / peak)
+        print(f"{name:<18} {n:>5} {what:<16} {r['seconds'] * 1e3:>9.2f} {r['ratio']:>6.3f} "
+              f"{r['temp'] / 2**20:>9.1f} {r['mfu']:>6.1%} {compile_s:>9.1f} "
+              f"{loss:>8.4f} {conditionals:>4}", flush=True)
+        if args.out:
+          with open(args.out, "a") as f:
+            f.write(json.dumps(dict(model=name, micro=n, step=what, device=device.device_kind,
+                                    jax=jax.__version__, **r)) + "\n")
       rows.append(row)
   return rows
 
