@@ -79,31 +79,37 @@ def layer_norm(p, x):
   return ((x32 - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]).astype(x.dtype)
 
 
-def block(p, x, heads):
+def block(p, x, heads, attention="naive"):
+  """attention: "naive" (the scores written out, softmax in float32) or an
+  implementation of ``jax.nn.dot_product_attention`` ("xla", "cudnn")."""
   b, t, d = x.shape
   qkv = (layer_norm(p["ln1"], x) @ p["qkv"]).reshape(b, t, 3, heads, d // heads)
   q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-  s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(d // heads)
-  s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
-  a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1).astype(x.dtype), v)
+  if attention == "naive":
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(d // heads)
+    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
+    a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1).astype(x.dtype), v)
+  else:
+    a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention)
   x = x + a.reshape(b, t, d) @ p["out"]
   return x + jax.nn.gelu(layer_norm(p["ln2"], x) @ p["mlp_in"]) @ p["mlp_out"]
 
 
-def loss_fn(params, tokens, heads, checkpoint_blocks=False):
+def loss_fn(params, tokens, heads, checkpoint_blocks=False, attention="naive"):
   x = params["embed"][tokens[:, :-1]] + params["pos"][: tokens.shape[1] - 1]
-  run = jax.checkpoint(block, static_argnums=(2,)) if checkpoint_blocks else block
+  run = jax.checkpoint(block, static_argnums=(2, 3)) if checkpoint_blocks else block
   for p in params["layers"]:
-    x = run(p, x, heads)
+    x = run(p, x, heads, attention)
   logits = (layer_norm(params["ln_f"], x) @ params["head"]).astype(jnp.float32)
   return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
-def autopar_step(heads, tx, mesh, n, loop):
+def autopar_step(heads, tx, mesh, n, loop, attention="naive"):
   """``loop``: a ``remat_loop`` ("unrolled" or "scan"), or None for no remat."""
   def step(state, tokens):
     params, opt = state
-    loss, grads = autopar.value_and_grad(lambda p: loss_fn(p, tokens, heads))(params)
+    loss, grads = autopar.value_and_grad(
+        lambda p: loss_fn(p, tokens, heads, attention=attention))(params)
     updates, opt = tx.update(grads, opt, params)
     return (optax.apply_updates(params, updates), opt), loss
   remat = {} if loop is None else dict(remat="layers", remat_loop=loop)
@@ -111,10 +117,11 @@ def autopar_step(heads, tx, mesh, n, loop):
       mesh=mesh, num_micro_batches=n, **remat), donate_argnums=(0,))
 
 
-def hand_step(heads, tx, n):
+def hand_step(heads, tx, n, attention="naive"):
   """One jax.jit: the micro-batches' gradients accumulated by lax.scan in
   float32, each block rematerialized, then the update."""
-  grad_fn = jax.value_and_grad(lambda p, t: loss_fn(p, t, heads, checkpoint_blocks=True))
+  grad_fn = jax.value_and_grad(
+      lambda p, t: loss_fn(p, t, heads, checkpoint_blocks=True, attention=attention))
 
   def step(state, tokens):
     params, opt = state
@@ -174,6 +181,9 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--variants", default="hand,unrolled,scan",
                       help=f"which steps, from {','.join(VARIANTS)} (none: autopar "
                            "without remat); hand is always timed first, as the ratio's base")
+  parser.add_argument("--attention", default="naive",
+                      help='"naive" (scores written out) or a jax.nn.dot_product_attention '
+                           'implementation: "xla", "cudnn" (fused, GPU only)')
   parser.add_argument("--out", default=None, help="append each row as a JSON line here")
   args = parser.parse_args(argv)
   variants = [v for v in args.variants.split(",") if v != "hand"]
@@ -189,7 +199,7 @@ def main(argv=None) -> list[dict]:
   tx = optax.adam(1e-4)
   rows = []
   print(f"one {device.device_kind} ({device.platform}), jax {jax.__version__}, "
-        f"{jnp.dtype(dtype).name}, median of {args.steps} steps")
+        f"{jnp.dtype(dtype).name}, {args.attention} attention, median of {args.steps} steps")
   print(f"{'model':<18} {'micro':>5} {'step':<16} {'ms':>9} {'ratio':>6} "
         f"{'temp MiB':>9} {'MFU':>6} {'compile s':>9} {'loss':>8} {'cond':>4}")
   for name, L, d, H, T, V, B in sizes:
@@ -201,9 +211,9 @@ def main(argv=None) -> list[dict]:
     make_state = lambda: jax.tree.map(jnp.copy, (params, tx.init(params)))  # noqa: E731
     peak = args.peak_tflops * 1e12
     for n in map(int, args.micro.split(",")):
-      steps = {"hand": hand_step(H, tx, n),
+      steps = {"hand": hand_step(H, tx, n, args.attention),
                **{("autopar no remat" if v == "none" else f"autopar {v}"):
-                  autopar_step(H, tx, mesh, n, None if v == "none" else v)
+                  autopar_step(H, tx, mesh, n, None if v == "none" else v, args.attention)
                   for v in variants}}
       row = dict(model=name, micro=n)
       for what, step in steps.items():
@@ -221,6 +231,7 @@ def main(argv=None) -> list[dict]:
         if args.out:
           with open(args.out, "a") as f:
             f.write(json.dumps(dict(model=name, micro=n, step=what, device=device.device_kind,
+                                    attention=args.attention,
                                     jax=jax.__version__, **r)) + "\n")
       rows.append(row)
   return rows
