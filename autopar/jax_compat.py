@@ -35,6 +35,7 @@ from typing import Callable, Optional, Sequence
 
 import jax
 from jax._src import core as _core
+from jax._src import dispatch as _dispatch
 from jax._src import mesh as _mesh
 from jax._src import source_info_util
 from jax._src.interpreters import mlir
@@ -65,6 +66,10 @@ dce_jaxpr = _pe.dce_jaxpr
 
 # meshes -----------------------------------------------------------------------
 get_abstract_mesh = _mesh.get_abstract_mesh
+# Whether a jaxpr holds a primitive that lowers with the devices in hand (a
+# host callback, ``custom_partitioning``, cuDNN's fused attention): then JAX
+# requires every sharding of the program to be on one mesh, axis types and all.
+needs_devices_to_lower = _dispatch.jaxpr_has_prim_requiring_devices
 
 # source locations -------------------------------------------------------------
 summarize_source = source_info_util.summarize
@@ -78,7 +83,7 @@ __all__ = [
     "ad", "batching", "mlir", "ir", "hlo", "scan_counts", "sharding_constraint_p", "Tracer", "ShapedArray",
     "eval_jaxpr", "new_jaxpr_eqn", "no_effects",
     "is_symbolic_dim", "add_p", "convert_constvars_jaxpr", "make_jaxpr_effects",
-    "has_effects", "dce_jaxpr", "dce_rule", "get_abstract_mesh",
+    "has_effects", "dce_jaxpr", "dce_rule", "get_abstract_mesh", "needs_devices_to_lower",
     "summarize_source", "current_name_stack", "user_context", "eqn_context_without_mesh",
     "evaluate_dim", "key_impl_of", "debug_info", "JAX_VERSION", "backends_are_initialized",
 ]

@@ -274,3 +274,65 @@ def test_saved_plan_runs_without_planning_and_is_checked():
     autopar.parallelize(step, method=autopar.ShardParallel(
         mesh=mesh, num_micro_batches=2, plan=loaded))(
             make_state(), {k: np.concatenate([v, v]) for k, v in batch.items()})
+
+
+def _host_tanh(x):
+  """tanh computed on the host (a ``jax.pure_callback``)."""
+  return jax.pure_callback(lambda v: np.tanh(np.asarray(v)),
+                           jax.ShapeDtypeStruct(x.shape, x.dtype), x,
+                           vmap_method="broadcast_all")
+
+
+def _partitioned_sin():
+  """sin as a ``custom_partitioning`` op (as cuDNN's fused attention is)."""
+  from jax.experimental.custom_partitioning import custom_partitioning
+
+  @custom_partitioning
+  def sin(x):
+    return jnp.sin(x)
+
+  def partition(mesh, arg_shapes, result_shape):
+    sharding = arg_shapes[0].sharding
+    return mesh, jnp.sin, sharding, (sharding,)
+
+  sin.def_partition(infer_sharding_from_operands=lambda mesh, args, result: args[0].sharding,
+                    partition=partition, sharding_rule="i j -> i j")
+  return sin
+
+
+@pytest.mark.parametrize("op", ["pure_callback", "custom_partitioning"])
+@pytest.mark.parametrize("method", ["dp n=1", "dp n=2", "shard 2x4"])
+def test_op_lowered_with_devices_on_an_explicit_mesh(op, method):
+  """A step holding an op that JAX lowers with the devices in hand (a host
+  callback; custom_partitioning, as cuDNN's attention) on a mesh of Explicit
+  axes: JAX wants all of the program's shardings on one mesh, so autopar
+  hands results back on the mesh's Auto twin. Before, the compile failed
+  with JAX's "mesh should be the same across the entire program" (and the
+  callback's result type kept the symbolic batch size of the one trace).
+  The loss is a masked token mean, compared with one device over 2 steps."""
+  f = _host_tanh if op == "pure_callback" else _partitioned_sin()
+  rng = np.random.RandomState(3)
+  x = rng.randn(16, 6).astype(np.float32)
+  mask = (rng.rand(16, 6) > 0.3).astype(np.float32)
+  params = {"w": jnp.asarray(rng.randn(6, 6).astype(np.float32)), "b": jnp.zeros(6)}
+
+  def step(params, x, mask):
+    def loss(p):
+      h = f(x) @ p["w"] + p["b"]
+      return jnp.sum(mask * h ** 2) / jnp.sum(mask)
+    value, grads = autopar.value_and_grad(loss)(params)
+    return jax.tree.map(lambda a, g: a - 0.1 * g, params, grads), value
+
+  mesh = jax.make_mesh((2, 4), ("data", "model"),
+                       axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  m = {"dp n=1": autopar.DataParallel(mesh=mesh),
+       "dp n=2": autopar.DataParallel(mesh=mesh, num_micro_batches=2),
+       "shard 2x4": autopar.ShardParallel(mesh=mesh)}[method]
+  p = autopar.parallelize(step, method=m, batch_argnums=(1, 2))
+  ref = single_device(step)
+  ours, theirs = params, params
+  for _ in range(2):
+    ours, loss = p(ours, x, mask)
+    theirs, ref_loss = ref(theirs, x, mask)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(ours, theirs)

@@ -625,6 +625,11 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
   (``grad_and_apply``).
   """
   amesh = auto_mesh(mesh)
+  # Results are handed back on the user's own mesh (its axis types), except
+  # where the step holds a primitive that lowers with the devices in hand:
+  # JAX then wants every sharding of a program on one mesh, so they come
+  # back on the same devices and specs with axes of type Auto.
+  out_mesh = amesh if jc.needs_devices_to_lower(split.traced.jaxpr.jaxpr) else mesh
   leaves = split.traced.leaves
   donated = tuple(k for k, l in enumerate(leaves) if l.is_donated)
   kept = tuple(k for k, l in enumerate(leaves) if not l.is_donated and not l.is_batch)
@@ -642,7 +647,7 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
     # gradients have another shape: the buffers are freed, not reused.
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
     if not split.has_marker:
-      fn = _whole_step(split, plan, amesh, mesh, donated, kept, batch)
+      fn = _whole_step(split, plan, amesh, out_mesh, donated, kept, batch)
       stages["step"] = fn.lower(of(donated), of(kept), of(batch))
       schedule = ("step",)
     else:
@@ -663,10 +668,10 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
       grad_fns = {}
       for pos, name in enumerate(names):
         if name not in grad_fns:
-          grad_fns[name] = _grad_stage(split_local, plan, amesh, mesh, first=pos == 0,
+          grad_fns[name] = _grad_stage(split_local, plan, amesh, out_mesh, first=pos == 0,
                                        sync=pos == n - 1, micro_rows=rows,
                                        accumulate=accumulate, stacks=stacks, scale=scale)
-      apply = _apply_stage(split, plan, amesh, mesh, donated, kept, stacks)
+      apply = _apply_stage(split, plan, amesh, out_mesh, donated, kept, stacks)
       if one_executable and n == 1:
         (grad,) = grad_fns.values()
         fn = _one_executable(sums, grad, apply, used, donated, kept, batch, len(leaves),

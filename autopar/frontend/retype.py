@@ -68,7 +68,7 @@ def _is_symbolic(d) -> bool:
 
 # What _Instantiator.value does with a param, by the param's type
 # (process-wide: one entry per parameter type JAX uses).
-_OPAQUE, _DIM, _JAXPR, _SEQ = range(4)
+_OPAQUE, _DIM, _JAXPR, _SEQ, _AVAL = range(5)
 _KINDS: dict[type, int] = {}
 
 
@@ -78,6 +78,7 @@ def _kind(t: type) -> int:
     k = _KINDS[t] = (
         _JAXPR if issubclass(t, (ClosedJaxpr, Jaxpr)) else
         _SEQ if issubclass(t, (tuple, list)) else
+        _AVAL if issubclass(t, jc.ShapedArray) else           # a callback's result
         _DIM if getattr(t, "dimension_as_value", None) is not None else  # see
         _OPAQUE)                                             # is_symbolic_dim
   return k
@@ -107,6 +108,8 @@ class Instantiator(_Retyper):
       return v
     if k == _DIM:
       return jc.evaluate_dim(v, self.env)
+    if k == _AVAL:
+      return self.aval(v)
     if k == _SEQ:
       if all(_KINDS.get(t) == _OPAQUE for t in set(map(type, v))):
         return v                         # e.g. a tuple of ints
