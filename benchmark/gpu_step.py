@@ -2,6 +2,9 @@
 
     python benchmark/gpu_step.py            # on the first GPU (issue 34's sizes)
     python benchmark/gpu_step.py --tiny     # tiny sizes, on the CPU (a test runs this)
+  python benchmark/gpu_step.py --attention cudnn   # cuDNN's fused attention
+
+docs/memory.md quotes a run on one H200 (2026-11-26).
 
 For a 12-layer hidden-768 and a 24-layer hidden-2048 GPT in bfloat16
 (sequence 1024, vocabulary 32000, batch 16 sequences, Adam), with 1 and 4
@@ -19,8 +22,10 @@ micro-batches, all with per-layer rematerialization:
 All are compiled once and timed alike in one run (median of ``--steps``
 steps after two warm-ups, each step's outputs waited for), and printed side
 by side: step time, autopar / hand, the temp memory XLA gives each program
-(autopar's: its gradient stage's, which holds the layers' activations), the
-compile time, the last loss, and model
+(autopar's: its gradient stage's, which holds the layers' activations; the
+hand step's one program also holds its float32 gradient sum there, so at
+four micro-batches temp does not compare), the compile time, the last loss,
+the number of conditionals in the compiled programs, and model
 FLOPs utilisation (PaLM's count: 6 x
 parameters + 12 x layers x hidden x sequence flops per token, over the
 device's bfloat16 peak: ``--peak-tflops``, 989 for an H100 SXM). Issue 34's
