@@ -300,7 +300,12 @@ def _partitioned_sin():
   return sin
 
 
-@pytest.mark.parametrize("op", ["pure_callback", "custom_partitioning"])
+def _printed(x):
+  jax.debug.print("x sums to {}", x.sum())
+  return x
+
+
+@pytest.mark.parametrize("op", ["pure_callback", "custom_partitioning", "debug_print"])
 @pytest.mark.parametrize("method", ["dp n=1", "dp n=2", "shard 2x4"])
 def test_op_lowered_with_devices_on_an_explicit_mesh(op, method):
   """A step holding an op that JAX lowers with the devices in hand (a host
@@ -310,7 +315,8 @@ def test_op_lowered_with_devices_on_an_explicit_mesh(op, method):
   with JAX's "mesh should be the same across the entire program" (and the
   callback's result type kept the symbolic batch size of the one trace).
   The loss is a masked token mean, compared with one device over 2 steps."""
-  f = _host_tanh if op == "pure_callback" else _partitioned_sin()
+  f = {"pure_callback": _host_tanh, "debug_print": _printed,
+       "custom_partitioning": _partitioned_sin()}[op]
   rng = np.random.RandomState(3)
   x = rng.randn(16, 6).astype(np.float32)
   mask = (rng.rand(16, 6) > 0.3).astype(np.float32)

@@ -254,3 +254,72 @@ def test_auto_batch_never_takes_state_the_step_returns_updated():
   assert p._prepare((w, ema, x)).flags.batch == (2,)
   for a, b in zip(p(w, ema, x), jax.jit(step)(w, ema, x)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5)
+
+
+def _step_with(f):
+  """A two-layer step whose loss runs ``f`` on its input rows (not on the
+  parameters), with a pipeline boundary between the layers."""
+  def step(params, x):
+    def loss(p):
+      h = jnp.tanh(f(x) @ p["w1"])
+      autopar.mark_pipeline_boundary()
+      return jnp.mean(((h + f(x)) @ p["w2"]) ** 2)
+    value, grads = autopar.value_and_grad(loss)(params)
+    return jax.tree.map(lambda a, g: a - 0.1 * g, params, grads), value
+  rng = np.random.RandomState(0)
+  params = {"w1": jnp.asarray(rng.randn(6, 6), jnp.float32),
+            "w2": jnp.asarray(rng.randn(6, 6), jnp.float32)}
+  return step, params, rng.randn(16, 6).astype(np.float32)
+
+
+def _printed(x):
+  jax.debug.print("x sums to {}", x.sum())
+  return x
+
+
+def _host_tanh(x):
+  return jax.pure_callback(lambda v: np.tanh(np.asarray(v)),
+                           jax.ShapeDtypeStruct(x.shape, x.dtype), x,
+                           vmap_method="broadcast_all")
+
+
+def test_host_callback_where_the_batch_is_split_over_some_axes():
+  """JAX lowers a host callback only where every mesh axis is manual or none
+  is: with the batch split over "data" alone, autopar says which callback,
+  where, and the fix, instead of JAX's NotImplementedError or "The context
+  mesh cannot be empty"."""
+  for f, name in ((_printed, "debug_print"), (_host_tanh, "pure_callback")):
+    step, params, x = _step_with(f)
+    p = autopar.parallelize(step, method=autopar.DataParallel(
+        mesh=mesh8(), num_micro_batches=2, batch_axes="data"))
+    with pytest.raises(autopar.InputError, match=rf"calls back to the host \({name}.*"
+                       r"split over the mesh axes \('data',\) and not over \('model',\)"
+                       r".*Fix: split the batch over all of the mesh's axes"):
+      p(params, x)
+    assert_state_usable(params)
+
+
+@pytest.mark.parametrize("op", ["pure_callback", "custom_partitioning"])
+def test_pipeline_stage_with_an_op_jax_cannot_lower_there(op):
+  from jax.experimental.custom_partitioning import custom_partitioning
+
+  @custom_partitioning
+  def sin(x):
+    return jnp.sin(x)
+
+  sin.def_partition(
+      infer_sharding_from_operands=lambda mesh, args, result: args[0].sharding,
+      partition=lambda mesh, args, result: (mesh, jnp.sin, args[0].sharding,
+                                            (args[0].sharding,)),
+      sharding_rule="i j -> i j")
+  step, params, x = _step_with(_host_tanh if op == "pure_callback" else sin)
+  p = autopar.parallelize(step, method=autopar.PipeshardParallel(
+      mesh=mesh8(), num_micro_batches=2, num_stages=2))
+  match = (r"PipeshardParallel stage0/forward: the step calls back to the host "
+           r"\(pure_callback.*Fix: compute the callback's value outside the step"
+           if op == "pure_callback" else
+           r"PipeshardParallel stage0/forward: JAX could not partition a "
+           r"custom_partitioning op.*Fix: use ShardParallel or DataParallel")
+  with pytest.raises(autopar.InputError, match=match):
+    p(params, x)
+  assert_state_usable(params)

@@ -48,6 +48,7 @@ from autopar import jax_compat as jc
 from autopar.frontend import rng
 from autopar.disk import use_compilation_cache
 from autopar.frontend.evaluate import Rules, check_pins, eqn_at, eval_jaxpr, eval_scan
+from autopar.backend.lowering_errors import explained
 from autopar.backend.gradients import (COMBINE, add_partial, across, loss_marker, make_entry,
                                manual_spec, micro_batch_inputs, reduce_manual,
                                seed_loss, stacked_spec, sums_pass)
@@ -642,7 +643,11 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
   index = ()
   options = compiler_options(mesh) or None
 
-  with warnings.catch_warnings():
+  # (An op that JAX cannot lower where the stages put it is said with its
+  # fix: lowering_errors.py.)
+  with explained(split.traced.jaxpr.jaxpr, where="the step's stages",
+                 batch_axes=plan.batch_axes, mesh_axes=mesh.axis_names), \
+       warnings.catch_warnings():
     # The last gradient stage donates its partial sums although the reduced
     # gradients have another shape: the buffers are freed, not reused.
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
@@ -693,7 +698,7 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
         schedule = ((SUMS_STAGE,) if sums is not None else ()) + (*names, "apply_grad")
       replicated = NamedSharding(amesh, PartitionSpec())
       index = tuple(jax.device_put(np.int32(i), replicated) for i in range(n))
-  stages = compile_all(stages, options)
+    stages = compile_all(stages, options)
   return LoweredStep(stages=stages, schedule=schedule, in_shardings=in_shardings,
                      micro_batch_index=index, donated=donated, kept=kept, batch=batch,
                      grad_leaves=grad_stage_leaves(split_local) if split.has_marker else ())

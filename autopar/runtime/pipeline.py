@@ -44,6 +44,7 @@ from autopar import jax_compat as jc
 from autopar.backend.gradients import combine_groups
 from autopar.frontend.loss import SHARE
 from autopar.planner.apply_segments import Segment
+from autopar.backend.lowering_errors import explained
 from autopar.backend.stage_executables import StageExecutables
 from autopar.frontend.program import Program
 from autopar.runtime.schedule import Task
@@ -247,12 +248,21 @@ class PipelineStep:
 
   # -- running -------------------------------------------------------------------
 
-  def _call(self, name: str, fn, *args):
-    if name not in self._calls:
-      self._calls[name] = (fn, jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-          if isinstance(x, jax.Array) else x, args))
-    return fn(*args)
+  def _call(self, stage: int, what: str, fn, *args):
+    """``fn(*args)``, a function of stage ``stage`` named ``stage{s}/{what}``
+    (``compiled``); the first call compiles it, and says an op JAX cannot
+    lower there with its fix (``lowering_errors.py``)."""
+    name = f"stage{stage}/{what}"
+    if name in self._calls:
+      return fn(*args)
+    self._calls[name] = (fn, jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        if isinstance(x, jax.Array) else x, args))
+    layout = self.exes[stage].layout
+    with explained(self.split.traced.jaxpr.jaxpr, where=f"PipeshardParallel {name}",
+                   batch_axes=layout.batch_axes, mesh_axes=layout.mesh.axis_names,
+                   pipeline=True):
+      return fn(*args)
 
   def compiled(self) -> dict[str, jax.stages.Compiled]:
     """Every function the last call ran, compiled (``exe.stages``); each
@@ -291,7 +301,7 @@ class PipelineStep:
       roots, ls = per_stage[s]
       a_in = [acts[(s, i, v)] for v in st.acts_in]
       if t.kind == "F":
-        outs, stored = self._call(f"stage{s}/forward", ex.forward, ex.index[i], roots,
+        outs, stored = self._call(s, "forward", ex.forward, ex.index[i], roots,
                                   a_in, ls)
         saved[(s, i)] = (outs, stored)
         if measuring:
@@ -323,7 +333,7 @@ class PipelineStep:
             if x is None:
               x = self._zeros[("ct", s, k)] = jnp.zeros_like(like)
           ct.append(x)
-        acc[s], ct_in = self._call(f"stage{s}/backward", ex.backward, ex.index[i],
+        acc[s], ct_in = self._call(s, "backward", ex.backward, ex.index[i],
                                    acc[s], roots, a_in, ls, outs, stored, ct,
                                    [seeds[j] for j in st.seeded_finals])
         for (v, p, spec), x in zip(back[s], ct_in, strict=True):
@@ -345,7 +355,7 @@ class PipelineStep:
     # Gradients: synced once per stage, partial sums added on the root's home.
     root_grads: dict[int, Any] = {}
     for s, (st, ex) in enumerate(zip(self.stages, self.exes, strict=True)):
-      grads = self._call(f"stage{s}/sync", ex.sync, acc[s])
+      grads = self._call(s, "sync", ex.sync, acc[s])
       for k, g in zip(st.roots, grads, strict=True):
         h = self.root_home[k]
         if h != s:
@@ -399,7 +409,7 @@ class PipelineStep:
         elif where is None:
           x = self._on(s, np.asarray(x), PartitionSpec())
         args.append(x)
-      outs = self._call(f"stage{s}/apply{k}", a.fn, *args)
+      outs = self._call(s, f"apply{k}", a.fn, *args)
       for v, x in zip(seg.outputs, outs, strict=True):
         env[v] = (s, x)
     apply_outs = []

@@ -1,0 +1,92 @@
+"""JAX's errors for ops it cannot lower where autopar put them, said as
+autopar errors with the fix.
+
+Two kinds of op lower differently inside autopar's stages than under a
+plain ``jax.jit``, because a gradient stage splits the batch by hand
+(``shard_map``, manual over the batch axes, the other mesh axes left to
+XLA):
+
+* a host callback (``jax.pure_callback``, ``io_callback``,
+  ``jax.debug.print`` / ``jax.debug.callback``): JAX lowers one only where
+  every mesh axis is manual or none is;
+* a ``custom_partitioning`` op (cuDNN's fused attention is one): its
+  partitioner can fail on a pipeline stage's submesh.
+
+JAX says so with a ``NotImplementedError``, a ``ValueError`` about the
+context mesh, or an XLA ``INTERNAL`` error from the partitioner callback;
+:func:`explained` turns those into an :class:`~autopar.errors.InputError`
+naming the op, where it is, and what to change. Other errors pass as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Sequence
+
+from autopar.errors import AutoparError, InputError
+from autopar.frontend.retype import jaxprs_in
+
+__all__ = ["explained"]
+
+_HOST_CALLBACKS = ("pure_callback", "io_callback", "debug_callback", "debug_print")
+# What JAX's lowering says for a host callback inside a partly manual computation.
+_CALLBACK_MESSAGES = ("callbacks are only supported in spmd computations",
+                      "context mesh cannot be empty")
+
+
+def _primitive_names(jaxpr, seen=None) -> set[str]:
+  """The names of the primitives in ``jaxpr`` and its sub-jaxprs."""
+  seen = set() if seen is None else seen
+  names = set()
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    for sub in jaxprs_in(eqn):
+      if id(sub) not in seen:
+        seen.add(id(sub))
+        names |= _primitive_names(sub, seen)
+  return names
+
+
+@contextlib.contextmanager
+def explained(jaxpr, *, where: str, batch_axes: Sequence[str],
+              mesh_axes: Sequence[str], pipeline: bool = False):
+  """Runs the body (lowering or compiling ``jaxpr``'s stages), raising an
+  :class:`InputError` with the fix for the failures this module describes.
+
+  ``where``: the stage, for the message; ``batch_axes``: the mesh axes the
+  batch is split over there (manual); ``mesh_axes``: all of its mesh's axes;
+  ``pipeline``: a pipeline stage (whose batch axes autopar chooses).
+  """
+  try:
+    yield
+  except AutoparError:
+    raise
+  except Exception as e:   # noqa: BLE001 - re-raised as is unless recognised
+    message = str(e)
+    if any(m in message for m in _CALLBACK_MESSAGES):
+      callbacks = sorted(_primitive_names(jaxpr) & set(_HOST_CALLBACKS))
+      if callbacks:
+        others = [a for a in mesh_axes if a not in batch_axes]
+        raise InputError(
+            f"{where}: the step calls back to the host ({', '.join(callbacks)}: "
+            f"jax.pure_callback, io_callback, jax.debug.print or jax.debug.callback) "
+            f"where its batch is split over the mesh axes {tuple(batch_axes)} and "
+            f"not over {tuple(others)}; JAX lowers a host callback only in a "
+            f"computation split by hand over every mesh axis or none. Fix: "
+            + ("compute the callback's value outside the step and pass it in, or use "
+               "DataParallel (no pipeline stages)." if pipeline else
+               f"split the batch over all of the mesh's axes {tuple(mesh_axes)} "
+               f"(DataParallel's default batch_axes; for ShardParallel, "
+               f"AutoShardingOption(force_batch_dim_to_mesh_dim={tuple(mesh_axes)})), "
+               f"or compute the callback's value outside the step and pass it in.")
+        ) from e
+    if "custom_partitioner" in message and "custom_partitioning" in _primitive_names(jaxpr):
+      raise InputError(
+          f"{where}: JAX could not partition a custom_partitioning op of the step "
+          f"(jax.nn.dot_product_attention(implementation='cudnn') is one) on this "
+          f"stage's devices {tuple(mesh_axes)}, batch split over {tuple(batch_axes)} "
+          f"(JAX's error follows this one). Fix: use ShardParallel or "
+          f"DataParallel (one mesh, no pipeline stages), or a version of the op "
+          f"without custom_partitioning (implementation='xla' for attention)."
+      ) from e
+    raise
