@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import threading
 import weakref
 from typing import Any, Callable, Mapping, Sequence
@@ -20,7 +21,7 @@ import numpy as np
 from autopar.runtime import base as runtime
 from autopar.runtime import data as runtime_data
 from autopar.errors import InputError
-from autopar.runtime.executor import Executable
+from autopar.runtime.executor import Executable, picker
 from autopar.method import (ParallelMethod, PipeshardParallel, ShardParallel,
                             auto_mesh, resolve_mesh)
 from autopar.plan import Plan
@@ -382,6 +383,18 @@ def _deleted(x) -> bool:
   return isinstance(x, jax.Array) and x.is_deleted()
 
 
+_is_deleted = operator.methodcaller("is_deleted")
+
+
+def _any_deleted(flat: list) -> bool:
+  """Whether a leaf of ``flat`` is a deleted array (``_deleted``), asked in C
+  where every leaf is an array."""
+  try:
+    return any(map(_is_deleted, flat))
+  except (AttributeError, TypeError):    # (a leaf that is no jax.Array)
+    return any(map(_deleted, flat))
+
+
 def _single_device(x) -> bool:
   return isinstance(x, jax.Array) and type(x.sharding) is jax.sharding.SingleDeviceSharding
 
@@ -408,11 +421,16 @@ class _Direct:
     what tells one batch size's executable from another's)."""
     return tuple(getattr(flat[k], "shape", None) for k in self.exe.lowered.batch)
 
+  @functools.cached_property
+  def pickers(self) -> tuple:
+    """The donated, kept and batch leaves from the flat ones."""
+    lw = self.exe.lowered
+    return picker(lw.donated), picker(lw.kept), picker(lw.batch)
+
   def run(self, flat: list) -> list | None:
     """The flat outputs, or None where the full path must run the call."""
-    lw = self.exe.lowered
-    donated = [flat[k] for k in lw.donated]
-    kept = [flat[k] for k in lw.kept]
+    pick_donated, pick_kept, pick_batch = self.pickers
+    donated, kept = pick_donated(flat), pick_kept(flat)
     # The full path says what is wrong with: one array passed as two donated
     # leaves, or as a donated and a kept one, or (on a one-device mesh, where
     # two objects can hold one buffer) any donated single-device array
@@ -420,11 +438,11 @@ class _Direct:
     # executable would crash the process on it).
     ids = set(map(id, donated))
     if (len(ids) != len(donated) or not ids.isdisjoint(map(id, kept)) or
-        any(map(_deleted, flat)) or
+        _any_deleted(flat) or
         (self.one_device and any(map(_single_device, donated)))):
       return None
     try:
-      return self.exe.run_by_role(donated, kept, [flat[k] for k in lw.batch])
+      return self.exe.run_by_role(donated, kept, pick_batch(flat))
     except (TypeError, ValueError):
       # The executable's checks of the leaves' types and shardings, made
       # before it runs; but a donated leaf used up means it ran: raise.

@@ -1,13 +1,15 @@
 """Host time per steady-state call: autopar's step against ``jax.jit``'s.
 
-    python benchmark/dispatch.py [--leaves 100 1000 5000] [--calls 30]
+    python benchmark/dispatch.py [--leaves 100 1000 5000] [--calls 30] [--rounds 3]
 
 A step whose state has ``--leaves`` parameter leaves (a dict of small
 matrices, SGD with momentum: three leaves each in the train state), on 8
 simulated CPU devices, data parallel, one micro-batch. Per call, the time
 until the call returns (work is dispatched asynchronously; each call's
 outputs are waited for before the next call, outside the timed part), the
-median over ``--calls`` calls after two warm-up calls:
+median over ``--calls`` calls after two warm-up calls, and of that the median
+over ``--rounds`` rounds that take turns (jit, autopar, autopar with two
+executables, then again):
 
 * ``jax.jit``: the same step written by hand (batch split over the mesh,
   state replicated and donated);
@@ -88,10 +90,11 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--leaves", type=int, nargs="+", default=[100, 1000, 5000])
   parser.add_argument("--calls", type=int, default=30)
+  parser.add_argument("--rounds", type=int, default=3)
   args = parser.parse_args()
   mesh = jax.make_mesh((8,), ("data",))
-  print(f"host time per call, median of {args.calls} (8 CPU devices, data parallel, "
-        f"1 micro-batch)")
+  print(f"host time per call, median of {args.calls} calls, median of {args.rounds} "
+        f"interleaved rounds (8 CPU devices, data parallel, 1 micro-batch)")
   print(f"{'leaves':>7} {'jax.jit ms':>11} {'autopar ms':>11} {'bound ms':>9} "
         f"{'ratio':>6} {'2 exes ms':>10} {'bound ms':>9} {'ratio':>6}")
   for n in args.leaves:
@@ -108,9 +111,14 @@ def main():
                                                                 one_executable=False))
     assert len(one.get_executable(state, data).schedule) == 1
     assert len(two.get_executable(state, data).schedule) == 2
-    jit_t = statistics.median(host_times(jitted, fresh(), batch, args.calls))
-    one_t = statistics.median(host_times(one, fresh(), batch, args.calls))
-    two_t = statistics.median(host_times(two, fresh(), batch, args.calls))
+    # Interleaved rounds: this machine's speed drifts by 10-20 % between runs
+    # of a few seconds, so each figure is the median over rounds of its
+    # median per round.
+    rounds = {"jit": [], "one": [], "two": []}
+    for _ in range(args.rounds):
+      for name, call in (("jit", jitted), ("one", one), ("two", two)):
+        rounds[name].append(statistics.median(host_times(call, fresh(), batch, args.calls)))
+    jit_t, one_t, two_t = (statistics.median(rounds[k]) for k in ("jit", "one", "two"))
     print(f"{n:>7} {jit_t * 1e3:>11.2f} {one_t * 1e3:>11.2f} {(jit_t + 0.5e-3) * 1e3:>9.2f} "
           f"{one_t / jit_t:>6.2f} {two_t * 1e3:>10.2f} {(2 * jit_t + 0.5e-3) * 1e3:>9.2f} "
           f"{two_t / jit_t:>6.2f}", flush=True)

@@ -20,7 +20,8 @@ a call that raises leaves the caller's arrays usable.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+import operator
+from typing import Any, Callable, Sequence
 
 import jax
 
@@ -31,7 +32,7 @@ from autopar.frontend.pytrees import partition
 from autopar.frontend.trace import split_updates
 from autopar.frontend.split import OutputKind, SplitStep
 
-__all__ = ["Executable"]
+__all__ = ["Executable", "picker"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -51,6 +52,8 @@ class Executable:
   # is the leaf's planned one): the outputs of one step share a few sharding
   # objects, so a steady-state call compares each once.
   _placed: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+  # number of the update's outputs -> picker of the step's outputs (_outputs)
+  _out_pickers: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
   @property
   def stages(self) -> dict[str, jax.stages.Compiled]:
@@ -137,10 +140,13 @@ class Executable:
 
   def _outputs(self, apply_outs, micro_outs) -> list[Any]:
     """The step's flat outputs from the update's and the gradient stages'."""
-    outs = []
-    for kind, idx in zip(self.split.out_kinds, self.split.out_index, strict=True):
-      outs.append(apply_outs[idx] if kind is OutputKind.APPLY else micro_outs[idx])
-    return outs
+    both = [*apply_outs, *micro_outs]
+    pick = self._out_pickers.get(len(apply_outs))
+    if pick is None:
+      pick = self._out_pickers[len(apply_outs)] = picker(
+          [idx if kind is OutputKind.APPLY else len(apply_outs) + idx
+           for kind, idx in zip(self.split.out_kinds, self.split.out_index, strict=True)])
+    return pick(both)
 
   def results(self, outs: Sequence[Any], args: Sequence[Any]):
     """The step's result from the flat outputs of :meth:`run`: static leaves
@@ -158,6 +164,19 @@ class Executable:
           "leaves than the ones it was compiled for. Fix: call the parallelized "
           "step itself (it compiles once per signature), or get_executable(*args).")
     return self.results(self.run(self.place(leaves)), args)
+
+
+def picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], list]:
+  """``lambda xs: [xs[k] for k in positions]``, picking in C
+  (``operator.itemgetter``): the per-call path of a step with thousands of
+  leaves."""
+  if not positions:
+    return lambda xs: []
+  if len(positions) == 1:
+    (k,) = positions
+    return lambda xs: [xs[k]]
+  get = operator.itemgetter(*positions)
+  return lambda xs: list(get(xs))
 
 
 def _same_placement(x: jax.Array, s) -> bool:
