@@ -219,8 +219,7 @@ class ParallelizedFunction:
     exe = self.signature_of(prep).executable(prep)
     traced = exe.split.traced
     outs = exe.run(exe.place(prep.values))
-    if (isinstance(exe, Executable) and exe.one_call and not prep.flags.static and
-        len(prep.values) == len(flat)):
+    if isinstance(exe, Executable) and not prep.flags.static and len(prep.values) == len(flat):
       direct = _Direct(exe, traced)   # (every leaf traced: the flat leaves are its values)
       with self._lock:
         if len(self._direct) >= _PREPARED_BOUND:
@@ -401,13 +400,15 @@ def _single_device(x) -> bool:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Direct:
-  """A one-executable step (``Executable.one_call``) called on the flat
-  leaves of its arguments as they come, every leaf traced: the executable
-  checks their types and shardings itself (in JAX's C++, as ``jax.jit``
-  does), so a steady-state call does no work per leaf in Python beyond
-  picking them by role and the donation check's identities. Arguments it
-  does not take make it raise before it runs; the call then takes the full
-  path, which places them, or says what is wrong with them."""
+  """A compiled SPMD step called on the flat leaves of its arguments as they
+  come, every leaf traced: its executables check their types and shardings
+  themselves (in JAX's C++, as ``jax.jit`` does), so a steady-state call
+  does no work per leaf in Python beyond picking them by role and the
+  donation check's identities. Arguments an executable does not take make
+  it raise before it runs; the call then takes the full path, which places
+  them, or says what is wrong with them. (With several executables an
+  earlier one may have run by then, a gradient stage, which donates
+  nothing of the caller's: the full path runs the step again.)"""
   exe: Executable
   traced: TracedStep
 
@@ -442,7 +443,9 @@ class _Direct:
         (self.one_device and any(map(_single_device, donated)))):
       return None
     try:
-      return self.exe.run_by_role(donated, kept, pick_batch(flat))
+      if self.exe.one_call:
+        return self.exe.run_by_role(donated, kept, pick_batch(flat))
+      return self.exe.run(flat)
     except (TypeError, ValueError):
       # The executable's checks of the leaves' types and shardings, made
       # before it runs; but a donated leaf used up means it ran: raise.

@@ -104,13 +104,16 @@ def test_a_remote_array_handle_is_not_kept_by_the_arguments_cache():
   assert cluster.forgotten == [0, 1, 2]
 
 
-def test_a_one_executable_step_calls_its_executable_on_the_leaves_as_they_come(monkeypatch):
-  """With one micro-batch the step is one executable: a steady-state call
-  hands it the argument leaves as they come, and it checks their types and
-  shardings itself (api._Direct). Each batch size keeps its own; host
-  batches, an argument on another sharding, a donated state passed again
-  and tied donated leaves take the full path, which places them or says
-  what is wrong (the executable crashes the process on a donated array)."""
+@pytest.mark.parametrize("method", [
+    dict(), dict(num_micro_batches=2), dict(one_executable=False)])
+def test_a_step_calls_its_executables_on_the_leaves_as_they_come(monkeypatch, method):
+  """A steady-state call hands the step's executables (one with one
+  micro-batch, the default; else the gradient stages and the update) the
+  argument leaves as they come, and they check their types and shardings
+  themselves (api._Direct). Each batch size keeps its own; host batches, an
+  argument on another sharding, a donated state passed again and tied
+  donated leaves take the full path, which places them or says what is
+  wrong (an executable crashes the process on a donated array)."""
   from autopar import api
   runs = []
   real = api._Direct.run
@@ -118,7 +121,9 @@ def test_a_one_executable_step_calls_its_executable_on_the_leaves_as_they_come(m
                       lambda self, flat: runs.append(real(self, flat)) or runs[-1])
   make_state, step, batch = mlp_setup(batch=32, din=8, hidden=16, dout=4)
   mesh = _mesh8()
-  pf = autopar.parallelize(step, method=autopar.DataParallel(mesh=mesh))
+  pf = autopar.parallelize(step, method=autopar.DataParallel(mesh=mesh, **method))
+  n_exes = len(pf.get_executable(make_state(), batch).schedule)
+  assert n_exes == (1 if not method else 3 if "num_micro_batches" in method else 2)
   ref = single_device(step)
   state, want = make_state(), make_state()
   half = {k: v[:16] for k, v in batch.items()}
