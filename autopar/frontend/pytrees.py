@@ -95,6 +95,8 @@ class Partition:
 
   def merge(self, dynamic_leaves: Sequence[Any]):
     """The pytree with ``dynamic_leaves`` in the traced leaves' places."""
+    if not self.statics:             # (every leaf traced: a step's usual outputs)
+      return jax.tree_util.tree_unflatten(self.treedef, dynamic_leaves)
     dyn, sta = iter(dynamic_leaves), iter(self.statics)
     leaves = [next(dyn) if d else next(sta) for d in self.dynamic]
     return jax.tree_util.tree_unflatten(self.treedef, leaves)
