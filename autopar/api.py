@@ -165,7 +165,7 @@ class ParallelizedFunction:
     # the flat leaves: a steady-state call flattens its arguments once.
     self._prepared: dict[Any, tuple[_Prepared, tuple[int, ...]]] = {}
     # (Tree structure of a call's arguments, its batch leaves' shapes) -> the
-    # one-executable step it ran, called on the next such call's leaves as
+    # compiled SPMD step it ran, called on the next such call's leaves as
     # they come (_Direct).
     self._direct: dict[Any, _Direct] = {}
     self._lock = threading.Lock()
@@ -406,9 +406,10 @@ class _Direct:
   does no work per leaf in Python beyond picking them by role and the
   donation check's identities. Arguments an executable does not take make
   it raise before it runs; the call then takes the full path, which places
-  them, or says what is wrong with them. (With several executables an
-  earlier one may have run by then, a gradient stage, which donates
-  nothing of the caller's: the full path runs the step again.)"""
+  them, or says what is wrong with them. (With several executables,
+  ``Executable.run`` places the batch once for all of them, and places the
+  update's leaves where the update refuses them after the gradient stages
+  ran.)"""
   exe: Executable
   traced: TracedStep
 
@@ -445,7 +446,7 @@ class _Direct:
     try:
       if self.exe.one_call:
         return self.exe.run_by_role(donated, kept, pick_batch(flat))
-      return self.exe.run(flat)
+      return self.exe.run(flat, placed=False)
     except (TypeError, ValueError):
       # The executable's checks of the leaves' types and shardings, made
       # before it runs; but a donated leaf used up means it ran: raise.

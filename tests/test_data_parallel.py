@@ -314,7 +314,9 @@ def test_op_lowered_with_devices_on_an_explicit_mesh(op, method):
   hands results back on the mesh's Auto twin. Before, the compile failed
   with JAX's "mesh should be the same across the entire program" (and the
   callback's result type kept the symbolic batch size of the one trace).
-  The loss is a masked token mean, compared with one device over 2 steps."""
+  jax.debug.print is not such an op: its step's results stay on the mesh as
+  given. The loss is a masked token mean, compared with one device over 2
+  steps."""
   f = {"pure_callback": _host_tanh, "debug_print": _printed,
        "custom_partitioning": _partitioned_sin()}[op]
   rng = np.random.RandomState(3)
@@ -342,3 +344,6 @@ def test_op_lowered_with_devices_on_an_explicit_mesh(op, method):
     theirs, ref_loss = ref(theirs, x, mask)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   assert_trees_close(ours, theirs)
+  kind = (jax.sharding.AxisType.Explicit if op == "debug_print" else
+          jax.sharding.AxisType.Auto)
+  assert ours["w"].sharding.mesh.axis_types == (kind, kind)

@@ -110,10 +110,11 @@ def test_a_step_calls_its_executables_on_the_leaves_as_they_come(monkeypatch, me
   """A steady-state call hands the step's executables (one with one
   micro-batch, the default; else the gradient stages and the update) the
   argument leaves as they come, and they check their types and shardings
-  themselves (api._Direct). Each batch size keeps its own; host batches, an
-  argument on another sharding, a donated state passed again and tied
-  donated leaves take the full path, which places them or says what is
-  wrong (an executable crashes the process on a donated array)."""
+  themselves (api._Direct). Each batch size keeps its own, and host
+  batches run directly too (placed once for all the stages). An argument on
+  another sharding, a donated state passed again and tied donated leaves
+  take the full path, which places them or says what is wrong (an
+  executable crashes the process on a donated array)."""
   from autopar import api
   runs = []
   real = api._Direct.run
@@ -170,3 +171,42 @@ def test_an_error_from_a_direct_call_that_ran_is_raised_as_it_is():
   with jax.debug_nans(True), pytest.raises(Exception, match="nan") as raised:
     pf(state, bad)
   assert not isinstance(raised.value, autopar.InputError)
+
+
+def test_update_leaves_refused_after_the_gradient_ran_are_placed_not_recomputed():
+  """With several executables, a direct call whose optimizer state is not
+  where the plan puts it (here on one device) is refused by the update
+  after the gradient stages ran: those leaves are placed and the update
+  called again, and the gradient is computed once."""
+  from autopar import api
+  runs = []
+  real_run = api._Direct.run
+
+  def counted(self, flat):
+    runs.append(real_run(self, flat))
+    return runs[-1]
+  make_state, step, batch = mlp_setup(batch=32, din=8, hidden=16, dout=4)
+  pf = autopar.parallelize(step, method=autopar.DataParallel(mesh=_mesh8(),
+                                                             num_micro_batches=2))
+  ref = single_device(step)
+  state, want = make_state(), make_state()
+  for _ in range(2):
+    state, _ = pf(state, batch)
+    want, _ = ref(want, batch)
+  exe = pf.get_executable(state, batch)
+  first = exe.schedule[0]
+  calls = []
+  real_stage = exe.lowered.stages[first]
+  exe.lowered.stages[first] = lambda *a: calls.append(first) or real_stage(*a)
+  api._Direct.run = counted
+  try:
+    moved = state.replace(opt_state=jax.device_put(state.opt_state, jax.devices()[3]))
+    state, loss = pf(moved, batch)
+  finally:
+    api._Direct.run = real_run
+    exe.lowered.stages[first] = real_stage
+  want, want_loss = ref(want, batch)
+  assert calls == [first] and runs[-1] is not None, (calls, runs)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  assert_trees_close(state.params, want.params)
+  assert_trees_close(state.opt_state, want.opt_state)

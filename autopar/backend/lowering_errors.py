@@ -10,7 +10,8 @@ XLA):
   ``jax.debug.print`` / ``jax.debug.callback``): JAX lowers one only where
   every mesh axis is manual or none is;
 * a ``custom_partitioning`` op (cuDNN's fused attention is one): its
-  partitioner can fail on a pipeline stage's submesh.
+  partitioner can fail in a pipeline stage (seen on CPU; under
+  ``DataParallel`` and ``ShardParallel`` it ran).
 
 JAX says so with a ``NotImplementedError``, a ``ValueError`` about the
 context mesh, or an XLA ``INTERNAL`` error from the partitioner callback;
@@ -55,7 +56,9 @@ def explained(jaxpr, *, where: str, batch_axes: Sequence[str],
 
   ``where``: the stage, for the message; ``batch_axes``: the mesh axes the
   batch is split over there (manual); ``mesh_axes``: all of its mesh's axes;
-  ``pipeline``: a pipeline stage (whose batch axes autopar chooses).
+  ``pipeline``: a pipeline stage (whose batch axes autopar chooses). In
+  a pipeline stage the callback named may sit in another stage: the step's
+  primitives are read as a whole.
   """
   try:
     yield
@@ -63,10 +66,12 @@ def explained(jaxpr, *, where: str, batch_axes: Sequence[str],
     raise
   except Exception as e:   # noqa: BLE001 - re-raised as is unless recognised
     message = str(e)
-    if any(m in message for m in _CALLBACK_MESSAGES):
+    others = [a for a in mesh_axes if a not in batch_axes]
+    # (Only where autopar split the batch over some axes and not others: a
+    # callback inside the user's own partly manual shard_map is theirs.)
+    if others and any(m in message for m in _CALLBACK_MESSAGES):
       callbacks = sorted(_primitive_names(jaxpr) & set(_HOST_CALLBACKS))
       if callbacks:
-        others = [a for a in mesh_axes if a not in batch_axes]
         raise InputError(
             f"{where}: the step calls back to the host ({', '.join(callbacks)}: "
             f"jax.pure_callback, io_callback, jax.debug.print or jax.debug.callback) "
@@ -80,13 +85,15 @@ def explained(jaxpr, *, where: str, batch_axes: Sequence[str],
                f"AutoShardingOption(force_batch_dim_to_mesh_dim={tuple(mesh_axes)})), "
                f"or compute the callback's value outside the step and pass it in.")
         ) from e
-    if "custom_partitioner" in message and "custom_partitioning" in _primitive_names(jaxpr):
+    if (pipeline and "custom_partitioner" in message and
+        "custom_partitioning" in _primitive_names(jaxpr)):
       raise InputError(
           f"{where}: JAX could not partition a custom_partitioning op of the step "
-          f"(jax.nn.dot_product_attention(implementation='cudnn') is one) on this "
-          f"stage's devices {tuple(mesh_axes)}, batch split over {tuple(batch_axes)} "
-          f"(JAX's error follows this one). Fix: use ShardParallel or "
-          f"DataParallel (one mesh, no pipeline stages), or a version of the op "
-          f"without custom_partitioning (implementation='xla' for attention)."
+          f"(jax.nn.dot_product_attention(implementation='cudnn') is one) in this "
+          f"stage, on mesh axes {tuple(mesh_axes)} with the batch split over "
+          f"{tuple(batch_axes)} (JAX's error is above this one). Fix: use "
+          f"ShardParallel or DataParallel (one mesh, no pipeline stages), or a "
+          f"version of the op without custom_partitioning (implementation='xla' "
+          f"for attention)."
       ) from e
     raise

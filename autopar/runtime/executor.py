@@ -113,13 +113,24 @@ class Executable:
       return list(self.lowered.stages["step"](donated, kept, batch))
     return self._outputs(*self.lowered.stages[ONE_STAGE](donated, kept, batch))
 
-  def run(self, leaves: Sequence[Any]) -> list[Any]:
-    """Runs one step on placed leaves; returns the flat outputs."""
+  def run(self, leaves: Sequence[Any], *, placed: bool = True) -> list[Any]:
+    """Runs one step; returns the flat outputs.
+
+    ``placed``: the leaves are where the plan puts them (:meth:`place`).
+    Else they are the caller's (a direct call, ``api._Direct``): the batch
+    is placed here once for every stage, and each executable checks the
+    other leaves, raising before it runs on one it does not take
+    (``TypeError``, ``ValueError``); the update's leaves, refused once the
+    gradient stages have run, are then placed and the update called again,
+    so that the gradient is not computed twice.
+    """
     lw = self.lowered
     stages = lw.stages
     if self.one_call:
       return self.run_by_role([leaves[k] for k in lw.donated], [leaves[k] for k in lw.kept],
                               [leaves[k] for k in lw.batch])
+    if not placed:
+      leaves = self._place_batch(leaves)
     schedule = lw.schedule
     sums = []
     if schedule[0] == SUMS_STAGE:
@@ -134,9 +145,27 @@ class Executable:
         acc = stages[name](used, lw.micro_batch_index[i], acc, sums)
     grads, micro_outs = acc
     del acc
-    apply_outs = stages["apply_grad"]([leaves[k] for k in lw.donated],
-                                      [leaves[k] for k in lw.kept], grads)
+    donated = [leaves[k] for k in lw.donated]
+    try:
+      apply_outs = stages["apply_grad"](donated, [leaves[k] for k in lw.kept], grads)
+    except (TypeError, ValueError):
+      # (A donated leaf used up: the update ran, and its error is the step's.)
+      if placed or any(isinstance(x, jax.Array) and x.is_deleted() for x in donated):
+        raise
+      leaves = self.place(leaves)
+      apply_outs = stages["apply_grad"]([leaves[k] for k in lw.donated],
+                                        [leaves[k] for k in lw.kept], grads)
     return self._outputs(apply_outs, micro_outs)
+
+  def _place_batch(self, leaves: Sequence[Any]) -> list[Any]:
+    """``leaves`` with the batch's placed (:meth:`place`), once for the
+    stages that read it."""
+    leaves = list(leaves)
+    for k in self.lowered.batch:
+      x, s = leaves[k], self.lowered.in_shardings[k]
+      if not (isinstance(x, jax.Array) and (x.sharding is s or _same_placement(x, s))):
+        leaves[k] = jax.device_put(x, s)
+    return leaves
 
   def _outputs(self, apply_outs, micro_outs) -> list[Any]:
     """The step's flat outputs from the update's and the gradient stages'."""
