@@ -21,7 +21,7 @@ import numpy as np
 from autopar.runtime import base as runtime
 from autopar.runtime import data as runtime_data
 from autopar.errors import InputError
-from autopar.runtime.executor import Executable, picker
+from autopar.runtime.executor import Executable, deleted as _deleted, picker
 from autopar.method import (ParallelMethod, PipeshardParallel, ShardParallel,
                             auto_mesh, resolve_mesh)
 from autopar.plan import Plan
@@ -376,10 +376,6 @@ class ParallelizedFunction:
 # Kinds of arguments a step keeps the preparation of (``_prepare``); a step
 # called with more starts again (like a static leaf that changes each call).
 _PREPARED_BOUND = 64
-
-
-def _deleted(x) -> bool:
-  return isinstance(x, jax.Array) and x.is_deleted()
 
 
 _is_deleted = operator.methodcaller("is_deleted")

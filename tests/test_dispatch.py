@@ -104,6 +104,17 @@ def test_a_remote_array_handle_is_not_kept_by_the_arguments_cache():
   assert cluster.forgotten == [0, 1, 2]
 
 
+def _record_direct_runs(monkeypatch) -> list:
+  """What each direct call (api._Direct.run) returns, from now on: its
+  outputs, or None where the call took the full path."""
+  from autopar import api
+  runs = []
+  real = api._Direct.run
+  monkeypatch.setattr(api._Direct, "run",
+                      lambda self, flat: runs.append(real(self, flat)) or runs[-1])
+  return runs
+
+
 @pytest.mark.parametrize("method", [
     dict(), dict(num_micro_batches=2), dict(one_executable=False)])
 def test_a_step_calls_its_executables_on_the_leaves_as_they_come(monkeypatch, method):
@@ -115,11 +126,7 @@ def test_a_step_calls_its_executables_on_the_leaves_as_they_come(monkeypatch, me
   another sharding, a donated state passed again and tied donated leaves
   take the full path, which places them or says what is wrong (an
   executable crashes the process on a donated array)."""
-  from autopar import api
-  runs = []
-  real = api._Direct.run
-  monkeypatch.setattr(api._Direct, "run",
-                      lambda self, flat: runs.append(real(self, flat)) or runs[-1])
+  runs = _record_direct_runs(monkeypatch)
   make_state, step, batch = mlp_setup(batch=32, din=8, hidden=16, dout=4)
   mesh = _mesh8()
   pf = autopar.parallelize(step, method=autopar.DataParallel(mesh=mesh, **method))
@@ -173,18 +180,11 @@ def test_an_error_from_a_direct_call_that_ran_is_raised_as_it_is():
   assert not isinstance(raised.value, autopar.InputError)
 
 
-def test_update_leaves_refused_after_the_gradient_ran_are_placed_not_recomputed():
+def test_update_leaves_refused_after_the_gradient_ran_are_placed_not_recomputed(monkeypatch):
   """With several executables, a direct call whose optimizer state is not
   where the plan puts it (here on one device) is refused by the update
   after the gradient stages ran: those leaves are placed and the update
   called again, and the gradient is computed once."""
-  from autopar import api
-  runs = []
-  real_run = api._Direct.run
-
-  def counted(self, flat):
-    runs.append(real_run(self, flat))
-    return runs[-1]
   make_state, step, batch = mlp_setup(batch=32, din=8, hidden=16, dout=4)
   pf = autopar.parallelize(step, method=autopar.DataParallel(mesh=_mesh8(),
                                                              num_micro_batches=2))
@@ -197,14 +197,11 @@ def test_update_leaves_refused_after_the_gradient_ran_are_placed_not_recomputed(
   first = exe.schedule[0]
   calls = []
   real_stage = exe.lowered.stages[first]
-  exe.lowered.stages[first] = lambda *a: calls.append(first) or real_stage(*a)
-  api._Direct.run = counted
-  try:
-    moved = state.replace(opt_state=jax.device_put(state.opt_state, jax.devices()[3]))
-    state, loss = pf(moved, batch)
-  finally:
-    api._Direct.run = real_run
-    exe.lowered.stages[first] = real_stage
+  monkeypatch.setitem(exe.lowered.stages, first,
+                      lambda *a: calls.append(first) or real_stage(*a))
+  runs = _record_direct_runs(monkeypatch)
+  moved = state.replace(opt_state=jax.device_put(state.opt_state, jax.devices()[3]))
+  state, loss = pf(moved, batch)
   want, want_loss = ref(want, batch)
   assert calls == [first] and runs[-1] is not None, (calls, runs)
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)

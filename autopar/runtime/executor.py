@@ -32,7 +32,7 @@ from autopar.frontend.pytrees import partition
 from autopar.frontend.trace import split_updates
 from autopar.frontend.split import OutputKind, SplitStep
 
-__all__ = ["Executable", "picker"]
+__all__ = ["Executable", "picker", "deleted"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -150,7 +150,7 @@ class Executable:
       apply_outs = stages["apply_grad"](donated, [leaves[k] for k in lw.kept], grads)
     except (TypeError, ValueError):
       # (A donated leaf used up: the update ran, and its error is the step's.)
-      if placed or any(isinstance(x, jax.Array) and x.is_deleted() for x in donated):
+      if placed or any(map(deleted, donated)):
         raise
       leaves = self.place(leaves)
       apply_outs = stages["apply_grad"]([leaves[k] for k in lw.donated],
@@ -193,6 +193,11 @@ class Executable:
           "leaves than the ones it was compiled for. Fix: call the parallelized "
           "step itself (it compiles once per signature), or get_executable(*args).")
     return self.results(self.run(self.place(leaves)), args)
+
+
+def deleted(x) -> bool:
+  """Whether ``x`` is an array whose buffers are gone (donated or deleted)."""
+  return isinstance(x, jax.Array) and x.is_deleted()
 
 
 def picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], list]:
