@@ -31,6 +31,9 @@ directly by the modules that use it.
 from __future__ import annotations
 
 import inspect
+import contextlib
+import sys
+import threading
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -38,6 +41,7 @@ from jax._src import core as _core
 from jax._src import dispatch as _dispatch
 from jax._src import mesh as _mesh
 from jax._src import source_info_util
+from jax._src.export import shape_poly as _shape_poly
 from jax._src.interpreters import mlir
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax import lax as _lax
@@ -86,6 +90,7 @@ __all__ = [
     "has_effects", "dce_jaxpr", "dce_rule", "get_abstract_mesh", "needs_devices_to_lower",
     "summarize_source", "current_name_stack", "user_context", "eqn_context_without_mesh",
     "evaluate_dim", "key_impl_of", "debug_info", "JAX_VERSION", "backends_are_initialized",
+    "undecided_dim_equalities", "JAX_SOURCE_DIR",
 ]
 
 
@@ -156,3 +161,68 @@ def evaluate_dim(d, env: dict) -> int:
   """The value of the symbolic dimension ``d`` with its symbols bound by
   ``env`` (``{"b": 4}``)."""
   return int(d._evaluate(env))
+
+
+# Equality of symbolic dimensions ----------------------------------------------
+# JAX answers ``d == 16`` on a symbolic dimension ``d`` with False (and ``!=``
+# with True) when it cannot prove the answer, instead of raising: ``__eq__``
+# also serves hashing (jax/_src/export/shape_poly.py, ``_DimExpr.__eq__``).
+# Traced once at a symbolic batch size, a step branching on ``x.shape[0] ==
+# 16`` would silently take the other branch. ``undecided_dim_equalities``
+# lets the caller answer those comparisons, and see JAX's own.
+
+JAX_SOURCE_DIR = jax.__file__.rsplit("/", 1)[0] + "/"
+_DimExpr = _shape_poly._DimExpr
+_JAX_EQ = _DimExpr.__eq__
+_deciding = threading.local()
+_patch_lock = threading.RLock()
+
+
+def _undecided(a, b) -> bool:
+  """Whether JAX's False for ``a == b`` (``a`` symbolic) is a guess: the
+  difference is not a constant."""
+  if isinstance(b, _DimExpr):
+    if a.scope is not b.scope:
+      return False
+  elif not _core.is_constant_dim(b):
+    return False
+  return _core.is_symbolic_dim(a - b)
+
+
+def _eq(self, other):
+  equal = _JAX_EQ(self, other)
+  decide = getattr(_deciding, "decide", None)
+  if equal or decide is None or getattr(_deciding, "busy", False):
+    return equal
+  _deciding.busy = True       # (deciding compares dimensions too)
+  try:
+    if not _undecided(self, other):
+      return equal
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename == _shape_poly.__file__:
+      frame = frame.f_back    # (``!=`` calls ``==``)
+    answer = decide(self, other, frame)
+  finally:
+    _deciding.busy = False
+  return equal if answer is None else bool(answer)
+
+
+@contextlib.contextmanager
+def undecided_dim_equalities(decide: Callable):
+  """While active, on this thread, an equality between symbolic dimensions
+  (or one and an integer) that JAX cannot decide calls ``decide(a, b,
+  frame)``: ``frame`` is the Python frame that compared them (outside
+  JAX's shape_poly module). It returns whether they are equal, or None for
+  JAX's answer (unequal). Decided equalities are those of ``==`` and
+  ``!=``; ``<`` and the like raise ``InconclusiveDimensionOperation`` as
+  before."""
+  with _patch_lock:
+    outer = getattr(_deciding, "decide", None)
+    _DimExpr.__eq__ = _eq
+    _deciding.decide = decide
+    try:
+      yield
+    finally:
+      _deciding.decide = outer
+      if outer is None:
+        _DimExpr.__eq__ = _JAX_EQ

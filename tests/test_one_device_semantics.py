@@ -378,3 +378,75 @@ def test_bfloat16_gradients_are_accumulated_in_float32():
     assert ("f32[1,16,8]" if setting else "bf16[1,16,8]") in layout.split(", ")[-1:][0]
   assert errors["float32"].max() < errors[None].max()
   assert np.all(errors["float32"] <= np.abs(exact) * 2 ** -8 * 1.01 + 1e-12)
+
+
+# -- steps that read their batch size ---------------------------------------------
+
+BATCH = 16
+
+
+def _branching_step(spelling):
+  """A step whose Python reads its batch size: on the whole batch of
+  ``BATCH`` rows ``jax.jit`` takes the first branch (a mean); a trace at any
+  other size the other (a sum, 16x the loss)."""
+  def step(w, x, y):
+    def loss_fn(w):
+      per = jnp.sum((jnp.tanh(x @ w) - y) ** 2, axis=-1)
+      n = x.shape[0]
+      take_mean = {"==": lambda: n == BATCH,
+                   "!=": lambda: not (n != BATCH),
+                   "in": lambda: n in (BATCH, 2 * BATCH),
+                   "shape ==": lambda: x.shape == (BATCH, x.shape[1]),
+                   "% ==": lambda: n % BATCH == 0}[spelling]()
+      return jnp.mean(per) if take_mean else jnp.sum(per)
+    loss, g = autopar.value_and_grad(loss_fn)(w)
+    return w - 0.1 * g, loss
+  return step
+
+
+def _branching_args():
+  k = jax.random.split(jax.random.PRNGKey(3), 3)
+  return (0.3 * jax.random.normal(k[0], (8, 8)), jax.random.normal(k[1], (BATCH, 8)),
+          jax.random.normal(k[2], (BATCH, 8)))
+
+
+BRANCH_METHODS = {
+    "dp n=1": lambda: autopar.DataParallel(mesh=mesh_of((8,))),
+    "dp n=2": lambda: autopar.DataParallel(mesh=mesh_of((8,)), num_micro_batches=2),
+    "zero3 n=2": lambda: autopar.Zero3Parallel(mesh=mesh_of((4,)), num_micro_batches=2),
+    "shard n=2": lambda: autopar.ShardParallel(mesh=mesh_of((2, 4)), num_micro_batches=2),
+    "pipeshard": lambda: autopar.PipeshardParallel(mesh=mesh_of((2, 4)), num_micro_batches=2,
+                                                   num_stages=2),
+}
+
+
+@pytest.mark.parametrize("spelling,method", [
+    *[(s, "dp n=2") for s in ("==", "!=", "in", "shape ==", "% ==")],
+    *[("==", m) for m in BRANCH_METHODS if m != "dp n=2"]])
+def test_a_step_reading_its_batch_size_takes_jits_branch(spelling, method):
+  """Traced once at a symbolic batch size, ``x.shape[0] == 16`` is a
+  comparison JAX cannot decide (it answered unequal): autopar answers it for
+  the whole batch, as jax.jit sees it, whatever each device's and
+  micro-batch's share of the rows."""
+  step, args = _branching_step(spelling), _branching_args()
+  ref_w, ref_loss = single_device(step)(*args)
+  pf = autopar.parallelize(step, method=BRANCH_METHODS[method](), batch_argnums=(1, 2))
+  w, loss = pf(*args)
+  np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+  assert_trees_close(w, ref_w)
+
+
+def test_a_step_needing_a_concrete_batch_size_that_branches_on_it_is_refused():
+  """``float(x.shape[0])`` cannot be traced at a symbolic size, so the step is
+  traced at each device's share of the rows, where its branch on the batch
+  size goes the other way than jax.jit's: an InputError, not other numbers."""
+  def step(w, x, y):
+    def loss_fn(w):
+      per = jnp.sum((jnp.tanh(x @ w) - y) ** 2, axis=-1)
+      scale = 1.0 / float(x.shape[0])
+      return jnp.sum(per) * scale if x.shape[0] == BATCH else jnp.sum(per)
+    loss, g = autopar.value_and_grad(loss_fn)(w)
+    return w - 0.1 * g, loss
+  pf = autopar.parallelize(step, method=BRANCH_METHODS["dp n=2"](), batch_argnums=(1, 2))
+  with pytest.raises(autopar.InputError, match="differs from size to size"):
+    pf(*_branching_args())

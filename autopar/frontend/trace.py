@@ -39,6 +39,7 @@ from autopar.frontend.marker import grad_marker_p
 from autopar.frontend.capture import backward_p, capture_mode, forward_lin_p, forward_p
 from autopar.frontend.pytrees import Partition, mutable_args, partition, write_back
 from autopar.frontend.retype import Instantiator, jaxprs_in, without_meshes
+from autopar.frontend.rows import ROWS_NAME
 
 __all__ = ["ArgFlags", "LeafInfo", "TracedStep", "classify_args", "batch_candidates",
            "state_args",
@@ -386,6 +387,9 @@ class TracedStep:
   out_paths: tuple[str, ...]
   micro_batch_size: int          # 0 when the step has no batch argument
   updated: tuple[int, ...] = ()
+  # Comparisons of the symbolic batch size the step's Python made, answered
+  # for the whole batch (SizeDecisions): "x.shape[0] == 16 at f.py:3: True ...".
+  size_decisions: tuple[str, ...] = ()
 
   def __str__(self) -> str:
     return str(self.jaxpr)
@@ -519,23 +523,70 @@ def trace_step_any_batch(fn: Callable, args: Sequence[Any], flags: ArgFlags,
   choice of batch axes). Tracing a large model costs seconds each time, so
   it is traced once with JAX's shape polymorphism and :func:`instantiate`
   writes out the jaxpr at each concrete size in one pass over the equations.
-  A step whose Python code needs a concrete batch size (e.g. it branches on
-  it) cannot be traced this way and is traced per size instead; the
-  exception that said so is appended to ``failures``, for messages. (A step
-  that fails for another reason fails again, with its own error, when it is
-  traced at a concrete size.)
+
+  The trace is the program ``jax.jit`` runs on the whole batch: where the
+  step's Python compares its batch size (``x.shape[0] == 16``, ``!=``), the
+  comparison is answered as it is for the whole batch's rows
+  (:class:`SizeDecisions`), not with JAX's guess for a symbolic size
+  (unequal). A step whose Python needs a concrete batch size otherwise
+  (``float(x.shape[0])``, ``<``, a library checking for ints), or for which
+  one of JAX's own guesses is wrong at the whole batch's size, cannot be
+  traced this way and is traced per size instead; the exception that said
+  so is appended to ``failures``, for messages. (A step that fails for
+  another reason fails again, with its own error, when it is traced at a
+  concrete size.)
   """
   from jax import export
-  rows, = export.symbolic_shape("autopar_rows")
+  rows, = export.symbolic_shape(ROWS_NAME)
+  decisions = SizeDecisions(next((l.shape[0] for l in leaves if l.is_batch), None))
   try:
-    return trace_step(fn, args, flags, leaves, inputs, micro_batch_size=rows,
-                      mesh=mesh, names=names)
+    with jc.undecided_dim_equalities(decisions.decide):
+      traced = trace_step(fn, args, flags, leaves, inputs, micro_batch_size=rows,
+                          mesh=mesh, names=names)
   except MarkerError:
     raise
   except Exception as e:   # noqa: BLE001 - any failure means: trace per batch size
     if failures is not None:
       failures.append(e)
     return None
+  if decisions.wrong_guesses:
+    if failures is not None:
+      failures.append(ValueError(
+          "JAX took a symbolic batch size for unequal to another size where the "
+          "whole batch's is equal to it: " + "; ".join(decisions.wrong_guesses)))
+    return None
+  return dataclasses.replace(traced, size_decisions=tuple(decisions.made))
+
+
+class SizeDecisions:
+  """Answers the equalities of a symbolic batch size that JAX cannot decide
+  (``jax_compat.undecided_dim_equalities``) as they are for ``whole`` rows,
+  the batch the step is called with: the step's Python then takes the
+  branches ``jax.jit`` takes on the whole batch. Comparisons made by JAX's
+  own code keep JAX's answer (unequal: its shape checks rely on it); where
+  that answer is wrong for ``whole`` rows, ``wrong_guesses`` says where
+  (the trace is then not ``jax.jit``'s program, and is not used)."""
+
+  def __init__(self, whole: int | None):
+    self.whole = whole
+    self.made: list[str] = []            # "x.shape[0] == 16 (file:line): True"
+    self.wrong_guesses: list[str] = []
+
+  def decide(self, a, b, frame) -> bool | None:
+    if self.whole is None:
+      return None
+    try:
+      equal = jc.evaluate_dim(a - b, {ROWS_NAME: self.whole}) == 0
+    except Exception:  # noqa: BLE001 - not a function of the batch size alone
+      return None
+    where = (f"{a} == {b} at {frame.f_code.co_filename}:{frame.f_lineno}"
+             if frame is not None else f"{a} == {b}")
+    if frame is not None and frame.f_code.co_filename.startswith(jc.JAX_SOURCE_DIR):
+      if equal:
+        self.wrong_guesses.append(where)
+      return None
+    self.made.append(f"{where}: {equal} for {self.whole} rows")
+    return equal
 
 
 def instantiate(traced: TracedStep, micro_batch_size: int,
@@ -545,7 +596,7 @@ def instantiate(traced: TracedStep, micro_batch_size: int,
   ``instantiator``: one made by :func:`instantiator` for this size, to write
   out further jaxprs that share equations with this one (the split step's).
   """
-  inst = instantiator or Instantiator({"autopar_rows": micro_batch_size})
+  inst = instantiator or Instantiator({ROWS_NAME: micro_batch_size})
   jaxpr = inst.jaxpr(traced.jaxpr.jaxpr)
   return dataclasses.replace(traced, jaxpr=ClosedJaxpr(jaxpr, traced.jaxpr.consts),
                              micro_batch_size=micro_batch_size)
@@ -554,7 +605,7 @@ def instantiate(traced: TracedStep, micro_batch_size: int,
 def instantiator(micro_batch_size: int) -> "Instantiator":
   """Writes jaxprs from :func:`trace_step_any_batch` out at a batch size;
   variables and equations they share come out shared."""
-  return Instantiator({"autopar_rows": micro_batch_size})
+  return Instantiator({ROWS_NAME: micro_batch_size})
 
 
 # -- equations by path ----------------------------------------------------------
