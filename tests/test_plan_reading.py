@@ -8,7 +8,6 @@ import re
 import subprocess
 import sys
 import textwrap
-import time
 import types
 import weakref
 
@@ -178,16 +177,13 @@ def test_cost_if_data_parallel_kernels_costs_more(megatron_by_ilp):
     autopar.Plan.from_json(plan.to_json()).explain("*kernel")
 
 
-def test_explain_and_cost_if_after_the_step_is_gone_and_fast(gpt24_planned):
+def test_explain_and_cost_if_after_the_step_is_gone(gpt24_planned):
   """The plan keeps its solved ILP (not the step): explain solves it again
-  per spec, in seconds on a 24-layer GPT for 8 x 8 devices."""
+  per spec on a 24-layer GPT for 8 x 8 devices (its time: benchmark/explain.py)."""
   plan, step_ref = gpt24_planned
   assert step_ref() is None                       # the step was collected
   leaf = "state.params['params']['Block_5']['Dense_0']['kernel']"
-  t0 = time.perf_counter()
   e = plan.explain(leaf)
-  seconds = time.perf_counter() - t0
-  assert seconds <= 5.0, (seconds, str(e))        # issue 32: <= 5 s (was 25-30 s)
   chosen = next(v.spec for v in plan.inputs if v.name == leaf)
   assert e.leaf == leaf and same_spec(e.chosen, chosen)
   solved = [c for c in e.candidates if c.objective is not None]
