@@ -37,3 +37,27 @@ def test_dce_rule_takes_used_outputs_and_equation():
   used_inputs, new = rule([True, False, True], eqn)
   assert len(used_inputs) == len(eqn.invars)
   assert len(new.outvars) == 2
+
+
+def test_undecided_dim_equalities_are_answered_by_the_caller():
+  """JAX answers an equality of a symbolic dimension it cannot decide with
+  "unequal"; inside undecided_dim_equalities the caller answers it, told
+  which frame compared (the step's, or JAX's own code), and only there."""
+  from jax import export
+  n, = export.symbolic_shape("n")
+  asked = []
+
+  def decide(a, b, frame):
+    asked.append((str(a), b, frame.f_code.co_filename))
+    return jax_compat.evaluate_dim(a - b, {"n": 16}) == 0
+
+  assert not n == 16                       # JAX's guess
+  with jax_compat.undecided_dim_equalities(decide):
+    assert n == 16 and not n != 16 and n in (8, 16) and not n == 8
+    assert n == n and not n == n + 1       # decided by JAX: not asked
+    jax.eval_shape(lambda x: x + jnp.ones((16,)), jax.ShapeDtypeStruct((n,), jnp.float32))
+  assert not n == 16                       # JAX's again
+  mine = [a for a in asked if a[2] == __file__]
+  assert [(a, b) for a, b, _ in mine] == [("n", 16), ("n", 16), ("n", 8), ("n", 16), ("n", 8)]
+  # (broadcasting (n,) with (16,): JAX's own comparison, from its own code)
+  assert any(f.startswith(jax_compat.JAX_SOURCE_DIR) for _, _, f in asked), asked
