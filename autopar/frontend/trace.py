@@ -529,8 +529,7 @@ def trace_step_any_batch(fn: Callable, args: Sequence[Any], flags: ArgFlags,
   comparison is answered as it is for the whole batch's rows
   (:class:`SizeDecisions`), not with JAX's guess for a symbolic size
   (unequal). A step whose Python needs a concrete batch size otherwise
-  (``float(x.shape[0])``, ``<``, a library checking for ints), or for which
-  one of JAX's own guesses is wrong at the whole batch's size, cannot be
+  (``float(x.shape[0])``, ``<``, a library checking for ints) cannot be
   traced this way and is traced per size instead; the exception that said
   so is appended to ``failures``, for messages. (A step that fails for
   another reason fails again, with its own error, when it is traced at a
@@ -549,12 +548,6 @@ def trace_step_any_batch(fn: Callable, args: Sequence[Any], flags: ArgFlags,
     if failures is not None:
       failures.append(e)
     return None
-  if decisions.wrong_guesses:
-    if failures is not None:
-      failures.append(ValueError(
-          "JAX took a symbolic batch size for unequal to another size where the "
-          "whole batch's is equal to it: " + "; ".join(decisions.wrong_guesses)))
-    return None
   return dataclasses.replace(traced, size_decisions=tuple(decisions.made))
 
 
@@ -563,29 +556,25 @@ class SizeDecisions:
   (``jax_compat.undecided_dim_equalities``) as they are for ``whole`` rows,
   the batch the step is called with: the step's Python then takes the
   branches ``jax.jit`` takes on the whole batch. Comparisons made by JAX's
-  own code keep JAX's answer (unequal: its shape checks rely on it); where
-  that answer is wrong for ``whole`` rows, ``wrong_guesses`` says where
-  (the trace is then not ``jax.jit``'s program, and is not used)."""
+  own code keep JAX's answer: its shape checks take "unequal" for "not
+  provably equal" and keep to what holds at every size (as ``jax.export``
+  relies on); answered for ``whole`` rows, a broadcast would accept shapes
+  that hold at that size only."""
 
   def __init__(self, whole: int | None):
     self.whole = whole
-    self.made: list[str] = []            # "x.shape[0] == 16 (file:line): True"
-    self.wrong_guesses: list[str] = []
+    self.made: list[str] = []            # "autopar_rows == 16 at file:line: True ..."
 
   def decide(self, a, b, frame) -> bool | None:
-    if self.whole is None:
+    if self.whole is None or (frame is not None and
+                              frame.f_code.co_filename.startswith(jc.JAX_SOURCE_DIR)):
       return None
     try:
       equal = jc.evaluate_dim(a - b, {ROWS_NAME: self.whole}) == 0
     except Exception:  # noqa: BLE001 - not a function of the batch size alone
       return None
-    where = (f"{a} == {b} at {frame.f_code.co_filename}:{frame.f_lineno}"
-             if frame is not None else f"{a} == {b}")
-    if frame is not None and frame.f_code.co_filename.startswith(jc.JAX_SOURCE_DIR):
-      if equal:
-        self.wrong_guesses.append(where)
-      return None
-    self.made.append(f"{where}: {equal} for {self.whole} rows")
+    where = f" at {frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else ""
+    self.made.append(f"{a} == {b}{where}: {equal} for {self.whole} rows")
     return equal
 
 
