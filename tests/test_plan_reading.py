@@ -375,6 +375,7 @@ def test_every_cli_verb_runs(dp_and_megatron, tmp_path):
   r = _cli("plan", "mystep:step", "--mesh", "4x2", "--args", "mystep:make_args",
            "-o", "p.json", cwd=tmp_path)
   assert r.returncode == 0, r.stderr
+  assert "HiGHS" not in r.stdout + r.stderr          # its banner is off
   assert autopar.Plan.from_json((tmp_path / "p.json").read_text()).mesh_shape == (4, 2)
   for args in (["show", "a.json"], ["show", "p.json", "--full"], ["diff", "a.json", "b.json"],
                ["report", "b.json", "-o", "b.html"], ["explain", "b.json", "*kernel"],
@@ -395,5 +396,16 @@ def test_every_cli_verb_runs(dp_and_megatron, tmp_path):
                      (["plan", "nomodule:step", "--mesh", "8", "--args", "x:y"], "nomodule")):
     r = _cli(*args, cwd=tmp_path)
     assert r.returncode == 2, (args, r.stdout, r.stderr)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and name in lines[0], r.stderr
+    assert name in r.stderr and "Traceback" not in r.stderr, r.stderr
+  # autopar's own errors whole, with their fix; the traceback on request.
+  args = ["plan", "mystep:step", "--mesh", "4", "--args", "mystep:make_args",
+          "--method", "DataParallel", "--num-micro-batches", "3"]    # 32 rows
+  r = _cli(*args, cwd=tmp_path)
+  assert r.returncode == 2 and "Fix:" in r.stderr and "Traceback" not in r.stderr, r.stderr
+  r = _cli(*args, "--traceback", cwd=tmp_path)
+  assert r.returncode == 2 and "Traceback" in r.stderr and "Fix:" in r.stderr, r.stderr
+  # A reader that goes away (`| head`) ends the output quietly.
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  r = subprocess.run(f"{sys.executable} -m autopar show --full b.json | true", shell=True,
+                     cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+  assert r.stderr == "", r.stderr

@@ -15,7 +15,10 @@ Supported: PuLP 3.3 and later 3.x, 4.x (``setup.py``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
+import os
+import sys
 from typing import Iterable, Mapping
 
 import pulp
@@ -134,12 +137,34 @@ def solver(*, gap: float, time_limit: float | None = None, relax: bool = False):
     kw["mip"] = False
   highs = pulp.HiGHS(msg=False, **kw, **({"presolve": "off"} if relax else {}))
   if highs.available():
+    _highs_banner_shown()
     return highs, "HiGHS"
   cbc = getattr(pulp, "PULP_CBC_CMD", None) or getattr(pulp, "COIN_CMD", None)
   if cbc is not None and cbc(msg=False).available():
     return cbc(msg=False, **kw), "CBC"
   raise PlanError("autopar: no LP solver is available to PuLP. Fix: pip install "
                   "highspy (installed with autopar).")
+
+
+@functools.cache
+def _highs_banner_shown() -> None:
+  """Makes HiGHS's one banner of the process ("Running HiGHS 1.16.0 ...
+  Copyright ...") go nowhere: HiGHS writes it to file descriptor 1 from C++
+  when the process's first model is made, whatever ``msg=False`` says, so
+  the first model is made here with that descriptor on /dev/null."""
+  import highspy
+  sys.stdout.flush()
+  try:
+    saved, null = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+  except OSError:          # no descriptor 1 to print to: nothing to hide
+    return
+  try:
+    os.dup2(null, 1)
+    highspy.Highs()
+  finally:
+    os.dup2(saved, 1)
+    os.close(saved)
+    os.close(null)
 
 
 def moved(prob: pulp.LpProblem, expr, twins: dict):

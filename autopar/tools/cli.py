@@ -8,8 +8,11 @@
     autopar plan module:function --mesh 8x8 --args module:make_args -o plan.json
                                             plans a step for an abstract mesh
 
-Errors (a missing or corrupt file, a name that does not import) print one
-line naming the file or name and what is wrong, and exit with status 2.
+Errors (a missing or corrupt file, a name that does not import, autopar's
+own errors) print their whole message, naming the file or name, what is
+wrong and the fix, and exit with status 2; ``--traceback`` prints the
+traceback too. Output cut short by its reader (``autopar show p.json |
+head``) ends quietly, with status 141.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import importlib
 import os
 import sys
+import traceback
 from typing import Sequence
 
 from jax.sharding import AbstractMesh
@@ -188,19 +192,25 @@ def _plan(a):
 
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="autopar", description="Read and make autopar plans.")
+  common = argparse.ArgumentParser(add_help=False)
+  common.add_argument("--traceback", action="store_true",
+                      help="on an error, print its traceback too")
   sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
-  s = sub.add_parser("show", help="print a plan's summary",
+
+  def verb(*a, **kw):
+    return sub.add_parser(*a, parents=[common], **kw)
+  s = verb("show", help="print a plan's summary",
                      description="Print the summary of a saved plan.")
   s.add_argument("plan", help="a plan JSON file (Plan.to_json())")
   s.add_argument("--full", action="store_true", help="every leaf on its own line")
   s.set_defaults(run=_show)
-  s = sub.add_parser("diff", help="what changed between two plans",
+  s = verb("diff", help="what changed between two plans",
                      description="List what changed from plan A to plan B: specs "
                      "(collapsed by layer), collectives, memory, objective.")
   s.add_argument("a", help="plan JSON file A")
   s.add_argument("b", help="plan JSON file B")
   s.set_defaults(run=_diff)
-  s = sub.add_parser("explain", help="why a leaf has its spec",
+  s = verb("explain", help="why a leaf has its spec",
                      description="Show the spec of the leaves PATH names (a pytree "
                      "path, its slash form, or a glob); with --step and --args, re-plan "
                      "the step for the plan's mesh and costs and list each spec the leaf "
@@ -211,13 +221,13 @@ def _parser() -> argparse.ArgumentParser:
   s.add_argument("--step", help="module:function, the step the plan is of")
   s.add_argument("--args", help="module:function returning the step's arguments")
   s.set_defaults(run=_explain)
-  s = sub.add_parser("report", help="write a self-contained HTML report",
+  s = verb("report", help="write a self-contained HTML report",
                      description="Write a plan's HTML report (no network needed to "
                      "view it) and print its path.")
   s.add_argument("plan", help="a plan JSON file")
   s.add_argument("-o", "--output", help="the HTML file (default: the plan's name .html)")
   s.set_defaults(run=_report)
-  s = sub.add_parser("plan", help="plan a step for an abstract mesh",
+  s = verb("plan", help="plan a step for an abstract mesh",
                      description="Plan a step for an abstract mesh, without devices, "
                      "and write the plan.")
   s.add_argument("function", help="module:function, the train step (the current "
@@ -237,15 +247,24 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """Runs the ``autopar`` command; returns its exit status."""
+  """Runs the ``autopar`` command; returns its exit status: 0, 2 on an
+  error (its whole message on stderr; with ``--traceback`` the traceback
+  too), 141 where the reader of its output went away (``| head``), quietly."""
   args = _parser().parse_args(argv)
   try:
-    args.run(args)
-  except _Fail as e:
+    try:
+      args.run(args)
+    finally:
+      sys.stdout.flush()          # (a closed pipe is found here, not at exit)
+  except BrokenPipeError:
+    # Python's advice: point stdout at /dev/null, so that its flush at exit
+    # finds no closed pipe either.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + 13               # as a process killed by SIGPIPE
+  except (_Fail, AutoparError) as e:
+    if args.traceback:
+      traceback.print_exc()
     print(f"autopar {args.verb}: {e}", file=sys.stderr)
-    return 2
-  except AutoparError as e:      # one line, not a traceback
-    print(f"autopar {args.verb}: {str(e).splitlines()[0]}", file=sys.stderr)
     return 2
   return 0
 
