@@ -33,7 +33,7 @@ from autopar.errors import InputError, MarkerError, PlanError
 from autopar.frontend.hints import check_hints
 from autopar.frontend.loss import check_loss
 from autopar.frontend.remat import layer_loop, remat_mode
-from autopar.frontend.split import (MIXED, OutputKind, SplitStep, apply_at,
+from autopar.frontend.split import (MIXED, OutputKind, SplitStep, apply_at, disagreement,
                                     instantiate_split, outputs_at, scale_at, split_step)
 from autopar.frontend.trace import check_batch_leaves, trace_step, trace_step_any_batch
 from autopar.method import (ParallelMethod, PipeshardParallel, ShardParallel,
@@ -383,14 +383,43 @@ class Signature:
           split = instantiate_split(any_split, micro_batch_size)
         else:
           split = self.concrete(prep, micro_batch_size)
+          self.check_alike(split)
         self._splits[micro_batch_size] = split
       return self._splits[micro_batch_size]
+
+  def check_alike(self, split: SplitStep) -> None:
+    """Raises an InputError if ``split`` (traced at a concrete size) is not
+    split as this signature's other concrete splits are: the stages are
+    built from splits at several sizes (``split.disagreement``)."""
+    rows = split.traced.micro_batch_size
+    other = next((s for s in self._splits.values() if s.traced.micro_batch_size), None)
+    why = disagreement(split, other) if rows and other is not None else ""
+    if not why:
+      return
+    raise InputError(
+        f"{self.name}: the step cannot be traced at a symbolic batch size, so "
+        f"autopar traces it at each size it runs (a device's rows of a "
+        f"micro-batch, a micro-batch, the whole batch), and its programs at "
+        f"{rows} and {other.traced.micro_batch_size} rows disagree: {why}. "
+        f"Its program changes with the batch size (a Python branch on it, or "
+        f"JAX writing some operations only where a dimension is not 1), so "
+        f"autopar cannot give each device the whole batch's results. Fix: keep "
+        f"the batch size out of the step's Python logic (jnp.mean rather than "
+        f"dividing by x.shape[0]) so that it traces at a symbolic size; or give "
+        f"each device more rows of each micro-batch (fewer micro-batches, a "
+        f"larger batch, or fewer devices along the batch axes); or say how its "
+        f"outputs combine, each device's and micro-batch's averaged: "
+        f"parallelize(..., output_reductions={{'loss': 'mean'}}).")
 
   def concrete(self, prep, rows: int) -> SplitStep:
     """The step traced at ``rows`` rows and split; where the batch is split
     (over micro-batches or devices), which of its dimensions hold rows is
     read against a trace at another size (``rows.py``)."""
-    traced = self.trace_at(prep, rows)
+    # (The trace made for reference is reused: at two micro-batches it is
+    # the whole batch's, which the update runs at.)
+    ref = self._reference
+    traced = (ref if ref is not None and ref.micro_batch_size == rows
+              else self.trace_at(prep, rows))
     mesh = resolve_mesh(self.method)
     reference = None
     if rows and (self.method.micro_batches > 1 or math.prod(mesh.axis_sizes) > 1):
@@ -466,20 +495,10 @@ class Signature:
       if self.symbolic(prep) is not None:
         scale = scale_at(self.symbolic(prep), whole)
       else:
-        local, at_whole = split_local.loss, self.split(prep, whole).loss
-        check_loss(local, self.name, f"{plan.num_micro_batches} micro-batch(es) x "
-                   f"{data_size} device(s) along {plan.batch_axes}")
-        if (local.kinds, local.sum_ops) != (at_whole.kinds, at_whole.sum_ops):
-          raise InputError(
-              f"{self.name}: the loss of {local.name} is computed from other sums "
-              f"at {split_local.traced.micro_batch_size} rows (a device's share of "
-              f"a micro-batch) than at the whole batch's {whole} (its program "
-              f"changes with the batch size, and the step cannot be traced at a "
-              f"symbolic one), so autopar cannot give each device the whole "
-              f"batch's gradient. Fix: keep the loss's program the same for every "
-              f"batch size, or say how the loss combines with "
-              f"parallelize(..., output_reductions={{'loss': 'mean'}}).")
-        scale = at_whole.scale
+        # (Split alike at every size: check_alike.)
+        check_loss(split_local.loss, self.name, f"{plan.num_micro_batches} "
+                   f"micro-batch(es) x {data_size} device(s) along {plan.batch_axes}")
+        scale = self.split(prep, whole).loss.scale
     if scale is not None and split.loss.forward_sums:
       warnings.warn(
           f"autopar: the gradient of the loss of {split.loss.name} needs sums over "

@@ -385,3 +385,87 @@ def test_an_output_whose_rows_mix_is_refused_or_kept_whole():
     pf(make_state(), batch_of())
   (_, _, got), (_, _, want) = run(step, autopar.ShardParallel(mesh=mesh24()), batch_of())
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+
+def dense_state():
+  w = jnp.arange(12.0, dtype=jnp.float32).reshape(4, 3) / 10
+  return train_state.TrainState.create(apply_fn=None, params={"w": w, "b": jnp.ones(3)},
+                                       tx=TX)
+
+
+def dense_step(total):
+  """A dense layer's squares summed by ``total`` and divided by the batch's
+  size as a Python number (as penzai's named axes, whose sizes it checks
+  are ints, need it): the step cannot be traced at a symbolic batch size,
+  so autopar traces it at each size it runs."""
+  def step(state, batch):
+    def loss_fn(p):
+      per = jnp.tanh(batch["x"] @ p["w"] + p["b"]) ** 2
+      return total(per) / float(batch["x"].shape[0])
+    loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+  return step
+
+
+def dense_batch(rows):
+  return {"x": np.random.RandomState(0).randn(rows, 4).astype(np.float32)}
+
+
+def one_row_per_device(method: str):
+  """``METHODS[method]``; ShardParallel's batch split over both axes (the
+  ILP keeps this tiny step's batch whole)."""
+  if method.startswith("ShardParallel"):
+    return autopar.ShardParallel(mesh=mesh24(), num_micro_batches=2,
+                                 option=autopar.AutoShardingOption(
+                                     force_batch_dim_to_mesh_dim=("data", "model")))
+  return METHODS[method]()
+
+
+@pytest.mark.parametrize("method,rows", [
+    ("DataParallel n=1", 8), ("DataParallel n=2", B), ("Zero3Parallel", B),
+    ("ShardParallel 2x4 n=2", B)])
+def test_a_step_traced_at_concrete_sizes_at_one_row_per_device(method, rows):
+  """One row per device and micro-batch: there JAX writes the program with
+  other equations than at another size (the transpose of the bias's
+  implicit broadcast sums no rows: at one row there is none), and the row
+  analysis pairs the two traces' values by aligning their equations
+  (align.py). Two steps as single-device jit takes them (a crash inside
+  JAX, or an IndexError in the planner, before)."""
+  step, batch = dense_step(jnp.sum), dense_batch(rows)
+  pf = autopar.parallelize(step, method=one_row_per_device(method), donate_argnums=(0,),
+                           batch_argnums=(1,))
+  state, ref = dense_state(), dense_state()
+  for _ in range(2):
+    state, loss = pf(state, batch)
+    ref, ref_loss = single_device(step)(ref, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(state.params, ref.params)
+
+
+def test_a_program_that_changes_at_one_row_is_refused():
+  """A branch on the batch size that writes another program at one row (the
+  same numbers, another equation on the way to the loss: nothing pairs its
+  values with another size's): the stages built from the step at several
+  sizes would not line up, so an autopar error says so and how to fix it (a
+  crash inside JAX, or an IndexError in the planner, before). ShardParallel
+  plans another choice of batch axes; at two rows per device it runs as jit
+  does."""
+  def total(per):                                     # per >= 0
+    return jnp.sum(per) if per.shape[0] > 1 else jnp.sum(jnp.abs(per))
+
+  step = dense_step(total)
+  for method in ("DataParallel n=2", "Zero3Parallel", "ShardParallel 2x4 n=2"):
+    pf = autopar.parallelize(step, method=one_row_per_device(method), batch_argnums=(1,))
+    with pytest.raises(autopar.InputError, match=r"programs at 1 and \d+ rows disagree: "
+                       r"output out\[1\] is not combinable.*Fix: keep the batch size out"):
+      pf(dense_state(), dense_batch(B))
+  # The ILP plans the choices of batch axes the step can run at; two rows
+  # per device run as jit does.
+  for method, rows in ((autopar.ShardParallel(mesh=mesh24(), num_micro_batches=2, option=(
+      autopar.AutoShardingOption(plan_cache=False))), B), (METHODS["DataParallel n=2"](), 2 * B)):
+    pf = autopar.parallelize(step, method=method, batch_argnums=(1,))
+    state, loss = pf(dense_state(), dense_batch(rows))
+    ref, ref_loss = single_device(step)(dense_state(), dense_batch(rows))
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_trees_close(state.params, ref.params)

@@ -122,3 +122,30 @@ def test_dead_code_elimination_matches_jax():
     assert new.effects == ref.effects
     assert str(new) != str(j)          # the scan's unused outputs at least
   assert len(dce(jaxpr.replace(outvars=jaxpr.outvars[:1])).eqns) < len(jaxpr.eqns)
+
+
+def test_traces_at_two_sizes_are_paired_where_their_equations_differ():
+  """At one row the transpose of the bias's implicit broadcast sums no rows
+  (no reduce_sum, no reshape): the row analysis pairs the two programs'
+  values by a diff of their equations kept where the data flows alike
+  (align.py), so the rows are known past the difference."""
+  from autopar.frontend.align import paired_eqns
+  from autopar.frontend.rows import RowDim, RowOracle
+
+  def loss(b, x):
+    return jnp.sum(jnp.tanh(x @ W + b) ** 2)
+
+  def program(rows):
+    return jax.make_jaxpr(jax.value_and_grad(loss))(jnp.ones(2), X[:1].repeat(rows, 0)).jaxpr
+
+  one, four = program(1), program(4)
+  assert len(one.eqns) < len(four.eqns)
+  pairs, partner = paired_eqns(one, four)
+  assert len(pairs) == len(one.eqns)                  # every equation of one's
+  value, grad = one.outvars
+  assert partner[value] is four.outvars[0]
+  # four's gradient is the paired reduce_sum's result reshaped and summed.
+  assert grad in partner and partner[grad].aval.shape == (2,)
+  oracle = RowOracle.paired(one, four, 1, 4)
+  tanh = next(e for e in one.eqns if e.primitive.name == "tanh")
+  assert oracle.dims(tanh.outvars[0]) == [RowDim(0, 1)]

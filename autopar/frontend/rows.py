@@ -127,25 +127,17 @@ class RowOracle:
 
   @classmethod
   def paired(cls, a, b, rows_a: int, rows_b: int) -> "RowOracle":
-    """From jaxprs ``a`` (traced at ``rows_a`` rows) and ``b`` (``rows_b``)."""
-    from autopar.frontend.trace import eqns_by_path
+    """From jaxprs ``a`` (traced at ``rows_a`` rows) and ``b`` (``rows_b``),
+    their values paired as ``align.paired_eqns`` pairs them."""
+    from autopar.frontend.align import paired_eqns
+    pairs, partner = paired_eqns(a, b)
     other: dict = {}
     sized: set = set()
-
-    def match(vs, ws):
-      for v, w in zip(vs, ws):
-        if hasattr(v, "aval") and not isinstance(v, Literal):
-          other[v] = tuple(getattr(w.aval, "shape", ()))
-    if len(a.invars) == len(b.invars):
-      match(a.invars, b.invars)
-    ea, eb = list(eqns_by_path(a)), list(eqns_by_path(b))
-    if [(p, e.primitive) for p, e in ea] != [(p, e.primitive) for p, e in eb]:
-      ea = list(enumerate(a.eqns))          # the top level alone, if it matches
-      eb = list(enumerate(b.eqns))
-      if [e.primitive for _, e in ea] != [e.primitive for _, e in eb]:
-        ea, eb = [], []
-    for (_, e), (_, f) in zip(ea, eb):
-      match(e.outvars, f.outvars)
+    for v in [*a.invars, *(v for e, _ in pairs for v in e.outvars)]:
+      w = partner.get(v)
+      if w is not None and hasattr(v, "aval") and not isinstance(v, Literal):
+        other[v] = tuple(getattr(w.aval, "shape", ()))
+    for e, f in pairs:
       if any(isinstance(x, Literal) and isinstance(y, Literal) and
              not _same_literal(x, y) for x, y in zip(e.invars, f.invars)):
         sized.add(id(e))

@@ -75,7 +75,7 @@ from autopar.frontend.trace import (TracedStep, count_markers, eqns_by_path, inl
 
 __all__ = ["MIXED", "OutputKind", "SplitStep", "split_step", "instantiate_split",
            "outputs_at", "reads", "depends_on", "dce", "apply_at", "scale_at",
-           "leaves_read_by_compute", "BY_DEVICE"]
+           "leaves_read_by_compute", "BY_DEVICE", "disagreement"]
 
 
 # How ``SplitStep.why`` starts for an output whose rows mix.
@@ -554,6 +554,51 @@ def outputs_at(split: SplitStep, micro_batch_size: int) -> SizedOutputs:
   inst = instantiator(micro_batch_size)
   return SizedOutputs([inst.aval(v.aval) for v in outvars], split.out_kinds,
                       [inst.aval(a) for a in grads])
+
+
+# How an output of each kind is combined, for messages.
+_COMBINED = {OutputKind.APPLY: "computed once a step (from reductions over the rows, "
+                               "or by the update)",
+             OutputKind.CONCAT: "concatenated along its rows",
+             OutputKind.OTHER: "not combinable",
+             **{k: f"combined as a {how}" for k, how in BY_DEVICE.items()}}
+
+
+def disagreement(a: SplitStep, b: SplitStep) -> str:
+  """"" if ``a`` and ``b``, one step traced and split at two concrete batch
+  sizes, are split alike: the same gradients, reductions over the rows,
+  outputs combined the same way along the same dimensions, and the loss
+  seeded from the same sums. Else the first difference, for a message.
+
+  The stages are built from splits at several sizes (a device's rows of a
+  micro-batch, the micro-batch, the whole batch) that must line up; traced
+  at a symbolic size they do by construction, traced at concrete sizes only
+  where the program and what ``rows.py`` reads from it agree."""
+  sa, sb = a.traced.micro_batch_size, b.traced.micro_batch_size
+  if a.grad_names != b.grad_names:
+    return (f"the gradients are {len(a.grad_names)} at {sa} rows and "
+            f"{len(b.grad_names)} at {sb}")
+  for j, (path, ka, kb) in enumerate(zip(a.traced.out_paths, a.out_kinds, b.out_kinds,
+                                         strict=True)):
+    if ka is not kb:
+      why = a.why.get(j) or b.why.get(j)
+      return (f"output {path} is {_COMBINED[ka]} at {sa} rows but {_COMBINED[kb]} "
+              f"at {sb}" + (f": {why}" if why else ""))
+    da, db = a.out_dims[j], b.out_dims[j]
+    if ka is OutputKind.CONCAT and da != db:
+      return (f"output {path} holds the batch's rows in dimension {da.dim} at {sa} "
+              f"rows but in dimension {db.dim} at {sb}")
+  if a.reduced != b.reduced:
+    return (f"the outputs are computed from reductions over the rows "
+            f"{list(a.reduced)} at {sa} rows but {list(b.reduced)} at {sb}")
+  la, lb = a.loss, b.loss
+  if (la is None) != (lb is None) or la is not None and (
+      (la.kinds, la.sum_ops) != (lb.kinds, lb.sum_ops)):
+    what = lambda loss: ("no loss function" if loss is None else   # noqa: E731
+                         f"cotangents {list(loss.kinds)} from sums {list(loss.sum_ops)}")
+    return (f"the loss's gradient is seeded with {what(la)} at {sa} rows but with "
+            f"{what(lb)} at {sb}")
+  return ""
 
 
 def _batch_after_marker_error(fn_name: str, path: str | None,

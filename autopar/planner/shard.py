@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec
 from autopar import jax_compat as jc
 from autopar.costs.cost_model import MeshCost, assumed_costs, dtype_name
 from autopar.costs.devices import platform_of
-from autopar.errors import PlanError
+from autopar.errors import InputError, PlanError
 from autopar.frontend.hints import check_hints, check_pins, entry_axes, model_axes
 # Imported here, not where it is used: importing PuLP keeps the tracebacks of
 # the solver libraries it fails to import, and through them every frame on
@@ -279,9 +279,19 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
   def start(S, A, d, keep=None):
     """Builds the problem of batch axes ``S`` (planned axes ``A``, ``d``
     devices over ``S``) and hands it to the solver thread (nothing, the
-    error kept, if a pin cannot be met)."""
+    error kept, if a pin cannot be met or the step cannot be made at its
+    rows per device)."""
     t0 = time.perf_counter()
-    local = trace_local(micro // d)
+    try:
+      local = trace_local(micro // d)
+    except InputError as e:
+      # The step cannot run at these rows per device (traced at concrete
+      # sizes, its program there is not the micro-batch's): another choice
+      # of batch axes is planned; the error is raised if none can be.
+      errors.append((None, e))
+      progress.add("skipped", time.perf_counter() - t0,
+                   f"batch over {S}: {micro // d} rows per device: {e}")
+      return
     if d > 1:
       progress.add("trace", time.perf_counter() - t0, f"{micro // d} rows per device")
     problem = sharding_problem(local, method, S, A, sizes, cost, micro // d,
