@@ -30,6 +30,7 @@ from autopar.costs.calibrate import measured_option
 from autopar.costs.cost_model import dtype_name
 from autopar.costs.devices import dominant_float_dtype, hardware_option, platform_of
 from autopar.errors import InputError, MarkerError, PlanError
+from autopar.frontend.align import first_difference
 from autopar.frontend.hints import check_hints
 from autopar.frontend.loss import check_loss
 from autopar.frontend.remat import layer_loop, remat_mode
@@ -396,11 +397,13 @@ class Signature:
     why = disagreement(split, other) if rows and other is not None else ""
     if not why:
       return
+    where = first_difference(split.raw.jaxpr.jaxpr, other.raw.jaxpr.jaxpr)
     raise InputError(
         f"{self.name}: the step cannot be traced at a symbolic batch size, so "
         f"autopar traces it at each size it runs (a device's rows of a "
         f"micro-batch, a micro-batch, the whole batch), and its programs at "
-        f"{rows} and {other.traced.micro_batch_size} rows disagree: {why}. "
+        f"{rows} and {other.traced.micro_batch_size} rows disagree: {why}"
+        f"{f' (their operations first differ at {where})' if where else ''}. "
         f"Its program changes with the batch size (a Python branch on it, or "
         f"JAX writing some operations only where a dimension is not 1), so "
         f"autopar cannot give each device the whole batch's results. Fix: keep "
@@ -427,7 +430,11 @@ class Signature:
       reference = next((t for t in known
                         if t is not None and t.micro_batch_size != rows), None)
       if reference is None:
-        reference = self._reference = self.trace_at(prep, 2 * rows)
+        # The whole batch's program, which jax.jit runs (and the update
+        # here); beside the whole batch, a size the batch split runs at.
+        whole = next(l.shape[0] for l in prep.leaves if l.is_batch)
+        other = whole if whole != rows else rows // 2 if rows % 2 == 0 else 2 * rows
+        reference = self._reference = self.trace_at(prep, other)
     return split_step(traced, fn_name=self.name, reference=reference,
                       output_reductions=self.output_reductions, remat=self.method.remat,
           remat_loop=self.remat_loop)

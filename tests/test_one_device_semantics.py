@@ -448,5 +448,7 @@ def test_a_step_needing_a_concrete_batch_size_that_branches_on_it_is_refused():
     loss, g = autopar.value_and_grad(loss_fn)(w)
     return w - 0.1 * g, loss
   pf = autopar.parallelize(step, method=BRANCH_METHODS["dp n=2"](), batch_argnums=(1, 2))
-  with pytest.raises(autopar.InputError, match="differs from size to size"):
+  with pytest.raises(autopar.InputError, match="disagree") as e:
     pf(*_branching_args())
+  line = step.__code__.co_firstlineno + 4      # the branch
+  assert f"first differ at {__file__}:{line}" in str(e.value), str(e.value)

@@ -37,9 +37,11 @@ from typing import Sequence
 
 from jax.extend.core import Literal, Var
 
+from autopar import jax_compat as jc
+from autopar.frontend.retype import jaxprs_in
 from autopar.frontend.trace import eqns_by_path, region_jaxprs
 
-__all__ = ["paired_eqns", "LAYOUT", "MAX_EDITS"]
+__all__ = ["paired_eqns", "first_difference", "LAYOUT", "MAX_EDITS"]
 
 # Equations that move or relabel a value's elements, which JAX writes at one
 # batch size and not another when a dimension is 1; the operand of an
@@ -116,6 +118,27 @@ def paired_eqns(a, b) -> tuple[list[tuple], dict]:
       pairs.append((e, f))
       _pair_results(e, f, partner)
   return pairs, partner
+
+
+def first_difference(a, b) -> str:
+  """Where the programs ``a`` and ``b`` (one step traced at two batch sizes)
+  first differ in their operations, layout equations aside (``LAYOUT``), as
+  the source line of the equation there; "" where they do not (they may
+  still differ in their constants)."""
+  def ops(jaxpr):
+    for e in jaxpr.eqns:
+      if e.primitive.name not in LAYOUT:
+        yield e
+      for sub in jaxprs_in(e):
+        yield from ops(sub)
+  ea, eb = list(ops(a)), list(ops(b))
+  for e, f in zip(ea, eb):
+    if e.primitive is not f.primitive:
+      return jc.summarize_source(e.source_info)
+  if len(ea) != len(eb):
+    longer = ea if len(ea) > len(eb) else eb
+    return jc.summarize_source(longer[min(len(ea), len(eb))].source_info)
+  return ""
 
 
 def _pair_results(e, f, partner: dict) -> None:
