@@ -232,8 +232,10 @@ def test_a_loader_failing_on_one_host_fails_the_call_and_nothing_else(ray_cluste
   method = autopar.DataParallel(mesh=autopar.global_mesh((2, 4), ("data", "model")))
   p, ref = autopar.parallelize(step, method=method), autopar.parallelize(step, method=method)
   state, ref_state = p(make_state(), batches[0])[0], ref(make_state(), batches[0])[0]
-  with pytest.raises(autopar.ClusterError, match="not there yet"):
+  with pytest.raises(OSError, match="not there yet") as e:   # the loader's own class
     p(state, source)
+  assert isinstance(e.value, autopar.ClusterError) and type(e.value.__cause__) is OSError
+  assert "the host's traceback" in str(e.value)
   assert source.step == 0
   for k in range(2):
     state, loss = p(state, source)

@@ -66,6 +66,34 @@ class ClusterError(AutoparError):
   """A host worker died, failed or did not answer."""
 
 
+# The class of an exception raised on a host -> its subclass that is a
+# ClusterError too (process-wide: one per class).
+_ON_HOST: dict[type, type] = {}
+
+
+def raised_on_host(message: str, cause: BaseException) -> ClusterError:
+  """The error a call re-raises on the driver for ``cause``, an exception
+  the step's own code (a loader, say) raised on a host: a ClusterError
+  saying ``message`` that is also an instance of ``cause``'s class, so that
+  ``except ValueError:`` catches the ValueError a worker raised (the
+  worker's exception is its ``__cause__``, with its attributes); a plain
+  ClusterError where Python cannot make such a class."""
+  cls = type(cause)
+  if not isinstance(cause, Exception) or isinstance(cause, ClusterError):
+    return ClusterError(message)
+  both = _ON_HOST.get(cls)
+  if both is None:
+    try:
+      both = type(cls.__name__, (ClusterError, cls), {
+          "__init__": lambda self, m: Exception.__init__(self, m),
+          "__str__": Exception.__str__, "__module__": cls.__module__,
+          "__doc__": f"A {cls.__name__} raised on a host worker (a ClusterError too)."})
+    except TypeError:     # (a class that cannot be a base with ClusterError)
+      return ClusterError(message)
+    _ON_HOST[cls] = both
+  return both(message)
+
+
 # -- public -----------------------------------------------------------------------
 
 def init(cluster: str = "local", *, address: str | None = None,
@@ -433,9 +461,9 @@ class RayCluster(runtime.Runtime):
           # An exception in the step's own code: the cluster stays usable. (A
           # host left waiting in a collective is alive, so it is waited for:
           # step_timeout bounds such a wait.)
-          raise ClusterError(f"autopar: host {self._host(i)} raised in {what}: "
-                             f"{type(cause).__name__}: {cause}\n--- the host's "
-                             f"traceback ---\n{e}") from cause
+          raise raised_on_host(f"autopar: host {self._host(i)} raised in {what}: "
+                               f"{type(cause).__name__}: {cause}\n--- the host's "
+                               f"traceback ---\n{e}", cause) from cause
     return [results[i] for i in range(len(refs))]
 
   def _raise_if_a_host_died(self, pending, index, what, wait: float = 5.0):
