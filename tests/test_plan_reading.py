@@ -375,7 +375,7 @@ def test_every_cli_verb_runs(dp_and_megatron, tmp_path):
   r = _cli("plan", "mystep:step", "--mesh", "4x2", "--args", "mystep:make_args",
            "-o", "p.json", cwd=tmp_path)
   assert r.returncode == 0, r.stderr
-  assert "HiGHS" not in r.stdout + r.stderr          # its banner is off
+  assert "Running HiGHS" not in r.stdout + r.stderr  # its banner is off
   assert autopar.Plan.from_json((tmp_path / "p.json").read_text()).mesh_shape == (4, 2)
   for args in (["show", "a.json"], ["show", "p.json", "--full"], ["diff", "a.json", "b.json"],
                ["report", "b.json", "-o", "b.html"], ["explain", "b.json", "*kernel"],
@@ -409,3 +409,39 @@ def test_every_cli_verb_runs(dp_and_megatron, tmp_path):
   r = subprocess.run(f"{sys.executable} -m autopar show --full b.json | true", shell=True,
                      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
   assert r.stderr == "", r.stderr
+
+
+@pytest.mark.parametrize("tx", ["sgd", "adamw"])
+def test_an_nnx_steps_summary_names_its_parameters_and_their_state(tx):
+  """An NNX module's leaves (``model.l1.kernel.value``) and its gradients'
+  (an nnx.State: ``['l1']['kernel'].value``) spell their keys differently:
+  the kernels are parameters, AdamW's mu and nu their state, the memory
+  line's state not empty."""
+  from flax import nnx
+
+  class Mlp(nnx.Module):
+    def __init__(self, rngs):
+      self.l1, self.l2 = nnx.Linear(8, 16, rngs=rngs), nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+      return self.l2(jax.nn.relu(self.l1(x)))
+
+  model = Mlp(nnx.Rngs(0))
+  opt = nnx.Optimizer(model, optax.sgd(0.1) if tx == "sgd" else optax.adamw(1e-3),
+                      wrt=nnx.Param)
+
+  def step(model, opt, x, y):
+    loss, grads = autopar.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    opt.update(model, grads)
+    return loss
+
+  pf = autopar.parallelize(step, method=autopar.DataParallel(
+      mesh=jax.sharding.AbstractMesh((8,), ("data",))), batch_argnums=(2, 3))
+  plan = pf.plan(model, opt, jnp.ones((16, 8)), jnp.ones((16, 4)))
+  rows = param_rows(plan)
+  assert sorted(r.name for r in rows) == [f"l{i}/{w}/value" for i in (1, 2)
+                                          for w in ("bias", "kernel")]
+  assert all([role for role, _ in r.state] == ([] if tx == "sgd" else ["mu", "nu"])
+             for r in rows)
+  summary = plan.summary()
+  assert "parameter (under model)" in summary and "state 0 B" not in summary, summary

@@ -25,6 +25,7 @@ arguments, whose values after the step are returned with its results, and
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 from typing import Any, Sequence
 
@@ -32,7 +33,7 @@ import jax
 import numpy as np
 
 __all__ = ["Partition", "partition", "leaf_mask", "mutable_args", "write_back",
-           "ends_with_key"]
+           "ends_with_key", "key_parts"]
 
 _NUMBERS = (int, float, complex)     # bool is an int
 
@@ -161,9 +162,20 @@ def write_back(original, updated) -> None:
       o.set_value(n.get_value())
 
 
+_KEY = re.compile(r"\['((?:[^'\\]|\\.)*)'\]|\[\"((?:[^\"\\]|\\.)*)\"\]|\[([^\]]*)\]"
+                  r"|\.([A-Za-z_]\w*)|^([A-Za-z_]\w*)")
+
+
+def key_parts(path: str) -> tuple[str, ...]:
+  """The keys of a pytree key path, however each is spelled:
+  ``"s.params['w'][0]"`` -> ``("s", "params", "w", "0")``."""
+  return tuple(next(g for g in m.groups() if g is not None) for m in _KEY.finditer(path))
+
+
 def ends_with_key(path: str, suffix: str) -> bool:
-  """Whether the pytree key path ``path`` ends with the key path ``suffix``
-  at a key boundary (``"s.params['w']"`` ends with ``"['w']"``, not with
-  ``"w']"``)."""
-  return bool(suffix) and path.endswith(suffix) and (
-      len(path) == len(suffix) or suffix[0] in "[." or path[-len(suffix) - 1] in ".]")
+  """Whether the pytree key path ``path`` ends with the keys of the key path
+  ``suffix``, whole keys, however each is spelled (``"s.params['w']"`` ends
+  with ``"['w']"``, not with ``"w']"``; an NNX module's ``model.l1.kernel``
+  with its State's ``['l1']['kernel']``)."""
+  keys = key_parts(suffix)
+  return bool(keys) and key_parts(path)[-len(keys):] == keys

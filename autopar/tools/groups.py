@@ -19,7 +19,7 @@ import dataclasses
 import re
 from typing import TYPE_CHECKING, Sequence
 
-from autopar.frontend.pytrees import ends_with_key
+from autopar.frontend.pytrees import ends_with_key, key_parts
 from autopar.text import canonical_str
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ def param_rows(plan: "Plan") -> list[Row]:
     state = []
     for v in plan.inputs:
       if v.name not in taken and ends_with_key(v.name, suffix):
-        state.append((_role(v.name[:len(v.name) - len(suffix)]), v))
+        state.append((_role(v.name, suffix), v))
     taken.update(v.name for _, v in state)
     rows.append(Row(name=path_str(path), value=leaf, grad=grad, state=tuple(state)))
   order = {v.name: k for k, v in enumerate(plan.inputs)}
@@ -142,10 +142,12 @@ def _common_prefix(names: Sequence[str]) -> str:
   return "/".join(common)
 
 
-def _role(prefix: str) -> str:
-  """The state's name from the path before the parameter's: its last part."""
-  parts = path_str(prefix).split("/")
-  return parts[-1] if parts and parts[-1] else prefix
+def _role(path: str, suffix: str) -> str:
+  """The name of the state at ``path`` of the parameter whose gradient's
+  keys are ``suffix``: the key before those (``mu`` of
+  ``opt_state[0].mu['w']``)."""
+  parts = key_parts(path)[:-len(key_parts(suffix))]
+  return parts[-1] if parts else path
 
 
 def collapse(rows: Sequence[Row]) -> list[Group]:
