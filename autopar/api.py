@@ -197,7 +197,7 @@ class ParallelizedFunction:
     # On the active runtime: this process, or the Ray cluster's host workers.
     return runtime.active().call(self, args)
 
-  # -- for runtimes (runtime.py) ------------------------------------------------
+  # -- for runtimes (runtime/) --------------------------------------------------
 
   def run_here(self, *args) -> tuple[Any, TracedStep]:
     """Runs the step on this process's devices (a Ray host worker: on its

@@ -1,6 +1,6 @@
 """benchmark/gpu_step.py (issue 34's GPU figure) runs, on tiny sizes on the
 CPU: autopar's steps (both remat loops) train the model to the hand-written
-step's loss."""
+step's loss, and the programs it times are the loops it names."""
 
 import importlib.util
 import os
@@ -20,5 +20,9 @@ def test_gpu_step_benchmark_runs_on_tiny_sizes():
     for what in ("autopar unrolled", "autopar scan"):
       ours = r[what]
       assert ours["seconds"] > 0 and ours["temp"] > 0
-      assert ours["ratio"] == pytest.approx(ours["seconds"] / hand["seconds"])
       assert ours["loss"] == pytest.approx(hand["loss"], rel=1e-4)
+    # What the benchmark reports of the programs it times: the unrolled
+    # remat loop compiles to no conditional, the scan picks each layer's
+    # weights by one.
+    assert r["autopar unrolled"]["conditionals"] == 0
+    assert r["autopar scan"]["conditionals"] > 0

@@ -1,6 +1,6 @@
 """Lower a plan and a split step to compiled XLA executables.
 
-Stage 7 of the pipeline: (:class:`~autopar.frontend.split.SplitStep`,
+The back end (``backend/``): (:class:`~autopar.frontend.split.SplitStep`,
 :class:`~autopar.plan.Plan`, mesh) -> :class:`LoweredStep`, a dict of
 ``jax.stages.Compiled`` plus what the executor needs to call them.
 

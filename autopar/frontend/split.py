@@ -1,6 +1,6 @@
 """Split a traced step at the grad marker into compute_grad and apply_grad.
 
-Stage 2 of the pipeline: :class:`~autopar.frontend.trace.TracedStep` ->
+The front end's second step (``frontend/``): :class:`~autopar.frontend.trace.TracedStep` ->
 :class:`SplitStep`. With consts lifted to leading inputs, the step's jaxpr
 ``step(consts, leaves) -> outs`` becomes two jaxprs::
 

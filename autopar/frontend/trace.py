@@ -1,6 +1,6 @@
 """Trace a training step to a jaxpr at micro-batch shapes.
 
-Stage 1 of the pipeline: user function + example args -> :class:`TracedStep`,
+The front end's first step (``frontend/``): user function + example args -> :class:`TracedStep`,
 a closed jaxpr plus everything later stages need to know about its inputs
 and outputs (pytree paths, which leaves are batch data or donated state).
 

@@ -1,6 +1,6 @@
 """One ILP over accumulate_grad and apply_grad: choose every sharding.
 
-Stage 6 of the pipeline (for ``ShardParallel``). The batch axes ``S`` are
+Part of the planner (``planner/``), for ``ShardParallel``. The batch axes ``S`` are
 fixed by the caller (``shard.py`` tries each choice); this module plans the
 remaining mesh axes ``A`` for the ``compute_grad`` jaxpr (traced at the rows
 one device holds along ``S``; it runs ``n`` times per step) and the

@@ -37,7 +37,7 @@ def restore_local(path: str, abstract: Any) -> Any:
 
 
 def restore_here(path: str, target: Any, shardings: Any = None) -> Any:
-  """``restore_checkpoint`` on this process's devices (see runtime.py)."""
+  """``restore_checkpoint`` on this process's devices (``base.LocalRuntime``)."""
   leaves, tree = jax.tree.flatten(target)
   if shardings is None:
     shard_leaves = [None] * len(leaves)

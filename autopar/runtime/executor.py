@@ -1,6 +1,6 @@
 """Run a compiled step: the micro-batch loop.
 
-Stage 8 of the pipeline. For ``n`` micro-batches one call runs::
+Part of the runtime (``runtime/``). For ``n`` micro-batches one call runs::
 
     sums = loss_sums(leaves)                      # only if the loss needs them
     acc = compute_grad(used, sums)                # micro-batch 0 (used: the leaves it reads)
