@@ -24,14 +24,22 @@ QUICK_TESTS := tests/test_jax_compat.py tests/test_marker_split.py \
 
 .PHONY: test lint test-newest test-oldest demo bench clean
 
-$(STAMP): setup.py .ci/gemma-deps.txt
+$(STAMP): setup.py .ci/gemma-deps.txt .ci/zoo-deps.txt
 	$(PYTHON) -m venv --clear $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
-	@# Gemma needs Python >= 3.12 (its tests are skipped, saying so, elsewhere).
+	@# Gemma and the model zoo (keras-hub, MaxText) need Python >= 3.12 (their
+	@# tests are skipped, saying so, elsewhere). What they import is resolved
+	@# first, holding the jax, jaxlib, flax and numpy just installed; the
+	@# packages themselves come last, with --no-deps (.ci/*-deps.txt say why):
+	@# an install that resolves after them would report their unmet
+	@# requirements as pip errors.
 	if $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then \
-	  $(PY) -m pip install --quiet --no-deps gemma==4.0.1 kauldron==1.4.4 && \
-	  $(PY) -m pip install --quiet -r .ci/gemma-deps.txt; fi
+	  $(PY) -m pip freeze | grep -iE '^(jax|jaxlib|flax|numpy)==' > $(VENV)/held.txt && \
+	  $(PY) -m pip install --quiet -c $(VENV)/held.txt -r .ci/gemma-deps.txt \
+	    -r .ci/zoo-deps.txt && \
+	  $(PY) -m pip install --quiet --no-deps gemma==4.0.1 kauldron==1.4.4 \
+	    keras-hub==0.32.0 maxtext==0.2.5; fi
 	touch $(STAMP)
 
 $(OLDEST_STAMP): setup.py .ci/oldest.txt

@@ -27,7 +27,7 @@ setup(
     entry_points={"console_scripts": ["autopar = autopar.tools.cli:main"]},
     extras_require={
         "test": ["pytest", "hypothesis", "flax", "optax", "orbax-checkpoint", "equinox",
-                 "penzai", "import-linter", "ruff"],
+                 "import-linter", "ruff"],
         "dev": ["pytest", "hypothesis", "flax", "optax", "orbax-checkpoint", "equinox"],
     },
 )

@@ -8,4 +8,5 @@ import tempfile
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["KERAS_BACKEND"] = "jax"        # Keras 3 (test_model_zoo.py), before it is imported
 os.environ["AUTOPAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-test-cache-")

@@ -28,6 +28,9 @@ def methods():
           mesh=jax.make_mesh((4, 2), ("data", "model")), num_micro_batches=n, **kw),
       "shard": lambda n, **kw: autopar.ShardParallel(
           mesh=jax.make_mesh((2, 4), ("data", "model")), num_micro_batches=n, **kw),
+      "pipeshard": lambda n, **kw: autopar.PipeshardParallel(
+          mesh=jax.make_mesh((2, 4), ("data", "model")), num_micro_batches=n,
+          num_stages=2, **kw),
   }
 
 
@@ -93,10 +96,10 @@ def nnx_reference():
   return losses, params_of(model)
 
 
-@pytest.mark.parametrize("method", ["dp", "zero3", "shard"])
+@pytest.mark.parametrize("method", ["dp", "zero3", "shard", "pipeshard"])
 def test_nnx_modules_passed_in_and_changed_in_place(nnx_reference, method):
   ref_losses, ref_params = nnx_reference
-  for n in (1, 2):
+  for n in ((2,) if method == "pipeshard" else (1, 2)):     # (a pipeline streams several)
     model, opt = nnx_make()
     p = autopar.parallelize(nnx_step(autopar.value_and_grad), method=methods()[method](n))
     losses = [float(p(model, opt, tokens())) for _ in range(2)]
@@ -337,11 +340,12 @@ def eqx_reference():
   return losses, jax.tree.leaves(eqx.filter(model, eqx.is_array))
 
 
-@pytest.mark.parametrize("method", ["dp", "zero3", "shard"])
+@pytest.mark.parametrize("method", ["dp", "zero3", "shard", "pipeshard"])
 def test_equinox_transformer_equals_filter_jit(eqx_reference, method):
   ref_losses, ref_arrays = eqx_reference
   t = tokens()
-  for n, remat in ((1, "none"), (2, "none"), (2, "layers")):
+  for n, remat in (((2, "none"),) if method == "pipeshard" else
+                   ((1, "none"), (2, "none"), (2, "layers"))):
     model, opt_state = eqx_make()
     p = autopar.parallelize(eqx_step(autopar.filter_value_and_grad),
                             method=methods()[method](n, remat=remat))

@@ -23,7 +23,8 @@ import pytest
 import autopar
 from models import single_device
 
-pytest.importorskip("penzai")
+pytest.importorskip("penzai", reason="make test installs penzai on Python >= 3.12 "
+                    "(.ci/zoo-deps.txt)")
 from penzai import pz  # noqa: E402
 from penzai.models.transformer.variants import llamalike_common  # noqa: E402
 

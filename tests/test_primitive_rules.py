@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.ad_checkpoint import checkpoint_name
 
 import autopar
 import test_model_libraries as libs
@@ -92,13 +93,24 @@ def _cholesky(p, h):                                     # no sharding rule
   return h @ jnp.linalg.cholesky(g)
 
 
+def _checkpoint_name(p, h):                               # an identity that names h
+  return checkpoint_name(h * p["s"], "hidden")
+
+
+def _dropout(p, h):                                      # rows of the whole batch's draw
+  keep = jax.random.bernoulli(jax.random.key(0), 0.9, h.shape)
+  return jnp.where(keep, h / 0.9, 0.0) * p["s"]
+
+
 def _barrier(p, h):                                      # operands of three shapes
   h, w, s = jax.lax.optimization_barrier((h, p["w1"], p["s"]))
   return h * s + jnp.sum(w)
 
 
-@pytest.mark.parametrize("extra", [_scalar_reshape, _split, _cholesky, _barrier],
-                         ids=["scalar-reshape", "split", "no-rule", "barrier"])
+@pytest.mark.parametrize("extra", [_scalar_reshape, _split, _cholesky, _barrier,
+                                   _checkpoint_name, _dropout],
+                         ids=["scalar-reshape", "split", "no-rule", "barrier", "checkpoint-name",
+                              "dropout"])
 @pytest.mark.parametrize("method", ["shard", "pipeshard"])
 def test_shape_primitives_and_the_fallback_equal_jit(extra, method):
   step, args = _step_with(extra)

@@ -20,6 +20,7 @@ ELEMENTWISE = (
     "shift_right_arithmetic", "population_count", "imag", "real", "conj",
     "optimization_barrier", "autopar_value", "autopar_loss_input",
     "one_minus_square",     # 1 - x**2 (tanh's derivative; jax >= 0.12)
+    "name",                 # jax.ad_checkpoint.checkpoint_name: an identity (MaxText)
 )
 
 

@@ -155,12 +155,14 @@ def expand_dims(eqn, ctx):
 
 @register("iota", "empty2", "full", "rng_bit_generator", "random_bits",
           "random_seed", "random_wrap", "random_unwrap", "random_split",
-          "random_fold_in", "threefry2x32")
+          "random_fold_in", "threefry2x32", "autopar_iota_rows")
 def _generated(eqn, ctx):
   # iota, and empty2 (an uninitialised buffer JAX makes for a cond's
   # residuals): any sharding of the output.
   if eqn.primitive.name not in ("iota", "empty2"):
-    return []   # PRNG internals: keep replicated (the fallback), quietly
+    # PRNG internals (with autopar_iota_rows, the positions of a device's
+    # rows in a draw, frontend/rng.py): keep replicated (the fallback), quietly.
+    return []
   return _same_rank(eqn, ctx, ())
 
 
