@@ -30,7 +30,7 @@ from autopar.frontend.remat import check_remat, check_remat_loop
 __all__ = ["AutoShardingOption", "ParallelMethod", "ShardParallel",
            "DataParallel", "Zero2Parallel", "Zero3Parallel", "PipeshardParallel",
            "resolve_mesh",
-           "axis_names_of", "axis_sizes_of"]
+           "axis_names_of", "axis_sizes_of", "split_axes_of"]
 
 
 def _as_items(mapping: Mapping[str, float] | None, what: str, key: str = "mesh axis name"
@@ -105,7 +105,8 @@ class AutoShardingOption:
       kind is known.
     max_model_axes: how many mesh axes the solver searches in full to split
       values inside a micro-batch (tensor parallelism); the other axes split
-      the batch. 2 searches 2-D tensor parallelism in full, at the price of
+      the batch. Axes of size 1 split nothing and are not searched (nor
+      counted). 2 searches 2-D tensor parallelism in full, at the price of
       an ILP about ten times larger.
     extend_model_axes: once the batch-axes choices are solved, try each
       solved plan with one of its batch axes planned as well, its planned
@@ -342,7 +343,8 @@ class DataParallel(ParallelMethod):
 
   Args:
     mesh, num_micro_batches: see :class:`ParallelMethod`.
-    batch_axes: mesh axes to split the batch over (default: all of them).
+    batch_axes: mesh axes to split the batch over (default: all of them of
+      size > 1).
 
   Example::
 
@@ -531,6 +533,16 @@ def axis_names_of(mesh) -> tuple[str, ...]:
 
 def axis_sizes_of(mesh) -> dict[str, int]:
   return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+
+
+def split_axes_of(mesh) -> tuple[str, ...]:
+  """The mesh's axes of size > 1, in order: the only ones that split
+  anything. The planners search over these alone, since an axis of size 1
+  changes no plan (a mesh such as MaxText's, 12 axes of which 11 have size
+  1, is planned as the mesh of its one other axis); plans stay on the
+  user's mesh, and name an axis of size 1 only where the user did (hints,
+  pins, batch axes)."""
+  return tuple(a for a, s in axis_sizes_of(mesh).items() if s > 1)
 
 
 def check_axes(axes, mesh, where: str) -> None:

@@ -616,6 +616,6 @@ def bind_saved_plan(saved: Plan, split: SplitStep, mesh, fingerprint, name: str
                               f"{len(saved.inputs)} inputs but the step has "
                               f"{len(leaves)}")
   plan_cache.check_fingerprint(saved, fingerprint, name, details)
-  check_hints({h.path: h for h in split.hints}, tuple(mesh.axis_names),
+  check_hints({h.path: h for h in split.hints}, axis_sizes_of(mesh),
               saved.batch_axes, f"the saved plan (batch axes {saved.batch_axes})")
   return dataclasses.replace(saved, in_tree=split.traced.inputs, mesh=mesh)

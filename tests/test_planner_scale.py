@@ -2,6 +2,7 @@
 once, the plan cache, and one symbolic trace for every batch size."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import autopar
 
@@ -379,3 +381,133 @@ def test_24_layer_summary_is_short_and_lists_every_parameter():
   assert "Block_{0..23}" in params_table
   for layer in range(1, 24):
     assert layer_specs(plan, layer) == layer_specs(plan, 0), layer
+
+
+# -- axes of size 1 ---------------------------------------------------------------------
+
+# MaxText's mesh names 12 axes; a run on few devices gives most of them size 1.
+MAXTEXT_AXES = ("data", "stage", "fsdp", "fsdp_transpose", "sequence", "context",
+                "context_autoregressive", "tensor", "tensor_transpose", "tensor_sequence",
+                "expert", "autoregressive")
+
+
+def make_mesh(kind, shape, names):
+  if kind == "abstract":
+    return jax.sharding.AbstractMesh(shape, names)
+  return jax.make_mesh(shape, names)        # what users pass: Explicit axes
+
+
+def plan_on(method, mesh, layers=2):
+  make_state, step, data = transformer_setup(batch=16, seq=8, d=64, heads=8,
+                                             layers=layers, tx=SGD)
+  kwargs = dict(mesh=mesh, num_micro_batches=2)
+  if method in (autopar.ShardParallel, autopar.PipeshardParallel):
+    kwargs["option"] = autopar.AutoShardingOption(plan_cache=False)
+  if method is autopar.PipeshardParallel:
+    kwargs.update(num_stages=2, layers="auto")
+  return autopar.parallelize(step, method=method(**kwargs)).plan(
+      *abstract(make_state, data))
+
+
+def specs(values):
+  return {v.name: v.spec for v in values}
+
+
+@pytest.mark.parametrize("kind", ["abstract", "make_mesh"])
+@pytest.mark.parametrize("method", [autopar.ShardParallel, autopar.DataParallel,
+                                    autopar.Zero2Parallel, autopar.Zero3Parallel,
+                                    autopar.PipeshardParallel])
+def test_axes_of_size_1_change_no_plan(method, kind):
+  """An axis of size 1 splits nothing: the plan on (data=2, stage=1, fsdp=1,
+  tensor=4) is the plan on (data=2, tensor=4), found by the same problems
+  (each axis of size 1 once doubled the choices of batch axes, multiplied
+  every value's choices, and counted against max_model_axes)."""
+  plain = plan_on(method, make_mesh(kind, (2, 4), ("data", "tensor")))
+  unit = plan_on(method, make_mesh(kind, (2, 1, 1, 4), ("data", "stage", "fsdp", "tensor")))
+  assert unit.mesh_axis_names == ("data", "stage", "fsdp", "tensor")
+  assert unit.batch_axes == plain.batch_axes
+  for part in ("inputs", "grads", "outputs"):
+    assert specs(getattr(unit, part)) == specs(getattr(plain, part)), part
+  assert unit.objective == pytest.approx(plain.objective, rel=1e-9)
+  assert unit.memory_per_device == plain.memory_per_device
+  if method is autopar.ShardParallel:
+    for size in ("num_nodes", "num_classes", "num_variables", "num_constraints"):
+      assert getattr(unit.solver, size) == getattr(plain.solver, size), size
+    # The same choices of batch axes were solved, no more.
+    assert [p.batch_axes for p in unit.replan.problems] == \
+        [p.batch_axes for p in plain.replan.problems]
+  for a, b in zip(unit.stages, plain.stages, strict=True):
+    assert a.batch_axes == b.batch_axes and specs(a.inputs) == specs(b.inputs)
+    assert math.prod(a.submesh_shape) == math.prod(b.submesh_shape)
+
+
+@pytest.mark.parametrize("sizes", [{"fsdp": 8}, {"data": 2, "tensor": 4}])
+def test_maxtext_mesh_of_12_axes_is_planned_as_its_axes_of_size_over_1(sizes):
+  """MaxText's 12 axes, one or two of them > 1, once never finished planning
+  (2**12 choices of batch axes, and every value's choices over all 12):
+  the same problems as on the mesh of its axes of size > 1 alone."""
+  shape = tuple(sizes.get(a, 1) for a in MAXTEXT_AXES)
+  maxtext = plan_on(autopar.ShardParallel, jax.make_mesh(shape, MAXTEXT_AXES))
+  plain = plan_on(autopar.ShardParallel, jax.make_mesh(tuple(sizes.values()),
+                                                        tuple(sizes)))
+  assert maxtext.batch_axes == plain.batch_axes
+  assert specs(maxtext.inputs) == specs(plain.inputs)
+  assert maxtext.solver.num_variables == plain.solver.num_variables
+  assert maxtext.objective == pytest.approx(plain.objective, rel=1e-9)
+  assert len(maxtext.replan.problems) == len(plain.replan.problems)
+
+
+def test_a_step_on_a_mesh_with_axes_of_size_1_matches_jax_jit():
+  """Two steps on a (2, 1, 1, 4) mesh equal single-device jax.jit, with a
+  hint, a pin and batch axes that name an axis of size 1: each is taken and
+  kept as written (it splits nothing). Auto axes, on which the hint's bare
+  spec constrains (on Explicit ones it asserts)."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 1, 1, 4),
+                           ("data", "stage", "fsdp", "tensor"))
+  rng = np.random.RandomState(0)
+  w = {"a": jnp.asarray(rng.randn(8, 16), jnp.float32),
+       "b": jnp.asarray(rng.randn(16, 4), jnp.float32)}
+  x = jnp.asarray(rng.randn(32, 8), jnp.float32)
+  hint = P(None, ("fsdp", "tensor"))
+
+  def step(w, x, hinted=True):
+    def loss_fn(w):
+      h = x @ w["a"]
+      if hinted:
+        h = jax.lax.with_sharding_constraint(h, hint)
+      return jnp.mean((jnp.tanh(h) @ w["b"]) ** 2)
+    loss, g = autopar.value_and_grad(loss_fn)(w)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, w, g), loss
+
+  ref, ref_w = [], w
+  for _ in range(2):
+    ref_w, loss = single_device(lambda w, x: step(w, x, hinted=False))(ref_w, x)
+    ref.append((ref_w, loss))
+  pin = P("fsdp", "tensor")
+  for method in (
+      autopar.ShardParallel(mesh=mesh, num_micro_batches=2, option=autopar.AutoShardingOption(
+          plan_cache=False, pins={"w['a']": pin})),
+      autopar.DataParallel(mesh=mesh, batch_axes=("fsdp", "data"), num_micro_batches=2),
+      # Batch axes of size 1 alone (once an XLA error: manual axes of size 1).
+      autopar.Zero3Parallel(mesh=mesh, batch_axes=("stage",))):
+    p = autopar.parallelize(step, method=method, donate_argnums=())
+    out = w
+    with jax.set_mesh(mesh):       # the hint's bare spec needs a mesh in context
+      for expected in ref:
+        out, loss = p(out, x)
+        assert_trees_close((out, loss), expected)
+      plan = p.get_executable(out, x).plan
+    # (Its transpose constrains the cotangent alike.)
+    assert plan.hints and all(v.spec == hint for v in plan.hints)
+    text = plan.summary()
+    assert "fsdp=1" in text and "data: alpha" in text and "fsdp: alpha" not in text
+    if isinstance(method, autopar.ShardParallel):
+      assert specs(plan.inputs)["w['a']"] == pin
+      # Its candidates, the pin first, once each (P(None, "tensor") is the pin).
+      candidates = [c.spec for c in plan.explain("w['a']").candidates]
+      assert candidates[0] == pin and len(candidates) > 1
+      assert not any(autopar.text.same_spec(c, P(None, "tensor")) for c in candidates)
+    else:
+      assert plan.batch_axes == method.batch_axes
+      assert specs(plan.inputs)["x"] == P(method.batch_axes[0] if len(method.batch_axes) == 1
+                                         else method.batch_axes)

@@ -119,6 +119,14 @@ class LoweredStep:
   grad_leaves: tuple[int, ...] = ()
 
 
+def _manual_axes(plan: Plan) -> tuple[str, ...]:
+  """The axes a gradient stage is manual over: the plan's batch axes of size
+  > 1. One of size 1 (a user may name it) splits nothing, and left manual it
+  breaks XLA's partitioner where the other axes are automatic ("Cross-
+  partition allreduce must be in (partial) manual partitioning mode")."""
+  return tuple(a for a in plan.batch_axes if plan.axis_sizes[a] > 1)
+
+
 def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
                 sync: bool, micro_rows: int, accumulate: str | None,
                 stacks: Sequence[GradStack] = (), scale=None):
@@ -131,7 +139,7 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
   (``split.scale_at``), with which each group seeds the loss (None: one
   group, whose own cotangents are the whole batch's).
   """
-  manual = tuple(plan.batch_axes)
+  manual = _manual_axes(plan)
   sizes = plan.axis_sizes
   n = plan.num_micro_batches
   devices = math.prod(sizes[a] for a in manual)
@@ -372,7 +380,7 @@ def _sums_stage(split: SplitStep, plan: Plan, amesh, *, micro_rows: int):
   micro-batch (with the gradient stages' random draws, without their
   effects), and they are combined over micro-batches and devices.
   """
-  manual = tuple(plan.batch_axes)
+  manual = _manual_axes(plan)
   sizes = plan.axis_sizes
   n = plan.num_micro_batches
   groups = n * math.prod(sizes[a] for a in manual)

@@ -133,11 +133,14 @@ def model_axes(hints: Mapping[str, Hint]) -> set[str]:
   return out
 
 
-def check_hints(hints: Mapping[str, Hint], mesh_axes: Sequence[str],
+def check_hints(hints: Mapping[str, Hint], mesh_sizes: Mapping[str, int],
                 batch_axes: Sequence[str], where: str) -> None:
   """Raises InputError for a hint on an axis the mesh lacks, or on a batch
-  axis away from the rows (``where``: the method, for the message)."""
-  batch = set(batch_axes)
+  axis away from the rows (``where``: the method, for the message).
+  ``mesh_sizes``: mesh axis name -> its size; a batch axis of size 1 splits
+  nothing, and may be anywhere in a hint."""
+  batch = {a for a in batch_axes if mesh_sizes.get(a) != 1}
+  mesh_axes = tuple(mesh_sizes)
   for h in hints.values():
     unknown = sorted(h.axes() - set(mesh_axes))
     if unknown:

@@ -70,7 +70,8 @@ from autopar.errors import PlanError
 from autopar.planner.ilp_graph import ChoiceGraph, on_axes
 from autopar.planner.ilp_memory import MemoryModel
 from autopar.planner.refine import refine_colors
-from autopar.costs.strategies import Spec, Strategy, grad_sync_latency, local_bytes
+from autopar.costs.strategies import (Spec, Strategy, grad_sync_latency, local_bytes,
+                                      without_unit_axes)
 
 __all__ = ["ShardingProblem", "Solution", "reshard_cost"]
 
@@ -848,6 +849,7 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
     batch-axis part these batch axes cannot give."""
     rank = len(self.leaf_avals[leaf].shape)
     spec = tuple(tuple(e) for e in spec) + ((),) * (rank - len(spec))
+    spec = without_unit_axes(spec, self.sizes)     # (they split nothing)
     if choices is None:
       choices = self.nodes[self.leaf_nodes[leaf]].choices
     out = []
@@ -855,7 +857,7 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
       batch_dim = 0 if self.batch_leaves[leaf] else dim
       full = tuple((self.S if d == batch_dim else ()) + tuple(e)
                    for d, e in enumerate(planned))
-      if full == spec:
+      if without_unit_axes(full, self.sizes) == spec:
         out.append(c)
     return out
 

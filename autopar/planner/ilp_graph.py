@@ -33,7 +33,8 @@ from autopar.costs.cost_model import MeshCost
 from autopar.errors import PlanError
 from autopar.costs.liveness import conv_relayouts, fusions, relayouts
 from autopar.costs.strategies import (REGIONS, RuleContext, Spec, enumerate_specs,
-                                grad_sync_costs, local_bytes, strategies_for)
+                                grad_sync_costs, local_bytes, strategies_for,
+                                without_unit_axes)
 from autopar.costs.strategies.elementwise import is_elementwise
 
 __all__ = ["ChoiceGraph", "REGIONS"]
@@ -215,12 +216,14 @@ class ChoiceGraph:
     batch axes ahead of the planned ones where both split a dimension)."""
     pin = self.pins[k]
     pin = tuple(pin) + ((),) * (len(aval.shape) - len(pin))
+    # Axes of size 1 split nothing, and the planned axes leave them out.
+    want = without_unit_axes(pin, self.sizes)
     keep = []
     for c, (spec, dim) in enumerate(choices):
       batch_dim = 0 if self.batch_leaves[k] else dim
       full = tuple((tuple(self.S) if d == batch_dim and self.S else ()) + tuple(e)
                    for d, e in enumerate(spec))
-      if full == pin:
+      if without_unit_axes(full, self.sizes) == want:
         keep.append(c)
     if not keep:
       name = self.leaf_names[k] if k < len(self.leaf_names) else f"leaf {k}"

@@ -67,7 +67,7 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
     batch_axes = max(candidate_batch_axes(method, mesh, micro, split.hints,
                                           whole=keeps_batch_whole(split, method)),
                      key=lambda axes: math.prod(sizes[a] for a in axes))
-  check_hints({h.path: h for h in split.hints}, axis_names_of(mesh), batch_axes,
+  check_hints({h.path: h for h in split.hints}, sizes, batch_axes,
               f"{method.name} (batch axes {batch_axes})")
   zero = 3 if isinstance(method, Zero3Parallel) else \
       2 if isinstance(method, Zero2Parallel) else 0

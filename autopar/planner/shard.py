@@ -35,13 +35,14 @@ from autopar.frontend.hints import check_hints, check_pins, entry_axes, model_ax
 # and traced step alive for the rest of the process.
 from autopar.planner.ilp import ShardingProblem
 from autopar.method import (ParallelMethod, ShardParallel, axis_names_of,
-                            axis_sizes_of, check_axes)
+                            axis_sizes_of, check_axes, split_axes_of)
 from autopar.plan import CollectivePlan, Plan, ValuePlan, grad_stage_names
 from autopar.frontend.pytrees import ends_with_key
 from autopar.frontend.split import (OutputKind, SizedOutputs, SplitStep, leaves_read_by_compute,
                                     outputs_at)
 from autopar.costs.strategies import (batch_spec, grad_sync_costs, grad_sync_latency,
-                                      local_bytes, missing_rules, warn_missing_rules)
+                                      local_bytes, missing_rules, warn_missing_rules,
+                                      without_unit_axes)
 from autopar.costs.strategies.dot import dot_flops
 from autopar.planner.replan import Replanner
 from autopar.frontend.trace import TracedStep, eqns_by_path
@@ -54,14 +55,16 @@ __all__ = ["plan_auto", "SolvedProblem", "sharding_problem", "price_layout",
 
 def batch_axes_for(method: ParallelMethod, mesh, hints=()) -> tuple[str, ...]:
   """The mesh axes a preset method splits the batch over: its ``batch_axes``,
-  by default every axis that no sharding hint of the gradient computation
-  needs for a dimension other than the rows (``hints.model_axes``)."""
+  by default every axis of size > 1 (``split_axes_of``) that no sharding
+  hint of the gradient computation needs for a dimension other than the
+  rows (``hints.model_axes``). Axes the user names are kept as named, those
+  of size 1 included."""
   axes = getattr(method, "batch_axes", None)
   if isinstance(method, ShardParallel):
     axes = method.option.forced_batch_axes(mesh)
   if axes is None:
     taken = model_axes({h.path: h for h in hints if h.part == "compute"})
-    return tuple(a for a in axis_names_of(mesh) if a not in taken)
+    return tuple(a for a in split_axes_of(mesh) if a not in taken)
   check_axes(axes, mesh, f"{method.name}: batch axes")
   return tuple(axes)
 
@@ -163,14 +166,16 @@ def donation_pairs(traced: TracedStep, out_avals=None) -> dict[int, int]:
 
 def candidate_batch_axes(method: ShardParallel, mesh, micro_batch_size: int,
                          hints=(), *, whole: bool = False) -> list[tuple[str, ...]]:
-  """Choices of batch axes to try: every subset of the mesh axes that divides
-  the micro-batch, leaves at most ``option.max_model_axes`` axes to plan and
-  none that a sharding hint needs away from the rows (or the forced one).
+  """Choices of batch axes to try: every subset of the mesh's axes of size
+  > 1 (``split_axes_of``: an axis of size 1 splits nothing, and each one
+  would double the choices) that divides the micro-batch, leaves at most
+  ``option.max_model_axes`` axes to plan and none that a sharding hint
+  needs away from the rows (or the forced one, as the user names it).
   ``whole``: the batch must stay whole (:func:`keeps_batch_whole`): no axis."""
-  names = axis_names_of(mesh)
+  names = split_axes_of(mesh)
   sizes = axis_sizes_of(mesh)
   option = method.option
-  taken = model_axes({h.path: h for h in hints if h.part == "compute"})
+  taken = model_axes({h.path: h for h in hints if h.part == "compute"}) & set(names)
   if option.force_data_parallel:
     return [tuple(a for a in names if a not in taken)]
   forced = option.forced_batch_axes(mesh)
@@ -244,7 +249,9 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
   """
   progress = progress or Progress("step", method.option.verbose)
   sizes = axis_sizes_of(mesh)
-  names = axis_names_of(mesh)
+  # The axes planned: those of size > 1 (an axis of size 1 splits nothing,
+  # and each one would multiply every value's choices).
+  split_axes = split_axes_of(mesh)
   n = method.micro_batches
   option = method.option
   cost = MeshCost(sizes, option.alpha, option.beta)
@@ -327,7 +334,7 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
           if S in full or (S, S0) in tried:
             continue
           tried.add((S, S0))
-          A = tuple(b for b in names if b not in S)
+          A = tuple(b for b in split_axes if b not in S)
           d = math.prod(sizes[b] for b in S)
           # (No check_hints: S is inside S0, whose check passed.)
           bound = _cost_lower_bound(split, matmul_flops, S, A, sizes, cost, option, n,
@@ -348,9 +355,9 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
     candidates = sorted(candidate_batch_axes(method, mesh, micro, split.hints,
                                              whole=keeps_batch_whole(split, method)),
                         key=lambda S: -math.prod(sizes[a] for a in S))
-    for S in _distinct_up_to_axis_names(candidates, names, sizes, option):
-      check_hints(hints, names, S, f"the plan with batch axes {S}")
-      A = tuple(a for a in names if a not in S)
+    for S in _distinct_up_to_axis_names(candidates, split_axes, sizes, option):
+      check_hints(hints, sizes, S, f"the plan with batch axes {S}")
+      A = tuple(a for a in split_axes if a not in S)
       d = math.prod(sizes[a] for a in S)
       bound = _cost_lower_bound(split, matmul_flops, S, A, sizes, cost, option, n,
                                 micro // d)
@@ -686,6 +693,14 @@ def _plan_from_solution(split, outputs, local, method, mesh, S, sol, stats,
   in_specs = [with_batch(s) if l.is_batch else with_batch_dim(s, dim)
               for l, s, dim in zip(traced.leaves, sol.leaf_specs, leaf_dims,
                                    strict=True)]
+  if method.option.pins:
+    # A pin stays as the user wrote it: the ILP, which plans the axes of
+    # size > 1 alone, meets it up to the axes of size 1 it names (they split
+    # nothing).
+    for k, pin in check_pins(method.option.pin_map, traced.leaves, sizes).items():
+      if without_unit_axes(spec_axes(pin), sizes) == \
+          without_unit_axes(spec_axes(in_specs[k]), sizes):
+        in_specs[k] = pin
   inputs = tuple(ValuePlan(l.path, l.shape, dtype_name(l.dtype), s)
                  for l, s in zip(traced.leaves, in_specs, strict=True))
   grads = tuple(ValuePlan(name, tuple(a.shape), dtype_name(a.dtype),

@@ -53,7 +53,8 @@ from jax.sharding import PartitionSpec
 
 from autopar.errors import AutoparError, PlanError
 from autopar.planner.replan import Replanner
-from autopar.costs.strategies import enumerate_specs
+from autopar.costs.strategies import enumerate_specs, without_unit_axes
+from autopar.frontend.hints import entry_axes
 from autopar.tools.diff import PlanDiff, diff
 from autopar.tools.groups import param_rows, path_str
 from autopar.tools.summary import collective_rows
@@ -254,7 +255,15 @@ def explain(plan: "Plan", pattern: str, *, max_candidates: int = 16) -> Explanat
                        "candidates are listed for argument leaves only", also)
   r = _replanner(plan, "explain")
   r.solved()
-  specs = enumerate_specs(leaf.shape, plan.mesh_axis_names, plan.axis_sizes)
+  # Over the axes of size > 1, as the planner searched (one of size 1 splits
+  # nothing, and each would multiply the specs); the leaf's own spec as the
+  # plan gives it (a pin may name an axis of size 1).
+  sizes = plan.axis_sizes
+  split_axes = [a for a, n in sizes.items() if n > 1]
+  own = tuple(entry_axes(e) for e in leaf.spec)
+  own = without_unit_axes(own + ((),) * (len(leaf.shape) - len(own)), sizes)
+  specs = [leaf.spec if s == own else s
+           for s in enumerate_specs(leaf.shape, split_axes, sizes)]
   if not any(same_spec(s, leaf.spec) for s in specs):
     specs = [leaf.spec] + list(specs)
   specs = sorted(specs, key=lambda s: not same_spec(s, leaf.spec))

@@ -89,16 +89,18 @@ def solver_lines(plan: "Plan") -> list[str]:
   else:
     c = plan.costs
     budget = c.get("memory_budget_per_device")
-    lines.append("costs assumed: " + f"{c['seconds_per_flop']:.3g} s/flop; " + (
-        f"memory {1 / c['seconds_per_byte'] / 1e9:.3g} GB/s; "
-        if c.get("seconds_per_byte") else "") + "; ".join(
-        f"{a}: alpha {c['alpha'][a]:.3g} s, {1 / c['beta'][a] / 1e9:.3g} GB/s"
-        for a in plan.axis_sizes if c["beta"].get(a)) +
-        (f"; memory budget {format_bytes(budget)}" if budget else "") +
-        (f"; device kind {c['device_kind']}" if c.get("device_kind") else
-         "; no device kind: what was not given by hand is the defaults (1 TFLOP/s, "
+    # Per axis of size > 1: one of size 1 has no collectives.
+    axes = [f"{a}: alpha {c['alpha'][a]:.3g} s, {1 / c['beta'][a] / 1e9:.3g} GB/s"
+            for a, n in plan.axis_sizes.items() if n > 1 and c["beta"].get(a)]
+    lines.append("costs assumed: " + "; ".join(
+        [f"{c['seconds_per_flop']:.3g} s/flop"] +
+        ([f"memory {1 / c['seconds_per_byte'] / 1e9:.3g} GB/s"]
+         if c.get("seconds_per_byte") else []) + axes +
+        ([f"memory budget {format_bytes(budget)}"] if budget else []) +
+        [f"device kind {c['device_kind']}" if c.get("device_kind") else
+         "no device kind: what was not given by hand is the defaults (1 TFLOP/s, "
          "50 GB/s memory, 1 us and 10 GB/s per collective step), not a real "
-         "device's; name one with AutoShardingOption(device_kind=...)"))
+         "device's; name one with AutoShardingOption(device_kind=...)"]))
   if plan.predicted_time:
     t = plan.predicted_time
     lines.append("predicted time per step: " + "; ".join(

@@ -38,7 +38,8 @@ from autopar.frontend.retype import jaxprs_in
 from autopar.frontend.trace import INLINED_CALLS
 
 __all__ = ["Spec", "Strategy", "RuleContext", "register", "strategies_for",
-           "enumerate_specs", "grad_sync_costs", "grad_sync_latency", "replicated", "shard_count",
+           "enumerate_specs", "without_unit_axes", "grad_sync_costs", "grad_sync_latency",
+           "replicated", "shard_count",
            "local_bytes", "to_partition_spec", "RULES", "missing_rules",
            "replicated_fallback", "warn_missing_rules", "PLANNED_THROUGH", "REGIONS",
            "batch_spec"]
@@ -52,6 +53,14 @@ def replicated(rank: int) -> Spec:
 
 def shard_count(spec: Spec, sizes: Mapping[str, int]) -> int:
   return math.prod(sizes[a] for entry in spec for a in entry)
+
+
+def without_unit_axes(spec: Spec, sizes: Mapping[str, int]) -> Spec:
+  """``spec`` with its mesh axes of size 1 left out: they split nothing, so
+  specs equal without them shard a value alike (a user's pin to
+  ``P("fsdp")`` on a mesh whose "fsdp" has size 1 is met by a replicated
+  choice, the planners searching the axes of size > 1 alone)."""
+  return tuple(tuple(a for a in e if sizes[a] > 1) for e in spec)
 
 
 def local_shape(shape: Sequence[int], spec: Spec, sizes) -> tuple[int, ...]:
