@@ -8,8 +8,8 @@ chooses a sharding for every array on the mesh, and runs it.
 
 from autopar.api import ParallelizedFunction, parallelize
 from autopar.costs.calibrate import calibrate
-from autopar.runtime.cluster import (ClusterError, RemoteArray, global_mesh, init,
-                             shutdown)
+from autopar.runtime.host_errors import ClusterError
+from autopar.runtime.cluster import RemoteArray, global_mesh, init, shutdown
 from autopar.errors import (AutoparError, InputError, MarkerError, MeshError,
                             PlanError)
 from autopar.runtime.executor import Executable

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import inspect
 import contextlib
+import os
 import sys
 import threading
 from typing import Callable, Optional, Sequence
@@ -171,11 +172,13 @@ def evaluate_dim(d, env: dict) -> int:
 # 16`` would silently take the other branch. ``undecided_dim_equalities``
 # lets the caller answer those comparisons, and see JAX's own.
 
-JAX_SOURCE_DIR = jax.__file__.rsplit("/", 1)[0] + "/"
+JAX_SOURCE_DIR = os.path.dirname(os.path.abspath(jax.__file__)) + os.sep
 _DimExpr = _shape_poly._DimExpr
 _JAX_EQ = _DimExpr.__eq__
-_deciding = threading.local()
-_patch_lock = threading.RLock()
+_JAX_HASH = _DimExpr.__hash__
+_deciding = threading.local()      # .deciders: this thread's, innermost last
+_patch_lock = threading.Lock()     # held while the patch is put on or taken off
+_patched = 0                       # contexts active, on all threads
 
 
 def _undecided(a, b) -> bool:
@@ -189,22 +192,46 @@ def _undecided(a, b) -> bool:
   return _core.is_symbolic_dim(a - b)
 
 
+def _caller(depth: int):
+  """The frame that compared or hashed a dimension: outside shape_poly
+  (``!=`` calls ``==``) and this module (``_eq`` calls JAX's, which hashes)."""
+  frame = sys._getframe(depth)
+  while frame is not None and frame.f_code.co_filename in (_shape_poly.__file__, __file__):
+    frame = frame.f_back
+  return frame
+
+
 def _eq(self, other):
-  equal = _JAX_EQ(self, other)
-  decide = getattr(_deciding, "decide", None)
-  if equal or decide is None or getattr(_deciding, "busy", False):
-    return equal
-  _deciding.busy = True       # (deciding compares dimensions too)
+  deciders = getattr(_deciding, "deciders", None)
+  if not deciders or getattr(_deciding, "busy", False):
+    return _JAX_EQ(self, other)
+  _deciding.busy = True       # (JAX's answer and deciding hash and compare too)
   try:
-    if not _undecided(self, other):
+    equal = _JAX_EQ(self, other)
+    if equal or not _undecided(self, other):
       return equal
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename == _shape_poly.__file__:
-      frame = frame.f_back    # (``!=`` calls ``==``)
-    answer = decide(self, other, frame)
+    frame = _caller(2)
+    for decide in reversed(deciders):
+      answer = decide(self, other, frame)
+      if answer is not None:
+        return bool(answer)
+    return equal
   finally:
     _deciding.busy = False
-  return equal if answer is None else bool(answer)
+
+
+def _hash(self):
+  # A set or dict lookup (``x.shape[0] in {16, 32}``) compares by hash
+  # first, and no hash of a symbolic size equals an integer's: the step's
+  # own code hashing one cannot be answered, so it is refused.
+  if getattr(_deciding, "deciders", None) and not getattr(_deciding, "busy", False):
+    frame = _caller(2)
+    if frame is not None and not frame.f_code.co_filename.startswith(JAX_SOURCE_DIR):
+      raise _core.InconclusiveDimensionOperation(
+          f"the symbolic dimension '{self}' is hashed at {frame.f_code.co_filename}:"
+          f"{frame.f_lineno} (a set or dict lookup, whose answer is not known for "
+          f"every size)")
+  return _JAX_HASH(self)
 
 
 @contextlib.contextmanager
@@ -212,17 +239,25 @@ def undecided_dim_equalities(decide: Callable):
   """While active, on this thread, an equality between symbolic dimensions
   (or one and an integer) that JAX cannot decide calls ``decide(a, b,
   frame)``: ``frame`` is the Python frame that compared them (outside
-  JAX's shape_poly module). It returns whether they are equal, or None for
-  JAX's answer (unequal). Decided equalities are those of ``==`` and
-  ``!=``; ``<`` and the like raise ``InconclusiveDimensionOperation`` as
-  before."""
+  JAX's shape_poly module). It returns whether they are equal, or None to
+  leave the question to an enclosing context's ``decide``, and then to JAX
+  (unequal). Decided equalities are those of ``==`` and ``!=``; ``<`` and
+  the like raise ``InconclusiveDimensionOperation`` as before, and so does
+  hashing a symbolic dimension from outside JAX (a set or dict lookup, whose
+  answer ``decide`` cannot give). No lock is held while the caller runs:
+  other threads see JAX's answers."""
+  global _patched
   with _patch_lock:
-    outer = getattr(_deciding, "decide", None)
-    _DimExpr.__eq__ = _eq
-    _deciding.decide = decide
-    try:
-      yield
-    finally:
-      _deciding.decide = outer
-      if outer is None:
-        _DimExpr.__eq__ = _JAX_EQ
+    if _patched == 0:
+      _DimExpr.__eq__, _DimExpr.__hash__ = _eq, _hash
+    _patched += 1
+  deciders = _deciding.__dict__.setdefault("deciders", [])
+  deciders.append(decide)
+  try:
+    yield
+  finally:
+    deciders.pop()
+    with _patch_lock:
+      _patched -= 1
+      if _patched == 0:
+        _DimExpr.__eq__, _DimExpr.__hash__ = _JAX_EQ, _JAX_HASH

@@ -61,3 +61,25 @@ def test_undecided_dim_equalities_are_answered_by_the_caller():
   assert [(a, b) for a, b, _ in mine] == [("n", 16), ("n", 16), ("n", 8), ("n", 16), ("n", 8)]
   # (broadcasting (n,) with (16,): JAX's own comparison, from its own code)
   assert any(f.startswith(jax_compat.JAX_SOURCE_DIR) for _, _, f in asked), asked
+
+
+def test_undecided_dim_equalities_nest_and_refuse_hashing_outside_jax():
+  """An inner context's ``decide`` that leaves a question (None) passes it to
+  the outer one; hashing a symbolic dimension from outside JAX (a set
+  lookup: no hash of it equals an integer's) is refused while one is active."""
+  from jax import export
+  from jax._src.core import InconclusiveDimensionOperation
+  n, = export.symbolic_shape("n")
+  m, = export.symbolic_shape("m")
+  outer = lambda a, b, frame: jax_compat.evaluate_dim(a - b, {"n": 16}) == 0  # noqa: E731
+  inner = lambda a, b, frame: None if "n" in str(a) else str(a - b) == "0"   # noqa: E731
+  with jax_compat.undecided_dim_equalities(outer):
+    with jax_compat.undecided_dim_equalities(inner):
+      assert n == 16 and not m == 16
+      try:
+        16 in {n}
+      except InconclusiveDimensionOperation:
+        pass
+      else:
+        raise AssertionError("a set lookup of a symbolic dimension was answered")
+  assert hash(n) == hash(n) and not n == 16

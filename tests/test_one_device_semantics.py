@@ -452,3 +452,25 @@ def test_a_step_needing_a_concrete_batch_size_that_branches_on_it_is_refused():
     pf(*_branching_args())
   line = step.__code__.co_firstlineno + 4      # the branch
   assert f"first differ at {__file__}:{line}" in str(e.value), str(e.value)
+
+
+def test_a_set_lookup_of_the_batch_size_is_traced_at_each_size():
+  """``x.shape[0] in {16, 32}`` compares hashes, and a symbolic size hashes
+  unlike any integer: such a step is not traced at a symbolic size (it would
+  take the other branch), but at each size it runs, where its program
+  differs from the whole batch's: an InputError, not other numbers."""
+  def step(w, x, y):
+    def loss_fn(w):
+      per = jnp.sum((jnp.tanh(x @ w) - y) ** 2, axis=-1)
+      return jnp.mean(per) if x.shape[0] in {BATCH, 2 * BATCH} else jnp.sum(per)
+    loss, g = autopar.value_and_grad(loss_fn)(w)
+    return w - 0.1 * g, loss
+  args = _branching_args()
+  one = autopar.parallelize(step, method=autopar.DataParallel(mesh=mesh_of((1,))),
+                            batch_argnums=(1, 2))
+  ref_w, ref_loss = single_device(step)(*args)
+  w, loss = one(*args)                      # (one device, one micro-batch: jit's)
+  np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+  pf = autopar.parallelize(step, method=BRANCH_METHODS["dp n=2"](), batch_argnums=(1, 2))
+  with pytest.raises(autopar.InputError, match="disagree"):
+    pf(*args)

@@ -361,8 +361,10 @@ STEP = textwrap.dedent('''
 ''')
 
 
-def _cli(*args, cwd):
+def _cli(*args, cwd, cache=None):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
+  if cache is not None:
+    env["AUTOPAR_CACHE_DIR"] = str(cache)
   return subprocess.run([sys.executable, "-m", "autopar", *args], cwd=cwd, env=env,
                         capture_output=True, text=True, timeout=300)
 
@@ -373,7 +375,7 @@ def test_every_cli_verb_runs(dp_and_megatron, tmp_path):
   (tmp_path / "b.json").write_text(mt.to_json())
   (tmp_path / "mystep.py").write_text(STEP)
   r = _cli("plan", "mystep:step", "--mesh", "4x2", "--args", "mystep:make_args",
-           "-o", "p.json", cwd=tmp_path)
+           "-o", "p.json", cwd=tmp_path, cache=tmp_path / "cache")   # (solved here)
   assert r.returncode == 0, r.stderr
   assert "Running HiGHS" not in r.stdout + r.stderr  # its banner is off
   assert autopar.Plan.from_json((tmp_path / "p.json").read_text()).mesh_shape == (4, 2)

@@ -667,7 +667,7 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
       rows = split_local.traced.micro_batch_size
       names = grad_stage_names(n)
       stacks = find_grad_stacks(split_local.compute.jaxpr, split.num_grads,
-                                [g.spec for g in plan.grads], plan.batch_axes)
+                                [g.spec for g in plan.grads], _manual_axes(plan))
       acc_avals = _acc_avals(split, plan, accumulate, stacks)
       sums_avals, sums = [], None
       if scale is not None and split_local.loss is not None and split_local.loss.num_sums:

@@ -537,7 +537,14 @@ def trace_step_any_batch(fn: Callable, args: Sequence[Any], flags: ArgFlags,
   """
   from jax import export
   rows, = export.symbolic_shape(ROWS_NAME)
-  decisions = SizeDecisions(next((l.shape[0] for l in leaves if l.is_batch), None))
+  whole = next((l.shape[0] for l in leaves if l.is_batch), None)
+  if whole == 1:
+    # One row: nothing is split, and JAX's own guesses at a symbolic size
+    # ("not 1": jnp.squeeze keeps the dimension) would not be jax.jit's.
+    if failures is not None:
+      failures.append(ValueError("a batch of one row is traced at its size"))
+    return None
+  decisions = SizeDecisions(rows, whole)
   try:
     with jc.undecided_dim_equalities(decisions.decide):
       traced = trace_step(fn, args, flags, leaves, inputs, micro_batch_size=rows,
@@ -561,7 +568,8 @@ class SizeDecisions:
   relies on); answered for ``whole`` rows, a broadcast would accept shapes
   that hold at that size only."""
 
-  def __init__(self, whole: int | None):
+  def __init__(self, rows, whole: int | None):
+    self.rows = rows                     # this trace's symbolic batch size
     self.whole = whole
     self.made: list[str] = []            # "autopar_rows == 16 at file:line: True ..."
 
@@ -569,6 +577,8 @@ class SizeDecisions:
     if self.whole is None or (frame is not None and
                               frame.f_code.co_filename.startswith(jc.JAX_SOURCE_DIR)):
       return None
+    if any(jc.is_symbolic_dim(d) and d.scope is not self.rows.scope for d in (a, b)):
+      return None                        # another trace's dimension (a nested one)
     try:
       equal = jc.evaluate_dim(a - b, {ROWS_NAME: self.whole}) == 0
     except Exception:  # noqa: BLE001 - not a function of the batch size alone

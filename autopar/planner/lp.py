@@ -15,10 +15,10 @@ Supported: PuLP 3.3 and later 3.x, 4.x (``setup.py``).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import numbers
 import os
 import sys
+import threading
 from typing import Iterable, Mapping
 
 import pulp
@@ -146,25 +146,38 @@ def solver(*, gap: float, time_limit: float | None = None, relax: bool = False):
                   "highspy (installed with autopar).")
 
 
-@functools.cache
+_BANNER = threading.Lock()
+_banner_done = False
+
+
 def _highs_banner_shown() -> None:
   """Makes HiGHS's one banner of the process ("Running HiGHS 1.16.0 ...
   Copyright ...") go nowhere: HiGHS writes it to file descriptor 1 from C++
   when the process's first model is made, whatever ``msg=False`` says, so
-  the first model is made here with that descriptor on /dev/null."""
-  import highspy
-  sys.stdout.flush()
-  try:
-    saved, null = os.dup(1), os.open(os.devnull, os.O_WRONLY)
-  except OSError:          # no descriptor 1 to print to: nothing to hide
-    return
-  try:
-    os.dup2(null, 1)
-    highspy.Highs()
-  finally:
-    os.dup2(saved, 1)
-    os.close(saved)
-    os.close(null)
+  the first model is made here with that descriptor on /dev/null (for that
+  instant, another thread's writes to it are lost too)."""
+  global _banner_done
+  with _BANNER:
+    if _banner_done:
+      return
+    _banner_done = True
+    import highspy
+    if sys.stdout is not None:
+      sys.stdout.flush()
+    try:
+      saved = os.dup(1)
+    except OSError:          # no descriptor 1 to print to: nothing to hide
+      return
+    try:
+      null = os.open(os.devnull, os.O_WRONLY)
+      try:
+        os.dup2(null, 1)
+        highspy.Highs()
+      finally:
+        os.dup2(saved, 1)
+        os.close(null)
+    finally:
+      os.close(saved)
 
 
 def moved(prob: pulp.LpProblem, expr, twins: dict):

@@ -48,6 +48,7 @@ from jax.sharding import AbstractMesh, PartitionSpec
 from autopar.runtime import base as runtime
 from autopar.runtime import data
 from autopar.errors import AutoparError, InputError, MeshError
+from autopar.runtime.host_errors import ClusterError, raised_on_host
 from autopar.runtime.host_worker import ArrayRef, HostWorker, pickled
 from autopar.frontend.pytrees import leaf_mask
 from autopar.runtime.shards import block, host_shards
@@ -60,38 +61,6 @@ _CURRENT: "RayCluster | None" = None
 _LOCK = threading.Lock()
 SMALL_BYTES = 1024     # replicated outputs up to this size come back with the call
 LIVENESS = "liveness"  # the workers' concurrency group that answers pings
-
-
-class ClusterError(AutoparError):
-  """A host worker died, failed or did not answer."""
-
-
-# The class of an exception raised on a host -> its subclass that is a
-# ClusterError too (process-wide: one per class).
-_ON_HOST: dict[type, type] = {}
-
-
-def raised_on_host(message: str, cause: BaseException) -> ClusterError:
-  """The error a call re-raises on the driver for ``cause``, an exception
-  the step's own code (a loader, say) raised on a host: a ClusterError
-  saying ``message`` that is also an instance of ``cause``'s class, so that
-  ``except ValueError:`` catches the ValueError a worker raised (the
-  worker's exception is its ``__cause__``, with its attributes); a plain
-  ClusterError where Python cannot make such a class."""
-  cls = type(cause)
-  if not isinstance(cause, Exception) or isinstance(cause, ClusterError):
-    return ClusterError(message)
-  both = _ON_HOST.get(cls)
-  if both is None:
-    try:
-      both = type(cls.__name__, (ClusterError, cls), {
-          "__init__": lambda self, m: Exception.__init__(self, m),
-          "__str__": Exception.__str__, "__module__": cls.__module__,
-          "__doc__": f"A {cls.__name__} raised on a host worker (a ClusterError too)."})
-    except TypeError:     # (a class that cannot be a base with ClusterError)
-      return ClusterError(message)
-    _ON_HOST[cls] = both
-  return both(message)
 
 
 # -- public -----------------------------------------------------------------------
