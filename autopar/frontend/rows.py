@@ -32,11 +32,11 @@ from jax.extend.core import Jaxpr, Literal, Var
 
 from autopar import jax_compat as jc
 from autopar.frontend.retype import jaxprs_in
+from autopar.frontend.trace import ROWS_NAME
 
 __all__ = ["RowDim", "Rows", "RowOracle", "ROWS_NAME", "row_mixing", "mixing_of", "where",
            "depends"]
 
-ROWS_NAME = "autopar_rows"    # the symbolic batch dimension (trace.py)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,11 +39,10 @@ from autopar.frontend.marker import grad_marker_p
 from autopar.frontend.capture import backward_p, capture_mode, forward_lin_p, forward_p
 from autopar.frontend.pytrees import Partition, mutable_args, partition, write_back
 from autopar.frontend.retype import Instantiator, jaxprs_in, without_meshes
-from autopar.frontend.rows import ROWS_NAME
 
 __all__ = ["ArgFlags", "LeafInfo", "TracedStep", "classify_args", "batch_candidates",
            "state_args",
-           "abstract_leaves", "trace_step", "check_batch_leaves", "eqns_by_path",
+           "abstract_leaves", "trace_step", "check_batch_leaves", "eqns_by_path", "ROWS_NAME",
            "region_jaxprs"]
 
 
@@ -512,6 +511,8 @@ def _in_context(mesh):
 
 
 # -- one trace for every batch size -------------------------------------------
+
+ROWS_NAME = "autopar_rows"    # the symbolic batch dimension
 
 def trace_step_any_batch(fn: Callable, args: Sequence[Any], flags: ArgFlags,
                          leaves: Sequence[LeafInfo], inputs: Partition, *,
