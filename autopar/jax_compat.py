@@ -34,6 +34,7 @@ import inspect
 import contextlib
 import os
 import sys
+import sysconfig
 import threading
 from typing import Callable, Optional, Sequence
 
@@ -220,13 +221,22 @@ def _eq(self, other):
     _deciding.busy = False
 
 
+# Where installed libraries live (and autopar): their code hashes shapes for
+# its own caches (Equinox does), which is no branch of the step's.
+_INSTALLED = tuple(sorted({JAX_SOURCE_DIR, os.path.dirname(os.path.abspath(__file__)) + os.sep,
+                           *(os.path.join(sysconfig.get_paths()[k], "")
+                             for k in ("purelib", "platlib", "stdlib"))}))
+
+
 def _hash(self):
   # A set or dict lookup (``x.shape[0] in {16, 32}``) compares by hash
-  # first, and no hash of a symbolic size equals an integer's: the step's
+  # first, and no hash of a symbolic size equals an integer's: the user's
   # own code hashing one cannot be answered, so it is refused.
   if getattr(_deciding, "deciders", None) and not getattr(_deciding, "busy", False):
     frame = _caller(2)
-    if frame is not None and not frame.f_code.co_filename.startswith(JAX_SOURCE_DIR):
+    while frame is not None and frame.f_code.co_filename.startswith("<"):
+      frame = frame.f_back      # generated code (a dataclass's __hash__): its caller's
+    if frame is not None and not frame.f_code.co_filename.startswith(_INSTALLED):
       raise _core.InconclusiveDimensionOperation(
           f"the symbolic dimension '{self}' is hashed at {frame.f_code.co_filename}:"
           f"{frame.f_lineno} (a set or dict lookup, whose answer is not known for "
@@ -243,8 +253,8 @@ def undecided_dim_equalities(decide: Callable):
   leave the question to an enclosing context's ``decide``, and then to JAX
   (unequal). Decided equalities are those of ``==`` and ``!=``; ``<`` and
   the like raise ``InconclusiveDimensionOperation`` as before, and so does
-  hashing a symbolic dimension from outside JAX (a set or dict lookup, whose
-  answer ``decide`` cannot give). No lock is held while the caller runs:
+  hashing a symbolic dimension from the user's own code, outside installed
+  packages (a set or dict lookup, whose answer ``decide`` cannot give). No lock is held while the caller runs:
   other threads see JAX's answers."""
   global _patched
   with _patch_lock:
