@@ -172,12 +172,18 @@ MAXTEXT_OVERRIDES = (
     "enable_dropout=false", "enable_checkpointing=false", "skip_jax_distributed_system=true")
 
 
+JAX_LAX = {k: getattr(jax.lax, k) for k in ("with_sharding_constraint", "top_k")}
+
+
 @pytest.fixture(scope="module")
-def maxtext(tmp_path_factory):
+def maxtext(tmp_path_factory, request):
   """MaxText's config (configs/base.yml with a tiny llama2 decoder), its
   mesh, a model maker and the batch in MaxText's keys."""
   mt = pytest.importorskip("maxtext", reason="MaxText is installed by make test "
                            "(.ci/zoo-deps.txt, Python >= 3.12)")
+  # (MaxText's tunix adapter replaces jax.lax.with_sharding_constraint and
+  # top_k for the whole process when imported: JAX's are put back after.)
+  request.addfinalizer(lambda: vars(jax.lax).update(JAX_LAX))
   from maxtext.configs import pyconfig
   from maxtext.trainers.pre_train import train
   from maxtext.utils import maxtext_utils, model_creation_utils

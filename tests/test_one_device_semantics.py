@@ -474,3 +474,24 @@ def test_a_set_lookup_of_the_batch_size_is_traced_at_each_size():
   pf = autopar.parallelize(step, method=BRANCH_METHODS["dp n=2"](), batch_argnums=(1, 2))
   with pytest.raises(autopar.InputError, match="disagree"):
     pf(*args)
+
+
+def test_a_bare_spec_hint_through_a_libraries_shim(monkeypatch):
+  """MaxText, once imported, replaces jax.lax.with_sharding_constraint with
+  a shim that reshards where JAX raises, and says a bare PartitionSpec needs
+  a mesh with a ValueError: the hint is still on the method's mesh."""
+  jax_wsc = jax.lax.with_sharding_constraint
+
+  def shim(x, shardings):                    # maxtext/integration/tunix/tunix_adapter.py
+    try:
+      return jax_wsc(x, shardings)
+    except Exception:  # noqa: BLE001 - as the library does
+      return jax.sharding.reshard(x, shardings)
+
+  monkeypatch.setattr(jax.lax, "with_sharding_constraint", shim)
+  w, x = _hinted_args()
+  ref = single_device(_hinted_step(lambda h: h))(w, x)
+  step = _hinted_step(lambda h: jax.lax.with_sharding_constraint(h, P("data", "model")))
+  p = autopar.parallelize(step, method=autopar.DataParallel(
+      mesh=mesh_of((2, 4)), num_micro_batches=2), donate_argnums=())
+  assert_trees_close(p(w, x), ref)

@@ -432,8 +432,8 @@ def trace_step(fn: Callable, args: Sequence[Any], flags: ArgFlags,
     with capture_mode():
       try:
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*abstract)
-      except RuntimeError as e:
-        if mesh is None or in_context or "mesh in context" not in str(e):
+      except (RuntimeError, ValueError) as e:
+        if mesh is None or in_context or not _wants_a_mesh(e):
           raise
         with _in_context(mesh):
           closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*abstract)
@@ -472,8 +472,8 @@ def _fails_whole(flat_fn, leaves: Sequence[LeafInfo], mesh) -> bool:
     try:
       with capture_mode(), context():
         jax.make_jaxpr(flat_fn)(*[l.abstract() for l in leaves])
-    except RuntimeError as e:
-      if "mesh in context" in str(e):
+    except (RuntimeError, ValueError) as e:
+      if _wants_a_mesh(e):
         continue
       return True
     except Exception:  # noqa: BLE001 - any failure: the step's own
@@ -501,6 +501,15 @@ def _out_path(kp, updated: Sequence[int], names: Sequence[str]) -> str:
   if kp[0].idx == 0:
     return "out" + jax.tree_util.keystr(kp[1:])
   return names[updated[kp[1].idx]] + jax.tree_util.keystr(kp[2:])
+
+
+def _wants_a_mesh(e: Exception) -> bool:
+  """Whether ``e`` says a bare PartitionSpec (a sharding hint) needs a mesh
+  in context: JAX's RuntimeError, or the ValueError of a shim that a
+  library put in place of with_sharding_constraint (MaxText's tunix adapter
+  reshards instead, once imported)."""
+  text = str(e)
+  return "mesh in context" in text or "not under a mesh context" in text
 
 
 def _in_context(mesh):
