@@ -259,7 +259,7 @@ def memory_by_kind(plan: "Plan", params: Sequence | None = None) -> dict[str, in
   other = sum(r.value.bytes_per_device(sizes) for r in other_rows(plan, params))
   rest = max(0, plan.memory_per_device - state - grads - other)
   return {"state": state, "gradients": grads, "batch and other inputs": other,
-          "the pass at its peak, partial sums": rest, "total": plan.memory_per_device}
+          "the pass at its peak and partial sums": rest, "total": plan.memory_per_device}
 
 
 def _seconds(t: float) -> str:
