@@ -12,7 +12,7 @@ Zero3Parallel  batch axes    sharded        sharded              reduce-scatter
 "optimizer state" is every other non-batch leaf. A leaf is sharded on its
 first dimension that the batch axes divide (or kept replicated if none
 does). The helpers shared with ``ShardParallel``'s planner (batch axes,
-donation pairs, stage names) are in ``shard.py``.
+donation pairs) are in ``shard.py``; the stage names in ``plan.py``.
 """
 
 from __future__ import annotations
