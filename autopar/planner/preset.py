@@ -183,7 +183,7 @@ def _priced(local, method, mesh, batch_axes, in_specs, traced, zero, collectives
             cost: MeshCost, d: int, num_grads: int = 1, num_params: int = 1,
             cost_option=None, cache: dict | None = None) -> dict:
   """The preset plan's predicted time by stage, by the model ShardParallel's
-  ILP minimises (``planner.price_layout``), so that objectives compare
+  ILP minimises (``shard.price_layout``), so that objectives compare
   across methods. ZeRO updates each device's shard of the state, which
   the ILP's space does not hold (it gathers a split leaf to use it): its
   stages are data parallelism's compute, the update's roofline over the
