@@ -2,7 +2,7 @@
 
 Alpa's two-level search, with the link between stages priced:
 
-1. **Layer costs.** Each layer is planned alone as a stage (``planner.
+1. **Layer costs.** Each layer is planned alone as a stage (``stage.
    solve_stage``, the intra-stage ILP) on every submesh shape
    (``submesh.block_shapes``) and every choice of batch axes there. Layers
    that compute alike (same stage program, same update) are solved once.
