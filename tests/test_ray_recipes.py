@@ -1,16 +1,18 @@
-"""docs/ray.md's recipes as written, on a Ray cluster of one node.
+"""docs/ray.md's recipes as written, on a Ray cluster of one node, then two.
 
 The cluster is started as the docs start it: ``ray start --head`` with its
 dashboard (``ray[default]``, which autopar's ``ray`` extra installs), token
 authentication set up first where the installed Ray has it (2.52 and later:
 ``RAY_AUTH_MODE=token`` and ``ray get-auth-token --generate``). Then
-``examples/train_gpt_ray.py --address auto --mesh 2,4`` joins it, and the
-same command goes through ``ray job submit`` to the dashboard with the job's
-Python spelled out. Everything runs in a fresh HOME and a temp dir of its
-own (``RAY_TMPDIR``), so nothing left on this machine by other runs (a token
-in ~/.ray, another cluster found by ``--address auto``) can make the recipe
-pass, and its own ports, so that clusters of other runs on the machine
-neither collide with it nor are stopped by it.
+``examples/train_gpt_ray.py --address auto --mesh 2,4`` joins it, the same
+command goes through ``ray job submit`` to the dashboard with the job's
+Python spelled out, and once a second node has joined as the several-machines
+recipe joins one, it runs again. Each node runs in a fresh HOME and a temp
+dir of its own (``RAY_TMPDIR``), so nothing left on this machine by other
+runs (a token in ~/.ray, another cluster found by ``--address auto``) can
+make the recipe pass, and on ports of its own, so that clusters of other
+runs on the machine neither collide with it nor are stopped by it (no
+``ray stop``, which would end them all).
 """
 
 from __future__ import annotations
@@ -28,8 +30,7 @@ import time
 
 import numpy as np
 import pytest
-
-ray = pytest.importorskip("ray")
+import ray
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RAY_CLI = os.path.join(os.path.dirname(sys.executable), "ray")
@@ -91,7 +92,7 @@ class Machine:
 
   def ray_start(self, *args: str) -> None:
     """``ray start ARGS --block``, returning once the node is up."""
-    _, agent = _free_ports(2)
+    (agent,) = _free_ports(1)
     self.node = subprocess.Popen(
         [RAY_CLI, "start", *args, "--block", f"--dashboard-agent-listen-port={agent}",
          "--node-ip-address=127.0.0.1", "--num-cpus=2", "--disable-usage-stats"],

@@ -63,10 +63,10 @@ def connect_ray(address: str | None, num_hosts: int | None) -> None:
            for c in causes):
       raise ClusterError(
           f"autopar.init: the Ray cluster at {address!r} refused this process's "
-          f"credentials: it uses token authentication (Ray >= 2.52; `ray start` "
-          f"turns it on where RAY_AUTH_MODE=token or a token already exists, "
-          f"e.g. the ~/.ray/auth_token a local ray.init() writes since Ray "
-          f"2.59) and RAY_AUTH_MODE is "
+          f"credentials: it uses token authentication (Ray >= 2.52: `ray "
+          f"start` turns it on where RAY_AUTH_MODE=token, and in Ray 2.60 where "
+          f"a token already exists, e.g. the ~/.ray/auth_token a local "
+          f"ray.init() writes since Ray 2.59) and RAY_AUTH_MODE is "
           f"{os.environ.get('RAY_AUTH_MODE', 'unset')!r} here. Fix: set "
           f"RAY_AUTH_MODE=token in this process's environment, with the "
           f"cluster's token in ~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or "
