@@ -1,7 +1,8 @@
 # make test: the tests on the newest supported JAX (on Python 3.12, which
 #            jax 0.12 needs; Gemma's tests included), then a quick job on the
 #            oldest (jax 0.10.2 and PuLP 3, on Python 3.11).
-# make demo: the newest environment, and the main example job.
+# make demo: the newest environment (Ray's dashboard included: autopar[ray]),
+#            and the main example job.
 #
 # The Pythons are found by .ci/find-python (on PATH, or pyenv's builds); to
 # choose them: make test PYTHON=/path/to/python3.12 OLDEST_PYTHON=/path/to/python3.11
@@ -18,18 +19,19 @@ OLDEST_PY := $(OLDEST_VENV)/bin/python
 version = $(shell $(1) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
 STAMP := $(VENV)/.autopar-installed-$(call version,$(PYTHON))
 OLDEST_STAMP := $(OLDEST_VENV)/.autopar-installed-$(call version,$(OLDEST_PYTHON))
-# The oldest job: what depends most on JAX's and PuLP's internals, and every
-# method's step against jax.jit's (test_one_device_semantics).
+# The oldest job: what depends most on JAX's and PuLP's internals, every
+# method's step against jax.jit's (test_one_device_semantics), and
+# docs/ray.md's recipes on the oldest Ray.
 QUICK_TESTS := tests/test_jax_compat.py tests/test_marker_split.py \
   tests/test_control_flow.py tests/test_primitive_rules.py tests/test_losses.py \
-  tests/test_one_device_semantics.py
+  tests/test_one_device_semantics.py tests/test_ray_recipes.py
 
 .PHONY: test lint test-newest test-oldest demo bench clean
 
 $(STAMP): setup.py .ci/gemma-deps.txt .ci/zoo-deps.txt
 	$(PYTHON) -m venv --clear $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,ray]'
 	@# Gemma and the model zoo (keras-hub, MaxText) need Python >= 3.12 (their
 	@# tests are skipped, saying so, elsewhere). What they import is resolved
 	@# first, holding the jax, jaxlib, flax and numpy just installed; the
@@ -47,7 +49,7 @@ $(STAMP): setup.py .ci/gemma-deps.txt .ci/zoo-deps.txt
 $(OLDEST_STAMP): setup.py .ci/oldest.txt
 	$(OLDEST_PYTHON) -m venv --clear $(OLDEST_VENV)
 	$(OLDEST_PY) -m pip install --quiet --upgrade pip
-	$(OLDEST_PY) -m pip install --quiet -c .ci/oldest.txt -e '.[test]'
+	$(OLDEST_PY) -m pip install --quiet -c .ci/oldest.txt -e '.[test,ray]'
 	touch $(OLDEST_STAMP)
 
 test: lint test-newest test-oldest
@@ -58,7 +60,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 test-newest: $(STAMP)
-	@$(PY) -c 'import sys, jax, pulp; print(f"tests on Python {sys.version.split()[0]}, jax {jax.__version__}, PuLP {pulp.__version__}")'
+	@$(PY) -c 'import sys, jax, pulp, ray; print(f"tests on Python {sys.version.split()[0]}, jax {jax.__version__}, PuLP {pulp.__version__}, Ray {ray.__version__}")'
 	$(PY) -m pytest -q --durations=15 tests
 
 test-oldest:
@@ -66,7 +68,7 @@ test-oldest:
 	  echo "make: no Python 3.11 found: the quick job on the oldest JAX is skipped (set OLDEST_PYTHON=)"; \
 	else \
 	  $(MAKE) --no-print-directory $(OLDEST_STAMP) && \
-	  $(OLDEST_PY) -c 'import sys, jax, pulp; print(f"quick job on Python {sys.version.split()[0]}, jax {jax.__version__}, PuLP {pulp.__version__}")' && \
+	  $(OLDEST_PY) -c 'import sys, jax, pulp, ray; print(f"quick job on Python {sys.version.split()[0]}, jax {jax.__version__}, PuLP {pulp.__version__}, Ray {ray.__version__}")' && \
 	  $(OLDEST_PY) -m pytest -q $(QUICK_TESTS); \
 	fi
 

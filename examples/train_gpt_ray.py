@@ -3,16 +3,22 @@
 On one machine (starts a local Ray instance; 2 simulated hosts x 4 CPU
 devices, gloo collectives between them):
 
-    python examples/train_gpt_ray.py --num-hosts 2 --devices-per-host 4
+    python examples/train_gpt_ray.py --num-hosts 2 --devices-per-host 4 --mesh 2,4
 
-On a cluster started with ``ray start`` (see docs/ray.md):
+On a cluster started with ``ray start`` (docs/ray.md has the whole recipe,
+token authentication included), on the head node:
 
     python examples/train_gpt_ray.py --address auto --mesh 2,4
 
-With ``ray job submit``:
+With ``ray job submit``, on the head node (the job runs the Python named):
 
-    ray job submit --address http://HEAD:8265 --working-dir . -- \\
-        python examples/train_gpt_ray.py --address auto
+    ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
+        "$PWD/.venv/bin/python" examples/train_gpt_ray.py --address auto --mesh 2,4
+
+``--mesh`` alone sizes the cluster too: a host per node (a node's GPUs
+each, or the mesh's devices split evenly over the nodes as simulated CPU
+devices: one CPU node gives one host of 8 devices for ``2,4``);
+``--num-hosts`` and ``--devices-per-host`` choose otherwise.
 
 The driver plans the step for the global mesh (its first axis spans the
 hosts), the workers compile and run it, and the state stays on the workers
@@ -21,6 +27,7 @@ between steps. A checkpoint is written every ``--checkpoint-every`` steps;
 """
 
 import argparse
+import math
 import os
 
 import flax.linen as nn
@@ -83,21 +90,26 @@ def main():
   ap.add_argument("--address", default=None, help="Ray cluster to join ('auto')")
   ap.add_argument("--num-hosts", type=int, default=None)
   ap.add_argument("--devices-per-host", type=int, default=None)
-  ap.add_argument("--mesh", default=None, help="e.g. 2,4 (default: all devices, 1-D)")
+  ap.add_argument("--mesh", default=None,
+                  help="e.g. 2,4; the cluster gets as many devices (default: all "
+                       "devices, 1-D)")
   ap.add_argument("--method", choices=["shard", "data"], default="shard")
   ap.add_argument("--steps", type=int, default=10)
   ap.add_argument("--micro-batches", type=int, default=2)
   ap.add_argument("--batch", type=int, default=32)
+  ap.add_argument("--layers", type=int, default=2, help="transformer blocks")
   ap.add_argument("--checkpoint-dir", default="/tmp/autopar_gpt_ckpt")
   ap.add_argument("--checkpoint-every", type=int, default=5)
   ap.add_argument("--resume", action="store_true")
   args = ap.parse_args()
 
+  shape = tuple(int(s) for s in args.mesh.split(",")) if args.mesh else None
   autopar.init("ray", address=args.address, num_hosts=args.num_hosts,
-               num_devices_per_host=args.devices_per_host)
+               num_devices_per_host=args.devices_per_host,
+               num_devices=math.prod(shape) if shape else None)
   try:
     total = autopar.runtime.cluster.current().num_devices
-    shape = tuple(int(s) for s in args.mesh.split(",")) if args.mesh else (total,)
+    shape = shape or (total,)
     names = ("data", "model")[:len(shape)] if len(shape) <= 2 else \
         tuple(f"axis{i}" for i in range(len(shape)))
     mesh = autopar.global_mesh(shape, names)
@@ -105,7 +117,7 @@ def main():
     step = autopar.parallelize(train_step, method=cls(
         mesh=mesh, num_micro_batches=args.micro_batches))
 
-    model = GPT()
+    model = GPT(layers=args.layers)
     data = batches(args.batch, 32, model.vocab, seed=0)
     first = next(data)
     def make_state():

@@ -167,6 +167,12 @@ def test_only_batch_shards_move_after_the_first_step(ray_cluster):
   assert moved == sum(x.nbytes for x in batch.values())   # each row once
 
 
+def test_a_mesh_of_another_size_names_init_s_num_devices(ray_cluster):
+  with pytest.raises(autopar.MeshError, match=r"\(2, 2\) has 4 devices but the Ray "
+                     r"cluster has 8 \(2 host\(s\) x 4 device\(s\)\).*num_devices=4"):
+    autopar.global_mesh((2, 2), ("data", "model"))
+
+
 @pytest.mark.parametrize("mname", ["dp", "shard", "pipeline"])
 def test_each_host_loads_its_rows_as_the_driver_would_send_them(ray_cluster, mname):
   """A DataSource in the batch's place: each host loads its own rows (a
@@ -426,3 +432,42 @@ def test_init_checks_its_timeouts():
     autopar.init("ray", step_timeout=0)
   with pytest.raises(autopar.InputError, match="timeout='soon'"):
     autopar.init("ray", timeout="soon")
+  with pytest.raises(autopar.InputError, match="num_devices=0"):
+    autopar.init("ray", num_devices=0)
+  with pytest.raises(autopar.InputError, match="num_devices_per_host=True"):
+    autopar.init("ray", num_devices_per_host=True)
+
+
+@pytest.mark.parametrize("nodes, asked, expected", [
+    # A host per node: the mesh's devices split over the CPU nodes...
+    ([0], {"num_devices": 8}, (1, 8, False)),
+    ([0, 0], {"num_devices": 8}, (2, 4, False)),
+    # ... or a node's GPUs each (fewer where the mesh is smaller).
+    ([4, 4], {"num_devices": 8}, (2, 4, True)),
+    ([8], {"num_devices": 4}, (1, 4, True)),
+    # What is given is kept; the rest follows.
+    ([0], {"num_devices": 8, "num_hosts": 2}, (2, 4, False)),
+    ([0], {"num_devices": 8, "num_devices_per_host": 2}, (4, 2, False)),
+    ([0], {"num_devices": 8, "num_hosts": 2, "num_devices_per_host": 4}, (2, 4, False)),
+    # Without num_devices, as before: the nodes, 1 CPU device or a node's GPUs.
+    ([0, 0, 0], {}, (3, 1, False)),
+    ([0], {"num_hosts": 2, "num_devices_per_host": 4}, (2, 4, False)),
+    ([2, 2], {}, (2, 2, True)),
+])
+def test_host_layout(nodes, asked, expected):
+  from autopar.runtime.hosts import host_layout
+  layout = host_layout(nodes, **asked)
+  assert (layout.num_hosts, layout.devices_per_host, layout.gpus) == expected
+
+
+@pytest.mark.parametrize("nodes, asked, message", [
+    ([0, 0, 0], {"num_devices": 8}, r"not a multiple of the cluster's 3 node\(s\)"),
+    ([0], {"num_devices": 8, "num_hosts": 3}, "not a multiple of num_hosts=3"),
+    ([4], {"num_devices": 6}, "not a multiple of a node's 4 GPUs"),
+    ([0], {"num_devices": 8, "num_hosts": 2, "num_devices_per_host": 2},
+     "2 hosts x 2 devices is 4 devices, not num_devices=8"),
+])
+def test_host_layout_names_numbers_that_do_not_fit(nodes, asked, message):
+  from autopar.runtime.hosts import host_layout
+  with pytest.raises(autopar.InputError, match=message):
+    host_layout(nodes, **asked)

@@ -49,6 +49,7 @@ from autopar.runtime import base as runtime
 from autopar.runtime import data
 from autopar.errors import AutoparError, InputError, MeshError
 from autopar.runtime.host_errors import ClusterError, raised_on_host
+from autopar.runtime.hosts import connect_ray, host_layout
 from autopar.runtime.host_worker import ArrayRef, HostWorker, pickled
 from autopar.frontend.pytrees import leaf_mask
 from autopar.runtime.shards import block, host_shards
@@ -67,41 +68,56 @@ LIVENESS = "liveness"  # the workers' concurrency group that answers pings
 
 def init(cluster: str = "local", *, address: str | None = None,
          num_hosts: int | None = None, num_devices_per_host: int | None = None,
-         timeout: float = 30.0, step_timeout: float | None = None) -> None:
+         num_devices: int | None = None, timeout: float = 30.0,
+         step_timeout: float | None = None) -> None:
   """Chooses where parallelized steps run.
 
   Args:
     cluster: ``"local"`` (this process's devices; the default) or ``"ray"``.
     address: a Ray cluster to join (``"auto"`` or ``"host:port"``); None
       starts a local Ray instance, as on one machine.
-    num_hosts: host workers to start (default: the cluster's alive nodes).
+    num_hosts: host workers to start (default: the cluster's alive nodes,
+      or ``num_devices`` over the devices per host).
     num_devices_per_host: on machines without accelerators, simulated CPU
-      devices per worker (default 1); with GPUs, GPUs per worker (default:
-      the GPUs of a node).
+      devices per worker (default: ``num_devices`` over the hosts, or 1);
+      with GPUs, GPUs per worker (default: the GPUs of a node).
+    num_devices: the devices in all, e.g. the size of the mesh to come
+      (``global_mesh((2, 4), ...)``: 8); the two above follow from it where
+      not given (``autopar.runtime.hosts`` says how: on one CPU node, one
+      host with that many devices).
     timeout: seconds a host may go without answering a liveness check before
       it is taken for dead (ClusterError naming it). A host that answers is
       waited for however long its step, or its first compile, takes.
     step_timeout: seconds one call (a step, a checkpoint) may take before
       ClusterError, even with every host alive; None (default): no limit.
+
+  Example: ``autopar.init("ray", address="auto", num_devices=8)`` on a
+  cluster started with ``ray start --head``, then
+  ``autopar.global_mesh((2, 4), ("data", "model"))``.
   """
   global _CURRENT
+  if cluster not in ("local", "ray"):
+    raise InputError(f"autopar.init: cluster={cluster!r}; expected 'local' or 'ray'.")
+  # The arguments first, whether or not a cluster is running.
+  for name, value in (("num_hosts", num_hosts), ("num_devices", num_devices),
+                      ("num_devices_per_host", num_devices_per_host)):
+    if cluster == "ray" and value is not None and (
+        isinstance(value, bool) or not isinstance(value, int) or value < 1):
+      raise InputError(f"autopar.init: {name}={value!r}; expected a positive int.")
+  for name, value in (("timeout", timeout), ("step_timeout", step_timeout)):
+    if cluster == "local" or (value is None and name == "step_timeout"):
+      continue
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+      raise InputError(f"autopar.init: {name}={value!r}; expected a positive number "
+                       f"of seconds{' or None' if name == 'step_timeout' else ''}.")
   with _LOCK:
     if _CURRENT is not None:
       raise ClusterError("autopar.init: a Ray cluster is already running. Fix: "
                          "call autopar.shutdown() first.")
     if cluster == "local":
       return
-    if cluster != "ray":
-      raise InputError(f"autopar.init: cluster={cluster!r}; expected 'local' or 'ray'.")
-    if num_hosts is not None and (not isinstance(num_hosts, int) or num_hosts < 1):
-      raise InputError(f"autopar.init: num_hosts={num_hosts!r}; expected a positive int.")
-    for name, value in (("timeout", timeout), ("step_timeout", step_timeout)):
-      if value is None and name == "step_timeout":
-        continue
-      if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise InputError(f"autopar.init: {name}={value!r}; expected a positive number "
-                         f"of seconds{' or None' if name == 'step_timeout' else ''}.")
-    c = RayCluster(address, num_hosts, num_devices_per_host, timeout, step_timeout)
+    c = RayCluster(address, num_hosts, num_devices_per_host, timeout, step_timeout,
+                   num_devices)
     try:
       c.start()
     except BaseException:
@@ -141,9 +157,17 @@ def global_mesh(shape: Sequence[int], axis_names: Sequence[str]):
   c = current()
   total = c.num_devices if c is not None else jax.device_count()
   if math.prod(shape) != total:
-    raise MeshError(f"global_mesh: shape {shape} has {math.prod(shape)} devices but "
-                    f"the cluster has {total}. Fix: use a shape whose product is "
-                    f"{total}.")
+    n = math.prod(shape)
+    if c is None:
+      raise MeshError(f"global_mesh: shape {shape} has {n} devices but this process has "
+                      f"{total}. Fix: use a shape whose product is {total}.")
+    # The cluster's size was chosen at init: say how to choose another.
+    raise MeshError(
+        f"global_mesh: shape {shape} has {n} devices but the Ray cluster has "
+        f"{total} ({c.num_hosts} host(s) x {total // c.num_hosts} device(s)). Fix: "
+        f"use a shape whose product is {total}, or start the cluster with {n} "
+        f"devices: autopar.shutdown(), then autopar.init('ray', ..., num_devices={n}) "
+        f"(num_hosts= or num_devices_per_host= choose how they split over hosts).")
   if c is not None:
     return AbstractMesh(shape, axis_names)
   return jax.make_mesh(shape, axis_names)
@@ -216,39 +240,16 @@ def _is_key(x) -> bool:
 
 # -- the cluster -------------------------------------------------------------------------
 
-def _join_ray(address: str) -> None:
-  """Connects this process to the Ray cluster at ``address``."""
-  import ray
-  try:
-    ray.init(address=address, log_to_driver=False)
-  except Exception as e:   # noqa: BLE001 - Ray wraps its errors in RuntimeError
-    causes = [e]
-    while causes[-1].__cause__ is not None:
-      causes.append(causes[-1].__cause__)
-    if any(type(c).__name__ == "AuthenticationError" or "InvalidAuthToken" in str(c)
-           for c in causes):
-      raise ClusterError(
-          f"autopar.init: the Ray cluster at {address!r} refused this process's "
-          f"credentials: it uses token authentication (the default for "
-          f"`ray start` since Ray 2.59) and RAY_AUTH_MODE is "
-          f"{os.environ.get('RAY_AUTH_MODE', 'unset')!r} here. Fix: set "
-          f"RAY_AUTH_MODE=token in this process's environment, with the "
-          f"cluster's token in ~/.ray/auth_token or RAY_AUTH_TOKEN.") from e
-    raise ClusterError(f"autopar.init: could not join the Ray cluster at "
-                       f"{address!r}: {e}. Fix: check the address (`ray status` "
-                       f"on the head node prints it) and that the cluster is "
-                       f"running.") from e
-
-
 class RayCluster(runtime.Runtime):
   """The Ray runtime: the host workers and how to reach them (made by
   :func:`init`; see ``base.py`` for the interface)."""
 
   def __init__(self, address, num_hosts, num_devices_per_host, timeout,
-               step_timeout=None):
+               step_timeout=None, num_devices=None):
     self.address = address
     self.num_hosts = num_hosts
     self.num_devices_per_host = num_devices_per_host
+    self.wanted_devices = num_devices      # init's num_devices (None: not given)
     self.timeout = timeout
     self.step_timeout = step_timeout
     self.workers: list = []
@@ -281,23 +282,15 @@ class RayCluster(runtime.Runtime):
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     if not ray.is_initialized():
-      if self.address is None:
-        # "local": a new instance of this process's own, even where a
-        # cluster started with `ray start` is (or was) running on the machine.
-        n = self.num_hosts or 1
-        ray.init(address="local", num_cpus=max(n, os.cpu_count() or 1),
-                 include_dashboard=False, log_to_driver=False)
-      else:
-        _join_ray(self.address)
+      connect_ray(self.address, self.num_hosts)
       self.started_ray = True
     nodes = [n for n in ray.nodes() if n.get("Alive")]
-    gpus = int(sum(n["Resources"].get("GPU", 0) for n in nodes))
-    if self.num_hosts is None:
-      self.num_hosts = len(nodes)
+    layout = host_layout([n["Resources"].get("GPU", 0) for n in nodes],
+                         num_hosts=self.num_hosts, num_devices=self.wanted_devices,
+                         num_devices_per_host=self.num_devices_per_host)
+    self.num_hosts, per_host, gpus = (layout.num_hosts, layout.devices_per_host,
+                                      layout.gpus)
     platform = None if gpus else "cpu"
-    per_host = self.num_devices_per_host
-    if gpus and per_host is None:
-      per_host = int(max(n["Resources"].get("GPU", 0) for n in nodes))
     bundle = {"CPU": 1, **({"GPU": per_host} if gpus else {})}
     strategy = "STRICT_SPREAD" if self.num_hosts <= len(nodes) and len(nodes) > 1 \
         else "PACK"
@@ -317,7 +310,7 @@ class RayCluster(runtime.Runtime):
     env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
     if platform == "cpu":
       env.update(JAX_PLATFORMS="cpu",
-                 XLA_FLAGS=f"--xla_force_host_platform_device_count={per_host or 1}")
+                 XLA_FLAGS=f"--xla_force_host_platform_device_count={per_host}")
       if self.num_hosts > len(nodes):
         # Several simulated hosts share a machine: one compute thread each,
         # instead of each taking every core.
