@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import threading
 from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
@@ -24,7 +25,7 @@ from autopar.text import axes_str, format_bytes, format_rows, spec_str
 
 __all__ = ["Plan", "ValuePlan", "CollectivePlan", "SolverStats", "StagePlan",
            "spec_to_json", "spec_from_json", "spec_str", "format_bytes", "PlanReader",
-           "use_reader", "plan_constraints", "grad_stage_names"]
+           "use_reader", "plan_constraints", "grad_stage_names", "SavedILPs"]
 
 
 class PlanReader(Protocol):
@@ -56,6 +57,22 @@ def _reader() -> PlanReader:
   return _READER[0]
 
 PLAN_FORMAT = 2     # 2: plans carry their fingerprint
+
+
+class SavedILPs:
+  """``Plan.replan`` of a plan read from JSON: the text of the ILPs it was
+  solved with, as ``Plan.to_json`` saved it (its ``"ilp"`` entry:
+  ``autopar.planner.solved.encode``). ``autopar.planner.replan`` reads it
+  on the plan's first ``explain`` or ``cost_if`` and keeps what it read in
+  ``read``, which every copy of the plan shares."""
+
+  def __init__(self, text: str):
+    self.text = text
+    self.read: Any = None
+    self.lock = threading.Lock()
+
+  def to_json(self) -> str:
+    return self.text
 
 
 def spec_to_json(spec: PartitionSpec | Sequence) -> list:
@@ -270,11 +287,13 @@ class Plan:
   grad_inputs: tuple[str, ...] = dataclasses.field(default=(), compare=False)
   predicted_time: Mapping[str, Any] = dataclasses.field(default_factory=dict,
                                                         compare=False)
-  # Not serialized: how to solve the plan again with pins, for explain and
-  # cost_if (an ``autopar.planner.replan.Replanner``; typed Any: the plan's data
-  # imports no planner): the ILPs the solver solved
-  # (``plan_auto`` keeps them; no arrays, no step), and a weak reference to
-  # the step (``step.plan()`` adds it).
+  # How to solve the plan again with pins, for explain and cost_if (an
+  # ``autopar.planner.replan.Replanner``; typed Any: the plan's data imports
+  # no planner): the ILPs the solver solved (``plan_auto`` keeps them; no
+  # arrays, no step), and a weak reference to the step (``step.plan()`` adds
+  # it). Saved as the ILPs' text (``to_json``'s "ilp"; a ``SavedILPs`` in a
+  # plan read back, which the planner reads on the first explain); None
+  # where no ILP chose the plan (the presets, a pipeline's stage search).
   replan: Any = dataclasses.field(default=None, compare=False, repr=False)
   # Not serialized: the structure of the inputs (a ``pytrees.Partition`` of
   # the non-static arguments) and the mesh object the plan was made for. A
@@ -375,6 +394,9 @@ class Plan:
       d["grad_inputs"] = list(self.grad_inputs)
     if self.predicted_time:
       d["predicted_time"] = {k: dict(v) for k, v in self.predicted_time.items()}
+    ilp = self.replan.to_json() if self.replan is not None else None
+    if ilp:
+      d["ilp"] = ilp
     return json.dumps(d, indent=indent)
 
   @classmethod
@@ -430,7 +452,8 @@ class Plan:
         stages=tuple(StagePlan.from_json(st) for st in d.get("stages", ())),
         schedule=d.get("schedule"), costs=dict(d.get("costs") or {}),
         grad_inputs=tuple(d.get("grad_inputs") or ()),
-        predicted_time={k: dict(v) for k, v in (d.get("predicted_time") or {}).items()})
+        predicted_time={k: dict(v) for k, v in (d.get("predicted_time") or {}).items()},
+        replan=SavedILPs(d["ilp"]) if isinstance(d.get("ilp"), str) else None)
 
   # -- reading -----------------------------------------------------------------
 

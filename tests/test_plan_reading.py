@@ -173,8 +173,6 @@ def test_cost_if_data_parallel_kernels_costs_more(megatron_by_ilp):
   assert r.after > r.before and r.change > 0
   assert any("Dense_{0..1}/kernel" in name or "Dense_0/kernel" in name
              for name, _, _ in r.diff.specs), str(r)
-  with pytest.raises(autopar.PlanError, match="does not carry"):
-    autopar.Plan.from_json(plan.to_json()).explain("*kernel")
 
 
 def test_explain_and_cost_if_after_the_step_is_gone(gpt24_planned):
@@ -208,8 +206,8 @@ def test_explain_and_cost_if_after_the_step_is_gone(gpt24_planned):
 def test_cost_if_outside_the_problems_solved_needs_the_step():
   """A spec that no problem solved while planning can give (one that needs
   the batch split over axes not tried) plans the step again while it is
-  there, and says what to do once it is gone; so does the first explain of
-  a plan read from the plan cache (it keeps no ILP)."""
+  there, and says what to do once it is gone. A plan read from the plan
+  cache reads the ILPs its JSON saved on its first explain: no step needed."""
   make_state, step, batch = transformer_setup(tx=optax.sgd(0.1), layers=1, batch=64)
   mesh = jax.sharding.AbstractMesh((2, 2), ("data", "model"))
   args = abstract(make_state, batch)
@@ -217,10 +215,10 @@ def test_cost_if_outside_the_problems_solved_needs_the_step():
   plan = pf.plan(*args)
   cached = autopar.parallelize(step, method=autopar.ShardParallel(mesh=mesh))
   again = cached.plan(*args)
-  assert again.replan.problems == ()             # (from the plan cache)
+  # (from the plan cache: its ILPs as saved, not read yet)
+  assert again.replan.problems == () and again.replan.saved is not None
   leaf = "state.params['params']['Block_0']['Dense_0']['kernel']"
   spec_of = lambda p: next(v.spec for v in p.inputs if v.name == leaf)
-  # (planned again once, for its ILPs)
   assert same_spec(again.explain(leaf).chosen, spec_of(plan))
   shape = next(v.shape for v in plan.inputs if v.name == leaf)
   outside = [s for s in enumerate_specs(shape, plan.mesh_axis_names, plan.axis_sizes)
@@ -238,9 +236,9 @@ def test_cost_if_outside_the_problems_solved_needs_the_step():
   assert plan.explain(leaf).candidates           # (its own ILPs: no step needed)
   with pytest.raises(autopar.PlanError, match="is gone"):
     plan.cost_if({leaf: outside})
-  with pytest.raises(autopar.PlanError, match="plan cache"):
-    autopar.parallelize(step, method=autopar.ShardParallel(mesh=mesh)).plan(
-        *args).explain(leaf)
+  cached = autopar.parallelize(step, method=autopar.ShardParallel(mesh=mesh)).plan(*args)
+  gc.collect()
+  assert str(cached.explain(leaf)) == str(plan.explain(leaf))
 
 
 def test_explain_the_plan_of_an_executable_after_its_step_is_gone():

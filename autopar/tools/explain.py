@@ -63,10 +63,10 @@ from autopar.text import (axes_str, canonical_str, format_bytes, format_rows,
 
 if TYPE_CHECKING:
   from autopar.plan import Plan, ValuePlan
-  from autopar.planner.shard import SolvedProblem
+  from autopar.planner.solved import SolvedProblem
 
 __all__ = ["Candidate", "Explanation", "CostIf", "explain", "cost_if",
-           "find_leaves"]
+           "find_leaves", "no_ilp"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,14 +168,35 @@ def find_leaves(plan: "Plan", pattern: str) -> list["ValuePlan"]:
 
 
 def _replanner(plan: "Plan", what: str) -> Replanner:
-  if plan.replan is None:
-    raise PlanError(
-        f"{what} solves the plan's ILP again, and this plan does not carry it (a "
-        f"plan loaded from JSON, or one a method other than ShardParallel made). Fix: "
-        f"call it on the plan from step.plan(*args) with a ShardParallel step (or "
-        f"`autopar explain plan.json PATH --step module:function --args "
-        f"module:make_args`).")
-  return plan.replan
+  r = Replanner.of(plan)
+  if r is None:
+    raise PlanError(f"{what} solves again the ILPs a plan was solved with, and "
+                    f"{no_ilp(plan)}")
+  return r
+
+
+def no_ilp(plan: "Plan") -> str:
+  """Why ``plan`` keeps no ILP to solve again, and the fix (a sentence to
+  follow "... and")."""
+  shard = ("Fix: plan the step with ShardParallel (step.plan(*args)) and explain "
+           "that plan; autopar.diff(this_plan, that_plan) compares the two under "
+           "one cost model")
+  if plan.stages:
+    return (f"this {plan.method} plan has none: its stages' specs come from the "
+            f"stage search, whose ILPs a pipeline plan does not keep. {shard}.")
+  if plan.method != "ShardParallel":
+    return (f"this {plan.method} plan has none: the method's rule gives every leaf "
+            f"its spec (the ILP only priced that layout), so there are no other "
+            f"specs to price. {shard}.")
+  if not plan.grads:
+    return ("this plan has none: its step has no grad marker, and ShardParallel "
+            "plans such a step as data parallel, without an ILP. Fix: compute the "
+            "gradients with autopar.grad or autopar.value_and_grad, and plan again.")
+  return ("this plan keeps none: it was saved without them, by an autopar from "
+          "before plans saved their ILPs in their JSON (its \"ilp\" entry). Fix: make "
+          "the plan again with this autopar (step.plan(*args), or `autopar plan`) and "
+          "save it again, or explain it with the step: `autopar explain plan.json PATH "
+          "--step module:function --args module:make_args`.")
 
 
 def _held(problem: "SolvedProblem | None", paths) -> tuple[str, ...]:
