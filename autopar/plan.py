@@ -62,17 +62,20 @@ PLAN_FORMAT = 2     # 2: plans carry their fingerprint
 class SavedILPs:
   """``Plan.replan`` of a plan read from JSON: the text of the ILPs it was
   solved with, as ``Plan.to_json`` saved it (its ``"ilp"`` entry:
-  ``autopar.planner.solved.encode``). ``autopar.planner.replan`` reads it
+  ``autopar.planner.solved.encode``), and for a plan ``cost_if`` made the
+  pins it added (``"ilp_pins"``). ``autopar.planner.replan`` reads the text
   on the plan's first ``explain`` or ``cost_if`` and keeps what it read in
   ``read``, which every copy of the plan shares."""
 
-  def __init__(self, text: str):
+  def __init__(self, text: str, pins: Mapping[str, PartitionSpec] | None = None):
     self.text = text
+    self.pins = dict(pins or {})
     self.read: Any = None
     self.lock = threading.Lock()
 
-  def to_json(self) -> str:
-    return self.text
+  def to_json(self) -> dict:
+    return {"ilp": self.text, **({"ilp_pins": {k: spec_to_json(v) for k, v in
+                                               self.pins.items()}} if self.pins else {})}
 
 
 def spec_to_json(spec: PartitionSpec | Sequence) -> list:
@@ -394,9 +397,8 @@ class Plan:
       d["grad_inputs"] = list(self.grad_inputs)
     if self.predicted_time:
       d["predicted_time"] = {k: dict(v) for k, v in self.predicted_time.items()}
-    ilp = self.replan.to_json() if self.replan is not None else None
-    if ilp:
-      d["ilp"] = ilp
+    if self.replan is not None:
+      d.update(self.replan.to_json())      # "ilp" (and "ilp_pins"), if it has them
     return json.dumps(d, indent=indent)
 
   @classmethod
@@ -453,7 +455,9 @@ class Plan:
         schedule=d.get("schedule"), costs=dict(d.get("costs") or {}),
         grad_inputs=tuple(d.get("grad_inputs") or ()),
         predicted_time={k: dict(v) for k, v in (d.get("predicted_time") or {}).items()},
-        replan=SavedILPs(d["ilp"]) if isinstance(d.get("ilp"), str) else None)
+        replan=SavedILPs(d["ilp"], {k: spec_from_json(v) for k, v in
+                                    (d.get("ilp_pins") or {}).items()})
+        if isinstance(d.get("ilp"), str) else None)
 
   # -- reading -----------------------------------------------------------------
 

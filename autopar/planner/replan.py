@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from jax.sharding import PartitionSpec
 
 from autopar.errors import PlanError
-from autopar.plan import SavedILPs
+from autopar.plan import SavedILPs, spec_to_json
 from autopar.planner.cache import planner_digest
 from autopar.planner.solved import SolvedProblem, decode, encode
 from autopar.text import axes_str
@@ -41,12 +41,15 @@ class Replanner:
       data and keeps no step alive.
     args: the step's arguments, as shapes.
     pins: the pins (path -> spec) the plan was made with.
+    added: the pins ``cost_if`` added (path -> spec), for the plan it
+      returns: solving this plan again holds them too.
   """
   problems: tuple[SolvedProblem, ...] = ()
   saved: SavedILPs | None = None
   step_ref: Callable[[], Any] | None = None
   args: tuple = ()
   pins: Mapping[str, PartitionSpec] = dataclasses.field(default_factory=dict)
+  added: Mapping[str, PartitionSpec] = dataclasses.field(default_factory=dict)
   _lock: Any = dataclasses.field(default_factory=threading.Lock, repr=False)
   _tried: bool = dataclasses.field(default=False, repr=False)
   _text: str | None = dataclasses.field(default=None, repr=False)
@@ -55,24 +58,21 @@ class Replanner:
   def of(plan: "Plan") -> "Replanner | None":
     """The plan's replanner: its own, or one of the ILPs its JSON saved
     (read once, whichever copy of the plan asks); None if it keeps none."""
-    r = plan.replan
-    if r is None or isinstance(r, Replanner):
-      return r
-    return Replanner(saved=r)
+    return _of(plan.replan)
 
   @staticmethod
   def with_step(replan, step_ref: Callable[[], Any], args: tuple,
                 pins: Mapping[str, PartitionSpec]) -> "Replanner":
     """``replan`` (a plan's: a Replanner, saved ILPs or None) with a weak
     reference to the step and its arguments (``step.plan``)."""
-    return Replanner(
-        problems=replan.problems if isinstance(replan, Replanner) else (),
-        saved=replan.saved if isinstance(replan, Replanner) else replan,
-        step_ref=step_ref, args=args, pins=pins)
+    r = _of(replan) or Replanner()
+    return Replanner(problems=r.problems, saved=r.saved, step_ref=step_ref, args=args,
+                     pins=pins, added=r.added)
 
-  def to_json(self) -> str | None:
-    """The problems as ``Plan.to_json`` saves them (``solved.encode``);
-    None if there are none."""
+  def to_json(self) -> dict:
+    """What ``Plan.to_json`` saves of it: ``"ilp"``, the problems
+    (``solved.encode``), and ``"ilp_pins"``, the pins ``cost_if`` added; {}
+    if there are no problems."""
     with self._lock:
       if self._text is None:
         if self.saved is not None and (not self.problems or
@@ -80,7 +80,20 @@ class Replanner:
           self._text = self.saved.text       # (as read: written again unchanged)
         elif self.problems:
           self._text = encode(self.problems, planner_digest())
-      return self._text
+      text = self._text
+    if text is None:
+      return {}
+    return {"ilp": text, **({"ilp_pins": {k: spec_to_json(v) for k, v in
+                                          self.added.items()}} if self.added else {})}
+
+  def what_if(self, pins: Mapping[str, PartitionSpec]) -> "Replanner":
+    """The replanner of the plan solved with ``pins`` added (``cost_if``'s):
+    the same problems, the pins held in every solve after."""
+    with self._lock:
+      text = self._text
+    return Replanner(problems=self.problems, saved=self.saved, step_ref=self.step_ref,
+                     args=self.args, pins=self.pins, added={**self.added, **pins},
+                     _text=text)
 
   @property
   def problem(self) -> "SolvedProblem | None":
@@ -147,7 +160,9 @@ class Replanner:
 
   def solve(self, pins: Mapping[str, PartitionSpec]
             ) -> "tuple[Plan, SolvedProblem | None]":
-    """:meth:`plan`, and the problem it solved (None: planned again)."""
+    """:meth:`plan` (with the pins ``added`` held too), and the problem it
+    solved (None: planned again)."""
+    pins = {**self.added, **pins}
     problems = self.solved()
     if not problems:
       return self.replan(pins), None
@@ -172,7 +187,8 @@ class Replanner:
         best = (plan, problem)
     if best is None:
       raise error
-    return best
+    plan, problem = best
+    return dataclasses.replace(plan, replan=self.what_if(pins)), problem
 
   def replan(self, pins: Mapping[str, PartitionSpec],
              why: str = "this plan keeps no ILP to solve again",
@@ -183,9 +199,17 @@ class Replanner:
     step = self.step(why, f"keep the step alive while you read the plan "
                           f"step.plan(...) returns, or {fix}")
     option = dataclasses.replace(step.method.option, plan_cache=False,
-                                 pins={**step.method.option.pin_map, **pins})
+                                 pins={**step.method.option.pin_map, **self.added,
+                                       **pins})
     return step.with_method(dataclasses.replace(step.method, option=option)).plan(
         *self.args)
+
+
+def _of(replan) -> Replanner | None:
+  """A ``Plan.replan`` value as a Replanner (:meth:`Replanner.of`)."""
+  if replan is None or isinstance(replan, Replanner):
+    return replan
+  return Replanner(saved=replan, added=replan.pins)
 
 
 def _read(saved: SavedILPs) -> tuple[SolvedProblem, ...]:

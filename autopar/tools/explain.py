@@ -308,6 +308,8 @@ def explain(plan: "Plan", pattern: str, *, max_candidates: int = 16) -> Explanat
 def _decided_by(plan, r: Replanner, leaf, candidates) -> str:
   if leaf.name in r.pins or r.problem is not None and r.problem.pinned(leaf.name):
     return "a user pin (AutoShardingOption(pins=...))"
+  if leaf.name in r.added:
+    return "a pin of plan.cost_if (this plan is the one cost_if made with it)"
   chosen = candidates[0]
   others = [c for c in candidates[1:] if c.objective is not None]
   budget = (plan.costs or {}).get("memory_budget_per_device")
