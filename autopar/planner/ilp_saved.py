@@ -60,15 +60,21 @@ class Writer:
 
   def __init__(self):
     self._avals: dict = {}
+    self._aval_ids: dict = {}
     self._specs: dict = {}
     self._spec_ids: dict = {}
     self._shared: dict = {}
 
   def aval(self, aval) -> int:
-    key = (tuple(int(d) for d in aval.shape), dtype_name(aval.dtype))
+    """An aval's number (anything with ``shape`` and ``dtype``)."""
+    hit = self._aval_ids.get(id(aval))      # (by the object first, as specs)
+    if hit is not None:
+      return hit[0]
+    key = (tuple(map(int, aval.shape)), dtype_name(aval.dtype))
     i = self._avals.get(key)
     if i is None:
       i = self._avals[key] = len(self._avals)
+    self._aval_ids[id(aval)] = (i, aval)
     return i
 
   def spec(self, spec) -> int:

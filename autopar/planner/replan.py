@@ -66,8 +66,10 @@ class Replanner:
     """``replan`` (a plan's: a Replanner, saved ILPs or None) with a weak
     reference to the step and its arguments (``step.plan``)."""
     r = _of(replan) or Replanner()
+    with r._lock:
+      text = r._text           # (written once, whichever replanner asks)
     return Replanner(problems=r.problems, saved=r.saved, step_ref=step_ref, args=args,
-                     pins=pins, added=r.added)
+                     pins=pins, added=r.added, _text=text)
 
   def to_json(self) -> dict:
     """What ``Plan.to_json`` saves of it: ``"ilp"``, the problems

@@ -581,7 +581,7 @@ def plan_template(split: SplitStep, outputs: SizedOutputs, local: SplitStep,
       prefer_reduce_scatter=bool(option.prefer_reduce_scatter),
       costs=assumed_costs(sizes, option), grad_inputs=tuple(grad_paths),
       has_marker=split.has_marker,
-      leaves=tuple((l.path, tuple(l.shape), dtype_name(l.dtype), l.is_batch)
+      leaves=tuple((l.path, tuple(map(int, l.shape)), dtype_name(l.dtype), l.is_batch)
                    for l in traced.leaves),
       read=frozenset(leaves_read_by_compute(local)),
       pins=check_pins(option.pin_map, traced.leaves, sizes) if option.pins else {},
@@ -593,7 +593,7 @@ def plan_template(split: SplitStep, outputs: SizedOutputs, local: SplitStep,
 
 
 def _aval(a) -> Aval:
-  return Aval(tuple(a.shape), dtype_name(a.dtype))
+  return Aval(tuple(map(int, a.shape)), dtype_name(a.dtype))
 
 
 def _program(jaxpr, nconst: int, num_leaves: int, keys) -> Program:
@@ -624,7 +624,7 @@ def _program(jaxpr, nconst: int, num_leaves: int, keys) -> Program:
       v = paths[i].invars[int(key.lstrip("inx"))]
       if not isinstance(v, Literal):
         shape = v.aval.shape[1:] if key.startswith("x") else v.aval.shape
-        enter.append((i, key, Aval(tuple(shape), dtype_name(v.aval.dtype))))
+        enter.append((i, key, Aval(tuple(map(int, shape)), dtype_name(v.aval.dtype))))
   return Program(len(ins), entries, tuple(enter))
 
 

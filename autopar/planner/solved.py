@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import dataclasses
+import gc
 import json
 import math
 import threading
@@ -427,10 +429,11 @@ def encode(problems: Sequence[SolvedProblem], source: str) -> str:
   docstring); ``source``: the digest of autopar's sources
   (``cache.planner_digest``)."""
   w = Writer()
-  problems = [p.to_data(w) for p in problems]
-  data = {"format": ILP_FORMAT, "autopar": __version__, "source": source,
-          "tables": w.tables(), "problems": problems}
-  raw = json.dumps(data, separators=(",", ":")).encode()
+  with _gc_paused():
+    problems = [p.to_data(w) for p in problems]
+    data = {"format": ILP_FORMAT, "autopar": __version__, "source": source,
+            "tables": w.tables(), "problems": problems}
+    raw = json.dumps(data, separators=(",", ":")).encode()
   if lzma is not None:
     # xz's preset 3 (a 4 MiB window) finds the problems' likeness to each
     # other: on the 24-layer GPT of benchmark/explain.py a third of zlib's
@@ -462,7 +465,8 @@ def decode(text: str, source: str) -> tuple[SolvedProblem, ...]:
       raw = zlib.decompress(packed)
     else:
       raise ValueError(f"unknown compression {how!r}")
-    data = json.loads(raw)
+    with _gc_paused():
+      data = json.loads(raw)
   except (binascii.Error, zlib.error, ValueError, UnicodeError,
           *((lzma.LZMAError,) if lzma is not None else ())) as e:
     raise PlanError(f"the plan's saved ILPs (its \"ilp\" entry) are corrupt "
@@ -479,7 +483,26 @@ def decode(text: str, source: str) -> tuple[SolvedProblem, ...]:
         f"here could price the pins differently from the plan. {fix}")
   try:
     r = Reader(data["tables"])
-    return tuple(SolvedProblem.from_data(p, r) for p in data["problems"])
+    with _gc_paused():
+      return tuple(SolvedProblem.from_data(p, r) for p in data["problems"])
   except (KeyError, TypeError, ValueError, IndexError) as e:
     raise PlanError(f"the plan's saved ILPs are incomplete or corrupt "
                     f"({type(e).__name__}: {e}). {fix}") from None
+
+
+@contextlib.contextmanager
+def _gc_paused():
+  """CPython's cyclic garbage collector paused while the problems are
+  written or read (as ``signature.gc_paused`` pauses it while a step is
+  planned): they are hundreds of thousands of small lists and tuples, all
+  kept, and each of the collections they set off walks the whole heap
+  again (the planner's problems and jaxprs with it), which took longer
+  than writing them."""
+  if not gc.isenabled():
+    yield
+    return
+  gc.disable()
+  try:
+    yield
+  finally:
+    gc.enable()
