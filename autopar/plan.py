@@ -358,7 +358,9 @@ class Plan:
 
   def to_json(self, indent: int | None = 1) -> str:
     """The plan as JSON text (``indent=None``: compact, and about twice as
-    fast to write for a large plan: Python's C encoder only runs unindented)."""
+    fast to write for a large plan: Python's C encoder only runs unindented),
+    with the ILPs it was solved with where it keeps them (``"ilp"``, for
+    ``explain`` and ``cost_if``; see ``replan``)."""
     specs: dict = {}       # a plan has few distinct specs: one list each
 
     def values(vs) -> list:
@@ -403,7 +405,8 @@ class Plan:
 
   @classmethod
   def from_json(cls, text: str) -> "Plan":
-    """Loads a plan written by :meth:`to_json`."""
+    """Loads a plan written by :meth:`to_json` (its ILPs, if it saved them,
+    are read on its first ``explain`` or ``cost_if``)."""
     try:
       d = json.loads(text)
     except json.JSONDecodeError as e:
@@ -478,7 +481,8 @@ class Plan:
     time and memory of the plan re-solved with it pinned; the chosen one
     marked, and what decided (``autopar/tools/explain.py``). For a plan
     ShardParallel's solver made (``step.plan(...)``, ``get_executable``),
-    which keeps its ILPs: the step may be gone."""
+    which keeps its ILPs, and for that plan read back from its JSON (or
+    from the plan cache), which keeps them too: the step may be gone."""
     return _reader().explain(self, path)
 
   def cost_if(self, pins):

@@ -42,6 +42,10 @@ results, which are the equation's outputs (a scan writes each trip's
 slice into its stacked output): remat's backward loop recomputes a layer
 there.
 
+Finding the buffers (:func:`liveness`) is the costly part and does not
+depend on the sizes; :meth:`Liveness.peaks` sizes them (a solution's own
+peak: each value's bytes per device under its spec).
+
 The program's inputs are not counted (the planners count the state and the
 batch on their own), except those named in ``gathered``: a copy made for
 the pass (ZeRO-3's gathered parameters), held from its first reader to its

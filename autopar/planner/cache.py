@@ -11,7 +11,9 @@ step is checked against the step's own fingerprint
 that says what differs, never pins put on the wrong equations.
 
 Solved plans are stored as their JSON under ``$AUTOPAR_CACHE_DIR`` (default
-``~/.cache/autopar``), in ``plans/<key>.json``; the key is a SHA-256 of the
+``~/.cache/autopar``), in ``plans/<key>.json``, the ILPs they were solved
+with included (``Plan.to_json``'s ``"ilp"``), so that a plan the cache gives
+back explains itself (``replan.py``); the key is a SHA-256 of the
 fingerprint (:func:`plan_key`). A changed model, mesh, option or autopar
 version is a new key (and so is an edited autopar: the key also digests
 autopar's own sources); nothing is ever invalidated in place. A cache file

@@ -57,11 +57,11 @@ from autopar.version import __version__
 __all__ = ["PlanTemplate", "Program", "SolvedProblem", "encode", "decode",
            "predicted_time", "spec_axes", "ILP_FORMAT"]
 
-# The version of the saved problems' layout (``encode``); a plan whose
-# problems have another is read without them (``decode`` says so).
+# The version of the saved problems' layout (``encode``): problems saved in
+# another are not read (``decode`` says so, and the fix).
 ILP_FORMAT = 1
 
-
+# No spec: what a value a solution gives no spec is made in (``Program``).
 _NONE = object()
 
 
@@ -485,7 +485,7 @@ def decode(text: str, source: str) -> tuple[SolvedProblem, ...]:
     r = Reader(data["tables"])
     with _gc_paused():
       return tuple(SolvedProblem.from_data(p, r) for p in data["problems"])
-  except (KeyError, TypeError, ValueError, IndexError) as e:
+  except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
     raise PlanError(f"the plan's saved ILPs are incomplete or corrupt "
                     f"({type(e).__name__}: {e}). {fix}") from None
 

@@ -4,21 +4,26 @@ another would cost.
 Both solve again, with leaves pinned, the ILPs the planner solved. A plan
 that ``ShardParallel``'s solver made (``step.plan(...)``,
 ``get_executable``) keeps them (``Plan.replan``: one solved problem per
-choice of batch axes tried, the plan's first, with the step's program and
-shapes; never an array, never the step), so both work after the step is
-gone, and fast: nothing is traced or built again; a pin holds the variables
-of the leaf's other choices at 0 for one solve (``ShardingProblem.
-solve_pinned``). As planning did, the cheapest of the problems that can
-hold the pins gives the answer; a problem whose objective without the pins
-is already dearer than the best found is not solved again.
+choice of batch axes tried, the plan's first, each with the template that
+turns its solutions into plans; never an array, never the step), and so
+does its JSON (``Plan.to_json``'s ``"ilp"``: ``planner/solved.py``). So
+both work after the step is gone, on a plan read with ``Plan.from_json``,
+from the plan cache or in another process, and fast: nothing is traced; a
+plan read back builds its problems again on its first ``explain`` or
+``cost_if``, as planning built them; a pin holds the variables of the
+leaf's other choices at 0 for one solve (``ShardingProblem.solve_pinned``).
+As planning did, the cheapest of the problems that can hold the pins gives
+the answer; a problem whose objective without the pins is already dearer
+than the best found is not solved again.
 
 ``explain`` does so once per spec the leaf could have and lists each
 candidate's objective split into its collectives' predicted time
 (communication) and the rest (compute, resharding and other costs), its
 memory per device, and the batch axes where they are not the plan's; the
-chosen spec is marked and the deciding term named: a user pin, the memory
-budget, cheaper communication or less compute. The numbers of each row add
-up to that solution's objective.
+chosen spec is marked and the deciding term named: a user pin, a pin of
+``cost_if`` (on the plan it returns), the memory budget, cheaper
+communication or less compute. The numbers of each row add up to that
+solution's objective.
 
 Where a pin holds:
   * a leaf's class: in a problem, the leaves of one class (the same tensor
@@ -30,10 +35,12 @@ Where a pin holds:
     without numbers ("not in the ILP"); ``cost_if`` plans the step again
     for it (every choice of batch axes, the leaf pinned alone), which needs
     the step alive.
-  * a plan read from the plan cache keeps no problem: its first ``explain``
-    or ``cost_if`` plans the step again once (without the cache) for them,
-    which needs the step too; ``AutoShardingOption(plan_cache=False)``
-    plans keep them.
+
+A plan with no problems to solve raises a ``PlanError`` that says why and
+the fix (:func:`no_ilp`): a preset's or a pipeline's plan (no ILP chose its
+specs), a step without a grad marker, a plan saved by an autopar from before
+plans saved their problems, or problems another autopar saved (their costs
+are another cost model's).
 
 Example::
 
@@ -41,6 +48,8 @@ Example::
     del step
     print(plan.explain("*layers*3*mlp_in*kernel"))
     print(plan.cost_if({"*mlp_in*kernel": P(None, "model")}))
+    again = Plan.from_json(plan.to_json())      # (in any process)
+    print(again.explain("*layers*3*mlp_in*kernel"))
 """
 
 from __future__ import annotations
