@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec
 from autopar.errors import PlanError
 from autopar.plan import SavedILPs, spec_to_json
 from autopar.planner.cache import planner_digest
-from autopar.planner.solved import SolvedProblem, decode, encode
+from autopar.planner.solved import READ_FIX, SolvedProblem, decode, encode
 from autopar.text import axes_str
 
 if TYPE_CHECKING:
@@ -130,7 +130,8 @@ class Replanner:
           raise PlanError(f"explain / cost_if: {unread}") from None
         self._tried = True
         why = ("this plan keeps no ILP to solve again" if unread is None else
-               f"this plan's saved ILPs cannot be read ({str(unread).split('. Fix')[0]})")
+               f"this plan's saved ILPs cannot be read "
+               f"({str(unread).removesuffix(' ' + READ_FIX)})")
         again = self.replan(
             {}, why, "make the plan again with this autopar (step.plan(*args) with "
             "ShardParallel) and explain that plan, or save it (Plan.to_json()) and "

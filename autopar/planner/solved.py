@@ -55,11 +55,15 @@ from autopar.plan import (CollectivePlan, Plan, SolverStats, ValuePlan, grad_sta
 from autopar.version import __version__
 
 __all__ = ["PlanTemplate", "Program", "SolvedProblem", "encode", "decode",
-           "predicted_time", "spec_axes", "ILP_FORMAT"]
+           "predicted_time", "spec_axes", "ILP_FORMAT", "READ_FIX"]
 
 # The version of the saved problems' layout (``encode``): problems saved in
 # another are not read (``decode`` says so, and the fix).
 ILP_FORMAT = 1
+
+# What every error of ``decode`` ends with.
+READ_FIX = ("Fix: make the plan again with this autopar (step.plan(*args), or "
+            "`autopar plan`) and save it again.")
 
 # No spec: what a value a solution gives no spec is made in (``Program``).
 _NONE = object()
@@ -450,8 +454,7 @@ def decode(text: str, source: str) -> tuple[SolvedProblem, ...]:
       version, or its sources: ``source`` is this one's digest), or the
       text is corrupt; the message says which and the fix.
   """
-  fix = ("Fix: make the plan again with this autopar (step.plan(*args), or "
-         "`autopar plan`) and save it again.")
+  fix = READ_FIX
   how, _, body = text.partition(":")
   if how == "xz" and lzma is None:
     raise PlanError("the plan's saved ILPs are compressed with xz, and this Python "

@@ -178,7 +178,7 @@ def find_leaves(plan: "Plan", pattern: str) -> list["ValuePlan"]:
 
 def _replanner(plan: "Plan", what: str) -> Replanner:
   r = Replanner.of(plan)
-  if r is None:
+  if r is None or not plan.grads and not r.problems:
     raise PlanError(f"{what} solves again the ILPs a plan was solved with, and "
                     f"{no_ilp(plan)}")
   return r
