@@ -1,14 +1,14 @@
-# make test: the tests on the newest supported JAX (a Python >= 3.12, which
+# make test: the tests on the newest supported JAX (on Python 3.12, which
 #            jax 0.12 needs; Gemma's tests included), then a quick job on the
 #            oldest (jax 0.10.2 and PuLP 3, on Python 3.11).
 # make demo: the newest environment, and the main example job.
 #
 # The Pythons are found by .ci/find-python (on PATH, or pyenv's builds); to
 # choose them: make test PYTHON=/path/to/python3.12 OLDEST_PYTHON=/path/to/python3.11
-# Without a Python >= 3.12 the tests run on $(FALLBACK_PYTHON), on the newest
+# Without a Python 3.12 the tests run on $(FALLBACK_PYTHON), on the newest
 # JAX it can install.
 FALLBACK_PYTHON ?= python3
-PYTHON ?= $(or $(shell .ci/find-python 3.12 3.13),$(FALLBACK_PYTHON))
+PYTHON ?= $(or $(shell .ci/find-python 3.12),$(FALLBACK_PYTHON))
 OLDEST_PYTHON ?= $(shell .ci/find-python 3.11)
 VENV ?= .venv
 OLDEST_VENV ?= .venv-oldest
@@ -18,9 +18,11 @@ OLDEST_PY := $(OLDEST_VENV)/bin/python
 version = $(shell $(1) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
 STAMP := $(VENV)/.autopar-installed-$(call version,$(PYTHON))
 OLDEST_STAMP := $(OLDEST_VENV)/.autopar-installed-$(call version,$(OLDEST_PYTHON))
-# The oldest job: what depends most on JAX's and PuLP's internals.
+# The oldest job: what depends most on JAX's and PuLP's internals, and every
+# method's step against jax.jit's (test_one_device_semantics).
 QUICK_TESTS := tests/test_jax_compat.py tests/test_marker_split.py \
-  tests/test_control_flow.py tests/test_primitive_rules.py tests/test_losses.py
+  tests/test_control_flow.py tests/test_primitive_rules.py tests/test_losses.py \
+  tests/test_one_device_semantics.py
 
 .PHONY: test lint test-newest test-oldest demo bench clean
 
@@ -57,7 +59,7 @@ lint: $(STAMP)
 
 test-newest: $(STAMP)
 	@$(PY) -c 'import sys, jax, pulp; print(f"tests on Python {sys.version.split()[0]}, jax {jax.__version__}, PuLP {pulp.__version__}")'
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 test-oldest:
 	@if [ -z "$(OLDEST_PYTHON)" ]; then \

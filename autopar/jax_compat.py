@@ -3,8 +3,8 @@
 autopar reads and writes jaxprs, registers primitives and lowers some of
 them by hand, so it needs names JAX does not promise to keep
 (``jax._src``, ``jax.interpreters``). They are imported here and only here:
-when a JAX release moves or changes one, this file changes, not the ten
-modules that use it. ``tests/test_jax_compat.py`` checks that no other
+when a JAX release moves or changes one, this file changes, not the two
+dozen modules that use it. ``tests/test_jax_compat.py`` checks that no other
 module imports them.
 
 Versions handled: jax and jaxlib 0.10.2 through 0.12.x (the range

@@ -5,7 +5,7 @@ A method says how a step is parallelized; it is passed explicitly to
 
 * :class:`ShardParallel`: the planner decides every sharding.
 * :class:`DataParallel`: the batch is split over ``batch_axes`` (all mesh axes
-  by default), parameters and optimizer state are replicated, gradients are
+  of size > 1 by default), parameters and optimizer state are replicated, gradients are
   all-reduced once per step.
 * :class:`Zero2Parallel`: as data parallel, but gradients are reduce-scattered
   and the optimizer state is sharded; parameters are all-gathered after the

@@ -38,6 +38,7 @@ class PlanReader(Protocol):
   def cost_if(self, plan: "Plan", pins: Any) -> Any: ...
   def check(self, plan: "Plan", executable: Any) -> Any: ...
   def to_html(self, plan: "Plan", title: str) -> str: ...
+  def stage_table(self, plan: "Plan") -> list[str]: ...
 
 
 # Process-wide, set once: autopar.tools registers itself when imported
@@ -121,7 +122,9 @@ class CollectivePlan:
   """A collective the plan implies.
 
   ``bytes`` is the per-device operand size; ``per_step`` how many times it
-  runs in one training step (micro-batches included).
+  runs in one training step (micro-batches included). ``submesh``: in a
+  pipeline, the shape of the stage's submesh, over whose axis sizes
+  ``axes`` run; () for the plan's whole mesh.
   """
   stage: str
   kind: str
@@ -129,14 +132,21 @@ class CollectivePlan:
   bytes: int
   per_step: int
   what: str
+  submesh: tuple[int, ...] = ()
 
   def to_json(self) -> dict:
-    return dataclasses.asdict(self) | {"axes": list(self.axes)}
+    d = dataclasses.asdict(self) | {"axes": list(self.axes)}
+    if self.submesh:
+      d["submesh"] = list(self.submesh)
+    else:
+      del d["submesh"]
+    return d
 
   @classmethod
   def from_json(cls, d: Mapping) -> "CollectivePlan":
     return cls(stage=d["stage"], kind=d["kind"], axes=tuple(d["axes"]),
-               bytes=int(d["bytes"]), per_step=int(d["per_step"]), what=d["what"])
+               bytes=int(d["bytes"]), per_step=int(d["per_step"]), what=d["what"],
+               submesh=tuple(d.get("submesh", ())))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,7 +274,7 @@ class Plan:
       axis ``alpha`` (s per collective step) and ``beta`` (s per byte).
     grad_inputs: per gradient, the path of the input it is the gradient of
       ("" if unknown), for reading the plan (``tools/groups.py``).
-    predicted_time: the objective by stage (``planner.predicted_time``):
+    predicted_time: the objective by stage (``planner.solved.predicted_time``):
       ``"gradient"`` and ``"apply"``, each {flops, memory, roofline,
       collectives, total} in seconds; what ``plan.check`` holds to the
       compiled modules. Empty where the step has no gradient marker.
@@ -335,6 +345,15 @@ class Plan:
       return {v.name: s for v, s in zip(self.inputs, leaves, strict=True)}
     part = self.in_tree
     return dataclasses.replace(part, statics=(None,) * len(part.statics)).merge(leaves)
+
+  def stage_of_inputs(self) -> dict[str, "StagePlan"]:
+    """Input name -> the pipeline stage that first holds it (``placements``);
+    empty for a plan without stages."""
+    out: dict[str, StagePlan] = {}
+    for st in self.stages:
+      for v in st.inputs:
+        out.setdefault(v.name, st)
+    return out
 
   def placements(self) -> list[tuple[int, tuple[int, ...], PartitionSpec]]:
     """Where each input (``self.inputs`` order) is placed before the first
@@ -514,19 +533,21 @@ class Plan:
     return text
 
   def stage_table(self) -> list[str]:
-    """The pipeline's stages, one row each, and its schedule (lines)."""
-    return _stage_table(self)
+    """The pipeline's stages, one row each, and its schedule (lines;
+    ``autopar/tools/summary.py``)."""
+    return _reader().stage_table(self)
 
   def full_summary(self) -> str:
     """Every input, gradient, output and hint on its own line, and every
     collective."""
     sizes = self.axis_sizes
     mesh = " x ".join(f"{n}={s}" for n, s in sizes.items())
-    lines = _stage_table(self) if self.stages else []
+    lines = self.stage_table() if self.stages else []
+    split = ("per stage (the table above)" if self.stages else
+             f"over {axes_str(self.batch_axes)}")
     lines += [
         f"autopar plan: {self.method} on mesh ({mesh}), "
-        f"{self.num_micro_batches} micro-batch(es), batch split over "
-        f"{axes_str(self.batch_axes)}",
+        f"{self.num_micro_batches} micro-batch(es), batch split {split}",
         f"objective: {self.objective:.6g} s (estimated)",
     ]
     if self.solver is not None:
@@ -539,11 +560,14 @@ class Plan:
       if s.timings:
         lines.append("planning time: " + ", ".join(
             f"{k} {v:.2f} s" for k, v in s.timings.items()))
-    for title, values in (("inputs", self.inputs), ("gradients", self.grads),
-                          ("outputs", self.outputs), ("sharding hints kept", self.hints)):
+    stage_of = self.stage_of_inputs()
+    grad_stage = {g.name: stage_of.get(p) for g, p in zip(self.grads, self.grad_inputs)}
+    for title, values, where in (
+        ("inputs", self.inputs, stage_of), ("gradients", self.grads, grad_stage),
+        ("outputs", self.outputs, {}), ("sharding hints kept", self.hints, {})):
       if values:
         lines.append("")
-        lines.extend(_table(title, values, sizes))
+        lines.extend(_table(title, values, sizes, self.stages and where))
     if self.collectives:
       lines.append("")
       lines.append("collectives per step:")
@@ -565,42 +589,30 @@ class Plan:
     return self.summary()
 
 
-def _stage_table(plan: "Plan") -> list[str]:
-  """The pipeline's stages, one row each, and its schedule."""
-  n = plan.num_micro_batches
-  S = len(plan.stages)
-  lines = [f"pipeline: {S} stage(s), schedule {plan.schedule}, {n} micro-batch(es)"]
-  rows = [("stage", "layers", "submesh", "batch axes", "t/micro-batch", "t/step",
-           "memory/device", "in flight", "sends/micro-batch", "params")]
-  for st in plan.stages:
-    shape = "x".join(map(str, st.submesh_shape))
-    params = ", ".join(st.params[:2]) + (f", ... ({len(st.params)})"
-                                         if len(st.params) > 2 else "")
-    rows.append((str(st.index), f"{st.layers[0]}-{st.layers[1] - 1}",
-                 f"{shape} @{st.submesh_offset}", axes_str(st.batch_axes),
-                 f"{st.time_per_micro_batch:.3g} s", f"{st.time_per_step:.3g} s",
-                 format_bytes(st.memory_per_device), str(st.in_flight),
-                 format_bytes(st.bytes_to_next) if st.index < S - 1 else "-", params))
-  lines.extend(format_rows(rows))
-  if plan.stages:
-    t = [st.time_per_micro_batch for st in plan.stages]
-    lines.append(f"predicted step time: {plan.objective:.6g} s = sum of stage times "
-                 f"{sum(t):.3g} s + ({n} - 1) x slowest {max(t):.3g} s + sends and "
-                 f"updates")
-  lines.append("")
-  return lines
-
-
-def _table(title: str, values: Sequence[ValuePlan], sizes) -> list[str]:
-  rows = [(title, "shape", "dtype", "spec", "bytes/device")]
-  total = 0
+def _table(title: str, values: Sequence[ValuePlan], sizes, stage_of=None) -> list[str]:
+  """One row per value and its bytes per device. In a pipeline
+  (``stage_of``: value name -> the StagePlan that holds it), a stage
+  column, bytes per device of that stage's submesh, and totals by stage."""
+  rows = [(title, "stage", "shape", "dtype", "spec", "bytes/device") if stage_of else
+          (title, "shape", "dtype", "spec", "bytes/device")]
+  totals: dict = {}
   for v in values:
-    b = v.bytes_per_device(sizes)
-    total += b
-    rows.append((v.name, str(tuple(v.shape)), v.dtype, spec_str(v.spec),
+    st = stage_of.get(v.name) if stage_of else None
+    here = sizes if st is None else dict(zip(sizes, st.submesh_shape, strict=True))
+    b = v.bytes_per_device(here)
+    key = None if st is None else st.index
+    totals[key] = totals.get(key, 0) + b
+    where = () if not stage_of else ("-" if st is None else str(st.index),)
+    rows.append((v.name, *where, str(tuple(v.shape)), v.dtype, spec_str(v.spec),
                  format_bytes(b)))
   out = format_rows(rows)
-  out.append(f"total {title}: {format_bytes(total)} per device")
+  if not stage_of:
+    out.append(f"total {title}: {format_bytes(sum(totals.values()))} per device")
+  else:
+    out.append(f"total {title} per device of each stage: " + ", ".join(
+        f"stage {k} {format_bytes(b)}" for k, b in sorted(
+            totals.items(), key=lambda kb: -1 if kb[0] is None else kb[0])
+        if k is not None) or "-")
   return out
 
 

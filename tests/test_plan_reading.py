@@ -21,8 +21,8 @@ import pytest
 import autopar
 from autopar.planner import ilp
 from autopar.costs.strategies import enumerate_specs
-from autopar.tools.groups import collapse, param_rows, path_str
-from autopar.text import canonical_str, same_spec
+from autopar.tools.groups import collapse, other_rows, param_rows, path_str
+from autopar.text import axes_str, canonical_str, same_spec
 from models import transformer_setup
 
 ADAM = optax.adam(1e-3)
@@ -341,7 +341,10 @@ def test_html_report_of_a_pipeline_shows_stages_and_schedule():
   text = plan.to_html()
   assert "Pipeline stages" in text and "Schedule (1f1b)" in text
   summary = plan.summary()
-  assert "batch split per stage" in summary and "largest stage" in summary
+  each = plan.stages[0].batch_axes
+  assert all(st.batch_axes == each for st in plan.stages)
+  assert f"batch split over {axes_str(each)} in every stage" in summary, summary
+  assert "memory per device: stage 0 " in summary and ", stage 1 " in summary
   assert "on a 1x4 submesh" in text      # stage inputs are pictured on their submesh
   assert text.count("<rect") > 8 * 2       # the stages' devices and the tasks
   with pytest.raises(autopar.PlanError, match="stage search.*Fix: plan the step with "
@@ -424,7 +427,7 @@ def test_every_cli_verb_runs(dp_and_megatron, tmp_path):
   assert r.stderr == "", r.stderr
 
 
-@pytest.mark.parametrize("tx", ["sgd", "adamw"])
+@pytest.mark.parametrize("tx", ["sgd", "adamw", "chain"])
 def test_an_nnx_steps_summary_names_its_parameters_and_their_state(tx):
   """An NNX module's leaves (``model.l1.kernel.value``) and its gradients'
   (an nnx.State: ``['l1']['kernel'].value``) spell their keys differently:
@@ -440,7 +443,9 @@ def test_an_nnx_steps_summary_names_its_parameters_and_their_state(tx):
       return self.l2(jax.nn.relu(self.l1(x)))
 
   model = Mlp(nnx.Rngs(0))
-  opt = nnx.Optimizer(model, optax.sgd(0.1) if tx == "sgd" else optax.adamw(1e-3),
+  opt = nnx.Optimizer(model, {
+      "sgd": optax.sgd(0.1), "adamw": optax.adamw(1e-3),
+      "chain": optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))}[tx],
                       wrt=nnx.Param)
 
   def step(model, opt, x, y):
@@ -458,6 +463,43 @@ def test_an_nnx_steps_summary_names_its_parameters_and_their_state(tx):
              for r in rows)
   summary = plan.summary()
   assert "parameter (under model)" in summary and "state 0 B" not in summary, summary
+
+
+def test_an_equinox_steps_summary_names_its_parameters_and_their_state():
+  """An Equinox model as an argument of its own (``model.blocks[0].weight``)
+  beside optax's state (``opt_state[0].mu.blocks[0].weight``): the arrays
+  are parameters, mu and nu their state; the batch and the count are other
+  inputs."""
+  eqx = pytest.importorskip("equinox")
+
+  class Mlp(eqx.Module):
+    layers: list
+
+    def __init__(self, key):
+      k1, k2 = jax.random.split(key)
+      self.layers = [eqx.nn.Linear(8, 16, key=k1), eqx.nn.Linear(16, 4, key=k2)]
+
+    def __call__(self, x):
+      return self.layers[1](jax.nn.relu(self.layers[0](x)))
+
+  tx = optax.adamw(1e-3)
+
+  def step(model, opt_state, x, y):
+    loss, grads = autopar.filter_value_and_grad(
+        lambda m: jnp.mean((jax.vmap(m)(x) - y) ** 2))(model)
+    updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    return eqx.apply_updates(model, updates), opt_state, loss
+
+  model = Mlp(jax.random.key(0))
+  pf = autopar.parallelize(step, method=autopar.DataParallel(
+      mesh=jax.sharding.AbstractMesh((8,), ("data",))))
+  plan = pf.plan(model, tx.init(eqx.filter(model, eqx.is_array)), jnp.ones((16, 8)),
+                 jnp.ones((16, 4)))
+  rows = param_rows(plan)
+  assert sorted(path_str(r.value.name) for r in rows) == [
+      f"model/layers/{i}/{w}" for i in (0, 1) for w in ("bias", "weight")]
+  assert all([role for role, _ in r.state] == ["mu", "nu"] for r in rows)
+  assert sorted(r.name for r in other_rows(plan, rows)) == ["opt_state/0/count", "x", "y"]
 
 
 # -- plans explain themselves: read from JSON, from the plan cache, the step gone ----

@@ -277,3 +277,49 @@ def test_report_in_a_browser(plans, tmp_path):
   result = json.loads(html.unescape(dom[start:dom.index("\"", start)]))
   assert result["texts"] >= 2 * len(plan.collectives), result
   assert not result["bad"], result["bad"]
+
+
+@pytest.fixture(scope="module")
+def pipeline_plan():
+  """A 4-layer MLP in two pipeline stages of 2 x 2 devices, the batch split
+  over "data" in each."""
+  make_state, step, batch = mlp_setup(batch=64, din=64, hidden=256, dout=64, layers=4)
+  method = autopar.PipeshardParallel(mesh=jax.make_mesh((4, 2), ("data", "model")),
+                                     num_micro_batches=4, num_stages=2)
+  return autopar.parallelize(step, method=method).plan(jax.eval_shape(make_state), batch)
+
+
+def test_pipeline_report_says_what_the_stages_do(pipeline_plan):
+  plan = pipeline_plan
+  text = plan.to_html()
+  report = _Report(text)
+  assert "batch split over (data) in every stage" in text
+  # The stage table is a table (not preformatted text), a row per stage.
+  assert "<pre>pipeline" not in text and text.count("from device ") == 2
+  collectives, memory = report.charts
+  labels = [s for _, _, s in collectives["texts"]]
+  for s in range(2):
+    assert f"stage {s} gradient sync all-reduce (data)" in labels, labels
+  assert [s for _, _, s in memory["texts"] if s.startswith("stage")] == ["stage 0",
+                                                                       "stage 1"]
+  for chart in report.charts:
+    assert not _overlaps(chart), _overlaps(chart)
+
+
+_WIDTH_PROBE = """<script>
+document.body.setAttribute("data-probe", JSON.stringify(
+    {width: document.documentElement.scrollWidth}));
+</script></body>"""
+
+
+def test_pipeline_report_fits_the_page_in_a_browser(pipeline_plan, tmp_path):
+  """At 1280 px nothing runs past the window's right edge (the stage table
+  was preformatted text as wide as its longest parameter list)."""
+  chromium = _chromium()
+  probe = tmp_path / "probe.html"
+  probe.write_text(pipeline_plan.to_html().replace("</body>", _WIDTH_PROBE))
+  dom = _run_chromium(chromium, tmp_path, "--window-size=1280,1000", "--dump-dom",
+                      probe.as_uri()).stdout
+  start = dom.index("data-probe=\"") + len("data-probe=\"")
+  result = json.loads(html.unescape(dom[start:dom.index("\"", start)]))
+  assert result["width"] <= 1280, result

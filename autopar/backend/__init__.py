@@ -10,6 +10,7 @@ outputs), each pipeline stage's forward, backward and sync on its submesh
 (``stage_executables.py``), and what a compiled stage's HLO holds: its
 collectives, flops, bytes and memory (``hlo.py``).
 
-Imports the planner, the plan and method, the costs, the front end and the
-shared leaves.
+Imports the plan and method, the costs, the front end and the shared
+leaves; not the planner (``.importlinter``: the back end compiles a plan,
+it does not make one).
 """

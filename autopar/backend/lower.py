@@ -5,7 +5,7 @@ The back end (``backend/``): (:class:`~autopar.frontend.split.SplitStep`,
 ``jax.stages.Compiled`` plus what the executor needs to call them.
 
 Gradient stages (one per micro-batch position, see
-``planner.grad_stage_names``) run the ``compute_grad`` jaxpr inside
+``plan.grad_stage_names``) run the ``compute_grad`` jaxpr inside
 ``jax.shard_map`` over the plan's batch axes, which are *manual* there; all
 other mesh axes stay under XLA's automatic partitioner. Each device thus
 computes the gradient of its own slice of the micro-batch and adds it to its

@@ -12,9 +12,11 @@ all-to-all         ``α·(p-1) + β·b(p-1)/p``
 
 ``α`` (latency, seconds) and ``β`` (seconds per byte) are per mesh axis. A
 collective over several axes uses the slowest axis's α and β, since a ring
-over them crosses that axis. On a real cluster, set the axis that spans hosts
-to the network's numbers and the axis inside a host to NVLink's (see
-``docs/cost_model.md``); the defaults treat all axes alike.
+over them crosses that axis. By default they come from the device kind
+(``devices.py``: an axis that spans hosts costs the network's numbers, one
+inside a host the node's links; the CPU kind, and an AbstractMesh with no
+kind named, treat all axes alike); they can be given per axis by hand (see
+``docs/planner.md``, "Costs: setting α and β for a real cluster").
 
 The same formulas give "bytes each device sends per step" when α = 0 and
 β = 1, which is how tests and benchmarks read communication from HLO.

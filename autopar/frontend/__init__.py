@@ -8,11 +8,11 @@ with what the rest needs to know about it: which dimensions hold the
 batch's rows (``rows.py``), how each output combines over micro-batches
 (``combine.py``), the loss's gradient as the whole batch's (``loss.py``),
 random draws per row (``rng.py``), the user's sharding hints
-(``hints.py``), repeated layers rolled into a checkpointed scan
-(``remat.py``, ``gradstack.py``), a jaxpr interpreter under pins
-(``evaluate.py``), and for pipelines the loss function captured
-(``capture.py``), its forward program ``P`` (``program.py``) and the
-stages cut out of it (``stages.py``).
+(``hints.py``), repeated layers checkpointed one by one (``remat.py``)
+and the stacked gradients a scan makes (``gradstack.py``), a jaxpr
+interpreter under pins (``evaluate.py``), the loss function captured as
+one call (``capture.py``), and for pipelines its forward program ``P``
+(``program.py``) and the stages cut out of it (``stages.py``).
 
 Imports only the shared leaves (errors, jax_compat, version, text, disk).
 """

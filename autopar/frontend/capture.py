@@ -1,11 +1,13 @@
-"""The loss function as one call in the step: what the pipeline cuts.
+"""The loss function as one call in the step.
 
-``PipeshardParallel`` cuts the forward pass of the function that
-``autopar.value_and_grad`` differentiates into stages, and differentiates
-each stage on its own (``stages.py``). To find that function's forward pass
-in the traced step, a step traced for a pipeline (:func:`capturing`) calls
-the loss function through :func:`captured`: it is traced to a jaxpr ``F``
-and bound as one primitive, ``autopar_forward``. JAX's autodiff then turns
+The function that ``autopar.value_and_grad`` differentiates must be found
+in the traced step: ``split.py`` inlines its forward pass to derive the
+loss's gradient as the whole batch's (``loss.py``), and
+``PipeshardParallel`` cuts that forward pass into stages, each
+differentiated on its own (``stages.py``). So a step that autopar traces,
+under any method (:func:`capture_mode`, in ``trace.py``), calls the loss
+function through :func:`captured`: it is traced to a jaxpr ``F`` and bound
+as one primitive, ``autopar_forward``. JAX's autodiff then turns
 its derivative into one more, ``autopar_backward``, through the rules below
 (the JVP is the linear ``autopar_forward_lin``, whose transpose is the
 backward call)::
@@ -209,13 +211,13 @@ _CAPTURE: contextvars.ContextVar = contextvars.ContextVar("autopar_capture",
 
 
 def capturing() -> bool:
-  """Whether the step is being traced for a pipeline (see :func:`captured`)."""
+  """Whether autopar is tracing a step (see :func:`captured`)."""
   return _CAPTURE.get()
 
 
 @contextlib.contextmanager
 def capture_mode(on: bool = True):
-  """While tracing a step for a pipeline: the loss function is one call."""
+  """While autopar traces a step: the loss function is one call."""
   token = _CAPTURE.set(on)
   try:
     yield

@@ -186,8 +186,8 @@ def value_and_grad(fun: Callable, argnums: Any = 0, has_aux: bool = False,
 
 def _differentiated(fun: Callable) -> Callable:
   """``fun`` as autopar differentiates it: with its repeated layers rolled
-  under ``remat="layers"`` (``remat.py``), or as one call that a pipeline
-  cuts into stages (``frontend/capture.py``)."""
+  under ``remat="layers"`` (``remat.py``), or, while autopar traces the step,
+  as one call (``frontend/capture.py``)."""
   rolled, capture = maybe_roll(fun), captured(fun)
 
   def call(*args, **kwargs):

@@ -12,7 +12,8 @@ that depend on the batch but not on the gradients (the loss, metrics, per-
 example predictions); it runs once per micro-batch. ``apply_grad`` is
 everything that produces the other outputs (the new state, anything computed
 from the gradients, anything that depends on neither); it runs once per
-step, with the marked gradients replaced by the accumulated, averaged ones.
+step, with the marked gradients replaced by the whole batch's (accumulated
+over micro-batches, summed over devices: ``loss.py``).
 Both keep the full input signature so that argument positions line up.
 
 Before / after, for ``loss, g = value_and_grad(f)(w); return w - g, loss``::

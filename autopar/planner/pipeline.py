@@ -219,6 +219,7 @@ def _plan_of(pre: Prepared, method, mesh, cut_, choices) -> Plan:
               batch_axes=(), inputs=inputs, grads=grads, outputs=(),
               memory_per_device=int(max(c.memory for c in choices)),
               objective=float(objective), stages=tuple(stage_plans),
+              collectives=tuple(c for ch in choices for c in ch.collectives),
               schedule=method.schedule, costs=assumed_costs(sizes, method.option),
               grad_inputs=tuple(grad_inputs))
 

@@ -12,7 +12,7 @@ Zero3Parallel  batch axes    sharded        sharded              reduce-scatter
 "optimizer state" is every other non-batch leaf. A leaf is sharded on its
 first dimension that the batch axes divide (or kept replicated if none
 does). The helpers shared with ``ShardParallel``'s planner (batch axes,
-donation pairs, stage names) are in ``shard.py``.
+donation pairs) are in ``shard.py``; the stage names in ``plan.py``.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def _priced(local, method, mesh, batch_axes, in_specs, traced, zero, collectives
             cost: MeshCost, d: int, num_grads: int = 1, num_params: int = 1,
             cost_option=None, cache: dict | None = None) -> dict:
   """The preset plan's predicted time by stage, by the model ShardParallel's
-  ILP minimises (``planner.price_layout``), so that objectives compare
+  ILP minimises (``shard.price_layout``), so that objectives compare
   across methods. ZeRO updates each device's shard of the state, which
   the ILP's space does not hold (it gathers a split leaf to use it): its
   stages are data parallelism's compute, the update's roofline over the

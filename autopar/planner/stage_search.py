@@ -2,7 +2,7 @@
 
 Alpa's two-level search, with the link between stages priced:
 
-1. **Layer costs.** Each layer is planned alone as a stage (``planner.
+1. **Layer costs.** Each layer is planned alone as a stage (``stage.
    solve_stage``, the intra-stage ILP) on every submesh shape
    (``submesh.block_shapes``) and every choice of batch axes there. Layers
    that compute alike (same stage program, same update) are solved once.
@@ -40,16 +40,19 @@ import math
 import time
 import warnings
 
+import jax
 import numpy as np
 
 from autopar.costs.cost_model import DEFAULT_ALPHA, DEFAULT_BETA
 from autopar.errors import InputError, PlanError
-from autopar.method import axis_sizes_of
+from autopar.method import accumulation_dtype, axis_sizes_of
+from autopar.plan import CollectivePlan
 from autopar.planner.stage import update_inputs, cut, solve_stage, stage_batch_axes
 from autopar.planner.layers import value_bytes
 from autopar.frontend.program import sizer
 from autopar.costs.submesh import block_shapes, fits, link_axis, tile
-from autopar.costs.strategies import missing_rules, to_partition_spec, warn_missing_rules
+from autopar.costs.strategies import (local_bytes, missing_rules, to_partition_spec,
+                                      warn_missing_rules)
 
 __all__ = ["search", "SearchResult", "Candidate", "StageChoice"]
 
@@ -71,6 +74,7 @@ class StageChoice:
   memory: float = 0.0
   send_bytes: float = 0.0
   send_seconds: float = 0.0
+  collectives: tuple = ()      # CollectivePlan: the pass's, the gradient sync, the update's
 
 MAX_DP_LAYERS = 32
 
@@ -322,6 +326,35 @@ def search(pre, method, mesh):
   return c, choices, result
 
 
+def _collectives(ctx, s: int, sol, solution) -> tuple[CollectivePlan, ...]:
+  """The collectives stage ``s`` runs in a step, as its ILP solution has
+  them: its pass's (each micro-batch's forward and backward), its
+  gradients' sum over its batch axes after the last micro-batch (the
+  partial sums at the accumulation dtype, ``stage_executables.sync``), and
+  its update's. Over the axes of its submesh (``CollectivePlan.submesh``)."""
+  sizes = sol.problem.sizes
+  shape = tuple(sizes.values())
+  merged: dict[tuple, float] = {}
+  for part, kind, axes, nbytes, mult in solution.collectives:
+    name = (f"stage {s} pass (each micro-batch)" if part == "compute_grad" else
+            f"stage {s} update")
+    key = (name, kind, tuple(axes), int(round(mult)))
+    merged[key] = merged.get(key, 0.0) + nbytes
+  out = [CollectivePlan(stage=k[0], kind=k[1], axes=k[2], bytes=int(b), per_step=k[3],
+                        what="activations / partial sums", submesh=shape)
+         for k, b in merged.items()]
+  batch = tuple(a for a in sol.batch_axes if sizes[a] > 1)
+  if batch and solution.grad_specs:
+    grads = sol.problem.compute.jaxpr.outvars[:len(solution.grad_specs)]
+    nbytes = sum(local_bytes(jax.ShapeDtypeStruct(v.aval.shape, accumulation_dtype(
+        v.aval.dtype, ctx.accumulate)), spec, sizes)
+        for v, spec in zip(grads, solution.grad_specs, strict=True))
+    out.append(CollectivePlan(stage=f"stage {s} gradient sync", kind="all-reduce",
+                              axes=batch, bytes=int(nbytes), per_step=1,
+                              what="gradients", submesh=shape))
+  return tuple(out)
+
+
 def _layer_note(method) -> str:
   return ("layers found: the boundaries marked with autopar.mark_pipeline_boundary()"
           if method.layers == "manual" else
@@ -349,7 +382,7 @@ def _choice(ctx, c, s, cand, sol, layers, in_flight):
     key = str(j) + ("." + rest if rest else "")
     table[key] = {o: to_partition_spec(x) for o, x in enumerate(outs)}
   mem = sol.state_bytes + in_flight * sol.residual_bytes + sol.peak_bytes
-  return StageChoice(layers=layers, offset=cand.offset, shape=tuple(cand.shape),
+  return StageChoice(collectives=_collectives(ctx, s, sol, solution),layers=layers, offset=cand.offset, shape=tuple(cand.shape),
                      batch_axes=tuple(cand.batch_axes), root_specs=root_specs,
                      leaf_specs=leaf_specs, grad_specs=grad_specs,
                      update_specs=update_specs, pins=(fwd_pins, bwd_pins),

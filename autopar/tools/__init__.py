@@ -4,7 +4,8 @@
 and optimizer state beside it, repeated layers collapsed); ``summary.py``,
 ``diff.py``, ``explain.py`` and ``report.py`` build on it; ``cli.py`` is
 the ``autopar`` command. Nothing below imports them: a ``Plan``'s reading
-methods (``summary``, ``explain``, ``cost_if``, ``check``, ``to_html``) call
+methods (``summary``, ``explain``, ``cost_if``, ``check``, ``to_html``,
+``stage_table``) call
 the reader this package registers with ``autopar.plan`` when imported.
 """
 
@@ -31,6 +32,10 @@ class Reader:
   @staticmethod
   def check(plan, executable):
     return check.check(plan, executable)
+
+  @staticmethod
+  def stage_table(plan):
+    return summary.stage_lines(plan)
 
   @staticmethod
   def to_html(plan, title):

@@ -53,12 +53,13 @@ class Row:
   value: ValuePlan                 # the parameter (or input) leaf
   grad: ValuePlan | None = None
   state: tuple[tuple[str, ValuePlan], ...] = ()     # (role, leaf)
+  stage: int | None = None         # in a pipeline: the stage that holds it
 
   @property
   def signature(self) -> tuple:
     """What must be equal for rows to share one group."""
     v = self.value
-    return (v.shape, v.dtype, canonical_str(v.spec),
+    return (self.stage, v.shape, v.dtype, canonical_str(v.spec),
             None if self.grad is None else canonical_str(self.grad.spec),
             tuple((r, canonical_str(s.spec)) for r, s in self.state))
 
@@ -89,13 +90,15 @@ def param_rows(plan: "Plan") -> list[Row]:
       params[path] = (by_name[path], grad, suffix)
   taken = set(params)
   rows = []
+  where = _stages(plan)
   for path, (leaf, grad, suffix) in params.items():
     state = []
     for v in plan.inputs:
       if v.name not in taken and ends_with_key(v.name, suffix):
         state.append((_role(v.name, suffix), v))
     taken.update(v.name for _, v in state)
-    rows.append(Row(name=path_str(path), value=leaf, grad=grad, state=tuple(state)))
+    rows.append(Row(name=path_str(path), value=leaf, grad=grad, state=tuple(state),
+                    stage=where.get(path)))
   order = {v.name: k for k, v in enumerate(plan.inputs)}
   rows.sort(key=lambda r: order[r.value.name])
   common = _common_prefix([r.name for r in rows])
@@ -116,7 +119,14 @@ def other_rows(plan: "Plan", params: Sequence[Row] | None = None) -> list[Row]:
   batch, step counters)."""
   params = param_rows(plan) if params is None else params
   taken = {r.value.name for r in params} | {v.name for r in params for _, v in r.state}
-  return [Row(name=path_str(v.name), value=v) for v in plan.inputs if v.name not in taken]
+  where = _stages(plan)
+  return [Row(name=path_str(v.name), value=v, stage=where.get(v.name))
+          for v in plan.inputs if v.name not in taken]
+
+
+def _stages(plan: "Plan") -> dict[str, int]:
+  """Input name -> the pipeline stage that holds it (empty: not a pipeline)."""
+  return {name: st.index for name, st in plan.stage_of_inputs().items()}
 
 
 def _guess(plan: "Plan", grad: "ValuePlan", suffix: str) -> str:

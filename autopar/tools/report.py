@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from autopar.runtime.schedule import Task, simulate, stage_tasks
 from autopar.tools.groups import collapse, other_rows, param_rows, params_prefix
-from autopar.tools.summary import (collective_rows, group_rows, input_sizes, memory_by_kind,
-                                   solver_lines)
+from autopar.tools.summary import (batch_split, collective_rows, group_rows, input_sizes,
+                                   memory_by_kind, solver_lines, stage_lines, stage_rows)
 from autopar.text import canonical_str, format_bytes, spec_str
 
 if TYPE_CHECKING:
@@ -199,12 +199,17 @@ def to_html(plan: "Plan", *, title: str = "autopar plan") -> str:
   mesh = " x ".join(f"{n}={s}" for n, s in sizes.items())
   micro = plan.num_micro_batches
   out.append(f"<p>{_e(plan.method)} on mesh ({_e(mesh)}), {micro} "
-             f"micro-batch{'' if micro == 1 else 'es'}, batch split over "
-             f"({_e(', '.join(plan.batch_axes))}); objective {plan.objective:.4g} s "
+             f"micro-batch{'' if micro == 1 else 'es'}, batch split "
+             f"{_e(batch_split(plan))}; objective {plan.objective:.4g} s "
              "(estimated).</p>")
   if plan.stages:
+    # The text's lines around its table (stage_lines): what a stage does,
+    # and what the step time is made of.
+    head, *_, tail, _ = stage_lines(plan)
     out.append("<h2>Pipeline stages</h2>")
-    out.append("<pre>" + _e("\n".join(plan.stage_table())) + "</pre>")
+    out.append(f"<p>{_e(head)}: {_e(' '.join(stage_lines(plan)[1:3]))}</p>")
+    out.append(_table(stage_rows(plan)))
+    out.append(f"<p>{_e(tail)}</p>")
     out.append("<h3>Stages on the mesh</h3>" + _stages_svg(plan))
     out.append(f"<h3>Schedule ({_e(plan.schedule)})</h3>" + _timeline_svg(plan))
 
@@ -213,8 +218,10 @@ def to_html(plan: "Plan", *, title: str = "autopar plan") -> str:
   over = {name: tuple(s.values()) for name, s in input_sizes(plan).items()}
   specs: dict[tuple, Any] = {}
 
-  def pic(v) -> str:
-    key = (canonical_str(v.spec), len(v.shape), over.get(v.name, shape))
+  def pic(v, holder=None) -> str:
+    # ``holder``: the input whose (sub)mesh ``v`` lies on (a gradient: its
+    # parameter's, in a pipeline its stage's submesh).
+    key = (canonical_str(v.spec), len(v.shape), over.get((holder or v).name, shape))
     if key not in pictures:
       pictures[key] = f"sharding-{len(pictures)}"
       specs[key] = v.spec
@@ -226,7 +233,7 @@ def to_html(plan: "Plan", *, title: str = "autopar plan") -> str:
   for g in params + others:
     specs_of[g.name] = [pic(g.first.value)]
     if g.first.grad is not None:
-      specs_of[g.name].append(pic(g.first.grad))
+      specs_of[g.name].append(pic(g.first.grad, g.first.value))
     specs_of[g.name] += [pic(s) for _, s in g.first.state]
   for title_, groups, is_param in (("Parameters", params, True),
                                    ("Other inputs", others, False)):
@@ -310,7 +317,8 @@ def _details(group, plan: "Plan") -> str:
   items = []
   for r in group.rows:
     for v in _values(r):
-      b = v.bytes_per_device(sizes.get(v.name, plan.axis_sizes))
+      # A gradient lies where its parameter does (a pipeline stage's submesh).
+      b = v.bytes_per_device(sizes.get(v.name, sizes.get(r.value.name, plan.axis_sizes)))
       items.append(f"<tr><td><code>{_e(v.name)}</code></td><td>{_e(spec_str(v.spec))}</td>"
                    f"<td>{_e(format_bytes(b))}</td></tr>")
   leaves = "1 leaf" if len(items) == 1 else f"{len(items)} leaves"

@@ -10,29 +10,29 @@ of every leaf (``Plan.full_summary``).
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Sequence
 
 from autopar.costs.cost_model import MeshCost
-from autopar.tools.groups import Group, collapse, other_rows, param_rows, params_prefix
+from autopar.tools.groups import (Group, collapse, collapsed_name, other_rows, param_rows,
+                                  params_prefix)
 from autopar.text import axes_str, canonical_str, format_bytes, format_rows, same_spec
 
 if TYPE_CHECKING:
   from autopar.plan import Plan
 
 __all__ = ["summary", "solver_lines", "collective_rows", "memory_by_kind", "group_rows",
-           "input_sizes"]
+           "input_sizes", "batch_split", "stage_rows", "stage_lines"]
 
 
 def summary(plan: "Plan") -> str:
   """The plan on one screen (see the module docstring)."""
   sizes = plan.axis_sizes
   mesh = " x ".join(f"{n}={s}" for n, s in sizes.items())
-  lines = plan.stage_table() if plan.stages else []
-  split = ("per stage (the table above)" if plan.stages else
-           f"over {axes_str(plan.batch_axes)}")
+  lines = stage_lines(plan) if plan.stages else []
   lines.append(f"autopar plan: {plan.method} on mesh ({mesh}), "
-               f"{plan.num_micro_batches} micro-batch(es), batch split {split}; "
-               f"objective {plan.objective:.4g} s (estimated)")
+               f"{plan.num_micro_batches} micro-batch(es), batch split "
+               f"{batch_split(plan)}; objective {plan.objective:.4g} s (estimated)")
   rows = param_rows(plan)
   params, others = collapse(rows), collapse(other_rows(plan, rows))
   if params:
@@ -53,8 +53,6 @@ def summary(plan: "Plan") -> str:
                          [(r["stage"], r["kind"], axes_str(r["axes"]), str(r["count"]),
                            format_bytes(r["bytes"]), _seconds(r["seconds"]))
                           for r in coll])
-  elif plan.stages:
-    lines.append("collectives: inside each stage's predicted time (the table above)")
   else:
     lines.append("collectives per step: none")
   lines.append("")
@@ -63,6 +61,71 @@ def summary(plan: "Plan") -> str:
       f"{k} {format_bytes(v)}" for k, v in memory.items()))
   lines += solver_lines(plan)
   return "\n".join(lines)
+
+
+def batch_split(plan: "Plan") -> str:
+  """Where the batch's rows are split: ``over (data)``; in a pipeline, each
+  stage's (``stage 0 over (data), stage 1 over (data)``), or ``over
+  (data) in every stage``."""
+  if not plan.stages:
+    return f"over {axes_str(plan.batch_axes)}"
+  each = [axes_str(st.batch_axes) for st in plan.stages]
+  if len(set(each)) == 1:
+    return f"over {each[0]} in every stage"
+  return ", ".join(f"stage {st.index} over {a}" for st, a in zip(plan.stages, each,
+                                                                 strict=True))
+
+
+def stage_rows(plan: "Plan") -> list[tuple[str, ...]]:
+  """The pipeline's stage table: a header, then one row per stage: the
+  layers it runs, the parameters they read (named short: ``Block_{0..1},
+  Embed_0 (34 leaves)``), its submesh and batch axes, its predicted times,
+  memory per device, micro-batches in flight and what it sends on."""
+  S = len(plan.stages)
+  params = param_rows(plan)
+  prefix = params_prefix(params)
+  rows = [("stage", "layers", "parameters", "submesh", "batch over", "t/micro-batch",
+           "t/step", "memory/device", "in flight", "sends/micro-batch")]
+  for st in plan.stages:
+    own = [r for r in params if r.stage == st.index]
+    tops = [r.name.split("/")[0] for r in own]
+    names = [collapsed_name(pattern, members)
+             for pattern, members in _by_pattern(tops).items()]
+    held = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    shape = "x".join(map(str, st.submesh_shape))
+    rows.append((str(st.index), f"{st.layers[0]}-{st.layers[1] - 1}",
+                 f"{held or '-'} ({len(own)}{f' under {prefix}' if prefix else ''})",
+                 f"{shape} from device {st.submesh_offset}", axes_str(st.batch_axes),
+                 _seconds(st.time_per_micro_batch), _seconds(st.time_per_step),
+                 format_bytes(st.memory_per_device), str(st.in_flight),
+                 f"{format_bytes(st.bytes_to_next)} in {_seconds(st.send_seconds)}"
+                 if st.index < S - 1 else "-"))
+  return rows
+
+
+def _by_pattern(names: Sequence[str]) -> dict[str, list[str]]:
+  """``names`` by their pattern (numbers as ``#``), in order, each once."""
+  out: dict[str, list[str]] = {}
+  for n in dict.fromkeys(names):
+    out.setdefault(re.sub(r"\d+", "#", n), []).append(n)
+  return out
+
+
+def stage_lines(plan: "Plan") -> list[str]:
+  """The stage table as text, with what the step time is made of."""
+  n, S = plan.num_micro_batches, len(plan.stages)
+  lines = [f"pipeline: {S} stage(s), schedule {plan.schedule}, {n} micro-batch(es)",
+           "each stage runs its layers' forward and backward passes for every "
+           "micro-batch on its own submesh,",
+           "then sums its gradients over its batch axes and updates its parameters"]
+  lines += format_rows(stage_rows(plan))
+  t = [st.time_per_micro_batch for st in plan.stages]
+  if t:
+    lines.append(f"predicted step time: {plan.objective:.6g} s = sum of stage times "
+                 f"{sum(t):.3g} s + ({n} - 1) x slowest {max(t):.3g} s + sends and "
+                 f"updates")
+  lines.append("")
+  return lines
 
 
 def input_sizes(plan: "Plan") -> dict[str, dict[str, int]]:
@@ -116,20 +179,26 @@ def group_rows(groups: Sequence[Group], plan: "Plan", *, params: bool,
   gradient's and its state's, and bytes per device (all copies)."""
   sizes = input_sizes(plan)
 
-  def nbytes(v) -> int:
-    return v.bytes_per_device(sizes.get(v.name, plan.axis_sizes))
+  def nbytes(v, holder) -> int:
+    # A gradient lies where its parameter (``holder``) does: in a pipeline,
+    # on the submesh of the parameter's stage.
+    return v.bytes_per_device(sizes.get(v.name, sizes.get(holder.name, plan.axis_sizes)))
   first = f"parameter (under {prefix})" if prefix else "parameter"
   if params:
     header = (first, "n", "shape", "dtype", "spec", "grad", "state", "bytes/device")
   else:
     header = ("other input", "n", "shape", "dtype", "spec", "bytes/device")
-  rows = [header]
+  staged = bool(plan.stages)     # a pipeline: which stage holds the group
+  rows = [header[:1] + ("stage",) + header[1:] if staged else header]
   for g in groups:
     r = g.first
     v = r.value
-    b = sum(nbytes(x.value) + (nbytes(x.grad) if x.grad is not None else 0) +
-            sum(nbytes(s) for _, s in x.state) for x in g.rows)
-    common = (g.name, str(len(g)), str(tuple(v.shape)), v.dtype, canonical_str(v.spec))
+    b = sum(nbytes(x.value, x.value) + (nbytes(x.grad, x.value) if x.grad is not None
+                                         else 0) +
+            sum(nbytes(s, x.value) for _, s in x.state) for x in g.rows)
+    where = (("-" if r.stage is None else str(r.stage)),) if staged else ()
+    common = (g.name, *where, str(len(g)), str(tuple(v.shape)), v.dtype,
+              canonical_str(v.spec))
     if params:
       grad = ("=" if r.grad is None or same_spec(r.grad.spec, v.spec) else
               canonical_str(r.grad.spec))
@@ -152,7 +221,14 @@ def collective_rows(plan: Plan) -> list[dict]:
   bytes per device and predicted seconds (per step, micro-batches
   included)."""
   costs = plan.costs or {}
-  cost = MeshCost(plan.axis_sizes, costs.get("alpha", {}), costs.get("beta", {}))
+  meshes: dict[tuple, MeshCost] = {}      # a pipeline stage's: over its submesh
+
+  def cost(submesh) -> MeshCost:
+    if submesh not in meshes:
+      sizes = (dict(zip(plan.mesh_axis_names, submesh, strict=True)) if submesh
+               else plan.axis_sizes)
+      meshes[submesh] = MeshCost(sizes, costs.get("alpha", {}), costs.get("beta", {}))
+    return meshes[submesh]
   out: dict[tuple, dict] = {}
   for c in plan.collectives:
     key = (c.stage, c.kind, tuple(c.axes))
@@ -160,7 +236,7 @@ def collective_rows(plan: Plan) -> list[dict]:
                              "count": 0, "bytes": 0, "seconds": 0.0})
     r["count"] += c.per_step
     r["bytes"] += c.bytes * c.per_step
-    r["seconds"] += cost.collective(c.kind, c.bytes, c.axes) * c.per_step
+    r["seconds"] += cost(tuple(c.submesh)).collective(c.kind, c.bytes, c.axes) * c.per_step
   return list(out.values())
 
 
@@ -171,10 +247,10 @@ def memory_by_kind(plan: "Plan", params: Sequence | None = None) -> dict[str, in
   gradients) and the partial sums carried between micro-batches. Where the
   pass's gradients are the step's (one micro-batch, the batch on one
   device) they are counted under "gradients" and the rest is that much
-  smaller. For a pipeline, the largest stage's total (each stage's is in
-  the stage table)."""
+  smaller. For a pipeline, each stage's total (the devices of its submesh
+  hold that stage alone; the stage table says what it holds)."""
   if plan.stages:
-    return {"largest stage": plan.memory_per_device}
+    return {f"stage {st.index}": st.memory_per_device for st in plan.stages}
   sizes = plan.axis_sizes
   params = param_rows(plan) if params is None else params
   state = sum(r.value.bytes_per_device(sizes) +
@@ -183,7 +259,7 @@ def memory_by_kind(plan: "Plan", params: Sequence | None = None) -> dict[str, in
   other = sum(r.value.bytes_per_device(sizes) for r in other_rows(plan, params))
   rest = max(0, plan.memory_per_device - state - grads - other)
   return {"state": state, "gradients": grads, "batch and other inputs": other,
-          "the pass at its peak, partial sums": rest, "total": plan.memory_per_device}
+          "the pass at its peak and partial sums": rest, "total": plan.memory_per_device}
 
 
 def _seconds(t: float) -> str:
