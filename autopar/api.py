@@ -281,12 +281,11 @@ class ParallelizedFunction:
           lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=jax.typeof(x).weak_type)
           if isinstance(x, jax.Array) else
           jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, np.ndarray) else x, args)
-      # The solver's problems where the plan keeps them (a plan the solver made),
-      # and a weak reference to the step for what that cannot answer.
-      problems = plan.replan.problems if plan.replan is not None else ()
-      plan = dataclasses.replace(plan, replan=Replanner(
-          problems=problems, step_ref=weakref.ref(self), args=tuple(shapes),
-          pins=self.method.option.pin_map))
+      # The solver's problems where the plan keeps them (a plan the solver
+      # made, or its JSON from the plan cache), and a weak reference to the
+      # step for what they cannot answer.
+      plan = dataclasses.replace(plan, replan=Replanner.with_step(
+          plan.replan, weakref.ref(self), tuple(shapes), self.method.option.pin_map))
     return plan
 
   # -- pipeline ----------------------------------------------------------------

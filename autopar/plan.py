@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import threading
 from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
@@ -24,7 +25,7 @@ from autopar.text import axes_str, format_bytes, format_rows, spec_str
 
 __all__ = ["Plan", "ValuePlan", "CollectivePlan", "SolverStats", "StagePlan",
            "spec_to_json", "spec_from_json", "spec_str", "format_bytes", "PlanReader",
-           "use_reader", "plan_constraints", "grad_stage_names"]
+           "use_reader", "plan_constraints", "grad_stage_names", "SavedILPs"]
 
 
 class PlanReader(Protocol):
@@ -57,6 +58,25 @@ def _reader() -> PlanReader:
   return _READER[0]
 
 PLAN_FORMAT = 2     # 2: plans carry their fingerprint
+
+
+class SavedILPs:
+  """``Plan.replan`` of a plan read from JSON: the text of the ILPs it was
+  solved with, as ``Plan.to_json`` saved it (its ``"ilp"`` entry:
+  ``autopar.planner.solved.encode``), and for a plan ``cost_if`` made the
+  pins it added (``"ilp_pins"``). ``autopar.planner.replan`` reads the text
+  on the plan's first ``explain`` or ``cost_if`` and keeps what it read in
+  ``read``, which every copy of the plan shares."""
+
+  def __init__(self, text: str, pins: Mapping[str, PartitionSpec] | None = None):
+    self.text = text
+    self.pins = dict(pins or {})
+    self.read: Any = None
+    self.lock = threading.Lock()
+
+  def to_json(self) -> dict:
+    return {"ilp": self.text, **({"ilp_pins": {k: spec_to_json(v) for k, v in
+                                               self.pins.items()}} if self.pins else {})}
 
 
 def spec_to_json(spec: PartitionSpec | Sequence) -> list:
@@ -254,7 +274,7 @@ class Plan:
       axis ``alpha`` (s per collective step) and ``beta`` (s per byte).
     grad_inputs: per gradient, the path of the input it is the gradient of
       ("" if unknown), for reading the plan (``tools/groups.py``).
-    predicted_time: the objective by stage (``planner.predicted_time``):
+    predicted_time: the objective by stage (``planner.solved.predicted_time``):
       ``"gradient"`` and ``"apply"``, each {flops, memory, roofline,
       collectives, total} in seconds; what ``plan.check`` holds to the
       compiled modules. Empty where the step has no gradient marker.
@@ -280,11 +300,13 @@ class Plan:
   grad_inputs: tuple[str, ...] = dataclasses.field(default=(), compare=False)
   predicted_time: Mapping[str, Any] = dataclasses.field(default_factory=dict,
                                                         compare=False)
-  # Not serialized: how to solve the plan again with pins, for explain and
-  # cost_if (an ``autopar.planner.replan.Replanner``; typed Any: the plan's data
-  # imports no planner): the ILPs the solver solved
-  # (``plan_auto`` keeps them; no arrays, no step), and a weak reference to
-  # the step (``step.plan()`` adds it).
+  # How to solve the plan again with pins, for explain and cost_if (an
+  # ``autopar.planner.replan.Replanner``; typed Any: the plan's data imports
+  # no planner): the ILPs the solver solved (``plan_auto`` keeps them; no
+  # arrays, no step), and a weak reference to the step (``step.plan()`` adds
+  # it). Saved as the ILPs' text (``to_json``'s "ilp"; a ``SavedILPs`` in a
+  # plan read back, which the planner reads on the first explain); None
+  # where no ILP chose the plan (the presets, a pipeline's stage search).
   replan: Any = dataclasses.field(default=None, compare=False, repr=False)
   # Not serialized: the structure of the inputs (a ``pytrees.Partition`` of
   # the non-static arguments) and the mesh object the plan was made for. A
@@ -355,7 +377,9 @@ class Plan:
 
   def to_json(self, indent: int | None = 1) -> str:
     """The plan as JSON text (``indent=None``: compact, and about twice as
-    fast to write for a large plan: Python's C encoder only runs unindented)."""
+    fast to write for a large plan: Python's C encoder only runs unindented),
+    with the ILPs it was solved with where it keeps them (``"ilp"``, for
+    ``explain`` and ``cost_if``; see ``replan``)."""
     specs: dict = {}       # a plan has few distinct specs: one list each
 
     def values(vs) -> list:
@@ -394,11 +418,14 @@ class Plan:
       d["grad_inputs"] = list(self.grad_inputs)
     if self.predicted_time:
       d["predicted_time"] = {k: dict(v) for k, v in self.predicted_time.items()}
+    if self.replan is not None:
+      d.update(self.replan.to_json())      # "ilp" (and "ilp_pins"), if it has them
     return json.dumps(d, indent=indent)
 
   @classmethod
   def from_json(cls, text: str) -> "Plan":
-    """Loads a plan written by :meth:`to_json`."""
+    """Loads a plan written by :meth:`to_json` (its ILPs, if it saved them,
+    are read on its first ``explain`` or ``cost_if``)."""
     try:
       d = json.loads(text)
     except json.JSONDecodeError as e:
@@ -449,7 +476,10 @@ class Plan:
         stages=tuple(StagePlan.from_json(st) for st in d.get("stages", ())),
         schedule=d.get("schedule"), costs=dict(d.get("costs") or {}),
         grad_inputs=tuple(d.get("grad_inputs") or ()),
-        predicted_time={k: dict(v) for k, v in (d.get("predicted_time") or {}).items()})
+        predicted_time={k: dict(v) for k, v in (d.get("predicted_time") or {}).items()},
+        replan=SavedILPs(d["ilp"], {k: spec_from_json(v) for k, v in
+                                    (d.get("ilp_pins") or {}).items()})
+        if isinstance(d.get("ilp"), str) else None)
 
   # -- reading -----------------------------------------------------------------
 
@@ -470,7 +500,8 @@ class Plan:
     time and memory of the plan re-solved with it pinned; the chosen one
     marked, and what decided (``autopar/tools/explain.py``). For a plan
     ShardParallel's solver made (``step.plan(...)``, ``get_executable``),
-    which keeps its ILPs: the step may be gone."""
+    which keeps its ILPs, and for that plan read back from its JSON (or
+    from the plan cache), which keeps them too: the step may be gone."""
     return _reader().explain(self, path)
 
   def cost_if(self, pins):

@@ -3,6 +3,7 @@
 import functools
 import gc
 import html.parser
+import json
 import os
 import re
 import subprocess
@@ -26,6 +27,8 @@ from models import transformer_setup
 
 ADAM = optax.adam(1e-3)
 P = jax.sharding.PartitionSpec
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(ROOT, "tests")
 
 
 def abstract(make_state, batch):
@@ -173,8 +176,6 @@ def test_cost_if_data_parallel_kernels_costs_more(megatron_by_ilp):
   assert r.after > r.before and r.change > 0
   assert any("Dense_{0..1}/kernel" in name or "Dense_0/kernel" in name
              for name, _, _ in r.diff.specs), str(r)
-  with pytest.raises(autopar.PlanError, match="does not carry"):
-    autopar.Plan.from_json(plan.to_json()).explain("*kernel")
 
 
 def test_explain_and_cost_if_after_the_step_is_gone(gpt24_planned):
@@ -208,8 +209,8 @@ def test_explain_and_cost_if_after_the_step_is_gone(gpt24_planned):
 def test_cost_if_outside_the_problems_solved_needs_the_step():
   """A spec that no problem solved while planning can give (one that needs
   the batch split over axes not tried) plans the step again while it is
-  there, and says what to do once it is gone; so does the first explain of
-  a plan read from the plan cache (it keeps no ILP)."""
+  there, and says what to do once it is gone. A plan read from the plan
+  cache reads the ILPs its JSON saved on its first explain: no step needed."""
   make_state, step, batch = transformer_setup(tx=optax.sgd(0.1), layers=1, batch=64)
   mesh = jax.sharding.AbstractMesh((2, 2), ("data", "model"))
   args = abstract(make_state, batch)
@@ -217,10 +218,10 @@ def test_cost_if_outside_the_problems_solved_needs_the_step():
   plan = pf.plan(*args)
   cached = autopar.parallelize(step, method=autopar.ShardParallel(mesh=mesh))
   again = cached.plan(*args)
-  assert again.replan.problems == ()             # (from the plan cache)
+  # (from the plan cache: its ILPs as saved, not read yet)
+  assert again.replan.problems == () and again.replan.saved is not None
   leaf = "state.params['params']['Block_0']['Dense_0']['kernel']"
   spec_of = lambda p: next(v.spec for v in p.inputs if v.name == leaf)
-  # (planned again once, for its ILPs)
   assert same_spec(again.explain(leaf).chosen, spec_of(plan))
   shape = next(v.shape for v in plan.inputs if v.name == leaf)
   outside = [s for s in enumerate_specs(shape, plan.mesh_axis_names, plan.axis_sizes)
@@ -238,9 +239,9 @@ def test_cost_if_outside_the_problems_solved_needs_the_step():
   assert plan.explain(leaf).candidates           # (its own ILPs: no step needed)
   with pytest.raises(autopar.PlanError, match="is gone"):
     plan.cost_if({leaf: outside})
-  with pytest.raises(autopar.PlanError, match="plan cache"):
-    autopar.parallelize(step, method=autopar.ShardParallel(mesh=mesh)).plan(
-        *args).explain(leaf)
+  cached = autopar.parallelize(step, method=autopar.ShardParallel(mesh=mesh)).plan(*args)
+  gc.collect()
+  assert str(cached.explain(leaf)) == str(plan.explain(leaf))
 
 
 def test_explain_the_plan_of_an_executable_after_its_step_is_gone():
@@ -346,6 +347,9 @@ def test_html_report_of_a_pipeline_shows_stages_and_schedule():
   assert "memory per device: stage 0 " in summary and ", stage 1 " in summary
   assert "on a 1x4 submesh" in text      # stage inputs are pictured on their submesh
   assert text.count("<rect") > 8 * 2       # the stages' devices and the tasks
+  with pytest.raises(autopar.PlanError, match="stage search.*Fix: plan the step with "
+                     "ShardParallel"):
+    plan.explain("*w")
 
 
 STEP = textwrap.dedent('''
@@ -364,12 +368,19 @@ STEP = textwrap.dedent('''
 ''')
 
 
-def _cli(*args, cwd, cache=None):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+def _env(cache=None) -> dict:
+  """The environment of a second process: this checkout's autopar (not an
+  installed one) and the tests' models importable, a plan cache of its own."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join([ROOT, TESTS, os.environ.get("PYTHONPATH", "")]))
   if cache is not None:
     env["AUTOPAR_CACHE_DIR"] = str(cache)
-  return subprocess.run([sys.executable, "-m", "autopar", *args], cwd=cwd, env=env,
-                        capture_output=True, text=True, timeout=300)
+  return env
+
+
+def _cli(*args, cwd, cache=None):
+  return subprocess.run([sys.executable, "-m", "autopar", *args], cwd=cwd,
+                        env=_env(cache), capture_output=True, text=True, timeout=300)
 
 
 def test_every_cli_verb_runs(dp_and_megatron, tmp_path):
@@ -489,3 +500,185 @@ def test_an_equinox_steps_summary_names_its_parameters_and_their_state():
       f"model/layers/{i}/{w}" for i in (0, 1) for w in ("bias", "weight")]
   assert all([role for role, _ in r.state] == ["mu", "nu"] for r in rows)
   assert sorted(r.name for r in other_rows(plan, rows)) == ["opt_state/0/count", "x", "y"]
+
+
+# -- plans explain themselves: read from JSON, from the plan cache, the step gone ----
+
+SMALL_LEAF = "state.params['params']['Block_1']['Dense_0']['kernel']"
+
+
+def _small_gpt():
+  """A 2-layer GPT with Adam, for an abstract 2 x 4 mesh (the step and its
+  arguments)."""
+  make_state, step, batch = transformer_setup(tx=ADAM, layers=2)
+  mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
+  return step, mesh, abstract(make_state, batch)
+
+
+@pytest.fixture(scope="module")
+def small_planned():
+  """The 2-layer GPT planned here (no plan cache), its step gone; and its
+  explanation of ``SMALL_LEAF`` and ``cost_if`` of another spec for it,
+  made from the planner's own problems."""
+  step, mesh, args = _small_gpt()
+  option = autopar.AutoShardingOption(plan_cache=False)
+  pf = autopar.parallelize(step, method=autopar.ShardParallel(mesh=mesh, option=option))
+  plan = pf.plan(*args)
+  ref = weakref.ref(pf)
+  del pf
+  gc.collect()
+  assert ref() is None
+  e = plan.explain(SMALL_LEAF)
+  other = next(c.spec for c in e.candidates
+               if c.objective is not None and not same_spec(c.spec, e.chosen))
+  return plan, e, other, plan.cost_if({SMALL_LEAF: other})
+
+
+def _explanation(e) -> dict:
+  """An explanation as data: what two equal ones share (the numbers to
+  compare up to the solver's gap)."""
+  return {"leaf": e.leaf, "chosen": canonical_str(e.chosen), "decided_by": e.decided_by,
+          "held": list(e.held), "candidates": [
+              [canonical_str(c.spec), c.note, c.error, c.objective,
+               c.communication, c.other, c.memory] for c in e.candidates]}
+
+
+def _cost_if(r) -> dict:
+  p = r.plan
+  return {"pins": {k: canonical_str(v) for k, v in r.pins.items()}, "before": r.before,
+          "after": r.after, "held": list(r.held), "diff": str(r.diff),
+          "batch_axes": list(p.batch_axes), "memory": p.memory_per_device,
+          "specs": [[v.name, canonical_str(v.spec)]
+                    for v in (*p.inputs, *p.grads, *p.outputs, *p.intermediates)],
+          "collectives": [[c.stage, c.kind, list(c.axes), c.bytes, c.per_step]
+                          for c in p.collectives]}
+
+
+def _assert_same(a: dict, b: dict) -> None:
+  """Two explanations (or cost_if results) as data are the same: every
+  field equal, the objectives up to the solver's gap."""
+  assert a.keys() == b.keys()
+  for k in a:
+    if k == "candidates":
+      assert len(a[k]) == len(b[k]), (a[k], b[k])
+      for x, y in zip(a[k], b[k]):
+        assert x[:3] == y[:3] and x[6] == y[6], (x, y)
+        if x[3] is None:
+          assert y[3] is None, (x, y)
+        else:
+          assert y[3:6] == pytest.approx(x[3:6], rel=ilp.MIP_GAP, abs=1e-12), (x, y)
+    elif k in ("before", "after"):
+      assert b[k] == pytest.approx(a[k], rel=ilp.MIP_GAP), k
+    else:
+      assert a[k] == b[k], (k, a[k], b[k])
+
+
+def test_explain_and_cost_if_of_a_plan_read_from_json(small_planned):
+  """A plan read from its JSON, with no step in sight, explains itself as
+  the plan the planner made does: its JSON keeps the ILPs it was solved
+  with, and what turns their solutions into plans."""
+  plan, fresh, other, fresh_if = small_planned
+  text = plan.to_json()
+  loaded = autopar.Plan.from_json(text)
+  assert loaded.replan is not None and loaded == plan
+  _assert_same(_explanation(fresh), _explanation(loaded.explain(SMALL_LEAF)))
+  r = loaded.cost_if({SMALL_LEAF: other})
+  _assert_same(_cost_if(fresh_if), _cost_if(r))
+  assert r.after > r.before and r.diff.specs
+  # Saved again, a plan read back keeps its ILPs as they were.
+  assert json.loads(loaded.to_json())["ilp"] == json.loads(text)["ilp"]
+  # What-if plans are plans: their JSON reads back and explains too.
+  again = autopar.Plan.from_json(r.plan.to_json())
+  assert again == r.plan and again.explain(SMALL_LEAF).candidates
+
+
+SECOND_PROCESS = textwrap.dedent('''
+    """Plans the 2-layer GPT of test_plan_reading.py (the plan cache on: it is
+    warm), drops the step, and prints the explanation and cost_if as JSON."""
+    import gc, json, sys
+    import jax, autopar, test_plan_reading as t
+
+    step, mesh, args = t._small_gpt()
+    pf = autopar.parallelize(step, method=autopar.ShardParallel(mesh=mesh))
+    plan = pf.plan(*args)
+    from_cache = plan.replan.problems == ()   # (not the planner's: the cache's)
+    del pf
+    gc.collect()
+    leaf, other = sys.argv[1], autopar.plan.spec_from_json(json.loads(sys.argv[2]))
+    print(json.dumps({"from_cache": from_cache,
+                      "explain": t._explanation(plan.explain(leaf)),
+                      "cost_if": t._cost_if(plan.cost_if({leaf: other}))}))
+''')
+
+
+def test_explain_and_cost_if_of_a_plan_a_second_process_reads_from_the_cache(
+    small_planned, tmp_path, monkeypatch):
+  """The second run of a script with a warm plan cache reads the plan, and
+  its ILPs, from the cache: explain and cost_if answer there, the step gone,
+  as they do on the plan the first run solved."""
+  _, fresh, other, _ = small_planned
+  monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path / "cache"))
+  step, mesh, args = _small_gpt()
+  pf = autopar.parallelize(step, method=autopar.ShardParallel(mesh=mesh))
+  plan = pf.plan(*args)                        # (solved here, and stored)
+  assert len(list((tmp_path / "cache" / "plans").glob("*.json"))) == 1
+  solved_here = _explanation(plan.explain(SMALL_LEAF))
+  _assert_same(_explanation(fresh), solved_here)
+  fresh_if = _cost_if(plan.cost_if({SMALL_LEAF: other}))
+  (tmp_path / "second.py").write_text(SECOND_PROCESS)
+  r = subprocess.run([sys.executable, "second.py", SMALL_LEAF,
+                      json.dumps(autopar.plan.spec_to_json(other))], cwd=tmp_path,
+                     env=_env(tmp_path / "cache"), capture_output=True, text=True,
+                     timeout=600)
+  assert r.returncode == 0, r.stderr
+  out = json.loads(r.stdout.splitlines()[-1])
+  assert out["from_cache"]
+  _assert_same(solved_here, out["explain"])
+  _assert_same(fresh_if, out["cost_if"])
+
+
+def test_cli_explains_a_saved_plan_without_the_step(small_planned, tmp_path):
+  plan, fresh, _, _ = small_planned
+  (tmp_path / "p.json").write_text(plan.to_json())
+  r = _cli("explain", "p.json", path_str(SMALL_LEAF), cwd=tmp_path)
+  assert r.returncode == 0, r.stderr
+  assert str(fresh) in r.stdout, r.stdout
+  # A plan saved without its ILPs lists the leaf, and says why and what to do.
+  old = json.loads(plan.to_json())
+  del old["ilp"]
+  (tmp_path / "old.json").write_text(json.dumps(old))
+  r = _cli("explain", "old.json", SMALL_LEAF, cwd=tmp_path)
+  assert r.returncode == 0, r.stderr
+  assert SMALL_LEAF in r.stdout and "saved without them" in r.stdout, r.stdout
+  assert "--step module:function" in r.stdout, r.stdout
+
+
+def test_a_plan_without_ilps_says_why_and_what_to_do(small_planned, dp_and_megatron):
+  """Whatever a plan cannot explain is an autopar error naming why and the
+  fix, never numbers from elsewhere."""
+  plan, _, _, _ = small_planned
+  dp, _ = dp_and_megatron
+  for p in (dp, autopar.Plan.from_json(dp.to_json())):
+    for call in (lambda: p.explain("*Dense_0/kernel"), lambda: p.cost_if({"*kernel": P()})):
+      with pytest.raises(autopar.PlanError, match="this DataParallel plan has none: "
+                         "the method's rule.*Fix: plan the step with ShardParallel"):
+        call()
+  d = json.loads(plan.to_json())
+  text = d.pop("ilp")
+  with pytest.raises(autopar.PlanError, match="saved without them.*Fix: make the plan "
+                     "again"):
+    autopar.Plan.from_json(json.dumps(d)).explain(SMALL_LEAF)
+  for bad, why in ((text[:-40], "corrupt"), ("zip:" + text[3:], "corrupt"),
+                   (_rewritten(text, autopar="0.0.1"), "written by autopar 0.0.1"),
+                   (_rewritten(text, format=0), "in format 0")):
+    with pytest.raises(autopar.PlanError, match=why + ".*Fix: make the plan again"):
+      autopar.Plan.from_json(json.dumps(d | {"ilp": bad})).cost_if({SMALL_LEAF: P()})
+
+
+def _rewritten(text: str, **changes) -> str:
+  """Saved ILPs with some of their header's entries changed."""
+  import base64
+  import lzma
+  data = json.loads(lzma.decompress(base64.b64decode(text[len("xz:"):])))
+  data.update(changes)
+  return "xz:" + base64.b64encode(lzma.compress(json.dumps(data).encode())).decode()

@@ -42,6 +42,10 @@ results, which are the equation's outputs (a scan writes each trip's
 slice into its stacked output): remat's backward loop recomputes a layer
 there.
 
+Finding the buffers (:func:`liveness`) is the costly part and does not
+depend on the sizes; :meth:`Liveness.peaks` sizes them (a solution's own
+peak: each value's bytes per device under its spec).
+
 The program's inputs are not counted (the planners count the state and the
 batch on their own), except those named in ``gathered``: a copy made for
 the pass (ZeRO-3's gathered parameters), held from its first reader to its
@@ -55,9 +59,10 @@ gradient into the partial sums, or reduce it, one trip's slice at a time
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import jax.numpy as jnp
 import numpy as np
@@ -67,7 +72,8 @@ from autopar.costs.cost_model import itemsize
 from autopar.costs.strategies.elementwise import is_elementwise
 from autopar.frontend.trace import region_jaxprs
 
-__all__ = ["liveness_peaks", "fusions", "Fusions", "relayouts", "conv_relayouts", "dot_relayouts"]
+__all__ = ["liveness_peaks", "liveness", "Liveness", "fusions", "Fusions", "relayouts",
+           "conv_relayouts", "dot_relayouts"]
 
 # The result is the operand's buffer read another way.
 VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "transpose"})
@@ -90,6 +96,93 @@ def liveness_peaks(jaxpr, k: int,
   YNNPACK reductions and operand copies for its convolutions and dots
   only on "cpu" (``devices.platform_of``).
   """
+  return liveness(jaxpr, gathered=gathered, released=released, folded=folded,
+                  platform=platform).peaks(k, size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Liveness:
+  """Where a program's buffers are held, whatever their sizes
+  (:func:`liveness`): :meth:`peaks` finds, for given sizes, the points
+  where the most bytes are held. Finding the buffers is the costly part
+  (fusion, buffer sharing); a planner that sizes the same program's values
+  once per solution keeps this and calls :meth:`peaks`.
+
+  Its values are the program's ``Var``s, or what :meth:`mapped` made of
+  them (the sharding ILP keeps its own peak's as data: ``ilp_memory.py``).
+
+  Attributes:
+    end: the number of program points (equations).
+    buffers: (value, first point, last point, whether a control-flow body
+      gives it as a result) per buffer, in the order they are made.
+    extras: (point, values held only there, the bodies of the region
+      equation there) in point order; each body is a :class:`Liveness`
+      whose values held at its own peak, less its results, are held at
+      the point while it runs (the largest body's, for a cond).
+  """
+  end: int
+  buffers: tuple[tuple[Any, int, int, bool], ...]
+  extras: tuple[tuple[int, tuple[tuple[Any, bool], ...], tuple["Liveness", ...]], ...]
+
+  def peaks(self, k: int, size: Callable[[Any], float] | None = None) -> list[list]:
+    """The values held at the ``k`` points where ``size`` (default: a
+    ``Var``'s whole bytes) adds up to the most; see :func:`liveness_peaks`."""
+    return [[v for v, _ in held] for held in self._peaks(k, size)]
+
+  def held(self, size: Callable[[Any], float] | None = None) -> list:
+    """What a control-flow body holds at its peak, less its results."""
+    return [v for v, result in self._peaks(1, size)[0] if not result]
+
+  def _peaks(self, k: int, size) -> list[list[tuple[Any, bool]]]:
+    held = size or _nbytes
+    copies: dict[int, list[tuple[Any, bool]]] = {}
+    for i, fixed, bodies in self.extras:
+      if fixed:
+        copies.setdefault(i, []).extend(fixed)
+      inner = [body.held(size) for body in bodies]
+      if inner:
+        copies.setdefault(i, []).extend(
+            (v, False) for v in max(inner, key=lambda vs: sum(map(held, vs))))
+    # The bytes held at each point: add at the start, drop after the stop.
+    delta = [0] * (self.end + 2)
+    for v, first, last, _ in self.buffers:
+      b = held(v)
+      delta[first] += b
+      delta[last + 1] -= b
+    for i, vs in copies.items():
+      delta[i] += sum(held(v) for v, _ in vs)
+      delta[i + 1] -= sum(held(v) for v, _ in vs)
+    totals, total = [], 0
+    for i in range(max(self.end, 1)):
+      total += delta[i]
+      totals.append(total)
+    peaks = heapq.nlargest(k, range(len(totals)), key=totals.__getitem__)
+    return [[(v, result) for v, first, last, result in self.buffers
+             if first <= t <= last] + copies.get(t, []) for t in peaks]
+
+  def mapped(self, fn: Callable[[Any], Any]) -> "Liveness":
+    """The same buffers with each value ``v`` as ``fn(v)``, those for which
+    it is None left out: their sizes must be 0 wherever :meth:`peaks` is
+    called, so that the peaks are the same."""
+    return Liveness(
+        self.end,
+        tuple((w, first, last, result) for v, first, last, result in self.buffers
+              if (w := fn(v)) is not None),
+        tuple((i, tuple((w, result) for v, result in fixed if (w := fn(v)) is not None),
+               tuple(body.mapped(fn) for body in bodies))
+              for i, fixed, bodies in self.extras))
+
+
+def _nbytes(v) -> int:
+  return math.prod(v.aval.shape) * itemsize(v.aval.dtype)
+
+
+def liveness(jaxpr, *, gathered: Iterable[Var] = (), released: Iterable[Var] = (),
+             folded: Iterable[Var] = (), platform: str = "cpu",
+             results: Iterable[Var] = ()) -> Liveness:
+  """The buffers of ``jaxpr`` and where they are held (see the module
+  docstring and :func:`liveness_peaks`, which takes the same arguments);
+  ``results``: the values a body gives back, marked so in the buffers."""
   eqns = jaxpr.eqns
   end = len(eqns)
   cpu = platform == "cpu"
@@ -126,34 +219,28 @@ def liveness_peaks(jaxpr, k: int,
   early = [tuple(e) for e in early] + fusions.made_broadcasts()
   released = {v for v in released if type(v) is not Literal}
   folded = set(folded)
+  results = {v for v in results if type(v) is not Literal}
   for v in outputs:
     if v not in released:
       last_use[v] = end
 
-  aval_bytes: dict = {}              # aval -> bytes (a step has few distinct avals)
-  def nbytes(v):
-    b = aval_bytes.get(v.aval)
-    if b is None:
-      b = aval_bytes[v.aval] = math.prod(v.aval.shape) * itemsize(v.aval.dtype)
-    return b
-
-  copies: dict[int, list[Var]] = {}  # point -> values held only there
+  extras = []
   for i, eqn in enumerate(eqns):
+    fixed = ()
     if cpu and eqn.primitive.name == "conv_general_dilated":
       # A result not in the convolution's order is written to a copy.
-      out = [v for v in conv_relayouts(eqn) if v is eqn.outvars[0] and v in last_use]
-      if out:
-        copies.setdefault(i, []).extend(out)
+      fixed = tuple((v, v in results) for v in conv_relayouts(eqn)
+                    if v is eqn.outvars[0] and v in last_use)
     # A loop's or branch's body holds its own values while it runs; its
     # results are the equation's (a scan's slices of its stacked outputs),
     # counted here already.
     bodies = region_jaxprs(eqn)
     if eqn.primitive.name == "while":
       bodies = bodies[1:]               # its cond's values are few and brief
-    inner = [_body_held(sub, size, platform) for sub in bodies]
-    if inner:
-      copies.setdefault(i, []).extend(
-          max(inner, key=lambda vs: sum(map(size or nbytes, vs))))
+    inner = tuple(liveness(sub, released=sub.outvars, platform=platform,
+                           results=sub.outvars) for sub in bodies)
+    if fixed or inner:
+      extras.append((i, fixed, inner))
 
   # Buffers by the value that made them: their first and last point.
   owner: dict[Var, Var] = {}         # value -> the value whose buffer it is in
@@ -184,7 +271,7 @@ def liveness_peaks(jaxpr, k: int,
         for v in reads[i]:
           b = owner.get(v)
           if b is not None and b not in taken and stop[b] == i and \
-              nbytes(b) == nbytes(o):
+              _nbytes(b) == _nbytes(o):
             buf = b
             break
       if buf is None:
@@ -197,36 +284,9 @@ def liveness_peaks(jaxpr, k: int,
 
   # Copies and broadcasts XLA makes, each a buffer of the shape of the
   # value that stands for it in the result.
-  stands_for: dict[Var, Var] = {}
-  for v, first, last in early:
-    b = Var(v.aval)
-    stands_for[b] = v
-    start[b], stop[b] = first, last
-
-  # The bytes held at each point: add at the start, drop after the stop.
-  held = nbytes if size is None else lambda b: size(stands_for.get(b, b))
-  delta = [0] * (end + 2)
-  for b in start:
-    delta[start[b]] += held(b)
-    delta[stop[b] + 1] -= held(b)
-  for i, vs in copies.items():
-    delta[i] += sum(held(v) for v in vs)
-    delta[i + 1] -= sum(held(v) for v in vs)
-  totals, total = [], 0
-  for i in range(max(end, 1)):
-    total += delta[i]
-    totals.append(total)
-  peaks = heapq.nlargest(k, range(len(totals)), key=totals.__getitem__)
-  return [[stands_for.get(b, b) for b in start if start[b] <= t <= stop[b]] +
-          copies.get(t, []) for t in peaks]
-
-
-def _body_held(jaxpr, size, platform: str = "cpu") -> list[Var]:
-  """What a control-flow body holds at its peak, less its results."""
-  results = {v for v in jaxpr.outvars if type(v) is not Literal}
-  return [v for v in liveness_peaks(jaxpr, k=1, released=jaxpr.outvars, size=size,
-                                    platform=platform)[0]
-          if v not in results]
+  buffers = [(b, start[b], stop[b], b in results) for b in start]
+  buffers += [(v, first, last, v in results) for v, first, last in early]
+  return Liveness(end, tuple(buffers), tuple(extras))
 
 
 def fusible(eqn) -> bool:

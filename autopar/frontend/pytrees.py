@@ -25,6 +25,7 @@ arguments, whose values after the step are returned with its results, and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import sys
 from typing import Any, Sequence
@@ -166,9 +167,13 @@ _KEY = re.compile(r"\['((?:[^'\\]|\\.)*)'\]|\[\"((?:[^\"\\]|\\.)*)\"\]|\[([^\]]*
                   r"|\.([A-Za-z_]\w*)|^([A-Za-z_]\w*)")
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def key_parts(path: str) -> tuple[str, ...]:
   """The keys of a pytree key path, however each is spelled:
-  ``"s.params['w'][0]"`` -> ``("s", "params", "w", "0")``."""
+  ``"s.params['w'][0]"`` -> ``("s", "params", "w", "0")``. Cached: reading
+  a plan matches every state leaf's path against every gradient's
+  (``tools/groups.py``, ``shard.grad_inputs``), a million calls for a
+  24-layer GPT."""
   return tuple(next(g for g in m.groups() if g is not None) for m in _KEY.finditer(path))
 
 

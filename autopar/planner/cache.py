@@ -11,7 +11,9 @@ step is checked against the step's own fingerprint
 that says what differs, never pins put on the wrong equations.
 
 Solved plans are stored as their JSON under ``$AUTOPAR_CACHE_DIR`` (default
-``~/.cache/autopar``), in ``plans/<key>.json``; the key is a SHA-256 of the
+``~/.cache/autopar``), in ``plans/<key>.json``, the ILPs they were solved
+with included (``Plan.to_json``'s ``"ilp"``), so that a plan the cache gives
+back explains itself (``replan.py``); the key is a SHA-256 of the
 fingerprint (:func:`plan_key`). A changed model, mesh, option or autopar
 version is a new key (and so is an edited autopar: the key also digests
 autopar's own sources); nothing is ever invalidated in place. A cache file
@@ -35,8 +37,8 @@ from autopar.method import ParallelMethod, axis_sizes_of
 from autopar.plan import PLAN_FORMAT, Plan
 from autopar.version import __version__
 
-__all__ = ["cache_dir", "fingerprint", "check_fingerprint", "plan_key", "load",
-           "store", "program_digest"]
+__all__ = ["cache_dir", "fingerprint", "check_fingerprint", "plan_key", "planner_digest",
+           "load", "store", "program_digest"]
 
 
 def cache_dir() -> Path:
@@ -113,11 +115,11 @@ def plan_key(fp: Mapping[str, str]) -> str:
   """The cache key of a plan with fingerprint ``fp``, and of the planner's
   own source: a changed planner (an edited checkout, between versions) is a
   new key, so it never reads plans an older planner solved."""
-  return hashlib.sha256((repr(sorted(fp.items())) + _planner_digest()).encode()).hexdigest()
+  return hashlib.sha256((repr(sorted(fp.items())) + planner_digest()).encode()).hexdigest()
 
 
 @functools.cache
-def _planner_digest() -> str:
+def planner_digest() -> str:
   """A digest of autopar's Python sources (read once per process)."""
   h = hashlib.sha256()
   root = Path(__file__).parents[1]          # the autopar package

@@ -62,13 +62,12 @@ import itertools
 import time
 from typing import Mapping, Sequence
 
-from jax.extend.core import Var
-
 from autopar.costs.cost_model import MeshCost, itemsize
 from autopar.planner import lp
 from autopar.errors import PlanError
 from autopar.planner.ilp_graph import ChoiceGraph, on_axes
 from autopar.planner.ilp_memory import MemoryModel
+from autopar.planner.ilp_saved import SavedGraph
 from autopar.planner.refine import refine_colors
 from autopar.costs.strategies import (Spec, Strategy, grad_sync_latency, local_bytes,
                                       without_unit_axes)
@@ -175,7 +174,7 @@ class Solution:
   stage_times: dict = dataclasses.field(default_factory=dict)
 
 
-class ShardingProblem(ChoiceGraph, MemoryModel):
+class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
   """The ILP for one choice of batch axes (see the module docstring).
 
   Args:
@@ -230,7 +229,21 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
     self._edge_traffic: dict = {"compute": {}, "apply": {}}   # var -> bytes (reshards)
     self._chosen_memo: dict = {}
     self._added_peaks: list = []      # the plan's own peaks held to the budget (solve)
+    self._vars: list = []             # the variables, in the order they are made
     self.timings: dict[str, float] = {}
+
+  def solution_keys(self) -> dict[str, tuple[set[str], set[str], dict[str, tuple[str, ...]]]]:
+    """Per part ("compute", "apply"): the equation paths a solution gives
+    output specs (``Solution.compute_specs``) and strategies
+    (``compute_strategies``), and per loop the keys of what enters it
+    (``region_in_specs``); the same for every solution of the problem."""
+    out = {}
+    for part, eqn_nodes in (("compute", self.compute_eqn_nodes),
+                            ("apply", self.apply_eqn_nodes)):
+      specs = {*eqn_nodes, *self._followers[part], *self._region_outs[part]}
+      out[part] = (specs, set(eqn_nodes),
+                   {i: tuple(ins) for i, ins in self._region_ins[part].items()})
+    return out
 
   def decisions(self) -> dict[str, tuple]:
     """Node name -> how the solution splits its outputs over the planned
@@ -239,6 +252,14 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
             for i, node in enumerate(self.nodes)}
 
   # -- variables and constraints ---------------------------------------------------
+
+  def _variable(self, name: str, lowBound=None, cat="Continuous"):
+    """A new variable of the problem (``lp.variable``), numbered in
+    ``self._vars`` by the order it was made in (the same in a problem
+    restored from its data, ``ilp_saved.py``)."""
+    x = lp.variable(self.prob, name, lowBound=lowBound, cat=cat)
+    self._vars.append(x)
+    return x
 
   def _classes(self) -> list[int]:
     """Node -> class: nodes of one class share their variables.
@@ -282,11 +303,10 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
     for src, dst, spos, dpos in edges:
       readers.setdefault(src, []).append((color[dst], spos, dpos))
     donor: dict[int, tuple] = {}
-    aj = self.apply.jaxpr
     for out_idx, leaf in self.donation.items():
-      v = aj.outvars[out_idx]
-      if isinstance(v, Var) and v in self.apply_val:
-        src, pos = self.apply_val[v]
+      ref = self._apply_out_refs[out_idx]
+      if ref is not None:
+        src, pos = ref
         donor[self.leaf_nodes[leaf]] = (color[src], pos)
     ids: dict = {}
     fresh = max(color, default=-1) + 1
@@ -303,22 +323,21 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
       yield src, dst, pos, aval, mult, part
     for src, (dst, dpos), aval, mult, part in self._follow_edges:
       yield src, dst, -1 - dpos, aval, mult, part
-    cj = self.compute.jaxpr
-    for g, node in enumerate(self.grad_nodes):
-      v = cj.outvars[g]
-      if isinstance(v, Var) and v in self.compute_val:
-        yield self.compute_val[v], node, -1, v.aval, self.n, "compute"
+    for src, node, aval in self._grad_edges:
+      yield src, node, -1, aval, self.n, "compute"
 
-  def _variables(self):
+  def _variables(self, classes: Sequence[int] | None = None):
+    """One-hot variables per class of nodes (``classes``: node -> class,
+    default :meth:`_classes`), and the costs of their choices."""
     t0 = time.perf_counter()
-    self.node_class = self._classes()
+    self.node_class = list(classes) if classes is not None else self._classes()
     self.timings["classes"] = time.perf_counter() - t0
     shared: dict[int, list] = {}
     weight: dict[int, float] = {}
     for idx, node in enumerate(self.nodes):
       c = self.node_class[idx]
       if c not in shared:
-        shared[c] = [_variable(self.prob, f"x_{idx}_{k}", cat="Binary")
+        shared[c] = [self._variable(f"x_{idx}_{k}", cat="Binary")
                      for k in range(len(node.choices))]
         self.num_variables += len(node.choices)
       node.vars = shared[c]
@@ -362,7 +381,7 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
     for g, idx in enumerate(self.grad_nodes):
       node = self.nodes[idx]
       if self.S:
-        aval = self.compute.jaxpr.outvars[g].aval
+        aval = self._grad_avals[g]
         for var, (spec,) in zip(node.vars, node.specs):
           add(traffic["compute"], var, 2 * local_bytes(aval, spec, self.sizes))
     elementwise = self.ctx.flop_seconds()
@@ -522,7 +541,7 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
       return
     flows = {}
     for (p, r) in costs:
-      e = _variable(self.prob, f"e_{self._edge_count}", lowBound=0)
+      e = self._variable(f"e_{self._edge_count}", lowBound=0)
       self._edge_count += 1
       self.num_variables += 1
       flows[p, r] = e
@@ -567,13 +586,11 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
       self._edge(self._spec_groups(src, spos), required, aval, mult, part)
 
   def _donation(self):
-    aj = self.apply.jaxpr
     seen = set()
     for out_idx, leaf in self.donation.items():
-      v = aj.outvars[out_idx]
-      if not isinstance(v, Var) or v not in self.apply_val:
+      if self._apply_out_refs[out_idx] is None:
         continue
-      src, pos = self.apply_val[v]
+      src, pos = self._apply_out_refs[out_idx]
       key = (self.node_class[src], pos, self.node_class[self.leaf_nodes[leaf]])
       if key in seen:
         continue
@@ -629,10 +646,7 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
           break
         if rounds == _BUDGET_ROUNDS:
           break
-        self._added_peaks.append(peak)
-        s_expr, (p_expr,) = self._memory_exprs(state, [peak])
-        self.prob += s_expr + p_expr <= self.memory_budget, f"memory_{self.num_constraints}"
-        self.num_constraints += 1
+        self._hold_peak(peak)
         solver_name = self._solve(max(1.0, deadline - time.perf_counter()))
     finally:
       self.solve_seconds = seconds = time.perf_counter() - t0
@@ -653,6 +667,14 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
       status += " (no choice of roofline terms settled: the best solution found)"
     self._solved = (status, solver_name, seconds)
     return self.true_objective()
+
+  def _hold_peak(self, peak) -> None:
+    """Holds the memory items of ``peak`` (a plan's own peak) with the
+    state to the budget, for every solve from now on."""
+    self._added_peaks.append(peak)
+    s_expr, (p_expr,) = self._memory_exprs(self._memory_items()[0], [peak])
+    self.prob += s_expr + p_expr <= self.memory_budget, f"memory_{self.num_constraints}"
+    self.num_constraints += 1
 
   def _run_solver(self, time_limit: float) -> str:
     """Solves ``self.prob``; returns the solver's name."""
@@ -713,10 +735,11 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
       c = self._chosen_memo[id(xs)] = max(range(len(vals)), key=vals.__getitem__)
     return c
 
-  def _spec_of(self, val_map, v) -> Spec | None:
-    if not isinstance(v, Var) or v not in val_map:
+  def _spec_at(self, ref: tuple[int, int] | None) -> Spec | None:
+    """The chosen spec of output ``pos`` of node ``node`` (``ref``), if any."""
+    if ref is None:
       return None
-    node, pos = val_map[v]
+    node, pos = ref
     return self.nodes[node].specs[self._chosen(node)][pos]
 
   def cost_by_part(self) -> dict[str, float]:
@@ -771,11 +794,8 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
               mult, part) for src, dst, pos, aval, mult, part in self._pending_edges]
     edges += [(src, self.nodes[dst[0]].specs[self._chosen(dst[0])][dst[1]], aval,
                mult, part) for src, dst, aval, mult, part in self._follow_edges]
-    for g, node in enumerate(self.grad_nodes):
-      v = self.compute.jaxpr.outvars[g]
-      if isinstance(v, Var) and v in self.compute_val:
-        edges.append((self.compute_val[v], self.nodes[node].specs[self._chosen(node)][0],
-                      v.aval, self.n, "compute"))
+    edges += [(src, self.nodes[node].specs[self._chosen(node)][0], aval, self.n,
+               "compute") for src, node, aval in self._grad_edges]
     return edges
 
   def _chosen_reshards(self):
@@ -808,8 +828,6 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
         for kind, axes, b in st.collectives:
           colls.append((part, kind, tuple(axes), float(b), mult))
     colls.extend(self._chosen_reshards())
-    num_grads = len(grad_specs)
-    cj = self.compute.jaxpr
     def with_followers(strat, part):
       specs = {i: st.out_specs for i, st in strat.items()}
       for i, (node, pos) in self._followers[part].items():
@@ -824,10 +842,8 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
         compute_specs=with_followers(cstrat, "compute"),
         apply_specs=with_followers(astrat, "apply"),
         compute_strategies=cstrat, apply_strategies=astrat,
-        apply_out_specs=tuple(self._spec_of(self.apply_val, v)
-                              for v in self.apply.jaxpr.outvars),
-        micro_out_specs=tuple(self._spec_of(self.compute_val, v)
-                              for v in cj.outvars[num_grads:]),
+        apply_out_specs=tuple(map(self._spec_at, self._apply_out_refs)),
+        micro_out_specs=tuple(map(self._spec_at, self._micro_out_refs)),
         objective=self.true_objective(),
         status=status,
         solver=solver_name, seconds=seconds,
@@ -875,8 +891,10 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
     costs at least that.
 
     Each pin holds the variables of its node's other choices at 0 (their
-    upper bound) for the solve; the bounds are restored after it, so the
-    problem is again the one solved. Its last solution is the pinned one:
+    upper bound) for the solve; the bounds, and the roofline terms the
+    objective takes (:meth:`_solve`), are restored after it, so the problem
+    is again the one solved and each pinned solve's answer depends on its
+    pins alone. Its last solution is the pinned one:
     :meth:`solution` reads that. Nothing is built again: without a memory
     budget the LP relaxation is solved first, from the basis of the last
     one (HiGHS's dual simplex, a few iterations), and where it is integral
@@ -912,6 +930,7 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
       held[id(xs)] = (xs, allowed)
     fixed = [(x, x.lowBound, x.upBound) for xs, allowed in held.values()
              for c, x in enumerate(xs) if c not in allowed]
+    regime = dict(self._regime)
     t0 = time.perf_counter()
     relaxed = self._relaxation() if self.memory_budget is None else None
     if relaxed is not None:
@@ -940,6 +959,12 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
     finally:
       for x, low, up in fixed:
         lp.set_bounds(x, low, up)
+      if self._regime != regime:
+        # Each pinned solve starts from the roofline terms planning
+        # settled on, so that its answer does not depend on the solves
+        # before it (nor does a problem restored from a plan's JSON's).
+        self._regime = regime
+        self._set_objective()
 
   def _relaxation(self):
     """The HiGHS model of this problem's LP relaxation, solved (once; kept
@@ -953,8 +978,3 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
 # Solves at most this many times more to hold the memory budget at the
 # plan's own peak (each adds the peak found as a constraint).
 _BUDGET_ROUNDS = 4
-
-
-def _variable(prob, name: str, lowBound=None, cat="Continuous"):
-  """A new variable of ``prob`` (``lp.variable``)."""
-  return lp.variable(prob, name, lowBound=lowBound, cat=cat)

@@ -125,6 +125,7 @@ class ChoiceGraph:
     # their bodies hold while they run.
     self.body_val: dict[str, dict[Var, tuple[int, int]]] = {"compute": {}, "apply": {}}
     self._strategy_cache: dict = {}
+    self._kept_choices: dict = {}    # (see _add_node)
     # (part, multiplicity, (node, position), aval, kind): memory traffic and
     # merged element-wise work, charged at the node's choice: "bytes" (a
     # value at the spec of output ``position``), "read" (an operand at the
@@ -139,9 +140,18 @@ class ChoiceGraph:
       axes, kept = self.keep[0], self.keep[1][name]
       idx = [c for c, sp in enumerate(specs) if on_axes(sp, axes) == kept]
       if idx and len(idx) < len(choices):
-        choices, specs, costs = ([l[c] for c in idx] for l in (choices, specs, costs))
-        mem = None if mem is None else [mem[c] for c in idx]
-        flops = None if flops is None else [flops[c] for c in idx]
+        # Nodes of one kind keeping the same choices share the lists, as
+        # unfiltered ones do (the layers' nodes: memory, and a saved
+        # problem's size).
+        memo = (id(choices), id(specs), id(costs), id(mem), id(flops), tuple(idx))
+        hit = self._kept_choices.get(memo)
+        if hit is None:
+          hit = self._kept_choices[memo] = (
+              *([l[c] for c in idx] for l in (choices, specs, costs)),
+              None if mem is None else [mem[c] for c in idx],
+              None if flops is None else [flops[c] for c in idx],
+              (choices, specs, costs, mem, flops))     # (kept: the ids stay theirs)
+        choices, specs, costs, mem, flops, _ = hit
         key = None if key is None else (key, kept)
     node = _Node(name, choices, mult, specs, costs, mem, key, flops, part)
     self.nodes.append(node)
@@ -186,6 +196,18 @@ class ChoiceGraph:
     for g, v in enumerate(aj.invars[nconst + len(self.leaf_avals):]):
       self.apply_val[v] = (self.grad_nodes[g], 0)
     self.apply_eqn_nodes = self._add_eqns(aj, self.apply_val, 1, "apply")
+
+    # What a solution is read at, by node: once the graph is built, solving
+    # and reading needs no jaxpr (a problem read back from a plan's JSON
+    # has none: ``ilp_saved.py``).
+    self._grad_avals = [v.aval for v in cj.outvars[:num_grads]]
+    # Each gradient's edge from the value the pass makes into its sync node.
+    self._grad_edges = [(self.compute_val[v], self.grad_nodes[g], v.aval)
+                        for g, v in enumerate(cj.outvars[:num_grads])
+                        if isinstance(v, Var) and v in self.compute_val]
+    self._apply_out_refs = [get_inner(self.apply_val, v) for v in aj.outvars]
+    self._micro_out_refs = [get_inner(self.compute_val, v)
+                            for v in cj.outvars[num_grads:]]
 
   def _leaf_choices(self, k, aval) -> tuple[list, list, list, list]:
     """(choices, specs, costs, bytes per device) of input leaf ``k``."""
@@ -482,6 +504,8 @@ class ChoiceGraph:
 
 
 def get_inner(val, v):
+  """(node, output) of the value ``v`` in ``val``; None for a literal or
+  a value the graph does not have."""
   return val.get(v) if isinstance(v, Var) else None
 
 

@@ -23,7 +23,7 @@ from jax.extend.core import Var
 
 from autopar.costs.cost_model import itemsize
 from autopar.frontend.gradstack import find_grad_stacks, folded_values
-from autopar.costs.liveness import liveness_peaks
+from autopar.costs.liveness import Liveness, liveness
 from autopar.method import accumulation_dtype
 from autopar.costs.strategies import local_bytes
 
@@ -51,16 +51,27 @@ class MemoryModel:
     if getattr(self, "_mem_items", None) is None:
       state = [(self.leaf_nodes[k], 0, aval, 1) for k, aval in enumerate(self.leaf_avals)]
       state += self._gradient_items()
-      peaks = [self._items(live) for live in self._liveness(k=3)]
+      peaks = [self._items(live) for live in self._liveness.peaks(3)]
       self._mem_items = (state, peaks)
     return self._mem_items
 
-  def _liveness(self, k: int, size=None) -> list[list[Var]]:
-    """The pass's ``k`` liveness peaks (by replicated bytes, or ``size``)."""
+  @functools.cached_property
+  def _liveness(self) -> Liveness:
+    """Where the pass holds its values (``liveness.liveness``)."""
     cj = self.compute.jaxpr
     folded = folded_values(cj, self._stacks) \
         if self.n > 1 or self._batch_size_devices > 1 else []
-    return liveness_peaks(cj, k=k, folded=folded, size=size, platform=self.platform)
+    return liveness(cj, folded=folded, platform=self.platform)
+
+  @functools.cached_property
+  def _own_liveness(self) -> Liveness:
+    """:attr:`_liveness` with each value as its memory item (``(node,
+    output, aval, 1)``), those the graph does not have left out (a plan
+    holds them in no spec: 0 bytes at its own peak): what finds a
+    solution's own peak, and what a problem read back from a plan's JSON
+    keeps of the pass (``ilp_saved.py``)."""
+    val = self._values
+    return self._liveness.mapped(lambda v: (*val[v], v.aval, 1) if v in val else None)
 
   def _items(self, live) -> list:
     """Memory items of the values in ``live`` that the graph has."""
@@ -82,12 +93,11 @@ class MemoryModel:
     return self._own_peak
 
   def _find_own_peak(self) -> list:
-    val = self._values
-    def local(v):
-      ref = val.get(v)
-      return 0 if ref is None else self._bytes(*ref, v.aval, self._chosen(ref[0]))
-    live = self._liveness(k=1, size=local)
-    return self._items(live[0]) if live else []
+    def local(item):
+      node, pos, aval, _ = item
+      return self._bytes(node, pos, aval, self._chosen(node))
+    live = self._own_liveness.peaks(1, local)
+    return live[0] if live else []
 
   def _gradient_items(self):
     """The gradients held besides one micro-batch's pass (whose own

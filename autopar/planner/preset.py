@@ -36,8 +36,9 @@ from autopar.plan import CollectivePlan, Plan, ValuePlan
 from autopar.plan import grad_stage_names
 from autopar.costs.strategies import batch_spec
 from autopar.planner.shard import (batch_axes_for, candidate_batch_axes, donation_pairs,
-                                   grad_inputs, keeps_batch_whole, predicted_time,
-                                   price_layout, shard_first_divisible, spec_axes)
+                                   grad_inputs, keeps_batch_whole, price_layout,
+                                   shard_first_divisible)
+from autopar.planner.solved import predicted_time, spec_axes
 from autopar.frontend.split import (OutputKind, SizedOutputs, SplitStep, depends_on,
                                     leaves_read_by_compute)
 

@@ -1,36 +1,27 @@
 """How a plan is solved again with extra pins (``Plan.replan``), for
 ``plan.explain`` and ``plan.cost_if`` (``autopar/tools/explain.py``): the
-ILPs the planner solved, kept with the plan, solved again with leaves
-pinned; where none can hold the pins, the step planned again."""
+ILPs the planner solved, kept with the plan or read back from its JSON
+(``solved.py``), solved again with leaves pinned; where none can hold the
+pins, the step planned again."""
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from jax.sharding import PartitionSpec
 
 from autopar.errors import PlanError
+from autopar.plan import SavedILPs, spec_to_json
+from autopar.planner.cache import planner_digest
+from autopar.planner.solved import READ_FIX, SolvedProblem, decode, encode
 from autopar.text import axes_str
 
 if TYPE_CHECKING:
   from autopar.plan import Plan
 
-
-class SolvedProblem(Protocol):
-  """What a plan keeps of an ILP solved while planning, as ``Replanner``
-  uses it (``planner.shard.SolvedProblem`` is one)."""
-  objective: float
-  batch_axes: tuple[str, ...]
-  kept_axes: tuple[str, ...]
-
-  def can_pin(self, path: str, spec: PartitionSpec) -> bool: ...
-  def pinned(self, path: str) -> bool: ...
-  def plan(self, pins: Mapping[str, PartitionSpec], *, above: float | None = None
-           ) -> "Plan | None": ...
-
-__all__ = ["Replanner", "SolvedProblem"]
+__all__ = ["Replanner"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -39,22 +30,72 @@ class Replanner:
   :meth:`plan`.
 
   Attributes:
-    problems: the ILPs solved while planning
-      (:class:`~autopar.planner.shard.SolvedProblem`, one per choice of batch
-      axes; the plan's first), solved again with the pins; empty for a plan
-      read from the plan cache until :meth:`solved` plans the step again.
+    problems: the ILPs solved while planning (:class:`SolvedProblem`, one
+      per choice of batch axes; the plan's first), solved again with the
+      pins; empty until :meth:`solved` reads ``saved`` (or plans the step
+      again, for a plan that keeps none).
+    saved: the problems as the plan's JSON saved them (a plan read from
+      JSON or from the plan cache), read on first use.
     step_ref: a weak reference to the step (its ``ParallelizedFunction``;
       ``step.plan`` sets it), for what no problem can answer: a plan is
       data and keeps no step alive.
     args: the step's arguments, as shapes.
     pins: the pins (path -> spec) the plan was made with.
+    added: the pins ``cost_if`` added (path -> spec), for the plan it
+      returns: solving this plan again holds them too.
   """
-  problems: "tuple[SolvedProblem, ...]" = ()
+  problems: tuple[SolvedProblem, ...] = ()
+  saved: SavedILPs | None = None
   step_ref: Callable[[], Any] | None = None
   args: tuple = ()
   pins: Mapping[str, PartitionSpec] = dataclasses.field(default_factory=dict)
+  added: Mapping[str, PartitionSpec] = dataclasses.field(default_factory=dict)
   _lock: Any = dataclasses.field(default_factory=threading.Lock, repr=False)
   _tried: bool = dataclasses.field(default=False, repr=False)
+  _text: str | None = dataclasses.field(default=None, repr=False)
+
+  @staticmethod
+  def of(plan: "Plan") -> "Replanner | None":
+    """The plan's replanner: its own, or one of the ILPs its JSON saved
+    (read once, whichever copy of the plan asks); None if it keeps none."""
+    return _of(plan.replan)
+
+  @staticmethod
+  def with_step(replan, step_ref: Callable[[], Any], args: tuple,
+                pins: Mapping[str, PartitionSpec]) -> "Replanner":
+    """``replan`` (a plan's: a Replanner, saved ILPs or None) with a weak
+    reference to the step and its arguments (``step.plan``)."""
+    r = _of(replan) or Replanner()
+    with r._lock:
+      text = r._text           # (written once, whichever replanner asks)
+    return Replanner(problems=r.problems, saved=r.saved, step_ref=step_ref, args=args,
+                     pins=pins, added=r.added, _text=text)
+
+  def to_json(self) -> dict:
+    """What ``Plan.to_json`` saves of it: ``"ilp"``, the problems
+    (``solved.encode``), and ``"ilp_pins"``, the pins ``cost_if`` added; {}
+    if there are no problems."""
+    with self._lock:
+      if self._text is None:
+        if self.saved is not None and (not self.problems or
+                                       self.problems is self.saved.read):
+          self._text = self.saved.text       # (as read: written again unchanged)
+        elif self.problems:
+          self._text = encode(self.problems, planner_digest())
+      text = self._text
+    if text is None:
+      return {}
+    return {"ilp": text, **({"ilp_pins": {k: spec_to_json(v) for k, v in
+                                          self.added.items()}} if self.added else {})}
+
+  def what_if(self, pins: Mapping[str, PartitionSpec]) -> "Replanner":
+    """The replanner of the plan solved with ``pins`` added (``cost_if``'s):
+    the same problems, the pins held in every solve after."""
+    with self._lock:
+      text = self._text
+    return Replanner(problems=self.problems, saved=self.saved, step_ref=self.step_ref,
+                     args=self.args, pins=self.pins, added={**self.added, **pins},
+                     _text=text)
 
   @property
   def problem(self) -> "SolvedProblem | None":
@@ -68,24 +109,38 @@ class Replanner:
       raise PlanError(
           f"explain / cost_if: {why}, which plans the step this plan was made from "
           f"again, and that step (its ParallelizedFunction) is gone (or the plan, "
-          f"from get_executable, does not name it). Fix: keep the step alive while "
-          f"you read the plan step.plan(...) returns, or {fix}.")
+          f"from get_executable or from JSON, does not name it). Fix: {fix}.")
     return step
 
-  def solved(self) -> "tuple[SolvedProblem, ...]":
-    """The problems. For a plan read from the plan cache, the step planned
-    again once without the cache for them (needs the step); () where
-    planning makes no ILP (a step without a gradient marker)."""
+  def solved(self) -> tuple[SolvedProblem, ...]:
+    """The problems: the planner's, or those the plan's JSON saved, read
+    here once. A plan with none (saved by an older autopar, or read by
+    another) has the step planned again once, without the plan cache, for
+    them (which needs the step); () where planning makes no ILP (a step
+    without a gradient marker)."""
     with self._lock:
+      unread = None
+      if not self.problems and self.saved is not None:
+        try:
+          self.problems = _read(self.saved)
+        except PlanError as e:
+          unread = e
       if not self.problems and not self._tried:
+        if unread is not None and (self.step_ref is None or self.step_ref() is None):
+          raise PlanError(f"explain / cost_if: {unread}") from None
         self._tried = True
+        why = ("this plan keeps no ILP to solve again" if unread is None else
+               f"this plan's saved ILPs cannot be read "
+               f"({str(unread).removesuffix(' ' + READ_FIX)})")
         again = self.replan(
-            {}, "this plan, read from the plan cache, keeps no ILP to solve again",
-            "plan with AutoShardingOption(plan_cache=False): such a plan keeps it")
-        self.problems = again.replan.problems if again.replan is not None else ()
+            {}, why, "make the plan again with this autopar (step.plan(*args) with "
+            "ShardParallel) and explain that plan, or save it (Plan.to_json()) and "
+            "explain the file: a plan keeps its ILPs")
+        again_r = Replanner.of(again)
+        self.problems = again_r.solved() if again_r is not None else ()
       return self.problems
 
-  def holding(self, pins: Mapping[str, PartitionSpec]) -> "list[SolvedProblem]":
+  def holding(self, pins: Mapping[str, PartitionSpec]) -> list[SolvedProblem]:
     """The problems some choice of which gives every pin."""
     return [p for p in self.solved()
             if all(p.can_pin(path, spec) for path, spec in pins.items())]
@@ -108,7 +163,9 @@ class Replanner:
 
   def solve(self, pins: Mapping[str, PartitionSpec]
             ) -> "tuple[Plan, SolvedProblem | None]":
-    """:meth:`plan`, and the problem it solved (None: planned again)."""
+    """:meth:`plan` (with the pins ``added`` held too), and the problem it
+    solved (None: planned again)."""
+    pins = {**self.added, **pins}
     problems = self.solved()
     if not problems:
       return self.replan(pins), None
@@ -133,7 +190,8 @@ class Replanner:
         best = (plan, problem)
     if best is None:
       raise error
-    return best
+    plan, problem = best
+    return dataclasses.replace(plan, replan=self.what_if(pins)), problem
 
   def replan(self, pins: Mapping[str, PartitionSpec],
              why: str = "this plan keeps no ILP to solve again",
@@ -141,8 +199,26 @@ class Replanner:
              ) -> "Plan":
     """The step planned again with ``pins`` added to its method's (every
     choice of batch axes; no plan cache: what-if plans are not kept)."""
-    step = self.step(why, fix)
+    step = self.step(why, f"keep the step alive while you read the plan "
+                          f"step.plan(...) returns, or {fix}")
     option = dataclasses.replace(step.method.option, plan_cache=False,
-                                 pins={**step.method.option.pin_map, **pins})
+                                 pins={**step.method.option.pin_map, **self.added,
+                                       **pins})
     return step.with_method(dataclasses.replace(step.method, option=option)).plan(
         *self.args)
+
+
+def _of(replan) -> Replanner | None:
+  """A ``Plan.replan`` value as a Replanner (:meth:`Replanner.of`)."""
+  if replan is None or isinstance(replan, Replanner):
+    return replan
+  return Replanner(saved=replan, added=replan.pins)
+
+
+def _read(saved: SavedILPs) -> tuple[SolvedProblem, ...]:
+  """The problems ``saved`` holds, read once for every plan that shares it
+  (``solved.decode``; PlanError if they cannot be read here)."""
+  with saved.lock:
+    if saved.read is None:
+      saved.read = decode(saved.text, planner_digest())
+    return saved.read

@@ -17,11 +17,10 @@ import concurrent.futures
 import dataclasses
 import math
 import sys
-import threading
 import time
-from typing import Mapping, Sequence
+from typing import Sequence
 
-from jax.extend.core import ClosedJaxpr, Literal
+from jax.extend.core import Literal, Var
 from jax.sharding import PartitionSpec
 
 from autopar import jax_compat as jc
@@ -36,19 +35,20 @@ from autopar.frontend.hints import check_hints, check_pins, entry_axes, model_ax
 from autopar.planner.ilp import ShardingProblem
 from autopar.method import (ParallelMethod, ShardParallel, axis_names_of,
                             axis_sizes_of, check_axes, split_axes_of)
-from autopar.plan import CollectivePlan, Plan, ValuePlan, grad_stage_names
+from autopar.plan import Plan
 from autopar.frontend.pytrees import ends_with_key
 from autopar.frontend.split import (OutputKind, SizedOutputs, SplitStep, leaves_read_by_compute,
                                     outputs_at)
-from autopar.costs.strategies import (batch_spec, grad_sync_costs, grad_sync_latency,
-                                      local_bytes, missing_rules, warn_missing_rules,
-                                      without_unit_axes)
+from autopar.costs.strategies import (grad_sync_costs, grad_sync_latency,
+                                      missing_rules, warn_missing_rules)
 from autopar.costs.strategies.dot import dot_flops
+from autopar.planner.ilp_saved import Aval
 from autopar.planner.replan import Replanner
+from autopar.planner.solved import PlanTemplate, Program, SolvedProblem, spec_axes
 from autopar.frontend.trace import TracedStep, eqns_by_path
 
-__all__ = ["plan_auto", "SolvedProblem", "sharding_problem", "price_layout",
-           "predicted_time", "donation_pairs", "grad_inputs",
+__all__ = ["plan_auto", "plan_template", "sharding_problem", "price_layout",
+           "donation_pairs", "grad_inputs",
            "batch_axes_for", "shard_first_divisible",
            "candidate_batch_axes", "keeps_batch_whole"]
 
@@ -67,10 +67,6 @@ def batch_axes_for(method: ParallelMethod, mesh, hints=()) -> tuple[str, ...]:
     return tuple(a for a in split_axes_of(mesh) if a not in taken)
   check_axes(axes, mesh, f"{method.name}: batch axes")
   return tuple(axes)
-
-
-def spec_axes(spec) -> tuple[tuple[str, ...], ...]:
-  return tuple(entry_axes(e) for e in spec)
 
 
 def shard_first_divisible(shape: Sequence[int], axes: Sequence[str],
@@ -392,13 +388,19 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
   warn_missing_rules(missing_rules(local.compute, local.apply), "ShardParallel's plan")
   sol = problem.solution()
   outputs = outputs or outputs_at(split, batch_size)
-  plan = _plan_from_solution(split, outputs, local, method, mesh, S, sol,
-                             _stats(local, problem), progress)
+  paths = grad_inputs(split)
+
+  def template(loc, p):
+    return plan_template(split, outputs, loc, method, mesh, p.solution_keys(), paths)
+  chosen = template(local, problem)
+  plan = chosen.plan(S, sol, _stats(local, problem), progress.total(),
+                     in_tree=split.traced.inputs, mesh=mesh)
   # Every problem solved (the plan's first) stays with the plan: explain and
-  # cost_if solve them again with pins, as planning chose among them.
-  kept = tuple(SolvedProblem(p, objective, split, outputs, loc, method, mesh, s)
-               for objective, s, loc, p in sorted(
-                   others, key=lambda o: o[3] is not problem))
+  # cost_if solve them again with pins, as planning chose among them, each
+  # with the template its plans are made from (Plan.to_json saves both).
+  kept = tuple(SolvedProblem(p, objective, chosen if p is problem else template(loc, p),
+                             _stats(loc, p), in_tree=split.traced.inputs, mesh=mesh)
+               for objective, _, loc, p in sorted(others, key=lambda o: o[3] is not problem))
   return dataclasses.replace(plan, replan=Replanner(problems=kept))
 
 
@@ -406,85 +408,6 @@ def _stats(local: SplitStep, problem: ShardingProblem) -> dict[str, int]:
   """The size of ``problem`` and its program, for ``SolverStats``."""
   return dict(num_equations=len(local.compute.jaxpr.eqns) + len(local.apply.jaxpr.eqns),
               num_nodes=len(problem.nodes), num_classes=problem.num_classes)
-
-
-class SolvedProblem:
-  """An ILP solved while planning a ``ShardParallel`` step, kept with the
-  plan (``Plan.replan``) so that ``plan.explain`` and ``plan.cost_if`` solve
-  it again with leaves pinned, tracing and building nothing: the solved
-  :class:`~autopar.planner.ilp.ShardingProblem` of one choice of batch axes, its
-  objective, and what turns another of its solutions into a :class:`Plan`
-  (the step's program and shapes; never an array, never the step).
-
-  A pin holds the leaf's whole class (the leaves that share its variables,
-  :meth:`sharing`): the problem is solved as built, repeated layers alike.
-  """
-
-  def __init__(self, problem: ShardingProblem, objective: float, split: SplitStep,
-               outputs: SizedOutputs, local: SplitStep, method: ShardParallel, mesh,
-               batch_axes: Sequence[str]):
-    self.problem = problem
-    self.objective = objective
-    self.split = _shapes_only(split)
-    self.local = _shapes_only(local)
-    self.outputs = outputs
-    self.method = method
-    self.mesh = mesh
-    self.batch_axes = tuple(batch_axes)
-    self.stats = _stats(local, problem)
-    self._index = {l.path: k for k, l in enumerate(split.traced.leaves)}
-    self._lock = threading.Lock()      # one solve at a time: the problem is shared
-
-  @property
-  def kept_axes(self) -> tuple[str, ...]:
-    """The planned axes whose splits the problem kept from a plan over
-    fewer axes (``extend_model_axes``); () if it chose over all of them."""
-    return tuple(self.problem.keep[0]) if self.problem.keep is not None else ()
-
-  def can_pin(self, path: str, spec: PartitionSpec) -> bool:
-    """Whether some choice of the leaf ``path`` gives it ``spec``."""
-    return bool(self.problem.pin_choices(self._index[path], spec_axes(spec)))
-
-  def pinned(self, path: str) -> bool:
-    """Whether the method's pins (``AutoShardingOption(pins=...)``) hold
-    the leaf ``path``."""
-    return self._index[path] in self.problem.pins
-
-  def sharing(self, path: str) -> tuple[str, ...]:
-    """The leaves pinned with ``path`` (its class, itself first)."""
-    names = self.problem.leaf_names
-    k = self._index[path]
-    return (path, *(names[j] for j in self.problem.sharing(k) if j != k))
-
-  def plan(self, pins: Mapping[str, PartitionSpec], time_limit: float = 60.0, *,
-           above: float | None = None) -> Plan | None:
-    """The plan of the problem solved again with ``pins`` (leaf path ->
-    spec over every mesh axis); PlanError if no plan has them; None if
-    ``above`` is given and no plan with them can cost less
-    (``ShardingProblem.solve_pinned``)."""
-    held = {self._index[path]: spec_axes(spec) for path, spec in pins.items()}
-    with self._lock:
-      sol = self.problem.solve_pinned(held, time_limit, above=above)
-    if sol is None:
-      return None
-    progress = Progress("explain", False)
-    progress.add("solve", sol.seconds)
-    return _plan_from_solution(self.split, self.outputs, self.local, self.method,
-                               self.mesh, self.batch_axes, sol, self.stats, progress)
-
-
-def _shapes_only(split: SplitStep) -> SplitStep:
-  """``split`` without the values it holds (its lifted consts and its
-  traced step's, as avals; the trace before differentiation and the
-  loss's scale dropped): what :class:`SolvedProblem` keeps."""
-  traced = split.traced
-  closed = traced.jaxpr
-  jaxpr = (split.compute if split.compute is not None else split.apply).jaxpr
-  return dataclasses.replace(
-      split, consts=tuple(v.aval for v in jaxpr.invars[:len(split.consts)]),
-      traced=dataclasses.replace(traced, jaxpr=ClosedJaxpr(
-          closed.jaxpr, [v.aval for v in closed.jaxpr.constvars])),
-      raw=None, loss=None)
 
 
 def sharding_problem(local: SplitStep, method, S, A, sizes, cost: MeshCost, rows: int,
@@ -631,12 +554,78 @@ def _distinct_up_to_axis_names(candidates, names, sizes, option):
   return out
 
 
-def _divisible_dim(shape, spec, d_batch, sizes) -> int | None:
-  """First dim that can also be split over the batch axes, if any."""
-  for dim, n in enumerate(shape):
-    if n % (d_batch * math.prod(sizes[a] for a in spec[dim])) == 0:
-      return dim
-  return None
+def plan_template(split: SplitStep, outputs: SizedOutputs, local: SplitStep,
+                  method: ShardParallel, mesh, keys, grad_paths) -> PlanTemplate:
+  """What turns a solution of ``local``'s problem into the plan of
+  ``split`` (``solved.PlanTemplate``).
+
+  ``split``: the step, possibly at a symbolic batch size; ``outputs``: its
+  outputs and gradients at the whole batch (``outputs_at``); ``local``: the
+  step at the rows per device the problem was built at; ``keys``: the
+  problem's ``solution_keys()``; ``grad_paths``: ``grad_inputs(split)``."""
+  traced = split.traced
+  out_avals, out_kinds, grad_avals = outputs
+  sizes = axis_sizes_of(mesh)
+  option = method.option
+  pairs = donation_pairs(traced, out_avals)
+  kind_names = {OutputKind.APPLY: "apply", OutputKind.CONCAT: "concat"}
+  outs = tuple(
+      (path, _aval(a), kind_names.get(kind, "other"), idx,
+       split.out_dims[j].dim if kind is OutputKind.CONCAT else None, pairs.get(j))
+      for j, (path, a, kind, idx) in enumerate(zip(
+          traced.out_paths, out_avals, out_kinds, split.out_index, strict=True)))
+  nconst = len(local.consts)
+  return PlanTemplate(
+      method=method.name, axis_names=axis_names_of(mesh), sizes=sizes,
+      num_micro_batches=method.micro_batches,
+      prefer_reduce_scatter=bool(option.prefer_reduce_scatter),
+      costs=assumed_costs(sizes, option), grad_inputs=tuple(grad_paths),
+      has_marker=split.has_marker,
+      leaves=tuple((l.path, tuple(map(int, l.shape)), dtype_name(l.dtype), l.is_batch)
+                   for l in traced.leaves),
+      read=frozenset(leaves_read_by_compute(local)),
+      pins=check_pins(option.pin_map, traced.leaves, sizes) if option.pins else {},
+      grads=tuple((name, _aval(a)) for name, a in zip(split.grad_names, grad_avals,
+                                                      strict=True)),
+      outputs=outs,
+      programs={part: _program(closed.jaxpr, nconst, len(traced.leaves), keys[part])
+                for part, closed in (("compute", local.compute), ("apply", local.apply))})
+
+
+def _aval(a) -> Aval:
+  return Aval(tuple(map(int, a.shape)), dtype_name(a.dtype))
+
+
+def _program(jaxpr, nconst: int, num_leaves: int, keys) -> Program:
+  """The equations of one part of the step as a plan names its
+  intermediates (``solved.Program``); ``keys``: that part's
+  ``ShardingProblem.solution_keys()``."""
+  specs, strategies, regions = keys
+  ins = jaxpr.invars[nconst:]
+  assert len(ins) >= num_leaves, (len(ins), num_leaves)
+  number: dict = {}
+  for v in ins:                  # the leaves, then (apply_grad) the gradients
+    number.setdefault(v, len(number))
+  count = len(ins)
+  eqns = [(i, eqn) for i, eqn in eqns_by_path(jaxpr) if i in specs]
+  for _, eqn in eqns:
+    for o in eqn.outvars:
+      number.setdefault(o, count)
+      count += 1
+  entries = tuple(
+      (i, tuple(_aval(o.aval) for o in eqn.outvars),
+       tuple((number.get(v, -1) if isinstance(v, Var) else -1, _aval(v.aval))
+             for v in eqn.invars) if i in strategies else None)
+      for i, eqn in eqns)
+  paths = dict(eqns_by_path(jaxpr))
+  enter = []
+  for i, ins_keys in regions.items():
+    for key in ins_keys:
+      v = paths[i].invars[int(key.lstrip("inx"))]
+      if not isinstance(v, Literal):
+        shape = v.aval.shape[1:] if key.startswith("x") else v.aval.shape
+        enter.append((i, key, Aval(tuple(map(int, shape)), dtype_name(v.aval.dtype))))
+  return Program(len(ins), entries, tuple(enter))
 
 
 def _apply_donation(split: SplitStep) -> dict[int, int]:
@@ -644,163 +633,3 @@ def _apply_donation(split: SplitStep) -> dict[int, int]:
   pairs = donation_pairs(split.traced)
   return {split.out_index[j]: k for j, k in pairs.items()
           if split.out_kinds[j] is OutputKind.APPLY}
-
-
-def _plan_from_solution(split, outputs, local, method, mesh, S, sol, stats,
-                        progress) -> Plan:
-  """The :class:`Plan` of the solution ``sol`` with batch axes ``S``.
-
-  ``split``: the step, possibly at a symbolic batch size; ``outputs``: its
-  outputs and gradients at the whole batch (``outputs_at``);
-  ``local``: the step at the rows per device it was planned at."""
-  from autopar.costs.strategies import to_partition_spec
-
-  traced = split.traced
-  out_avals, out_kinds, grad_avals = outputs
-  sizes = axis_sizes_of(mesh)
-  n = method.micro_batches
-  to_bytes = lambda aval, spec: local_bytes(aval, spec, sizes)
-
-  def with_batch(spec):
-    first = tuple(S) + tuple(spec[0]) if spec else tuple(S)
-    return to_partition_spec((first, *spec[1:]))
-
-  def with_batch_dim(spec, dim):
-    # A state leaf also split over the batch axes (ZeRO/FSDP).
-    if dim is None:
-      return to_partition_spec(spec)
-    spec = list(spec)
-    spec[dim] = tuple(S) + tuple(spec[dim])
-    return to_partition_spec(tuple(spec))
-
-  leaf_dims = list(sol.leaf_batch_dims)
-  # The ILP plans the reductions over the rows apply_grad takes (combine.py)
-  # as it plans gradients; the plan's gradients are the gradients.
-  grad_specs = sol.grad_specs[:split.num_grads]
-  grad_dims = [None] * len(grad_specs)
-  d_batch = math.prod(sizes[a] for a in S)
-  if method.option.prefer_reduce_scatter and d_batch > 1:
-    # ZeRO-2: gradients reduce-scattered over the batch axes and the optimizer
-    # state (what compute_grad does not read) split over them too; the
-    # updated parameters are all-gathered, so the bytes equal an all-reduce.
-    read = leaves_read_by_compute(local)
-    for k, (l, spec) in enumerate(zip(traced.leaves, sol.leaf_specs)):
-      if leaf_dims[k] is None and not l.is_batch and k not in read:
-        leaf_dims[k] = _divisible_dim(l.shape, spec, d_batch, sizes)
-    for g, (a, spec) in enumerate(zip(grad_avals, grad_specs)):
-      grad_dims[g] = _divisible_dim(a.shape, spec, d_batch, sizes)
-
-  in_specs = [with_batch(s) if l.is_batch else with_batch_dim(s, dim)
-              for l, s, dim in zip(traced.leaves, sol.leaf_specs, leaf_dims,
-                                   strict=True)]
-  if method.option.pins:
-    # A pin stays as the user wrote it: the ILP, which plans the axes of
-    # size > 1 alone, meets it up to the axes of size 1 it names (they split
-    # nothing).
-    for k, pin in check_pins(method.option.pin_map, traced.leaves, sizes).items():
-      if without_unit_axes(spec_axes(pin), sizes) == \
-          without_unit_axes(spec_axes(in_specs[k]), sizes):
-        in_specs[k] = pin
-  inputs = tuple(ValuePlan(l.path, l.shape, dtype_name(l.dtype), s)
-                 for l, s in zip(traced.leaves, in_specs, strict=True))
-  grads = tuple(ValuePlan(name, tuple(a.shape), dtype_name(a.dtype),
-                          with_batch_dim(s, dim))
-                for name, a, s, dim in zip(split.grad_names, grad_avals,
-                                           grad_specs, grad_dims, strict=True))
-  pairs = donation_pairs(traced, out_avals)
-  batch_entry = PartitionSpec(None if not S else S[0] if len(S) == 1 else tuple(S))
-  planned_outputs = []
-  for j, (path, aval, kind, idx) in enumerate(zip(
-      traced.out_paths, out_avals, out_kinds, split.out_index, strict=True)):
-    if j in pairs:
-      spec = in_specs[pairs[j]]
-    elif kind is OutputKind.APPLY:
-      s = sol.apply_out_specs[idx]
-      spec = to_partition_spec(s) if s is not None else PartitionSpec()
-    elif kind is OutputKind.CONCAT:
-      spec = batch_spec(len(aval.shape), split.out_dims[j].dim, batch_entry[0])
-    else:
-      spec = PartitionSpec()
-    planned_outputs.append(ValuePlan(path, tuple(aval.shape), dtype_name(aval.dtype),
-                                     spec))
-
-  inter = []
-  nconst = len(local.consts)
-  for part, jaxpr, specs, strategies in (
-      ("compute", local.compute.jaxpr, sol.compute_specs, sol.compute_strategies),
-      ("apply", local.apply.jaxpr, sol.apply_specs, sol.apply_strategies)):
-    # The spec every value is produced in, to find where the plan reshards.
-    produced = {v: s for v, s in zip(jaxpr.invars[nconst:], sol.leaf_specs)}
-    produced.update(zip(jaxpr.invars[nconst + len(sol.leaf_specs):], sol.grad_specs))
-    eqns = [(i, eqn, specs[i]) for i, eqn in eqns_by_path(jaxpr) if i in specs]
-    for _, eqn, outs in eqns:
-      produced.update(zip(eqn.outvars, outs))
-    for i, eqn, outs in eqns:
-      for j, (v, s) in enumerate(zip(eqn.outvars, outs)):
-        inter.append(ValuePlan(f"{part}/{i}/{j}", tuple(v.aval.shape),
-                               dtype_name(v.aval.dtype), to_partition_spec(s)))
-      st = strategies.get(i)
-      for k, v in enumerate(eqn.invars if st is not None else ()):
-        need = st.in_specs[k]
-        if need is not None and v in produced and produced[v] != need:
-          # Resharded on this edge: pin the operand where the plan reshards it.
-          inter.append(ValuePlan(f"{part}/{i}/in{k}", tuple(v.aval.shape),
-                                 dtype_name(v.aval.dtype), to_partition_spec(need)))
-    # What enters a loop (its carries, each trip's slice of its scanned
-    # inputs) in the plan's spec.
-    paths = dict(eqns_by_path(jaxpr))
-    for i, ins in sol.region_in_specs.get(part, {}).items():
-      for key, need in ins.items():
-        v = paths[i].invars[int(key.lstrip("inx"))]
-        if need is not None and not isinstance(v, Literal):
-          shape = v.aval.shape[1:] if key.startswith("x") else v.aval.shape
-          inter.append(ValuePlan(f"{part}/{i}/{key}", tuple(shape),
-                                 dtype_name(v.aval.dtype), to_partition_spec(need)))
-
-  colls = {}
-  # The gradient stage's collectives run in every micro-batch's stage; with
-  # one micro-batch that is compute_grad_sync alone (grad_stage_names).
-  grad_stage = "accumulate_grad (each micro-batch)" if n > 1 else grad_stage_names(1)[0]
-  for part, kind, axes, b, mult in sol.collectives:
-    stage = grad_stage if part == "compute_grad" else part
-    key = (stage, kind, axes, mult)
-    colls[key] = colls.get(key, 0.0) + b
-  collectives = [CollectivePlan(stage=k[0], kind=k[1], axes=k[2], bytes=int(b),
-                                per_step=k[3], what="activations / partial sums")
-                 for k, b in colls.items()]
-  if d_batch > 1 and split.has_marker:
-    # Operand bytes: the gradient as each device holds it before the sync.
-    gb = sum(to_bytes(a, s) for a, s in zip(grad_avals, grad_specs))
-    scattered = any(dim is not None for dim in grad_dims)
-    collectives.append(CollectivePlan(
-        stage=grad_stage_names(n)[-1],
-        kind="reduce-scatter" if scattered else "all-reduce", axes=tuple(S),
-        bytes=int(gb), per_step=1, what="gradients"))
-  from autopar.plan import SolverStats
-  solver = SolverStats(solver=sol.solver, status=sol.status, seconds=sol.seconds,
-                       num_variables=sol.num_variables,
-                       num_constraints=sol.num_constraints, **stats,
-                       timings=progress.total())
-  memory = int(sol.memory)
-  return Plan(method=method.name, mesh_axis_names=axis_names_of(mesh),
-              mesh_shape=tuple(sizes.values()), num_micro_batches=n,
-              batch_axes=tuple(S), inputs=inputs, grads=grads,
-              outputs=tuple(planned_outputs),
-              intermediates=tuple(inter), collectives=tuple(collectives),
-              memory_per_device=memory, objective=sol.objective, solver=solver,
-              costs=assumed_costs(sizes, method.option), grad_inputs=grad_inputs(split),
-              predicted_time=predicted_time(sol.stage_times),
-              in_tree=traced.inputs, mesh=mesh)
-
-
-def predicted_time(times: dict) -> dict:
-  """A plan's predicted seconds per step by stage, from
-  ``ShardingProblem.stage_times``: ``"gradient"`` (every micro-batch's
-  gradient stage together, the gradient sync and ZeRO's gathers
-  included) and ``"apply"``, each with its ``flops``, ``memory`` (traffic
-  over bandwidth), ``roofline`` (the larger) and ``collectives``
-  seconds, and ``total``."""
-  grad = dict(times["compute"])
-  grad["collectives"] += times["sync"] + times["state"]
-  grad["total"] = grad["roofline"] + grad["collectives"]
-  return {"gradient": grad, "apply": dict(times["apply"])}

@@ -3,7 +3,8 @@
     autopar show plan.json [--full]        the plan's summary
     autopar diff a.json b.json              what changed between two plans
     autopar explain plan.json PATH [--step module:fn --args module:make_args]
-                                            why a leaf has its spec
+                                            why a leaf has its spec (from the ILPs
+                                            the plan saved; --step: planned again)
     autopar report plan.json -o plan.html   the self-contained HTML report
     autopar plan module:function --mesh 8x8 --args module:make_args -o plan.json
                                             plans a step for an abstract mesh
@@ -100,11 +101,16 @@ def _explain(a):
     leaves = find_leaves(plan, a.path)
     if not leaves:
       raise _Fail(f"{a.path!r} names no leaf of {a.plan}")
+    # The plan's own ILPs, saved in its JSON, solved again: no step needed.
+    try:
+      print(plan.explain(a.path))
+      return
+    except PlanError as e:
+      why = str(e)
     rows = [("leaf", "shape", "spec")] + [(v.name, str(tuple(v.shape)), spec_str(v.spec))
                                           for v in leaves[:20]]
     print("\n".join(format_rows(rows)))
-    print("\n(the candidates and their costs need the step: --step module:function "
-          "--args module:make_args)")
+    print(f"\n(no candidates: {why})")
     return
   if a.args is None:
     raise _Fail("--step needs --args (module:function returning the step's arguments)")
@@ -211,11 +217,13 @@ def _parser() -> argparse.ArgumentParser:
   s.add_argument("b", help="plan JSON file B")
   s.set_defaults(run=_diff)
   s = verb("explain", help="why a leaf has its spec",
-                     description="Show the spec of the leaves PATH names (a pytree "
-                     "path, its slash form, or a glob); with --step and --args, re-plan "
-                     "the step for the plan's mesh and costs and list each spec the leaf "
-                     "could have, with the objective, collectives and memory of the plan "
-                     "re-solved with it.")
+                     description="List each spec the leaf PATH names (a pytree path, "
+                     "its slash form, or a glob) could have, with the objective, "
+                     "collectives and memory of the plan re-solved with it: the ILPs "
+                     "the plan's JSON saved, solved again, no step needed. A plan "
+                     "saved without them shows the leaf's spec and why. With --step "
+                     "and --args, plan the step again for the plan's mesh and costs "
+                     "and explain that plan.")
   s.add_argument("plan", help="a plan JSON file")
   s.add_argument("path", help="e.g. \"*Block_0/Dense_0/kernel\"")
   s.add_argument("--step", help="module:function, the step the plan is of")

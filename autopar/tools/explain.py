@@ -4,21 +4,26 @@ another would cost.
 Both solve again, with leaves pinned, the ILPs the planner solved. A plan
 that ``ShardParallel``'s solver made (``step.plan(...)``,
 ``get_executable``) keeps them (``Plan.replan``: one solved problem per
-choice of batch axes tried, the plan's first, with the step's program and
-shapes; never an array, never the step), so both work after the step is
-gone, and fast: nothing is traced or built again; a pin holds the variables
-of the leaf's other choices at 0 for one solve (``ShardingProblem.
-solve_pinned``). As planning did, the cheapest of the problems that can
-hold the pins gives the answer; a problem whose objective without the pins
-is already dearer than the best found is not solved again.
+choice of batch axes tried, the plan's first, each with the template that
+turns its solutions into plans; never an array, never the step), and so
+does its JSON (``Plan.to_json``'s ``"ilp"``: ``planner/solved.py``). So
+both work after the step is gone, on a plan read with ``Plan.from_json``,
+from the plan cache or in another process, and fast: nothing is traced; a
+plan read back builds its problems again on its first ``explain`` or
+``cost_if``, as planning built them; a pin holds the variables of the
+leaf's other choices at 0 for one solve (``ShardingProblem.solve_pinned``).
+As planning did, the cheapest of the problems that can hold the pins gives
+the answer; a problem whose objective without the pins is already dearer
+than the best found is not solved again.
 
 ``explain`` does so once per spec the leaf could have and lists each
 candidate's objective split into its collectives' predicted time
 (communication) and the rest (compute, resharding and other costs), its
 memory per device, and the batch axes where they are not the plan's; the
-chosen spec is marked and the deciding term named: a user pin, the memory
-budget, cheaper communication or less compute. The numbers of each row add
-up to that solution's objective.
+chosen spec is marked and the deciding term named: a user pin, a pin of
+``cost_if`` (on the plan it returns), the memory budget, cheaper
+communication or less compute. The numbers of each row add up to that
+solution's objective.
 
 Where a pin holds:
   * a leaf's class: in a problem, the leaves of one class (the same tensor
@@ -30,10 +35,12 @@ Where a pin holds:
     without numbers ("not in the ILP"); ``cost_if`` plans the step again
     for it (every choice of batch axes, the leaf pinned alone), which needs
     the step alive.
-  * a plan read from the plan cache keeps no problem: its first ``explain``
-    or ``cost_if`` plans the step again once (without the cache) for them,
-    which needs the step too; ``AutoShardingOption(plan_cache=False)``
-    plans keep them.
+
+A plan with no problems to solve raises a ``PlanError`` that says why and
+the fix (:func:`no_ilp`): a preset's or a pipeline's plan (no ILP chose its
+specs), a step without a grad marker, a plan saved by an autopar from before
+plans saved their problems, or problems another autopar saved (their costs
+are another cost model's).
 
 Example::
 
@@ -41,6 +48,8 @@ Example::
     del step
     print(plan.explain("*layers*3*mlp_in*kernel"))
     print(plan.cost_if({"*mlp_in*kernel": P(None, "model")}))
+    again = Plan.from_json(plan.to_json())      # (in any process)
+    print(again.explain("*layers*3*mlp_in*kernel"))
 """
 
 from __future__ import annotations
@@ -63,10 +72,10 @@ from autopar.text import (axes_str, canonical_str, format_bytes, format_rows,
 
 if TYPE_CHECKING:
   from autopar.plan import Plan, ValuePlan
-  from autopar.planner.shard import SolvedProblem
+  from autopar.planner.solved import SolvedProblem
 
 __all__ = ["Candidate", "Explanation", "CostIf", "explain", "cost_if",
-           "find_leaves"]
+           "find_leaves", "no_ilp"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,14 +177,35 @@ def find_leaves(plan: "Plan", pattern: str) -> list["ValuePlan"]:
 
 
 def _replanner(plan: "Plan", what: str) -> Replanner:
-  if plan.replan is None:
-    raise PlanError(
-        f"{what} solves the plan's ILP again, and this plan does not carry it (a "
-        f"plan loaded from JSON, or one a method other than ShardParallel made). Fix: "
-        f"call it on the plan from step.plan(*args) with a ShardParallel step (or "
-        f"`autopar explain plan.json PATH --step module:function --args "
-        f"module:make_args`).")
-  return plan.replan
+  r = Replanner.of(plan)
+  if r is None or not plan.grads and not r.problems:
+    raise PlanError(f"{what} solves again the ILPs a plan was solved with, and "
+                    f"{no_ilp(plan)}")
+  return r
+
+
+def no_ilp(plan: "Plan") -> str:
+  """Why ``plan`` keeps no ILP to solve again, and the fix (a sentence to
+  follow "... and")."""
+  shard = ("Fix: plan the step with ShardParallel (step.plan(*args)) and explain "
+           "that plan; autopar.diff(this_plan, that_plan) compares the two under "
+           "one cost model")
+  if plan.stages:
+    return (f"this {plan.method} plan has none: its stages' specs come from the "
+            f"stage search, whose ILPs a pipeline plan does not keep. {shard}.")
+  if plan.method != "ShardParallel":
+    return (f"this {plan.method} plan has none: the method's rule gives every leaf "
+            f"its spec (the ILP only priced that layout), so there are no other "
+            f"specs to price. {shard}.")
+  if not plan.grads:
+    return ("this plan has none: its step has no grad marker, and ShardParallel "
+            "plans such a step as data parallel, without an ILP. Fix: compute the "
+            "gradients with autopar.grad or autopar.value_and_grad, and plan again.")
+  return ("this plan keeps none: it was saved without them, by an autopar from "
+          "before plans saved their ILPs in their JSON (its \"ilp\" entry). Fix: make "
+          "the plan again with this autopar (step.plan(*args), or `autopar plan`) and "
+          "save it again, or explain it with the step: `autopar explain plan.json PATH "
+          "--step module:function --args module:make_args`.")
 
 
 def _held(problem: "SolvedProblem | None", paths) -> tuple[str, ...]:
@@ -287,6 +317,8 @@ def explain(plan: "Plan", pattern: str, *, max_candidates: int = 16) -> Explanat
 def _decided_by(plan, r: Replanner, leaf, candidates) -> str:
   if leaf.name in r.pins or r.problem is not None and r.problem.pinned(leaf.name):
     return "a user pin (AutoShardingOption(pins=...))"
+  if leaf.name in r.added:
+    return "a pin of plan.cost_if (this plan is the one cost_if made with it)"
   chosen = candidates[0]
   others = [c for c in candidates[1:] if c.objective is not None]
   budget = (plan.costs or {}).get("memory_budget_per_device")
