@@ -90,6 +90,7 @@ def ray_head():
   with open(token, "w") as f:
     f.write(secrets.token_hex(32))
   os.environ["RAY_AUTH_TOKEN_PATH"] = token
+  _reread_ray_auth()
   head = subprocess.Popen(
       [ray_cli, "start", "--head", "--block", f"--port={port}",
        "--node-ip-address=127.0.0.1", "--num-cpus=2", "--include-dashboard=false",
@@ -117,6 +118,20 @@ def ray_head():
       os.environ.pop(k, None)
     else:
       os.environ[k] = v
+
+
+def _reread_ray_auth() -> None:
+  """Has this process's Ray read its authentication settings again from the
+  environment just set (Ray reads them into a process-wide config once).
+  In the whole suite something before this file had Ray read them unset,
+  and the driver then could not join the token-authenticated head
+  ("RAY_AUTH_MODE is currently 'disabled'"); what, was not found. Ray's
+  own test helper for this, where the installed Ray has one."""
+  try:
+    from ray._private.authentication_test_utils import reset_auth_token_state
+  except ImportError:      # (a Ray without token authentication)
+    return
+  reset_auth_token_state()
 
 
 @pytest.fixture(scope="module")
