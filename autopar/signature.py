@@ -10,9 +10,7 @@ first use under the signature's lock; a step's calls look it up by key.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import math
 import threading
 import time
@@ -44,13 +42,14 @@ from autopar.plan import Plan, ValuePlan
 from autopar.planner import cache as plan_cache
 from autopar.planner import pipeline as pipeline_compile
 from autopar.planner.preset import plan_preset
+from autopar.planner.solved import gc_paused
 from autopar.planner.shard import Progress, batch_axes_for, keeps_batch_whole, plan_auto
 from autopar.runtime import pipeline_build
 from autopar.runtime.base import active as active_runtime
 from autopar.runtime.executor import Executable
 from autopar.runtime.pipeline import PipelineExecutable
 
-__all__ = ["Signature", "BUDGET_TRIES", "gc_paused", "bind_saved_plan"]
+__all__ = ["Signature", "BUDGET_TRIES", "bind_saved_plan"]
 
 _UNSET = object()
 
@@ -577,25 +576,6 @@ class Signature:
 # Plans tried again, with a smaller planning budget, when the compiled step
 # holds more than memory_budget_per_device (Signature.within_budget).
 BUDGET_TRIES = 3
-
-
-@contextlib.contextmanager
-def gc_paused():
-  """Pauses CPython's cyclic garbage collector while a step is planned.
-
-  Tracing and planning a large model make millions of objects that live
-  until planning ends; the collector would walk them again and again (about
-  a quarter of the planning time of a 96-layer model). Nothing planning makes
-  is lost: the collector runs as usual once it is back on.
-  """
-  if not gc.isenabled():
-    yield
-    return
-  gc.disable()
-  try:
-    yield
-  finally:
-    gc.enable()
 
 
 def bind_saved_plan(saved: Plan, split: SplitStep, mesh, fingerprint, name: str
