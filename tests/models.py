@@ -305,3 +305,27 @@ class FailsOnce(StoredBatches):
     if shard.host == self.host and self.calls == 1:
       raise OSError(f"host {shard.host}: the data file is not there yet")
     return super().__call__(shard)
+
+
+def wait_for_ray_start(node, what: str, timeout: float = 120.0) -> None:
+  """Returns once ``node`` (a ``ray start ... --block`` process, its output
+  piped as text) says "Ray runtime started."; kills it and fails the test,
+  with its last lines, if it ends or says nothing so within ``timeout``."""
+  import queue
+  import threading
+  import time
+
+  import pytest
+  lines: "queue.Queue[str | None]" = queue.Queue()
+  threading.Thread(target=lambda: ([lines.put(l) for l in node.stdout], lines.put(None)),
+                   daemon=True).start()
+  seen, deadline = [], time.monotonic() + timeout
+  while not seen or "runtime started" not in seen[-1]:   # "Ray runtime started."
+    try:
+      line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+    except queue.Empty:
+      line = None
+    if line is None:
+      node.kill()
+      pytest.fail(f"{what} did not start in {timeout:.0f} s:\n" + "".join(seen[-30:]))
+    seen.append(line)

@@ -18,19 +18,18 @@ runs on the machine neither collide with it nor are stopped by it (no
 from __future__ import annotations
 
 import os
-import queue
 import re
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import numpy as np
 import pytest
 import ray
+from models import wait_for_ray_start
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RAY_CLI = os.path.join(os.path.dirname(sys.executable), "ray")
@@ -98,19 +97,7 @@ class Machine:
          "--node-ip-address=127.0.0.1", "--num-cpus=2", "--disable-usage-stats"],
         cwd=ROOT, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True)
-    lines: "queue.Queue[str | None]" = queue.Queue()
-    threading.Thread(target=lambda: ([lines.put(l) for l in self.node.stdout],
-                                     lines.put(None)), daemon=True).start()
-    seen, deadline = [], time.monotonic() + 120
-    while not seen or "runtime started" not in seen[-1]:   # "Ray runtime started."
-      try:
-        line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
-      except queue.Empty:
-        line = None
-      if line is None:
-        pytest.fail(f"ray start {' '.join(args)} did not start in 120 s:\n" +
-                    "".join(seen[-30:]))
-      seen.append(line)
+    wait_for_ray_start(self.node, f"ray start {' '.join(args)}")
 
   def end(self) -> None:
     """Ends ``ray start --block`` (which ends the node's processes), then

@@ -3,7 +3,6 @@ jax.distributed (a real multi-process mesh, gloo collectives), against the
 same methods run in this process on 8 simulated devices."""
 
 import os
-import queue
 import secrets
 import shutil
 import signal
@@ -11,7 +10,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import jax
@@ -23,7 +21,7 @@ import pytest
 import autopar
 from autopar.runtime import cluster
 from models import (FailsOnce, RowsChecked, StoredBatches, assert_trees_close, dropout_setup, mlp_setup,
-                    single_device, transformer_setup)
+                    single_device, transformer_setup, wait_for_ray_start)
 
 SGD = optax.sgd(0.1, momentum=0.9)
 STEPS = 3
@@ -96,19 +94,7 @@ def ray_head():
        "--node-ip-address=127.0.0.1", "--num-cpus=2", "--include-dashboard=false",
        "--disable-usage-stats", f"--temp-dir={temp_dir}"],
       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  lines: "queue.Queue[str | None]" = queue.Queue()
-  threading.Thread(target=lambda: ([lines.put(l) for l in head.stdout], lines.put(None)),
-                   daemon=True).start()
-  seen, deadline = [], time.monotonic() + 120
-  while not seen or "runtime started" not in seen[-1]:   # "Ray runtime started."
-    try:
-      line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
-    except queue.Empty:
-      line = None
-    if line is None:
-      head.kill()
-      pytest.fail("ray start --head did not start in 120 s:\n" + "".join(seen[-20:]))
-    seen.append(line)
+  wait_for_ray_start(head, "ray start --head")
   yield head, f"127.0.0.1:{port}"
   head.terminate()                           # --block: ends the node's processes
   head.wait(timeout=60)
