@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Callable, Iterable
+from typing import Any, Callable, Hashable, Iterable
 
 import jax.numpy as jnp
 import numpy as np
@@ -78,7 +78,10 @@ def liveness_peaks(jaxpr, k: int,
                    released: Iterable[Var] = (),
                    folded: Iterable[Var] = (),
                    size: Callable[[Var], float] | None = None,
-                   platform: str = "cpu") -> list[list[Var]]:
+                   platform: str = "cpu",
+                   operand_copies: Callable[[Any, int], Iterable[Hashable]] | None = None,
+                   twice: Callable[[Var], Hashable | None] | None = None
+                   ) -> list[list[Var]]:
   """The ``k`` program points where the most bytes are held.
 
   Each is the list of the values whose buffers are held there, one value
@@ -89,6 +92,16 @@ def liveness_peaks(jaxpr, k: int,
   ``platform``: whose rules apply ("cpu", "gpu", "tpu"): XLA:CPU's
   YNNPACK reductions and operand copies for its convolutions and dots
   only on "cpu" (``devices.platform_of``).
+  ``operand_copies(eqn, position)``: what a plan makes of that operand for the
+  equation to read (a reshard's result, a gathered parameter), if anything.
+  Equal ones are one buffer (XLA makes one collective of one operand
+  and sharding), held from the first equation that reads it to the last,
+  and stand for themselves in the result; ``size`` gives their bytes.
+  ``twice(value)``: what stands for a second buffer of ``value``, or None:
+  a partial sum all-reduced into a new buffer, held with it where the
+  equation runs, or for the program's outputs at its end (XLA combines
+  the independent all-reduces of the gradients into one, after the last
+  of them is made).
   """
   eqns = jaxpr.eqns
   end = len(eqns)
@@ -103,7 +116,11 @@ def liveness_peaks(jaxpr, k: int,
   reads: dict[int, list[Var]] = {}
   early: list = []                   # [copied value, first, last point]
   copied: dict[tuple, list] = {}     # (value, order) -> its copy in ``early``
+  made: dict = {}                    # operand_copies(...) -> [first, last point]
   for i, eqn in enumerate(eqns):
+    for pos in range(len(eqn.invars) if operand_copies is not None else 0):
+      for c in operand_copies(eqn, pos):
+        made.setdefault(c, [i, i])[1] = i
     if not fusions.runs(i):
       continue
     reads[i] = fusions.reads(i)
@@ -150,7 +167,7 @@ def liveness_peaks(jaxpr, k: int,
     bodies = region_jaxprs(eqn)
     if eqn.primitive.name == "while":
       bodies = bodies[1:]               # its cond's values are few and brief
-    inner = [_body_held(sub, size, platform) for sub in bodies]
+    inner = [_body_held(sub, size, platform, operand_copies, twice) for sub in bodies]
     if inner:
       copies.setdefault(i, []).extend(
           max(inner, key=lambda vs: sum(map(size or nbytes, vs))))
@@ -183,8 +200,10 @@ def liveness_peaks(jaxpr, k: int,
       elif is_elementwise(eqn):
         for v in reads[i]:
           b = owner.get(v)
+          # (Under a plan's specs, of the same bytes per device too: a
+          # result split otherwise than its operand is a buffer of its own.)
           if b is not None and b not in taken and stop[b] == i and \
-              nbytes(b) == nbytes(o):
+              nbytes(b) == nbytes(o) and (size is None or size(b) == size(o)):
             buf = b
             break
       if buf is None:
@@ -202,6 +221,13 @@ def liveness_peaks(jaxpr, k: int,
     b = Var(v.aval)
     stands_for[b] = v
     start[b], stop[b] = first, last
+  for c, (first, last) in made.items():
+    start[c], stop[c] = first, last
+  for i, eqn in enumerate(eqns if twice is not None else ()):
+    for o in eqn.outvars:
+      c = twice(o) if o in owner else None
+      if c is not None:                 # (its buffer held to the end: an output)
+        start[c] = stop[c] = max(end - 1, 0) if stop[owner[o]] == end else i
 
   # The bytes held at each point: add at the start, drop after the stop.
   held = nbytes if size is None else lambda b: size(stands_for.get(b, b))
@@ -221,11 +247,13 @@ def liveness_peaks(jaxpr, k: int,
           copies.get(t, []) for t in peaks]
 
 
-def _body_held(jaxpr, size, platform: str = "cpu") -> list[Var]:
+def _body_held(jaxpr, size, platform: str = "cpu", operand_copies=None, twice=None
+               ) -> list[Var]:
   """What a control-flow body holds at its peak, less its results."""
   results = {v for v in jaxpr.outvars if type(v) is not Literal}
   return [v for v in liveness_peaks(jaxpr, k=1, released=jaxpr.outvars, size=size,
-                                    platform=platform)[0]
+                                    platform=platform, operand_copies=operand_copies,
+                                    twice=twice)[0]
           if v not in results]
 
 

@@ -495,8 +495,11 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
         groups.setdefault(req, []).append(node.vars[c])
     return groups
 
-  def _edge(self, produced: dict, required: dict, aval, mult, part):
-    """Resharding cost of one edge, linearised as a transportation problem.
+  def _edge(self, produced: dict, required: dict, aval, mult, part) -> dict:
+    """Resharding cost of one edge, linearised as a transportation problem;
+    returns the flows that reshard: ``(p, r) -> [variables]`` whose sum is
+    1 where the value is made in ``p`` and read in ``r`` (the memory
+    model's copies, ``ilp_memory``).
 
     ``e[p, r] >= 0`` with ``Σ_r e[p,r] = x_u(p)`` and ``Σ_p e[p,r] = x_w(r)``:
     for one-hot ``x`` it is the product ``x_u(p)·x_w(r)``, and unlike
@@ -508,7 +511,7 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
     """
     costs = {(p, r): self._reshard(aval, p, r) for p in produced for r in required}
     if not any(costs.values()):
-      return
+      return {}
     traffic = self._edge_traffic[part]
 
     def charge(x, p, r):
@@ -519,7 +522,8 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
       for (p, r) in costs:
         for x in (required[r] if len(produced) == 1 else produced[p]):
           charge(x, p, r)
-      return
+      return {(p, r): required[r] if len(produced) == 1 else produced[p]
+              for (p, r), c in costs.items() if c > 0}
     flows = {}
     for (p, r) in costs:
       e = _variable(self.prob, f"e_{self._edge_count}", lowBound=0)
@@ -531,6 +535,7 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
       self._equal([(flows[p, r], 1) for r in required] + [(x, -1) for x in pvars], 0)
     for r, rvars in required.items():
       self._equal([(flows[p, r], 1) for p in produced] + [(x, -1) for x in rvars], 0)
+    return {pr: [e] for pr, e in flows.items() if costs[pr] > 0}
 
   def _reshard_bytes(self, aval, p: Spec, r: Spec) -> float:
     """Bytes a reshard moves through memory on one device: each collective
@@ -552,19 +557,26 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
     # their costs add up.
     merged: dict = {}
     for (src, spos), dst, dpos, aval, mult, part in self._edge_list():
-      key = (self.node_class[src], spos, self.node_class[dst], dpos,
-             tuple(aval.shape), aval.dtype, part)
+      key = self._edge_key(src, spos, dst, dpos, aval, part)
       if key in merged:
         merged[key][-2] += mult
       else:
         merged[key] = [src, spos, dst, dpos, aval, mult, part]
-    for src, spos, dst, dpos, aval, mult, part in merged.values():
+    self._flows = {}
+    for key, (src, spos, dst, dpos, aval, mult, part) in merged.items():
       if dpos >= 0:
         required = self._required_groups(dst, dpos)
       else:
         required = self._spec_groups(dst, -1 - dpos) if dst not in self._grad_node_set \
             else {s[0]: [x] for s, x in zip(self.nodes[dst].specs, self.nodes[dst].vars)}
-      self._edge(self._spec_groups(src, spos), required, aval, mult, part)
+      self._flows[key] = self._edge(self._spec_groups(src, spos), required, aval, mult,
+                                    part)
+
+  def _edge_key(self, src, spos, dst, dpos, aval, part) -> tuple:
+    """Edges with equal keys (between the same classes, of one value
+    shape) share their flows."""
+    return (self.node_class[src], spos, self.node_class[dst], dpos,
+            tuple(aval.shape), aval.dtype, part)
 
   def _donation(self):
     aj = self.apply.jaxpr

@@ -8,15 +8,27 @@ as bytes at a solution.
   its chosen spec; the constraints take the three peaks of replicated
   bytes, and a solution's own peak is found again under its specs
   (``_peak_at_solution``), which ``ShardingProblem.solve`` adds where it is
-  over the budget.
+  over the budget;
+* what the plan makes for the pass's readers (:class:`Copy`): an operand
+  resharded by a collective to the spec its reader takes (a parameter
+  stored split and gathered whole for a matmul, activations gathered over
+  the rows), and a parameter split over the batch axes (ZeRO-3) gathered
+  for the pass. XLA makes one such buffer per value and spec and holds it
+  from its first reader to its last: the forward and backward matmuls of a
+  layer read one gathered kernel. And the partial sums a strategy
+  all-reduces: the all-reduce writes a new buffer, so the value is held
+  twice where it is made, and a gradient twice at the end of the pass
+  (XLA combines the gradients' all-reduces into one after the last).
 
 A memory item is ``(node, output, aval, factor)``: ``factor`` times that
-output's bytes per device under the node's choice.
+output's bytes per device under the node's choice; or a :class:`Copy`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 from autopar.planner import lp
 from jax.extend.core import Var
@@ -25,9 +37,43 @@ from autopar.costs.cost_model import itemsize
 from autopar.frontend.gradstack import find_grad_stacks, folded_values
 from autopar.costs.liveness import liveness_peaks
 from autopar.method import accumulation_dtype
-from autopar.costs.strategies import local_bytes
+from autopar.costs.strategies import REGIONS, local_bytes
 
-__all__ = ["MemoryModel"]
+__all__ = ["MemoryModel", "Copy"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Copy:
+  """A buffer the plan makes for the pass's readers, as a memory item.
+
+  ``edge`` (``ChoiceGraph.operand_edges``): the operand resharded by a
+  collective to the spec its reader takes, in that spec's bytes wherever
+  the plan makes and reads it in different specs; ``leaf``: the node of a
+  parameter, gathered over the batch axes where the plan splits it over
+  them (ZeRO-3), in the bytes of its spec over the planned axes;
+  ``reduced``: (node, output) of a value whose strategy all-reduces it, its
+  bytes where the chosen strategy does.
+  """
+  aval: Any
+  edge: tuple | None = None
+  leaf: int | None = None
+  reduced: tuple[int, int] | None = None
+
+
+class _Held:
+  """A :class:`Copy` at a solution, for ``liveness_peaks``: equal to
+  another where it is the same buffer (the same value in the same spec),
+  with its bytes there."""
+  __slots__ = ("key", "item", "nbytes")
+
+  def __init__(self, key, item: Copy, nbytes: float):
+    self.key, self.item, self.nbytes = key, item, nbytes
+
+  def __eq__(self, other):
+    return isinstance(other, _Held) and self.key == other.key
+
+  def __hash__(self):
+    return hash(self.key)
 
 
 class MemoryModel:
@@ -55,17 +101,22 @@ class MemoryModel:
       self._mem_items = (state, peaks)
     return self._mem_items
 
-  def _liveness(self, k: int, size=None) -> list[list[Var]]:
-    """The pass's ``k`` liveness peaks (by replicated bytes, or ``size``)."""
+  def _liveness(self, k: int, size=None, copies=None, twice=None) -> list[list[Var]]:
+    """The pass's ``k`` liveness peaks (by replicated bytes, or ``size``;
+    ``copies``, ``twice``: ``liveness_peaks``'s ``operand_copies`` and
+    ``twice``)."""
     cj = self.compute.jaxpr
     folded = folded_values(cj, self._stacks) \
         if self.n > 1 or self._batch_size_devices > 1 else []
-    return liveness_peaks(cj, k=k, folded=folded, size=size, platform=self.platform)
+    return liveness_peaks(cj, k=k, folded=folded, size=size, platform=self.platform,
+                          operand_copies=copies, twice=twice)
 
   def _items(self, live) -> list:
-    """Memory items of the values in ``live`` that the graph has."""
+    """Memory items of the values in ``live`` that the graph has, and of
+    the copies among them."""
     val = self._values
-    return [(*val[v], v.aval, 1) for v in live if v in val]
+    return [v.item if isinstance(v, _Held) else (*val[v], v.aval, 1)
+            for v in live if isinstance(v, _Held) or v in val]
 
   @functools.cached_property
   def _values(self) -> dict:
@@ -84,10 +135,102 @@ class MemoryModel:
   def _find_own_peak(self) -> list:
     val = self._values
     def local(v):
+      if isinstance(v, _Held):
+        return v.nbytes
       ref = val.get(v)
       return 0 if ref is None else self._bytes(*ref, v.aval, self._chosen(ref[0]))
-    live = self._liveness(k=1, size=local)
+    live = self._liveness(k=1, size=local, copies=self._copies_at_solution,
+                          twice=self._reduced_at_solution)
     return self._items(live[0]) if live else []
+
+  def _reduced_at_solution(self, v) -> _Held | None:
+    """The second buffer of ``v`` where its chosen strategy all-reduces it
+    (``liveness_peaks``'s ``twice``)."""
+    ref = self._values.get(v)
+    if ref is None or ref[0] in self._leaf_node_set:
+      return None
+    item = Copy(v.aval, reduced=ref)
+    b = self._copy_at_solution(item)
+    return _Held(("reduced", v), item, b) if b else None
+
+  def _reduces(self, node, choice) -> bool:
+    """Whether choice ``choice`` of node ``node`` all-reduces its result."""
+    st = self.nodes[node].choices[choice]
+    return any(kind == "all-reduce" for kind, _, _ in getattr(st, "collectives", ()))
+
+  def _copies_at_solution(self, eqn, pos) -> list[_Held]:
+    """What the solution makes of operand ``pos`` of ``eqn`` for it to
+    read (``liveness_peaks``'s ``operand_copies``): the operand resharded by a
+    collective, and a parameter gathered over the batch axes. A loop or
+    call reads its operands where its body does."""
+    v = eqn.invars[pos]
+    if not isinstance(v, Var) or eqn.primitive.name in REGIONS:
+      return []
+    out = []
+    ref = self._values.get(v)
+    if ref is not None and ref[0] in self._leaf_node_set:
+      spec, dim = self.nodes[ref[0]].choices[self._chosen(ref[0])]
+      if dim is not None:
+        out.append(_Held(("gathered", v), Copy(v.aval, leaf=ref[0]),
+                         local_bytes(v.aval, spec, self.sizes)))
+    edge = self.operand_edges.get((id(eqn), pos))
+    if edge is not None:
+      (src, spos), dst, dpos, aval, _ = edge
+      p = self.nodes[src].specs[self._chosen(src)][spos]
+      r = self._read_spec(dst, dpos)
+      if r is not None and r != p and self._reshard(aval, p, r) > 0:
+        out.append(_Held(("reshard", v, r), Copy(aval, edge=edge),
+                         local_bytes(aval, r, self.sizes)))
+    return out
+
+  def _read_spec(self, dst, dpos):
+    """The spec the solution reads an edge's value in: operand ``dpos``
+    of node ``dst``'s strategy, or (``dpos`` < 0) the spec of output
+    ``-1 - dpos`` of the node an element-wise operand follows."""
+    c = self._chosen(dst)
+    if dpos >= 0:
+      return self.nodes[dst].choices[c].in_specs[dpos]
+    return self.nodes[dst].specs[c][-1 - dpos]
+
+  @functools.cached_property
+  def _leaf_node_set(self) -> set[int]:
+    return set(self.leaf_nodes)
+
+  def _copy_terms(self, item: Copy) -> list:
+    """A copy's bytes as ``[(variable, bytes)]``, for any solution: for a
+    reshard, the bytes of each spec its reader takes times the flows into
+    it from the other specs (``ShardingProblem._edge``); for a gathered
+    parameter, its choices split over the batch axes."""
+    if item.leaf is not None:
+      node = self.nodes[item.leaf]
+      return [(x, local_bytes(item.aval, spec, self.sizes))
+              for (spec, dim), x in zip(node.choices, node.vars) if dim is not None]
+    if item.reduced is not None:
+      n, pos = item.reduced
+      return [(x, local_bytes(item.aval, specs[pos], self.sizes))
+              for c, (specs, x) in enumerate(zip(self.nodes[n].specs, self.nodes[n].vars))
+              if self._reduces(n, c)]
+    (src, spos), dst, dpos, aval, part = item.edge
+    flows = self._flows.get(self._edge_key(src, spos, dst, dpos, aval, part), {})
+    return [(x, local_bytes(aval, r, self.sizes))
+            for (_, r), xs in flows.items() for x in xs]
+
+  def _copy_at_solution(self, item: Copy) -> float:
+    """A copy's bytes under the chosen specs."""
+    if item.leaf is not None:
+      spec, dim = self.nodes[item.leaf].choices[self._chosen(item.leaf)]
+      return 0.0 if dim is None else local_bytes(item.aval, spec, self.sizes)
+    if item.reduced is not None:
+      n, pos = item.reduced
+      c = self._chosen(n)
+      return local_bytes(item.aval, self.nodes[n].specs[c][pos], self.sizes) \
+          if self._reduces(n, c) else 0.0
+    (src, spos), dst, dpos, aval, _ = item.edge
+    p = self.nodes[src].specs[self._chosen(src)][spos]
+    r = self._read_spec(dst, dpos)
+    if r is None or r == p or self._reshard(aval, p, r) <= 0:
+      return 0.0
+    return local_bytes(aval, r, self.sizes)
 
   def _gradient_items(self):
     """The gradients held besides one micro-batch's pass (whose own
@@ -135,10 +278,14 @@ class MemoryModel:
     return self._memory_exprs(*self._memory_items())
 
   def _memory_exprs(self, state, peaks):
+    def terms(item):
+      if isinstance(item, Copy):
+        return self._copy_terms(item)
+      node, pos, aval, f = item
+      return [(x, f * b) for b, x in zip(self._bytes_per_choice(node, pos, aval),
+                                         self.nodes[node].vars)]
     def expr(items):
-      return lp.linear((x, f * b) for node, pos, aval, f in items
-                       for b, x in zip(self._bytes_per_choice(node, pos, aval),
-                                       self.nodes[node].vars))
+      return lp.linear(t for item in items for t in terms(item))
     return expr(state), [expr(p) for p in peaks]
 
   def _memory(self):
@@ -156,8 +303,9 @@ class MemoryModel:
     return float(self._total(state)), float(self._total(self._peak_at_solution()))
 
   def _total(self, items) -> float:
-    return sum(f * self._bytes(node, pos, aval, self._chosen(node))
-               for node, pos, aval, f in items)
+    return sum(self._copy_at_solution(item) if isinstance(item, Copy) else
+               item[3] * self._bytes(*item[:3], self._chosen(item[0]))
+               for item in items)
 
   def _memory_at_solution(self) -> float:
     return sum(self.memory_at_solution())
