@@ -24,7 +24,8 @@ its buffers are shared, follows XLA's fusion and buffer assignment:
   the last reader of either; of a recomputed value it is a copy;
 * an element-wise operation writes its result into an operand's buffer
   when that operand is read for the last time there and is as large
-  (``HloDataflowAnalysis::CanShareOperandBufferWithUser``);
+  (``HloDataflowAnalysis::CanShareOperandBufferWithUser``), and so do a
+  scatter and a dynamic update into their first operand's;
 * an operand of a convolution or dot not in the order XLA:CPU takes
   (``conv_relayouts``, ``dot_relayouts``: a filter gradient's operands;
   attention's query, key and value, whose heads sit between batch and
@@ -72,6 +73,12 @@ __all__ = ["liveness_peaks", "fusions", "Fusions", "relayouts", "conv_relayouts"
 # The result is the operand's buffer read another way.
 VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "transpose"})
 
+# The result is written into the first operand's buffer where that is read
+# for the last time there (XLA's in-place scatters and dynamic updates).
+IN_PLACE = frozenset({"scatter", "scatter-add", "scatter_add", "scatter-mul",
+                      "scatter_mul", "scatter-min", "scatter_min", "scatter-max",
+                      "scatter_max", "dynamic_update_slice"})
+
 
 def liveness_peaks(jaxpr, k: int,
                    gathered: Iterable[Var] = (),
@@ -80,8 +87,8 @@ def liveness_peaks(jaxpr, k: int,
                    size: Callable[[Var], float] | None = None,
                    platform: str = "cpu",
                    operand_copies: Callable[[Any, int], Iterable[Hashable]] | None = None,
-                   twice: Callable[[Var], Hashable | None] | None = None
-                   ) -> list[list[Var]]:
+                   twice: Callable[[Var], Hashable | None] | None = None,
+                   where: bool = False) -> list:
   """The ``k`` program points where the most bytes are held.
 
   Each is the list of the values whose buffers are held there, one value
@@ -95,13 +102,17 @@ def liveness_peaks(jaxpr, k: int,
   ``operand_copies(eqn, position)``: what a plan makes of that operand for the
   equation to read (a reshard's result, a gathered parameter), if anything.
   Equal ones are one buffer (XLA makes one collective of one operand
-  and sharding), held from the first equation that reads it to the last,
-  and stand for themselves in the result; ``size`` gives their bytes.
+  and sharding), held from the first equation that reads it to the last
+  (a copy of one of the program's inputs from its start on "cpu", where
+  XLA schedules the collectives of parameters first), and stand for
+  themselves in the result; ``size`` gives their bytes.
   ``twice(value)``: what stands for a second buffer of ``value``, or None:
   a partial sum all-reduced into a new buffer, held with it where the
-  equation runs, or for the program's outputs at its end (XLA combines
-  the independent all-reduces of the gradients into one, after the last
-  of them is made).
+  equation runs, or for the program's outputs where the last of them is
+  made (XLA combines the independent all-reduces of the gradients into
+  one, after the last of them).
+  ``where``: each peak as ``(point, values)``, the point the index of the
+  equation that runs there.
   """
   eqns = jaxpr.eqns
   end = len(eqns)
@@ -117,10 +128,17 @@ def liveness_peaks(jaxpr, k: int,
   early: list = []                   # [copied value, first, last point]
   copied: dict[tuple, list] = {}     # (value, order) -> its copy in ``early``
   made: dict = {}                    # operand_copies(...) -> [first, last point]
+  made_for: dict[int, list] = {}     # point -> the copies of its first operand
+  program_inputs = set(jaxpr.invars)
   for i, eqn in enumerate(eqns):
     for pos in range(len(eqn.invars) if operand_copies is not None else 0):
       for c in operand_copies(eqn, pos):
-        made.setdefault(c, [i, i])[1] = i
+        # XLA:CPU schedules the collectives of the program's inputs (a
+        # parameter's gather) first: their copies are held from the start.
+        first = 0 if cpu and eqn.invars[pos] in program_inputs else i
+        made.setdefault(c, [first, i])[1] = i
+        if pos == 0:
+          made_for.setdefault(i, []).append(c)
     if not fusions.runs(i):
       continue
     reads[i] = fusions.reads(i)
@@ -177,6 +195,8 @@ def liveness_peaks(jaxpr, k: int,
   inputs = set(jaxpr.invars)         # and views of them: not counted
   start: dict[Var, int] = {}
   stop: dict[Var, int] = {}
+  for c, (first, last) in made.items():
+    start[c], stop[c] = first, last
   for v in gathered:
     if v in first_use:                # (read only through copies: until the first)
       owner[v] = v
@@ -197,13 +217,18 @@ def liveness_peaks(jaxpr, k: int,
           inputs.add(o)
           continue
         buf = owner.get(same)
-      elif is_elementwise(eqn):
-        for v in reads[i]:
-          b = owner.get(v)
+      elif is_elementwise(eqn) or name in IN_PLACE and j == 0:
+        # A scatter's or dynamic update's result is written into its
+        # operand's buffer, or into the copy a plan makes of it.
+        operands = reads[i] if name not in IN_PLACE else \
+            [*made_for.get(i, ()), eqn.invars[0]]
+        for v in operands:
+          b = v if v in made else owner.get(v)
           # (Under a plan's specs, of the same bytes per device too: a
           # result split otherwise than its operand is a buffer of its own.)
           if b is not None and b not in taken and stop[b] == i and \
-              nbytes(b) == nbytes(o) and (size is None or size(b) == size(o)):
+              (b in made or nbytes(b) == nbytes(o)) and \
+              (size is None or size(b) == size(o)):
             buf = b
             break
       if buf is None:
@@ -221,13 +246,17 @@ def liveness_peaks(jaxpr, k: int,
     b = Var(v.aval)
     stands_for[b] = v
     start[b], stop[b] = first, last
-  for c, (first, last) in made.items():
-    start[c], stop[c] = first, last
+  combined = []                      # second buffers of the outputs
   for i, eqn in enumerate(eqns if twice is not None else ()):
     for o in eqn.outvars:
       c = twice(o) if o in owner else None
-      if c is not None:                 # (its buffer held to the end: an output)
-        start[c] = stop[c] = max(end - 1, 0) if stop[owner[o]] == end else i
+      if c is None:
+        continue
+      start[c] = stop[c] = i
+      if stop[owner[o]] == end:         # an output: its buffer is held to the end
+        combined.append(c)
+  for c in combined:                   # where the last of them is made
+    start[c] = stop[c] = max(start[d] for d in combined)
 
   # The bytes held at each point: add at the start, drop after the stop.
   held = nbytes if size is None else lambda b: size(stands_for.get(b, b))
@@ -243,8 +272,9 @@ def liveness_peaks(jaxpr, k: int,
     total += delta[i]
     totals.append(total)
   peaks = heapq.nlargest(k, range(len(totals)), key=totals.__getitem__)
-  return [[stands_for.get(b, b) for b in start if start[b] <= t <= stop[b]] +
-          copies.get(t, []) for t in peaks]
+  held_at = [[stands_for.get(b, b) for b in start if start[b] <= t <= stop[b]] +
+             copies.get(t, []) for t in peaks]
+  return list(zip(peaks, held_at)) if where else held_at
 
 
 def _body_held(jaxpr, size, platform: str = "cpu", operand_copies=None, twice=None

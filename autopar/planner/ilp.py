@@ -634,17 +634,20 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
         if not self._status.optimal:
           break
         state, _ = self._memory_items()
-        peak = self._peak_at_solution()
-        over = self._total(state) + self._total(peak)
+        held = self._total(state)
+        over = held + self._total(self._peak_at_solution())
         if over <= self.memory_budget * (1 + 1e-6):
           over = None
           break
         if rounds == _BUDGET_ROUNDS:
           break
-        self._added_peaks.append(peak)
-        s_expr, (p_expr,) = self._memory_exprs(state, [peak])
-        self.prob += s_expr + p_expr <= self.memory_budget, f"memory_{self.num_constraints}"
-        self.num_constraints += 1
+        for peak in self._peaks_at_solution():
+          if held + self._total(peak) > self.memory_budget * (1 + 1e-6):
+            self._added_peaks.append(peak)
+            s_expr, (p_expr,) = self._memory_exprs(state, [peak])
+            self.prob += s_expr + p_expr <= self.memory_budget, \
+                f"memory_{self.num_constraints}"
+            self.num_constraints += 1
         solver_name = self._solve(max(1.0, deadline - time.perf_counter()))
     finally:
       self.solve_seconds = seconds = time.perf_counter() - t0
@@ -964,7 +967,7 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
 
 # Solves at most this many times more to hold the memory budget at the
 # plan's own peak (each adds the peak found as a constraint).
-_BUDGET_ROUNDS = 4
+_BUDGET_ROUNDS = 2
 
 
 def _variable(prob, name: str, lowBound=None, cat="Continuous"):

@@ -17,8 +17,8 @@ as bytes at a solution.
   from its first reader to its last: the forward and backward matmuls of a
   layer read one gathered kernel. And the partial sums a strategy
   all-reduces: the all-reduce writes a new buffer, so the value is held
-  twice where it is made, and a gradient twice at the end of the pass
-  (XLA combines the gradients' all-reduces into one after the last).
+  twice where it is made, and a gradient twice where the last gradient
+  so reduced is made (XLA combines their all-reduces into one there).
 
 A memory item is ``(node, output, aval, factor)``: ``factor`` times that
 output's bytes per device under the node's choice; or a :class:`Copy`.
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 from autopar.planner import lp
@@ -50,14 +51,20 @@ class Copy:
   collective to the spec its reader takes, in that spec's bytes wherever
   the plan makes and reads it in different specs; ``leaf``: the node of a
   parameter, gathered over the batch axes where the plan splits it over
-  them (ZeRO-3), in the bytes of its spec over the planned axes;
+  them (ZeRO-3), whole: XLA gathers a partly manual operand over the
+  automatic axes too before the batch axes' all-gather (measured on
+  XLA:CPU, jax 0.10: a [4096, 64] table split over "data" and "model" of
+  a 2 x 4 mesh is all-gathered to [2048, 64], then to [4096, 64]);
   ``reduced``: (node, output) of a value whose strategy all-reduces it, its
-  bytes where the chosen strategy does.
+  bytes where the chosen strategy does; ``chain``: (value, k), the largest
+  copy that a program input's readers from its ``k``-th on reshard it to
+  (``MemoryModel._chains``).
   """
   aval: Any
   edge: tuple | None = None
   leaf: int | None = None
   reduced: tuple[int, int] | None = None
+  chain: tuple | None = None
 
 
 class _Held:
@@ -74,6 +81,30 @@ class _Held:
 
   def __hash__(self):
     return hash(self.key)
+
+
+# Points of the pass (by replicated bytes, and by smallest) at which a
+# memory budget is held from the first solve.
+_POINTS = 256
+
+
+def _whole(aval) -> float:
+  """Bytes of the whole array."""
+  return float(math.prod(aval.shape) * itemsize(aval.dtype))
+
+
+def _distinct(points: list[tuple[int, list]]) -> list[tuple[int, list]]:
+  """``points`` (each a point and the list of what is held there) less
+  those that hold only what one before them holds (a constraint there adds
+  nothing)."""
+  kept: list[set] = []
+  out = []
+  for t, live in points:
+    ids = {id(v) if not isinstance(v, _Held) else v for v in live}
+    if not any(ids <= k for k in kept):
+      kept.append(ids)
+      out.append((t, live))
+  return out
 
 
 class MemoryModel:
@@ -93,23 +124,133 @@ class MemoryModel:
 
   def _memory_items(self):
     """What memory counts: ([(node, pos, aval, factor)] of the state,
-    [[(node, pos, aval, 1)] at each liveness peak])."""
+    [[(node, pos, aval, 1)] at each point of the pass]). Which values are
+    held together does not depend on their specs, so a plan's peak is at
+    one of the points where what is held is not a part of what is held at
+    another; of those, the ``_POINTS`` highest in replicated bytes and the
+    ``_POINTS`` highest with each value at its smallest choice's bytes
+    (where a plan within a tight budget holds the most) are taken. The
+    copies a plan makes come in where its own peaks are added
+    (``ShardingProblem.solve``)."""
     if getattr(self, "_mem_items", None) is None:
       state = [(self.leaf_nodes[k], 0, aval, 1) for k, aval in enumerate(self.leaf_avals)]
       state += self._gradient_items()
-      peaks = [self._items(live) for live in self._liveness(k=3)]
+      val = self._values
+      def smallest(v):
+        ref = val.get(v)
+        return 0 if ref is None else min(self._bytes_per_choice(*ref, v.aval))
+      k = _POINTS if self.memory_budget is not None else 3
+      points = self._liveness(k=k, where=True) + \
+          self._liveness(k=k, size=smallest, where=True)
+      if self.memory_budget is not None:
+        # The last point (the gradients, and their all-reduces) too.
+        end = len(self.compute.jaxpr.eqns) - 1
+        points += [p for p in self._liveness(k=end + 1, where=True) if p[0] == end]
+      seen, peaks = set(), []
+      for t, live in _distinct(points):
+        if (t, len(live)) not in seen:
+          seen.add((t, len(live)))
+          peaks.append(self._items(live) + (
+              self._copies_at(t, live) if self.memory_budget is not None else []))
       self._mem_items = (state, peaks)
     return self._mem_items
 
-  def _liveness(self, k: int, size=None, copies=None, twice=None) -> list[list[Var]]:
+  def _copies_at(self, t: int, live) -> list[Copy]:
+    """The copies any plan may hold at point ``t`` of the pass (``live``
+    held there), as memory items: a program input's largest copy for its
+    readers from ``t`` on (from its first reader on, except on "cpu"),
+    its gather over the batch axes (ZeRO-3) up to its last reader, an
+    activation's copy where its reader runs, the second buffer of a value
+    all-reduced where it is made, and of every gradient at the last
+    point. An activation's copy held between two readers is left to the
+    plan's own peaks (``ShardingProblem.solve``)."""
+    cj = self.compute.jaxpr
+    cpu = self.platform == "cpu"
+    out = []
+    for v, readers in self._readers.items():
+      points = [i for i, _ in readers]
+      if v in self._inputs:
+        if (cpu or t >= points[0]) and t <= points[-1]:
+          k = next(j for j, i in enumerate(points) if i >= t)
+          out.append(Copy(v.aval, chain=(v, k)))
+      else:
+        out.extend(Copy(v.aval, edge=e) for i, e in readers if i == t)
+    for v, (first, last) in self._input_reads.items():
+      node = self._values[v][0]
+      if (cpu or t >= first) and t <= last and any(
+          dim is not None for _, dim in self.nodes[node].choices):
+        out.append(Copy(v.aval, leaf=node))
+    end = len(cj.eqns) - 1
+    made = [o for o in cj.eqns[t].outvars] if t < len(cj.eqns) else []
+    for v in (live if t == end else made):
+      ref = self._values.get(v) if isinstance(v, Var) else None
+      if ref is not None and ref[0] not in self._leaf_node_set and any(
+          self._reduces(ref[0], c) for c in range(len(self.nodes[ref[0]].choices))):
+        out.append(Copy(v.aval, reduced=ref))
+    return out
+
+  @functools.cached_property
+  def _inputs(self) -> set:
+    return set(self.compute.jaxpr.invars)
+
+  @functools.cached_property
+  def _readers(self) -> dict:
+    """Per value of the pass's top level, the equations some plan reshards
+    it for by a collective: [(point, edge)] in program order."""
+    out: dict = {}
+    for i, eqn in enumerate(self.compute.jaxpr.eqns):
+      if eqn.primitive.name in REGIONS:
+        continue
+      for pos, v in enumerate(eqn.invars):
+        edge = self.operand_edges.get((id(eqn), pos))
+        if edge is not None and isinstance(v, Var) and self._flows.get(
+            self._edge_key(edge[0][0], edge[0][1], *edge[1:])):
+          out.setdefault(v, []).append((i, edge))
+    return out
+
+  @functools.cached_property
+  def _input_reads(self) -> dict:
+    """Per program input the pass's top level reads (a leaf): its first
+    and last reader."""
+    out: dict = {}
+    for i, eqn in enumerate(self.compute.jaxpr.eqns):
+      for v in eqn.invars:
+        if isinstance(v, Var) and v in self._inputs and v in self._values:
+          out.setdefault(v, [i, i])[1] = i
+    return {v: tuple(r) for v, r in out.items()}
+
+  def _chains(self) -> None:
+    """The variables of the largest copies of the program inputs
+    (:class:`Copy` ``chain``): ``y[v, k] >= y[v, k + 1]`` and ``y[v, k] >=``
+    the copy for the ``k``-th reader, so that, held in a constraint of the
+    budget, ``y[v, k]`` is the largest copy of ``v`` its readers from the
+    ``k``-th on read (one buffer, where they read one spec)."""
+    self._chain_vars = {}
+    for v, readers in self._readers.items():
+      if v not in self._inputs:
+        continue
+      ys = [lp.variable(self.prob, f"y_{len(self._chain_vars)}_{k}", lowBound=0)
+            for k in range(len(readers))]
+      self._chain_vars[v] = ys
+      self.num_variables += len(ys)
+      for k, (_, edge) in enumerate(readers):
+        copy = self._copy_terms(Copy(v.aval, edge=edge))
+        self.prob += lp.linear([(ys[k], 1.0)] + [(x, -b) for x, b in copy]) >= 0
+        self.num_constraints += 1
+        if k + 1 < len(readers):
+          self.prob += lp.linear([(ys[k], 1.0), (ys[k + 1], -1.0)]) >= 0
+          self.num_constraints += 1
+
+  def _liveness(self, k: int, size=None, copies=None, twice=None,
+                where: bool = False) -> list:
     """The pass's ``k`` liveness peaks (by replicated bytes, or ``size``;
-    ``copies``, ``twice``: ``liveness_peaks``'s ``operand_copies`` and
-    ``twice``)."""
+    ``copies``, ``twice``, ``where``: ``liveness_peaks``'s
+    ``operand_copies``, ``twice`` and ``where``)."""
     cj = self.compute.jaxpr
     folded = folded_values(cj, self._stacks) \
         if self.n > 1 or self._batch_size_devices > 1 else []
     return liveness_peaks(cj, k=k, folded=folded, size=size, platform=self.platform,
-                          operand_copies=copies, twice=twice)
+                          operand_copies=copies, twice=twice, where=where)
 
   def _items(self, live) -> list:
     """Memory items of the values in ``live`` that the graph has, and of
@@ -126,22 +267,24 @@ class MemoryModel:
   def _peak_at_solution(self) -> list:
     """Memory items at the pass's peak under the chosen specs: where the
     plan splits the values largest replicated, the peak moves to where
-    the ones it keeps whole are held. Found once per solve (the solver
-    clears ``_own_peak``)."""
-    if getattr(self, "_own_peak", None) is None:
-      self._own_peak = self._find_own_peak()
-    return self._own_peak
+    the ones it keeps whole are held."""
+    return (self._peaks_at_solution() or [[]])[0]
 
-  def _find_own_peak(self) -> list:
-    val = self._values
-    def local(v):
-      if isinstance(v, _Held):
-        return v.nbytes
-      ref = val.get(v)
-      return 0 if ref is None else self._bytes(*ref, v.aval, self._chosen(ref[0]))
-    live = self._liveness(k=1, size=local, copies=self._copies_at_solution,
-                          twice=self._reduced_at_solution)
-    return self._items(live[0]) if live else []
+  def _peaks_at_solution(self) -> list[list]:
+    """Memory items at the pass's highest points under the chosen specs,
+    highest first: up to four, none holding only what another holds.
+    Found once per solve (the solver clears ``_own_peak``)."""
+    if getattr(self, "_own_peak", None) is None:
+      val = self._values
+      def local(v):
+        if isinstance(v, _Held):
+          return v.nbytes
+        ref = val.get(v)
+        return 0 if ref is None else self._bytes(*ref, v.aval, self._chosen(ref[0]))
+      live = self._liveness(k=16, size=local, copies=self._copies_at_solution,
+                            twice=self._reduced_at_solution, where=True)
+      self._own_peak = [self._items(p) for _, p in _distinct(live)[:4]]
+    return self._own_peak
 
   def _reduced_at_solution(self, v) -> _Held | None:
     """The second buffer of ``v`` where its chosen strategy all-reduces it
@@ -169,10 +312,9 @@ class MemoryModel:
     out = []
     ref = self._values.get(v)
     if ref is not None and ref[0] in self._leaf_node_set:
-      spec, dim = self.nodes[ref[0]].choices[self._chosen(ref[0])]
+      _, dim = self.nodes[ref[0]].choices[self._chosen(ref[0])]
       if dim is not None:
-        out.append(_Held(("gathered", v), Copy(v.aval, leaf=ref[0]),
-                         local_bytes(v.aval, spec, self.sizes)))
+        out.append(_Held(("gathered", v), Copy(v.aval, leaf=ref[0]), _whole(v.aval)))
     edge = self.operand_edges.get((id(eqn), pos))
     if edge is not None:
       (src, spos), dst, dpos, aval, _ = edge
@@ -203,13 +345,16 @@ class MemoryModel:
     parameter, its choices split over the batch axes."""
     if item.leaf is not None:
       node = self.nodes[item.leaf]
-      return [(x, local_bytes(item.aval, spec, self.sizes))
-              for (spec, dim), x in zip(node.choices, node.vars) if dim is not None]
+      return [(x, _whole(item.aval))
+              for (_, dim), x in zip(node.choices, node.vars) if dim is not None]
     if item.reduced is not None:
       n, pos = item.reduced
       return [(x, local_bytes(item.aval, specs[pos], self.sizes))
               for c, (specs, x) in enumerate(zip(self.nodes[n].specs, self.nodes[n].vars))
               if self._reduces(n, c)]
+    if item.chain is not None:
+      v, k = item.chain
+      return [(self._chain_vars[v][k], 1.0)]
     (src, spos), dst, dpos, aval, part = item.edge
     flows = self._flows.get(self._edge_key(src, spos, dst, dpos, aval, part), {})
     return [(x, local_bytes(aval, r, self.sizes))
@@ -218,13 +363,17 @@ class MemoryModel:
   def _copy_at_solution(self, item: Copy) -> float:
     """A copy's bytes under the chosen specs."""
     if item.leaf is not None:
-      spec, dim = self.nodes[item.leaf].choices[self._chosen(item.leaf)]
-      return 0.0 if dim is None else local_bytes(item.aval, spec, self.sizes)
+      _, dim = self.nodes[item.leaf].choices[self._chosen(item.leaf)]
+      return 0.0 if dim is None else _whole(item.aval)
     if item.reduced is not None:
       n, pos = item.reduced
       c = self._chosen(n)
       return local_bytes(item.aval, self.nodes[n].specs[c][pos], self.sizes) \
           if self._reduces(n, c) else 0.0
+    if item.chain is not None:
+      v, k = item.chain
+      return max(self._copy_at_solution(Copy(v.aval, edge=e))
+                 for _, e in self._readers[v][k:])
     (src, spos), dst, dpos, aval, _ = item.edge
     p = self.nodes[src].specs[self._chosen(src)][spos]
     r = self._read_spec(dst, dpos)
@@ -291,6 +440,7 @@ class MemoryModel:
   def _memory(self):
     if self.memory_budget is None:
       return
+    self._chains()
     state, acts = self.memory_terms()
     for t, act in enumerate(acts or [0]):
       self.prob += state + act <= self.memory_budget, f"memory_{t}"
