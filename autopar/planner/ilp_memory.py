@@ -457,5 +457,15 @@ class MemoryModel:
                item[3] * self._bytes(*item[:3], self._chosen(item[0]))
                for item in items)
 
+  def bytes_at_solution(self, v) -> float:
+    """Bytes per device of the pass's value ``v`` in the spec the solution
+    gives it (a leaf's in its own; the whole array where the graph has no
+    node for it)."""
+    ref = self._values.get(v)
+    if ref is None:
+      return _whole(v.aval)
+    node, pos = ref
+    return self._bytes(node, pos, v.aval, self._chosen(node))
+
   def _memory_at_solution(self) -> float:
     return sum(self.memory_at_solution())
