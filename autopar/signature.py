@@ -551,10 +551,10 @@ class Signature:
       the state;
     * unless one of those fits and costs no more than ``exe``'s plan (the
       ILP held to a smaller budget costs no less), the step planned again
-      with the planning budget scaled down by how far the compiled peak
-      missed (and, once a planning budget is infeasible, halfway between
-      it and the last feasible one), up to ``BUDGET_TRIES`` times or until
-      one fits.
+      within the last plan's estimate scaled down by how far its compiled
+      peak missed (and, once a planning budget is infeasible, halfway
+      between it and the last feasible one), up to ``BUDGET_TRIES`` times,
+      until one fits or one is a plan found before (``replanned``).
 
     ``exe`` None: the ILP found no plan within the budget; the ZeRO
     layouts are tried. A ``PlanError`` names every compiled peak found if
@@ -579,13 +579,13 @@ class Signature:
         continue                    # the preset cannot split this batch
     if exe is not None and not any(t.peak <= budget and t.objective <= first.objective
                                    for t in tried):
-      tried += self.replanned(prep, tried[0].peak)
+      tried += self.replanned(prep, tried[0])
     fitting = [t for t in tried if t.peak <= budget]
     if fitting:
       best = min(fitting, key=lambda t: t.objective)
       plan = best.exe.plan
       if plan.method != method.name:
-        s = plan.solver
+        s = plan.solver or (first.solver if first else None)
         note = f"{best.what} taken: its compiled step is within the budget"
         plan = dataclasses.replace(
             plan, method=method.name, replan=first.replan if first else None,
@@ -605,21 +605,24 @@ class Signature:
         + (f" to at least {smallest:.0f}" if tried else "")
         + ", use more micro-batches, remat, or a larger mesh.")
 
-  def replanned(self, prep, peak: float) -> list["_Compiled"]:
+  def replanned(self, prep, first: "_Compiled") -> list["_Compiled"]:
     """The step planned again by the ILP within smaller planning budgets
-    (see ``within_budget``), after a plan made within the method's budget
-    compiled to ``peak`` bytes: each compiled, until one fits or one
-    compiles to no less than ``1 - BUDGET_PROGRESS`` of the last."""
+    (see ``within_budget``), after ``first``, planned within the method's
+    budget, compiled over it: each compiled, until one fits or one
+    compiles to a peak already found (the same plan again)."""
     method = self.method
     option = method.option
     budget = option.memory_budget_per_device
     planning, low = float(budget), None   # (the largest infeasible planning budget)
-    out = []
+    last, out, seen = first, [], {first.peak}
     for _ in range(BUDGET_TRIES):
-      # Scaled down by the miss; between the last infeasible and the last
-      # planned budget once the model has said no (a bisection).
+      # The last plan's own estimate scaled down by its miss (the estimate,
+      # not the planning budget: a plan may use less than it was allowed);
+      # between the last infeasible and the last planned budget once the
+      # model has said no (a bisection).
       high = planning
-      planning = high * budget / peak if low is None else (low + high) / 2
+      planning = (min(high, last.exe.plan.memory_per_device) * budget / last.peak
+                  if low is None else (low + high) / 2)
       sig = self.with_method(dataclasses.replace(method, option=dataclasses.replace(
           option, memory_budget_per_device=planning))).signature_of(prep)
       try:
@@ -629,9 +632,10 @@ class Signature:
           raise                     # not a budget the model cannot meet
         low, planning = planning, high
         continue
-      if out[-1].peak <= budget or out[-1].peak >= peak * (1 - BUDGET_PROGRESS):
-        break                       # fits, or the model cannot do much better
-      peak = out[-1].peak
+      last = out[-1]
+      if last.peak <= budget or last.peak in seen:
+        break                       # fits, or the same plan again
+      seen.add(last.peak)
     return out
 
   def zero_layouts(self) -> list:
@@ -653,9 +657,6 @@ class Signature:
 # Plans tried again, with a smaller planning budget, when the compiled step
 # holds more than memory_budget_per_device (Signature.within_budget).
 BUDGET_TRIES = 3
-# ... and no more once a plan made within less compiles to within this
-# fraction of the last one's peak.
-BUDGET_PROGRESS = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
