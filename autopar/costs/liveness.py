@@ -87,7 +87,7 @@ def liveness_peaks(jaxpr, k: int,
                    size: Callable[[Var], float] | None = None,
                    platform: str = "cpu",
                    operand_copies: Callable[[Any, int], Iterable[Hashable]] | None = None,
-                   twice: Callable[[Var], Hashable | None] | None = None,
+                   twice: Callable[[Var], Iterable[Hashable]] | None = None,
                    where: bool = False) -> list:
   """The ``k`` program points where the most bytes are held.
 
@@ -106,8 +106,8 @@ def liveness_peaks(jaxpr, k: int,
   (a copy of one of the program's inputs from its start on "cpu", where
   XLA schedules the collectives of parameters first), and stand for
   themselves in the result; ``size`` gives their bytes.
-  ``twice(value)``: what stands for a second buffer of ``value``, or None:
-  a partial sum all-reduced into a new buffer, held with it where the
+  ``twice(value)``: what stands for the other buffers of ``value``, if any
+  (a partial sum all-reduced into a new buffer), held with it where the
   equation runs, or for the program's outputs where the last of them is
   made (XLA combines the independent all-reduces of the gradients into
   one, after the last of them).
@@ -249,12 +249,10 @@ def liveness_peaks(jaxpr, k: int,
   combined = []                      # second buffers of the outputs
   for i, eqn in enumerate(eqns if twice is not None else ()):
     for o in eqn.outvars:
-      c = twice(o) if o in owner else None
-      if c is None:
-        continue
-      start[c] = stop[c] = i
-      if stop[owner[o]] == end:         # an output: its buffer is held to the end
-        combined.append(c)
+      for c in twice(o) if o in owner else ():
+        start[c] = stop[c] = i
+        if stop[owner[o]] == end:       # an output: its buffer is held to the end
+          combined.append(c)
   for c in combined:                   # where the last of them is made
     start[c] = stop[c] = max(start[d] for d in combined)
 

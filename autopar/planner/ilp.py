@@ -42,12 +42,14 @@ Constraints (one method each)
                                                                   (``_edges``)
   * a donated leaf and the output that replaces it share a spec:
     ``Σ_{c: s} x[out,c] = x[leaf,s]`` for every spec ``s``        (``_donation``)
-  * memory per device at the liveness peaks, when a budget is set:
-    ``Σ_{values live at t} Σ_c bytes(value, c) · x[v,c] + state ≤ budget``
-    at the three peaks of replicated bytes (``_memory``), and at the
-    solution's own peak under its specs where that is over the budget,
-    added and solved again (``solve``, at most ``_BUDGET_ROUNDS`` times; a
-    ``PlanError`` if the plan's own peak is still over it)
+  * memory per device at the points of the pass, when a budget is set:
+    ``Σ_{values live at t} Σ_c bytes(value, c) · x[v,c] + copies(t) + state
+    ≤ budget`` at the points where what is held is not a part of what
+    another holds (``ilp_memory``: the copies a plan makes for its readers
+    as terms of the edge flows and chained variables), and at up to four of
+    the solution's own peaks under its specs where they are over the
+    budget, added and solved again (``solve``, at most ``_BUDGET_ROUNDS``
+    times; a ``PlanError`` if the plan's own peak is still over it)
 
 Solved with PuLP and HiGHS (CBC if HiGHS is missing): the LP relaxation
 first, which the edge flows make tight, and branch and bound only if its

@@ -4,11 +4,12 @@ as bytes at a solution.
 
 * the state: every leaf in its chosen spec, and the gradients held
   besides one micro-batch's pass (``_gradient_items``);
-* the pass: the values live at its peaks (``autopar.costs.liveness``), each in
-  its chosen spec; the constraints take the three peaks of replicated
-  bytes, and a solution's own peak is found again under its specs
-  (``_peak_at_solution``), which ``ShardingProblem.solve`` adds where it is
-  over the budget;
+* the pass: the values live at its points (``autopar.costs.liveness``),
+  each in its chosen spec; the budget's constraints take the points where
+  what is held is not a part of what another holds (``_memory_items``),
+  and a solution's own peaks are found again under its specs
+  (``_peaks_at_solution``), which ``ShardingProblem.solve`` adds where they
+  are over the budget;
 * what the plan makes for the pass's readers (:class:`Copy`): an operand
   resharded by a collective to the spec its reader takes (a parameter
   stored split and gathered whole for a matmul, activations gathered over
@@ -56,7 +57,9 @@ class Copy:
   XLA:CPU, jax 0.10: a [4096, 64] table split over "data" and "model" of
   a 2 x 4 mesh is all-gathered to [2048, 64], then to [4096, 64]);
   ``reduced``: (node, output) of a value whose strategy all-reduces it, its
-  bytes where the chosen strategy does; ``chain``: (value, k), the largest
+  bytes where the chosen strategy does; ``synced``: the gradient node of a
+  gradient all-reduced over the batch axes at the end of a step of one
+  micro-batch, its bytes in its spec; ``chain``: (value, k), the largest
   copy that a program input's readers from its ``k``-th on reshard it to
   (``MemoryModel._chains``).
   """
@@ -64,6 +67,7 @@ class Copy:
   edge: tuple | None = None
   leaf: int | None = None
   reduced: tuple[int, int] | None = None
+  synced: int | None = None
   chain: tuple | None = None
 
 
@@ -124,14 +128,15 @@ class MemoryModel:
 
   def _memory_items(self):
     """What memory counts: ([(node, pos, aval, factor)] of the state,
-    [[(node, pos, aval, 1)] at each point of the pass]). Which values are
-    held together does not depend on their specs, so a plan's peak is at
-    one of the points where what is held is not a part of what is held at
-    another; of those, the ``_POINTS`` highest in replicated bytes and the
-    ``_POINTS`` highest with each value at its smallest choice's bytes
-    (where a plan within a tight budget holds the most) are taken. The
-    copies a plan makes come in where its own peaks are added
-    (``ShardingProblem.solve``)."""
+    [the memory items at each point of the pass]). Which values are held
+    together does not depend on their specs, so a plan's peak is at one of
+    the points where what is held is not a part of what is held at
+    another. Without a budget, the three highest in replicated bytes; with
+    one, the ``_POINTS`` highest in replicated bytes,
+    the ``_POINTS`` highest with each value at its smallest choice's bytes
+    (where a plan within a tight budget holds the most) and the last
+    point (the gradients), each with the copies a plan may hold there
+    (:meth:`_copies_at`)."""
     if getattr(self, "_mem_items", None) is None:
       state = [(self.leaf_nodes[k], 0, aval, 1) for k, aval in enumerate(self.leaf_avals)]
       state += self._gradient_items()
@@ -146,12 +151,9 @@ class MemoryModel:
         # The last point (the gradients, and their all-reduces) too.
         end = len(self.compute.jaxpr.eqns) - 1
         points += [p for p in self._liveness(k=end + 1, where=True) if p[0] == end]
-      seen, peaks = set(), []
-      for t, live in _distinct(points):
-        if (t, len(live)) not in seen:
-          seen.add((t, len(live)))
-          peaks.append(self._items(live) + (
-              self._copies_at(t, live) if self.memory_budget is not None else []))
+      peaks = [self._items(live) + (self._copies_at(t, live)
+                                    if self.memory_budget is not None else [])
+               for t, live in _distinct(points)]
       self._mem_items = (state, peaks)
     return self._mem_items
 
@@ -187,6 +189,8 @@ class MemoryModel:
       if ref is not None and ref[0] not in self._leaf_node_set and any(
           self._reduces(ref[0], c) for c in range(len(self.nodes[ref[0]].choices))):
         out.append(Copy(v.aval, reduced=ref))
+    if t == end:
+      out.extend(Copy(v.aval, synced=node) for v, node in self._synced.items())
     return out
 
   @functools.cached_property
@@ -286,15 +290,33 @@ class MemoryModel:
       self._own_peak = [self._items(p) for _, p in _distinct(live)[:4]]
     return self._own_peak
 
-  def _reduced_at_solution(self, v) -> _Held | None:
-    """The second buffer of ``v`` where its chosen strategy all-reduces it
-    (``liveness_peaks``'s ``twice``)."""
+  def _reduced_at_solution(self, v) -> list[_Held]:
+    """The other buffers of ``v`` (``liveness_peaks``'s ``twice``): where
+    its chosen strategy all-reduces it, and a gradient's over the batch
+    axes (``_synced``)."""
     ref = self._values.get(v)
     if ref is None or ref[0] in self._leaf_node_set:
-      return None
-    item = Copy(v.aval, reduced=ref)
-    b = self._copy_at_solution(item)
-    return _Held(("reduced", v), item, b) if b else None
+      return []
+    items = [(("reduced", v), Copy(v.aval, reduced=ref))]
+    if v in self._synced:
+      items.append((("synced", v), Copy(v.aval, synced=self._synced[v])))
+    return [_Held(key, item, b) for key, item in items
+            if (b := self._copy_at_solution(item))]
+
+  @functools.cached_property
+  def _synced(self) -> dict:
+    """The gradients a step of one micro-batch all-reduces over the batch
+    axes into buffers of their own, held beside the pass's where the last
+    of them is made (XLA combines the all-reduces there): gradient output
+    -> its gradient node. A stacked one (``gradstack.py``) is reduced a
+    layer at a time inside its loop: it stays with the state's items."""
+    if self.n > 1 or self._batch_size_devices == 1:
+      return {}
+    cj = self.compute.jaxpr
+    stacked = {g for s in self._stacks for g in s.grads}
+    return {cj.outvars[g]: node for g, node in enumerate(self.grad_nodes)
+            if g not in stacked and isinstance(cj.outvars[g], Var)
+            and cj.outvars[g] in self.compute_val}
 
   def _reduces(self, node, choice) -> bool:
     """Whether choice ``choice`` of node ``node`` all-reduces its result."""
@@ -352,6 +374,9 @@ class MemoryModel:
       return [(x, local_bytes(item.aval, specs[pos], self.sizes))
               for c, (specs, x) in enumerate(zip(self.nodes[n].specs, self.nodes[n].vars))
               if self._reduces(n, c)]
+    if item.synced is not None:
+      return [(x, b) for x, b in zip(self.nodes[item.synced].vars,
+                                     self._bytes_per_choice(item.synced, 0, item.aval))]
     if item.chain is not None:
       v, k = item.chain
       return [(self._chain_vars[v][k], 1.0)]
@@ -370,6 +395,8 @@ class MemoryModel:
       c = self._chosen(n)
       return local_bytes(item.aval, self.nodes[n].specs[c][pos], self.sizes) \
           if self._reduces(n, c) else 0.0
+    if item.synced is not None:
+      return self._bytes(item.synced, 0, item.aval, self._chosen(item.synced))
     if item.chain is not None:
       v, k = item.chain
       return max(self._copy_at_solution(Copy(v.aval, edge=e))
@@ -391,7 +418,8 @@ class MemoryModel:
       their buffer where the dtype is the same (where they are scattered
       over the batch axes, ZeRO, their 1/d share is left out);
     * one micro-batch over batch axes: the reduced gradients, beside the
-      pass's;
+      pass's, are counted in the pass where the last gradient is made
+      (``_synced``), except a stacked one's;
     * several micro-batches, no batch axes: the sums, in the gradients'
       spec and the accumulation dtype;
     * neither: nothing (the pass's gradients are the step's).
@@ -413,6 +441,8 @@ class MemoryModel:
         items.append((*self.compute_val[v], aval, ratio))
       elif carried:
         items.append((node, 0, aval, ratio))
+      if v in self._synced:
+        continue                    # beside the pass's, where it ends (_synced)
       if (split and (not carried or ratio != 1)) or (carried and g in stacked):
         items.append((node, 0, aval, 1))
     return items
