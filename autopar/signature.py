@@ -477,7 +477,8 @@ class Signature:
     except PlanError as e:
       if not self.budgeted() or "memory_budget_per_device" not in str(e):
         raise
-      exe = None                  # no plan of the ILP's within the budget
+      # No plan of the ILP's within the budget: ZeRO's layouts may fit.
+      return self.within_budget(prep, None, e)
     return self.within_budget(prep, exe)
 
   def compile(self, prep) -> Executable:
@@ -539,7 +540,8 @@ class Signature:
     return (isinstance(method, ShardParallel) and method.plan is None and
             method.option.memory_budget_per_device is not None)
 
-  def within_budget(self, prep, exe: Executable | None) -> Executable:
+  def within_budget(self, prep, exe: Executable | None,
+                    error: PlanError | None = None) -> Executable:
     """``exe``, if what its compiled stages hold per device (arguments,
     outputs not aliased, temporaries, and what the step keeps between
     stages: ``hlo.compiled_step_memory``) is within the method's
@@ -556,9 +558,9 @@ class Signature:
       between it and the last feasible one), up to ``BUDGET_TRIES`` times,
       until one fits or one is a plan found before (``replanned``).
 
-    ``exe`` None: the ILP found no plan within the budget; the ZeRO
-    layouts are tried. A ``PlanError`` names every compiled peak found if
-    no plan fits. The memory model is XLA's approximately; this holds the
+    ``exe`` None: the ILP found no plan within the budget (``error``); the
+    ZeRO layouts are tried, and ``error`` raised if none can be. A
+    ``PlanError`` names every compiled peak found if no plan fits. The memory model is XLA's approximately; this holds the
     budget on what the devices hold."""
     if not self.budgeted():
       return exe
@@ -580,6 +582,8 @@ class Signature:
     if exe is not None and not any(t.peak <= budget and t.objective <= first.objective
                                    for t in tried):
       tried += self.replanned(prep, tried[0])
+    if not tried:
+      raise error
     fitting = [t for t in tried if t.peak <= budget]
     if fitting:
       best = min(fitting, key=lambda t: t.objective)
@@ -592,18 +596,17 @@ class Signature:
             solver=s and dataclasses.replace(s, status=f"{s.status}; {note}"))
       return self.keep_plan(prep, dataclasses.replace(best.exe, plan=plan), first,
                             best.micro)
-    smallest = min((t.peak for t in tried), default=None)
+    smallest = min(t.peak for t in tried)
     raise PlanError(
         f"{self.name}: no plan found whose compiled step fits memory_budget_per_device="
         f"{budget:.0f} bytes on mesh {axis_sizes_of(resolve_mesh(method))}"
         + (": the ILP's model finds none within it" if exe is None else "")
-        + ("; the compiled peaks per device were " + ", ".join(
+        + "; the compiled peaks per device were " + ", ".join(
             f"{t.peak:.0f} ({t.what}"
             + (f" planned within {t.planning:.0f})" if t.planning else ")")
-            for t in tried) + f"; the smallest is {smallest:.0f}" if tried else "")
-        + ". Fix: raise memory_budget_per_device"
-        + (f" to at least {smallest:.0f}" if tried else "")
-        + ", use more micro-batches, remat, or a larger mesh.")
+            for t in tried)
+        + f"; the smallest is {smallest:.0f}. Fix: raise memory_budget_per_device to "
+        f"at least {smallest:.0f}, use more micro-batches, remat, or a larger mesh.")
 
   def replanned(self, prep, first: "_Compiled") -> list["_Compiled"]:
     """The step planned again by the ILP within smaller planning budgets
