@@ -560,8 +560,9 @@ class Signature:
 
     ``exe`` None: the ILP found no plan within the budget (``error``); the
     ZeRO layouts are tried, and ``error`` raised if none can be. A
-    ``PlanError`` names every compiled peak found if no plan fits. The memory model is XLA's approximately; this holds the
-    budget on what the devices hold."""
+    ``PlanError`` names every compiled peak found if no plan fits. The
+    memory model is XLA's approximately; this holds the budget on what the
+    devices hold."""
     if not self.budgeted():
       return exe
     method = self.method

@@ -221,7 +221,7 @@ def liveness_peaks(jaxpr, k: int,
         # A scatter's or dynamic update's result is written into its
         # operand's buffer, or into the copy a plan makes of it.
         operands = reads[i] if name not in IN_PLACE else \
-            [*made_for.get(i, ()), eqn.invars[0]]
+            [*made_for.get(i, ()), *(v for v in eqn.invars[:1] if type(v) is not Literal)]
         for v in operands:
           b = v if v in made else owner.get(v)
           # (Under a plan's specs, of the same bytes per device too: a

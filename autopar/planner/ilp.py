@@ -968,7 +968,8 @@ class ShardingProblem(ChoiceGraph, MemoryModel):
     return self._relaxed
 
 # Solves at most this many times more to hold the memory budget at the
-# plan's own peak (each adds the peak found as a constraint).
+# plan's own peaks (each adds up to four of them, those over the budget, as
+# constraints).
 _BUDGET_ROUNDS = 2
 
 
