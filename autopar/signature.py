@@ -209,16 +209,19 @@ class Signature:
     return dataclasses.replace(best, method=method.name, replan=plan.replan,
                                solver=dataclasses.replace(s, status=note))
 
-  def keep_plan(self, prep, exe: Executable, first: Plan) -> Executable:
+  def keep_plan(self, prep, exe: Executable, first: Plan | None, micro: int
+                ) -> Executable:
     """``exe``, whose plan (made within a smaller planning budget than the
-    method's) becomes this step's plan: for ``step.plan`` and in the plan
-    cache under the method's own key, so the next process compiles it at
-    once. Its fingerprint is the method's."""
+    method's, or a ZeRO layout) becomes this step's plan: for ``step.plan``
+    and in the plan cache under the method's own key, so the next process
+    compiles it at once. Its fingerprint is the method's (``first``, the
+    plan made within the method's budget; None where there was none)."""
     if exe.plan is first:
       return exe
-    plan = dataclasses.replace(exe.plan, fingerprint=first.fingerprint)
-    self._plan = (plan, self._plan[1])
-    if self.method.option.plan_cache and first.fingerprint:
+    plan = exe.plan if first is None else dataclasses.replace(
+        exe.plan, fingerprint=first.fingerprint)
+    self._plan = (plan, micro)
+    if self.method.option.plan_cache and first is not None and first.fingerprint:
       plan_cache.store(plan_cache.plan_key(dict(first.fingerprint)), plan)
     return dataclasses.replace(exe, plan=plan)
 
@@ -468,7 +471,14 @@ class Signature:
         step = pipeline_build.compile_pipeline(pre, self.method,
                                                resolve_mesh(self.method), cut, choices)
       return PipelineExecutable(plan=plan, step=step, static_argnums=prep.flags.static)
-    return self.within_budget(prep, self.compile(prep))
+    try:
+      exe = self.compile(prep)
+    except PlanError as e:
+      if not self.budgeted() or "memory_budget_per_device" not in str(e):
+        raise
+      # No plan of the ILP's within the budget: ZeRO's layouts may fit.
+      return self.within_budget(prep, None, e)
+    return self.within_budget(prep, exe)
 
   def compile(self, prep) -> Executable:
     """The step planned and compiled under ``self.method`` (SPMD methods)."""
@@ -522,60 +532,153 @@ class Signature:
     return Executable(plan=plan, lowered=lowered, split=split,
                       static_argnums=prep.flags.static)
 
-  def within_budget(self, prep, exe: Executable) -> Executable:
+  def budgeted(self) -> bool:
+    """Whether the step is a ShardParallel step the planner plans within a
+    ``memory_budget_per_device`` (not a saved plan)."""
+    method = self.method
+    return (isinstance(method, ShardParallel) and method.plan is None and
+            method.option.memory_budget_per_device is not None)
+
+  def within_budget(self, prep, exe: Executable | None,
+                    error: PlanError | None = None) -> Executable:
     """``exe``, if what its compiled stages hold per device (arguments,
     outputs not aliased, temporaries, and what the step keeps between
     stages: ``hlo.compiled_step_memory``) is within the method's
-    ``memory_budget_per_device``. Else the step is planned again with the
-    planning budget scaled down by how far the compiled peak missed (and,
-    once a planning budget is infeasible, halfway between it and the last
-    feasible one), up to ``BUDGET_TRIES`` times; a ``PlanError`` names the
-    smallest compiled peak found if no plan fits. The ILP's memory model is XLA's
-    approximately; this holds the budget on what the devices hold."""
-    method = self.method
-    option = getattr(method, "option", None)
-    budget = getattr(option, "memory_budget_per_device", None)
-    if budget is None or not isinstance(method, ShardParallel) or method.plan is not None:
+    ``memory_budget_per_device``. Else the cheapest, by its objective, of
+    these plans whose compiled step is within it:
+
+    * ZeRO-3's and ZeRO-2's layouts (``zero_layouts``), which the ILP's
+      space does not hold: their update runs on each device's shard of
+      the state;
+    * unless one of those fits and costs no more than ``exe``'s plan (the
+      ILP held to a smaller budget costs no less), the step planned again
+      within the last plan's estimate scaled down by how far its compiled
+      peak missed (and, once a planning budget is infeasible, halfway
+      between it and the last feasible one), up to ``BUDGET_TRIES`` times,
+      until one fits or one is a plan found before (``replanned``).
+
+    ``exe`` None: the ILP found no plan within the budget (``error``); the
+    ZeRO layouts are tried, and ``error`` raised if none can be. A
+    ``PlanError`` names every compiled peak found if no plan fits. The
+    memory model is XLA's approximately; this holds the budget on what the
+    devices hold."""
+    if not self.budgeted():
       return exe
-    planning, tried = float(budget), []
-    low = None                      # the largest planning budget found infeasible
-    first = exe.plan
-    peak = compiled_peak(exe.plan, exe.stages, exe.schedule)
-    tried.append((planning, peak))
-    for _ in range(BUDGET_TRIES):
-      if peak <= budget:
-        return self.keep_plan(prep, exe, first)
-      # Scaled down by the miss; between the last infeasible and the last
-      # planned budget once the model has said no (a bisection).
-      high = planning
-      planning = high * budget / peak if low is None else (low + high) / 2
-      retry = self.with_method(dataclasses.replace(method, option=dataclasses.replace(
-          option, memory_budget_per_device=planning)))
+    method = self.method
+    budget = method.option.memory_budget_per_device
+    first = exe.plan if exe is not None else None
+    tried: list[_Compiled] = []
+    if exe is not None:
+      tried.append(_Compiled.of("the ILP's plan", budget, self, exe))
+      if tried[0].peak <= budget:
+        return exe
+    for preset in self.zero_layouts():
+      sig = self.with_method(preset).signature_of(prep)
       try:
-        exe = retry.signature_of(prep).compile(prep)
+        tried.append(_Compiled.of(f"{preset.name}'s layout", None, sig,
+                                  sig.compile(prep)))
+      except (InputError, PlanError):
+        continue                    # the preset cannot split this batch
+    if exe is not None and not any(t.peak <= budget and t.objective <= first.objective
+                                   for t in tried):
+      tried += self.replanned(prep, tried[0])
+    if not tried:
+      raise error
+    fitting = [t for t in tried if t.peak <= budget]
+    if fitting:
+      best = min(fitting, key=lambda t: t.objective)
+      plan = best.exe.plan
+      if plan.method != method.name:
+        s = plan.solver or (first.solver if first else None)
+        note = f"{best.what} taken: its compiled step is within the budget"
+        plan = dataclasses.replace(
+            plan, method=method.name, replan=first.replan if first else None,
+            solver=s and dataclasses.replace(s, status=f"{s.status}; {note}"))
+      return self.keep_plan(prep, dataclasses.replace(best.exe, plan=plan), first,
+                            best.micro)
+    smallest = min(t.peak for t in tried)
+    raise PlanError(
+        f"{self.name}: no plan found whose compiled step fits memory_budget_per_device="
+        f"{budget:.0f} bytes on mesh {axis_sizes_of(resolve_mesh(method))}"
+        + (": the ILP's model finds none within it" if exe is None else "")
+        + "; the compiled peaks per device were " + ", ".join(
+            f"{t.peak:.0f} ({t.what}"
+            + (f" planned within {t.planning:.0f})" if t.planning else ")")
+            for t in tried)
+        + f"; the smallest is {smallest:.0f}. Fix: raise memory_budget_per_device to "
+        f"at least {smallest:.0f}, use more micro-batches, remat, or a larger mesh.")
+
+  def replanned(self, prep, first: "_Compiled") -> list["_Compiled"]:
+    """The step planned again by the ILP within smaller planning budgets
+    (see ``within_budget``), after ``first``, planned within the method's
+    budget, compiled over it: each compiled, until one fits or one
+    compiles to a peak already found (the same plan again)."""
+    method = self.method
+    option = method.option
+    budget = option.memory_budget_per_device
+    planning, low = float(budget), None   # (the largest infeasible planning budget)
+    last, out, seen = first, [], {first.peak}
+    for _ in range(BUDGET_TRIES):
+      # The last plan's own estimate scaled down by its miss (the estimate,
+      # not the planning budget: a plan may use less than it was allowed);
+      # between the last infeasible and the last planned budget once the
+      # model has said no (a bisection).
+      high = planning
+      planning = (min(high, last.exe.plan.memory_per_device) * budget / last.peak
+                  if low is None else (low + high) / 2)
+      sig = self.with_method(dataclasses.replace(method, option=dataclasses.replace(
+          option, memory_budget_per_device=planning))).signature_of(prep)
+      try:
+        out.append(_Compiled.of("the ILP's plan", planning, sig, sig.compile(prep)))
       except PlanError as e:
         if "memory_budget_per_device" not in str(e):
           raise                     # not a budget the model cannot meet
         low, planning = planning, high
         continue
-      peak = compiled_peak(exe.plan, exe.stages, exe.schedule)
-      tried.append((planning, peak))
-    if peak <= budget:
-      return self.keep_plan(prep, exe, first)
-    smallest = min(p for _, p in tried)
-    raise PlanError(
-        f"{self.name}: no plan found whose compiled step fits memory_budget_per_device="
-        f"{budget:.0f} bytes on mesh {axis_sizes_of(resolve_mesh(method))}: "
-        f"the compiled peaks per device were "
-        f"{', '.join(f'{p:.0f}' for _, p in tried)} bytes (planned within "
-        f"{', '.join(f'{b:.0f}' for b, _ in tried)}); the smallest is {smallest:.0f}. "
-        f"Fix: raise memory_budget_per_device to at least {smallest:.0f}, use more "
-        f"micro-batches, remat, or a larger mesh.")
+      last = out[-1]
+      if last.peak <= budget or last.peak in seen:
+        break                       # fits, or the same plan again
+      seen.add(last.peak)
+    return out
+
+  def zero_layouts(self) -> list:
+    """ZeRO-3 and ZeRO-2 under this ShardParallel step's mesh, micro-batches
+    and remat, where ``not_dearer_than_zero`` would consider them."""
+    method = self.method
+    option = method.option
+    mesh = resolve_mesh(method)
+    if (option.pins or option.force_data_parallel or not option.allow_all_gather
+        or option.forced_batch_axes(mesh) is not None):
+      return []
+    return [preset(mesh=method.mesh, num_micro_batches=method.num_micro_batches,
+                   remat=method.remat, remat_loop=method.remat_loop,
+                   grad_accumulation_dtype=method.grad_accumulation_dtype,
+                   one_executable=method.one_executable)
+            for preset in (Zero3Parallel, Zero2Parallel)]
 
 
 # Plans tried again, with a smaller planning budget, when the compiled step
 # holds more than memory_budget_per_device (Signature.within_budget).
 BUDGET_TRIES = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class _Compiled:
+  """A plan tried for a memory budget (``Signature.within_budget``)."""
+  what: str                     # "the ILP's plan", "Zero3Parallel's layout"
+  planning: float | None        # the budget the ILP planned within
+  exe: Executable
+  micro: int                    # rows per micro-batch
+  peak: int                     # compiled bytes per device
+
+  @property
+  def objective(self) -> float:
+    return self.exe.plan.objective
+
+  @classmethod
+  def of(cls, what: str, planning, sig, exe: Executable) -> "_Compiled":
+    return cls(what, planning, exe, sig._plan[1],
+               compiled_peak(exe.plan, exe.stages, exe.schedule))
 
 
 def bind_saved_plan(saved: Plan, split: SplitStep, mesh, fingerprint, name: str

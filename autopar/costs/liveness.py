@@ -24,7 +24,8 @@ its buffers are shared, follows XLA's fusion and buffer assignment:
   the last reader of either; of a recomputed value it is a copy;
 * an element-wise operation writes its result into an operand's buffer
   when that operand is read for the last time there and is as large
-  (``HloDataflowAnalysis::CanShareOperandBufferWithUser``);
+  (``HloDataflowAnalysis::CanShareOperandBufferWithUser``), and so do a
+  scatter and a dynamic update into their first operand's;
 * an operand of a convolution or dot not in the order XLA:CPU takes
   (``conv_relayouts``, ``dot_relayouts``: a filter gradient's operands;
   attention's query, key and value, whose heads sit between batch and
@@ -62,7 +63,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Hashable, Iterable
 
 import jax.numpy as jnp
 import numpy as np
@@ -78,13 +79,22 @@ __all__ = ["liveness_peaks", "liveness", "Liveness", "fusions", "Fusions", "rela
 # The result is the operand's buffer read another way.
 VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "transpose"})
 
+# The result is written into the first operand's buffer where that is read
+# for the last time there (XLA's in-place scatters and dynamic updates).
+IN_PLACE = frozenset({"scatter", "scatter-add", "scatter_add", "scatter-mul",
+                      "scatter_mul", "scatter-min", "scatter_min", "scatter-max",
+                      "scatter_max", "dynamic_update_slice"})
+
 
 def liveness_peaks(jaxpr, k: int,
                    gathered: Iterable[Var] = (),
                    released: Iterable[Var] = (),
                    folded: Iterable[Var] = (),
                    size: Callable[[Var], float] | None = None,
-                   platform: str = "cpu") -> list[list[Var]]:
+                   platform: str = "cpu",
+                   operand_copies: Callable[[Any, int], Iterable[Hashable]] | None = None,
+                   twice: Callable[[Var], Iterable[Hashable]] | None = None,
+                   where: bool = False) -> list:
   """The ``k`` program points where the most bytes are held.
 
   Each is the list of the values whose buffers are held there, one value
@@ -95,9 +105,26 @@ def liveness_peaks(jaxpr, k: int,
   ``platform``: whose rules apply ("cpu", "gpu", "tpu"): XLA:CPU's
   YNNPACK reductions and operand copies for its convolutions and dots
   only on "cpu" (``devices.platform_of``).
+  ``operand_copies(eqn, position)``: what a plan makes of that operand for the
+  equation to read (a reshard's result, a gathered parameter), if anything.
+  Equal ones are one buffer (XLA makes one collective of one operand
+  and sharding), held from the first equation that reads it to the last
+  (a copy of one of the program's inputs from its start on "cpu", where
+  XLA schedules the collectives of parameters first), and stand for
+  themselves in the result; ``size`` gives their bytes.
+  ``twice(value)``: what stands for the other buffers of ``value``, if any
+  (a partial sum all-reduced into a new buffer), held with it where the
+  equation runs, or for the program's outputs where the last of them is
+  made (XLA combines the independent all-reduces of the gradients into
+  one, after the last of them).
+  ``where``: each peak as ``(point, values)``, the point the index of the
+  equation that runs there.
   """
+  plan = operand_copies is not None or twice is not None
   return liveness(jaxpr, gathered=gathered, released=released, folded=folded,
-                  platform=platform).peaks(k, size)
+                  platform=platform, operand_copies=operand_copies, twice=twice,
+                  share_size=size if plan or size is not None else None
+                  ).peaks(k, size, where=where)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,16 +151,19 @@ class Liveness:
   buffers: tuple[tuple[Any, int, int, bool], ...]
   extras: tuple[tuple[int, tuple[tuple[Any, bool], ...], tuple["Liveness", ...]], ...]
 
-  def peaks(self, k: int, size: Callable[[Any], float] | None = None) -> list[list]:
+  def peaks(self, k: int, size: Callable[[Any], float] | None = None,
+            where: bool = False) -> list:
     """The values held at the ``k`` points where ``size`` (default: a
-    ``Var``'s whole bytes) adds up to the most; see :func:`liveness_peaks`."""
-    return [[v for v, _ in held] for held in self._peaks(k, size)]
+    ``Var``'s whole bytes) adds up to the most; see :func:`liveness_peaks`
+    (and its ``where``)."""
+    out = [(t, [v for v, _ in held]) for t, held in self._peaks(k, size)]
+    return out if where else [held for _, held in out]
 
   def held(self, size: Callable[[Any], float] | None = None) -> list:
     """What a control-flow body holds at its peak, less its results."""
-    return [v for v, result in self._peaks(1, size)[0] if not result]
+    return [v for v, result in self._peaks(1, size)[0][1] if not result]
 
-  def _peaks(self, k: int, size) -> list[list[tuple[Any, bool]]]:
+  def _peaks(self, k: int, size) -> list[tuple[int, list[tuple[Any, bool]]]]:
     held = size or _nbytes
     copies: dict[int, list[tuple[Any, bool]]] = {}
     for i, fixed, bodies in self.extras:
@@ -157,8 +187,8 @@ class Liveness:
       total += delta[i]
       totals.append(total)
     peaks = heapq.nlargest(k, range(len(totals)), key=totals.__getitem__)
-    return [[(v, result) for v, first, last, result in self.buffers
-             if first <= t <= last] + copies.get(t, []) for t in peaks]
+    return [(t, [(v, result) for v, first, last, result in self.buffers
+                 if first <= t <= last] + copies.get(t, [])) for t in peaks]
 
   def mapped(self, fn: Callable[[Any], Any]) -> "Liveness":
     """The same buffers with each value ``v`` as ``fn(v)``, those for which
@@ -179,10 +209,17 @@ def _nbytes(v) -> int:
 
 def liveness(jaxpr, *, gathered: Iterable[Var] = (), released: Iterable[Var] = (),
              folded: Iterable[Var] = (), platform: str = "cpu",
-             results: Iterable[Var] = ()) -> Liveness:
+             results: Iterable[Var] = (),
+             operand_copies: Callable[[Any, int], Iterable[Hashable]] | None = None,
+             twice: Callable[[Var], Iterable[Hashable]] | None = None,
+             share_size: Callable[[Any], float] | None = None) -> Liveness:
   """The buffers of ``jaxpr`` and where they are held (see the module
   docstring and :func:`liveness_peaks`, which takes the same arguments);
-  ``results``: the values a body gives back, marked so in the buffers."""
+  ``results``: the values a body gives back, marked so in the buffers.
+  ``operand_copies`` and ``twice`` add a plan's copies, and
+  ``share_size`` (a plan's bytes per device) keeps an element-wise result
+  out of an operand's buffer of other bytes under the plan: what these
+  give holds for that plan alone."""
   eqns = jaxpr.eqns
   end = len(eqns)
   cpu = platform == "cpu"
@@ -196,7 +233,18 @@ def liveness(jaxpr, *, gathered: Iterable[Var] = (), released: Iterable[Var] = (
   reads: dict[int, list[Var]] = {}
   early: list = []                   # [copied value, first, last point]
   copied: dict[tuple, list] = {}     # (value, order) -> its copy in ``early``
+  made: dict = {}                    # operand_copies(...) -> [first, last point]
+  made_for: dict[int, list] = {}     # point -> the copies of its first operand
+  program_inputs = set(jaxpr.invars)
   for i, eqn in enumerate(eqns):
+    for pos in range(len(eqn.invars) if operand_copies is not None else 0):
+      for c in operand_copies(eqn, pos):
+        # XLA:CPU schedules the collectives of the program's inputs (a
+        # parameter's gather) first: their copies are held from the start.
+        first = 0 if cpu and eqn.invars[pos] in program_inputs else i
+        made.setdefault(c, [first, i])[1] = i
+        if pos == 0:
+          made_for.setdefault(i, []).append(c)
     if not fusions.runs(i):
       continue
     reads[i] = fusions.reads(i)
@@ -238,7 +286,8 @@ def liveness(jaxpr, *, gathered: Iterable[Var] = (), released: Iterable[Var] = (
     if eqn.primitive.name == "while":
       bodies = bodies[1:]               # its cond's values are few and brief
     inner = tuple(liveness(sub, released=sub.outvars, platform=platform,
-                           results=sub.outvars) for sub in bodies)
+                           results=sub.outvars, operand_copies=operand_copies,
+                           twice=twice, share_size=share_size) for sub in bodies)
     if fixed or inner:
       extras.append((i, fixed, inner))
 
@@ -247,6 +296,8 @@ def liveness(jaxpr, *, gathered: Iterable[Var] = (), released: Iterable[Var] = (
   inputs = set(jaxpr.invars)         # and views of them: not counted
   start: dict[Var, int] = {}
   stop: dict[Var, int] = {}
+  for c, (first, last) in made.items():
+    start[c], stop[c] = first, last
   for v in gathered:
     if v in first_use:                # (read only through copies: until the first)
       owner[v] = v
@@ -267,11 +318,18 @@ def liveness(jaxpr, *, gathered: Iterable[Var] = (), released: Iterable[Var] = (
           inputs.add(o)
           continue
         buf = owner.get(same)
-      elif is_elementwise(eqn):
-        for v in reads[i]:
-          b = owner.get(v)
+      elif is_elementwise(eqn) or name in IN_PLACE and j == 0:
+        # A scatter's or dynamic update's result is written into its
+        # operand's buffer, or into the copy a plan makes of it.
+        operands = reads[i] if name not in IN_PLACE else \
+            [*made_for.get(i, ()), *(v for v in eqn.invars[:1] if type(v) is not Literal)]
+        for v in operands:
+          b = v if v in made else owner.get(v)
+          # (Under a plan's specs, of the same bytes per device too: a
+          # result split otherwise than its operand is a buffer of its own.)
           if b is not None and b not in taken and stop[b] == i and \
-              _nbytes(b) == _nbytes(o):
+              (b in made or _nbytes(b) == _nbytes(o)) and \
+              (share_size is None or share_size(b) == share_size(o)):
             buf = b
             break
       if buf is None:
@@ -284,6 +342,15 @@ def liveness(jaxpr, *, gathered: Iterable[Var] = (), released: Iterable[Var] = (
 
   # Copies and broadcasts XLA makes, each a buffer of the shape of the
   # value that stands for it in the result.
+  combined = []                      # second buffers of the outputs
+  for i, eqn in enumerate(eqns if twice is not None else ()):
+    for o in eqn.outvars:
+      for c in twice(o) if o in owner else ():
+        start[c] = stop[c] = i
+        if stop[owner[o]] == end:       # an output: its buffer is held to the end
+          combined.append(c)
+  for c in combined:                   # where the last of them is made
+    start[c] = stop[c] = max(start[d] for d in combined)
   buffers = [(b, start[b], stop[b], b in results) for b in start]
   buffers += [(v, first, last, v in results) for v, first, last in early]
   return Liveness(end, tuple(buffers), tuple(extras))

@@ -42,12 +42,14 @@ Constraints (one method each)
                                                                   (``_edges``)
   * a donated leaf and the output that replaces it share a spec:
     ``Σ_{c: s} x[out,c] = x[leaf,s]`` for every spec ``s``        (``_donation``)
-  * memory per device at the liveness peaks, when a budget is set:
-    ``Σ_{values live at t} Σ_c bytes(value, c) · x[v,c] + state ≤ budget``
-    at the three peaks of replicated bytes (``_memory``), and at the
-    solution's own peak under its specs where that is over the budget,
-    added and solved again (``solve``, at most ``_BUDGET_ROUNDS`` times; a
-    ``PlanError`` if the plan's own peak is still over it)
+  * memory per device at the points of the pass, when a budget is set:
+    ``Σ_{values live at t} Σ_c bytes(value, c) · x[v,c] + copies(t) + state
+    ≤ budget`` at the points where what is held is not a part of what
+    another holds (``ilp_memory``: the copies a plan makes for its readers
+    as terms of the edge flows and chained variables), and at up to four of
+    the solution's own peaks under its specs where they are over the
+    budget, added and solved again (``solve``, at most ``_BUDGET_ROUNDS``
+    times; a ``PlanError`` if the plan's own peak is still over it)
 
 Solved with PuLP and HiGHS (CBC if HiGHS is missing): the LP relaxation
 first, which the edge flows make tight, and branch and bound only if its
@@ -514,8 +516,11 @@ class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
         groups.setdefault(req, []).append(node.vars[c])
     return groups
 
-  def _edge(self, produced: dict, required: dict, aval, mult, part):
-    """Resharding cost of one edge, linearised as a transportation problem.
+  def _edge(self, produced: dict, required: dict, aval, mult, part) -> dict:
+    """Resharding cost of one edge, linearised as a transportation problem;
+    returns the flows that reshard: ``(p, r) -> [variables]`` whose sum is
+    1 where the value is made in ``p`` and read in ``r`` (the memory
+    model's copies, ``ilp_memory``).
 
     ``e[p, r] >= 0`` with ``Σ_r e[p,r] = x_u(p)`` and ``Σ_p e[p,r] = x_w(r)``:
     for one-hot ``x`` it is the product ``x_u(p)·x_w(r)``, and unlike
@@ -527,7 +532,7 @@ class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
     """
     costs = {(p, r): self._reshard(aval, p, r) for p in produced for r in required}
     if not any(costs.values()):
-      return
+      return {}
     traffic = self._edge_traffic[part]
 
     def charge(x, p, r):
@@ -538,7 +543,8 @@ class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
       for (p, r) in costs:
         for x in (required[r] if len(produced) == 1 else produced[p]):
           charge(x, p, r)
-      return
+      return {(p, r): required[r] if len(produced) == 1 else produced[p]
+              for (p, r), c in costs.items() if c > 0}
     flows = {}
     for (p, r) in costs:
       e = self._variable(f"e_{self._edge_count}", lowBound=0)
@@ -550,6 +556,7 @@ class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
       self._equal([(flows[p, r], 1) for r in required] + [(x, -1) for x in pvars], 0)
     for r, rvars in required.items():
       self._equal([(flows[p, r], 1) for p in produced] + [(x, -1) for x in rvars], 0)
+    return {pr: [e] for pr, e in flows.items() if costs[pr] > 0}
 
   def _reshard_bytes(self, aval, p: Spec, r: Spec) -> float:
     """Bytes a reshard moves through memory on one device: each collective
@@ -571,19 +578,26 @@ class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
     # their costs add up.
     merged: dict = {}
     for (src, spos), dst, dpos, aval, mult, part in self._edge_list():
-      key = (self.node_class[src], spos, self.node_class[dst], dpos,
-             tuple(aval.shape), aval.dtype, part)
+      key = self._edge_key(src, spos, dst, dpos, aval, part)
       if key in merged:
         merged[key][-2] += mult
       else:
         merged[key] = [src, spos, dst, dpos, aval, mult, part]
-    for src, spos, dst, dpos, aval, mult, part in merged.values():
+    self._flows = {}
+    for key, (src, spos, dst, dpos, aval, mult, part) in merged.items():
       if dpos >= 0:
         required = self._required_groups(dst, dpos)
       else:
         required = self._spec_groups(dst, -1 - dpos) if dst not in self._grad_node_set \
             else {s[0]: [x] for s, x in zip(self.nodes[dst].specs, self.nodes[dst].vars)}
-      self._edge(self._spec_groups(src, spos), required, aval, mult, part)
+      self._flows[key] = self._edge(self._spec_groups(src, spos), required, aval, mult,
+                                    part)
+
+  def _edge_key(self, src, spos, dst, dpos, aval, part) -> tuple:
+    """Edges with equal keys (between the same classes, of one value
+    shape) share their flows."""
+    return (self.node_class[src], spos, self.node_class[dst], dpos,
+            tuple(aval.shape), aval.dtype, part)
 
   def _donation(self):
     seen = set()
@@ -639,14 +653,16 @@ class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
         if not self._status.optimal:
           break
         state, _ = self._memory_items()
-        peak = self._peak_at_solution()
-        over = self._total(state) + self._total(peak)
+        held = self._total(state)
+        over = held + self._total(self._peak_at_solution())
         if over <= self.memory_budget * (1 + 1e-6):
           over = None
           break
         if rounds == _BUDGET_ROUNDS:
           break
-        self._hold_peak(peak)
+        for peak in self._peaks_at_solution():
+          if held + self._total(peak) > self.memory_budget * (1 + 1e-6):
+            self._hold_peak(peak)
         solver_name = self._solve(max(1.0, deadline - time.perf_counter()))
     finally:
       self.solve_seconds = seconds = time.perf_counter() - t0
@@ -976,5 +992,6 @@ class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
     return self._relaxed
 
 # Solves at most this many times more to hold the memory budget at the
-# plan's own peak (each adds the peak found as a constraint).
-_BUDGET_ROUNDS = 4
+# plan's own peaks (each adds up to four of them, those over the budget, as
+# constraints).
+_BUDGET_ROUNDS = 2

@@ -110,6 +110,12 @@ class ChoiceGraph:
     self.nodes: list[_Node] = []
     self._pending_edges: list = []   # (src, dst node, operand position, aval, mult, part)
     self._follow_edges: list = []    # (src, dst, aval, mult, part)
+    # (id of an equation, operand position) -> the edge along which that
+    # operand reaches its reader: (src, dst node, position, aval, part), the
+    # position as ``_edge_list`` gives it (-1 - output position of the node
+    # an element-wise operand follows). For the copies a reshard makes
+    # (``ilp_memory``).
+    self.operand_edges: dict[tuple[int, int], tuple] = {}
     self._followers: dict[str, dict[int, tuple[int, int]]] = {"compute": {},
                                                                "apply": {}}
     # Path of a scan / while / cond -> (node, position) of the value node of
@@ -306,6 +312,10 @@ class ChoiceGraph:
         for v in operands[1:]:
           if val[v] != lead:
             self._follow_edges.append((val[v], lead, v.aval, mult, part))
+        for pos, v in enumerate(eqn.invars):
+          if isinstance(v, Var) and v.aval.shape and val[v] != lead:
+            self.operand_edges[(id(eqn), pos)] = (val[v], lead[0], -1 - lead[1],
+                                                  v.aval, part)
         val[out] = lead
         self._followers[part][i] = lead
         continue
@@ -325,6 +335,7 @@ class ChoiceGraph:
       for pos, v in enumerate(eqn.invars):
         if isinstance(v, Var) and v in val:
           self._pending_edges.append((val[v], node, pos, v.aval, mult, part))
+          self.operand_edges[(id(eqn), pos)] = (val[v], node, pos, v.aval, part)
       for j, v in enumerate(eqn.outvars):
         val[v] = (node, j)
     self._add_traffic(jaxpr, val, mult, part, prefix, eqn_nodes)

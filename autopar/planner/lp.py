@@ -15,6 +15,7 @@ Supported: PuLP 3.3 and later 3.x, 4.x (``setup.py``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import os
 import sys
@@ -189,7 +190,10 @@ def moved(prob: pulp.LpProblem, expr, twins: dict):
   if isinstance(expr, pulp.LpVariable):
     twin = twins.get(expr.name)
     if twin is None:
-      twin = twins[expr.name] = variable(prob, expr.name, lowBound=expr.lowBound,
-                                         upBound=expr.upBound, cat=expr.cat)
+      # (PuLP 4 reads an unbounded side back as infinite, and takes only None.)
+      low, up = (b if b is not None and math.isfinite(b) else None
+                 for b in (expr.lowBound, expr.upBound))
+      twin = twins[expr.name] = variable(prob, expr.name, lowBound=low, upBound=up,
+                                         cat=expr.cat)
     return twin
   return linear((moved(prob, x, twins), a) for x, a in expr.items()) + float(expr.constant)

@@ -80,7 +80,10 @@ class Replanner:
         if self.saved is not None and (not self.problems or
                                        self.problems is self.saved.read):
           self._text = self.saved.text       # (as read: written again unchanged)
-        elif self.problems:
+        elif self.problems and all(p.problem.memory_budget is None for p in self.problems):
+          # (A problem solved within a memory budget holds it with the
+          # copies a plan makes of the pass's values, which only the
+          # traced step gives: it is not saved.)
           self._text = encode(self.problems, planner_digest())
       text = self._text
     if text is None:

@@ -560,11 +560,15 @@ def solve_stage(ctx: Context, cut_: Cut, s: int, sizes: dict[str, int],
   objective = problem.solve()
   parts = problem.cost_by_part()
   state, peak = problem.memory_at_solution()
+  # What the schedule keeps of a micro-batch for its backward pass, in the
+  # specs the plan gives it (the budget above took it whole).
+  kept = sum(problem.bytes_at_solution(v)
+             for v in fns.forward.jaxpr.outvars[fns.num_outputs:] if isinstance(v, Var))
   return StageSolution(
       batch_axes=tuple(batch_axes), rows=rows, objective=objective,
       per_micro_batch=parts["compute"] / ctx.n,
       per_step=parts["apply"] + parts["sync"] + parts["state"],
-      state_bytes=state, peak_bytes=peak, residual_bytes=float(residual_bytes),
+      state_bytes=state, peak_bytes=peak, residual_bytes=float(kept),
       io=io, fns=fns, problem=problem, joint=ClosedJaxpr(joint, joint_consts),
       update=ClosedJaxpr(update, ()), num_forward_eqns=num_fwd,
       segments=tuple(segments), segment_offsets=tuple(offsets))

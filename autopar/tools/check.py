@@ -21,6 +21,10 @@ compiled stages:
   larger of the two, plus every collective of the HLO priced by the
   plan's α-β (``MeshCost``), against the plan's ``predicted_time``.
 
+A pipeline's plan (``PipeshardParallel``) is compared for memory alone,
+per stage (:func:`pipeline_stage_memory`), once its first call has
+compiled its stages.
+
 Collectives are compared per (phase, kind, axes), where the phase is "per
 micro-batch" (every gradient stage), "apply" (``apply_grad``) or "step"
 (a step with no gradient marker, or one micro-batch's gradient and update
@@ -183,8 +187,7 @@ def check(plan: "Plan", executable: Any) -> PlanCheck:
   """Compares ``plan``'s predictions with ``executable``'s compiled stages
   (see the module docstring)."""
   if plan.stages:
-    raise PlanError("plan.check: pipeline plans (PipeshardParallel) are not checked "
-                    "yet; check a ShardParallel, DataParallel or ZeRO step's plan.")
+    return check_pipeline(plan, executable)
   stages = getattr(executable, "stages", None)
   schedule = getattr(executable, "schedule", None)
   if not stages or not schedule:
@@ -262,3 +265,53 @@ def compiled_flop_seconds(costs: dict, compiled) -> float:
   matmuls = hlo.matmul_flops(compiled)
   rest = max(total - sum(matmuls.values()), 0.0)
   return rest * rate("float32") + sum(f * rate(d) for d, f in matmuls.items())
+
+
+def check_pipeline(plan: "Plan", executable: Any) -> PlanCheck:
+  """A pipeline's (``PipeshardParallel``) peak memory per device: per
+  stage, predicted (``StagePlan.memory_per_device``) against
+  :func:`pipeline_stage_memory`, and the largest of each; its
+  collectives and time are not compared (no rows)."""
+  stages = getattr(executable, "stages", None)
+  if not stages:
+    raise PlanError("plan.check: a pipeline's stages are compiled as its first call "
+                    "runs them: call the step once (step(*args)), then check "
+                    "step.get_executable(*args).")
+  compiled = pipeline_stage_memory(plan, stages)
+  return PlanCheck(collectives=(), predicted_memory=int(plan.memory_per_device),
+                   compiled_memory=max(b for _, b in compiled),
+                   stage_memory=compiled)
+
+
+def pipeline_stage_memory(plan: "Plan", stages) -> tuple[tuple[str, int], ...]:
+  """Per pipeline stage, the most bytes per device its submesh holds while
+  one of its executables runs (``stage<s>/forward``, ``backward``,
+  ``sync``, ``apply<k>``): what the executable allocates (outputs not
+  aliased, temporaries) beside its arguments or, if more, what the stage
+  holds meanwhile whether passed in or not: its leaves
+  (``StagePlan.inputs``), its gradient sums (the ``sync``'s arguments),
+  and, beside a forward or backward pass, the micro-batch it makes or
+  reads. The other ``in_flight - 1`` micro-batches the schedule keeps for
+  their backward passes (each the forward's outputs and the activations
+  the stage before sent) are held beside a forward or backward pass."""
+  out = []
+  for st in plan.stages:
+    sizes = dict(zip(plan.mesh_axis_names, st.submesh_shape))
+    leaves = sum(v.bytes_per_device(sizes) for v in st.inputs)
+    mine = {name.split("/", 1)[1]: c.memory_analysis() for name, c in stages.items()
+            if name.split("/", 1)[0] == f"stage{st.index}"}
+    sync, forward = mine.get("sync"), mine.get("forward")
+    sums = sync.argument_size_in_bytes if sync else 0
+    before = [p for p in plan.stages if p.index == st.index - 1]
+    arriving = before[0].bytes_to_next / math.prod(st.submesh_shape) if before else 0
+    micro = (forward.output_size_in_bytes if forward else 0) + arriving
+    others = max(st.in_flight - 1, 0) * micro
+    peak = 0
+    for kind, m in mine.items():
+      passes = kind in ("forward", "backward")
+      held = leaves + sums + (micro + others if passes else 0)
+      args = m.argument_size_in_bytes + (others if passes else 0)
+      peak = max(peak, max(args, held) + m.output_size_in_bytes
+                 - m.alias_size_in_bytes + m.temp_size_in_bytes)
+    out.append((f"stage{st.index}", int(peak)))
+  return tuple(out)

@@ -201,6 +201,13 @@ def no_ilp(plan: "Plan") -> str:
     return ("this plan has none: its step has no grad marker, and ShardParallel "
             "plans such a step as data parallel, without an ILP. Fix: compute the "
             "gradients with autopar.grad or autopar.value_and_grad, and plan again.")
+  if (plan.costs or {}).get("memory_budget_per_device") is not None:
+    return ("this plan keeps none: it was made within memory_budget_per_device, and "
+            "the ILPs that hold a budget count the copies a plan makes of the traced "
+            "step's values, which a plan's JSON does not keep. Fix: explain it with the "
+            "step: `autopar explain plan.json PATH --step module:function --args "
+            "module:make_args`, or plan.explain(...) on the plan step.plan(*args) "
+            "returns.")
   return ("this plan keeps none: it was saved without them, by an autopar from "
           "before plans saved their ILPs in their JSON (its \"ilp\" entry). Fix: make "
           "the plan again with this autopar (step.plan(*args), or `autopar plan`) and "
