@@ -73,7 +73,7 @@ from autopar.costs.cost_model import itemsize
 from autopar.costs.strategies.elementwise import is_elementwise
 from autopar.frontend.trace import region_jaxprs
 
-__all__ = ["liveness_peaks", "liveness", "Liveness", "fusions", "Fusions", "relayouts",
+__all__ = ["liveness_peaks", "liveness", "Liveness", "Held", "fusions", "Fusions", "relayouts",
            "conv_relayouts", "dot_relayouts"]
 
 # The result is the operand's buffer read another way.
@@ -91,10 +91,7 @@ def liveness_peaks(jaxpr, k: int,
                    released: Iterable[Var] = (),
                    folded: Iterable[Var] = (),
                    size: Callable[[Var], float] | None = None,
-                   platform: str = "cpu",
-                   operand_copies: Callable[[Any, int], Iterable[Hashable]] | None = None,
-                   twice: Callable[[Var], Iterable[Hashable]] | None = None,
-                   where: bool = False) -> list:
+                   platform: str = "cpu") -> list:
   """The ``k`` program points where the most bytes are held.
 
   Each is the list of the values whose buffers are held there, one value
@@ -104,27 +101,22 @@ def liveness_peaks(jaxpr, k: int,
   plan's own peak is found with the bytes per device of its specs.
   ``platform``: whose rules apply ("cpu", "gpu", "tpu"): XLA:CPU's
   YNNPACK reductions and operand copies for its convolutions and dots
-  only on "cpu" (``devices.platform_of``).
-  ``operand_copies(eqn, position)``: what a plan makes of that operand for the
-  equation to read (a reshard's result, a gathered parameter), if anything.
-  Equal ones are one buffer (XLA makes one collective of one operand
-  and sharding), held from the first equation that reads it to the last
-  (a copy of one of the program's inputs from its start on "cpu", where
-  XLA schedules the collectives of parameters first), and stand for
-  themselves in the result; ``size`` gives their bytes.
-  ``twice(value)``: what stands for the other buffers of ``value``, if any
-  (a partial sum all-reduced into a new buffer), held with it where the
-  equation runs, or for the program's outputs where the last of them is
-  made (XLA combines the independent all-reduces of the gradients into
-  one, after the last of them).
-  ``where``: each peak as ``(point, values)``, the point the index of the
-  equation that runs there.
+  only on "cpu" (``devices.platform_of``). A plan's copies of its values
+  are :func:`liveness`'s ``operand_copies`` and ``twice``.
   """
-  plan = operand_copies is not None or twice is not None
   return liveness(jaxpr, gathered=gathered, released=released, folded=folded,
-                  platform=platform, operand_copies=operand_copies, twice=twice,
-                  share_size=size if plan or size is not None else None
-                  ).peaks(k, size, where=where)
+                  platform=platform).peaks(k, size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+  """A copy a plan makes, held in :meth:`Liveness.peaks`' results: equal
+  to another where it is the same buffer (``key``: the same value in the
+  same spec), ``nbytes`` its bytes under the plan, ``item`` what the
+  planner named it by (``liveness``'s ``operand_copies`` and ``twice``)."""
+  key: Hashable
+  item: Any = dataclasses.field(compare=False)
+  nbytes: float = dataclasses.field(compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,36 +138,70 @@ class Liveness:
       equation there) in point order; each body is a :class:`Liveness`
       whose values held at its own peak, less its results, are held at
       the point while it runs (the largest body's, for a cond).
+    reads: (first point, point, key, item) per copy a plan may make of an
+      operand for the equation at the point (``liveness``'s
+      ``operand_copies``), held from the first point on.
+    twice: (point, key, item, whether it is an output's) per second
+      buffer a plan may make of a value made at the point (``twice``).
   """
   end: int
   buffers: tuple[tuple[Any, int, int, bool], ...]
   extras: tuple[tuple[int, tuple[tuple[Any, bool], ...], tuple["Liveness", ...]], ...]
+  reads: tuple[tuple[int, int, Hashable, Any], ...] = ()
+  twice: tuple[tuple[int, Hashable, Any, bool], ...] = ()
 
   def peaks(self, k: int, size: Callable[[Any], float] | None = None,
-            where: bool = False) -> list:
+            where: bool = False, made: Callable[[Hashable, Any], Any] | None = None
+            ) -> list:
     """The values held at the ``k`` points where ``size`` (default: a
-    ``Var``'s whole bytes) adds up to the most; see :func:`liveness_peaks`
-    (and its ``where``)."""
-    out = [(t, [v for v, _ in held]) for t, held in self._peaks(k, size)]
+    ``Var``'s whole bytes) adds up to the most; see :func:`liveness_peaks`.
+    ``where``: each peak as ``(point, values)``. ``made(key, item)``: what
+    a plan makes of a copy in :attr:`reads` or :attr:`twice`, as ``(the
+    key of its buffer, bytes)``, or None where it makes none: reads of one
+    buffer are one copy, held from the first to the last, and the outputs'
+    second buffers are made where the last of them is (XLA combines the
+    independent all-reduces of the gradients into one); each is a
+    :class:`Held` in the result."""
+    out = [(t, [v for v, _ in held]) for t, held in self._peaks(k, size, made)]
     return out if where else [held for _, held in out]
 
-  def held(self, size: Callable[[Any], float] | None = None) -> list:
+  def held(self, size: Callable[[Any], float] | None = None, made=None) -> list:
     """What a control-flow body holds at its peak, less its results."""
-    return [v for v, result in self._peaks(1, size)[0][1] if not result]
+    return [v for v, result in self._peaks(1, size, made)[0][1] if not result]
 
-  def _peaks(self, k: int, size) -> list[tuple[int, list[tuple[Any, bool]]]]:
-    held = size or _nbytes
+  def _plan_copies(self, made) -> list[tuple[Held, int, int]]:
+    """The copies ``made`` says a plan makes: (copy, first, last point)."""
+    spans: dict = {}
+    for first, i, key, item in self.reads:
+      m = made(key, item)
+      if m is not None:
+        span = spans.setdefault(m[0], [Held(m[0], item, m[1]), first, i])
+        span[1], span[2] = min(span[1], first), max(span[2], i)
+    out = [tuple(span) for span in spans.values()]
+    seconds = [(Held(m[0], item, m[1]), i, output) for i, key, item, output in self.twice
+               if (m := made(key, item)) is not None and m[1]]
+    last = max((i for _, i, output in seconds if output), default=0)
+    out += [(c, last, last) if output else (c, i, i) for c, i, output in seconds]
+    return out
+
+  def _peaks(self, k: int, size, made=None) -> list[tuple[int, list[tuple[Any, bool]]]]:
+    base = size or _nbytes
+    def held(v):
+      return v.nbytes if isinstance(v, Held) else base(v)
+    buffers = self.buffers
+    if made is not None and (self.reads or self.twice):
+      buffers += tuple((c, first, last, False) for c, first, last in self._plan_copies(made))
     copies: dict[int, list[tuple[Any, bool]]] = {}
     for i, fixed, bodies in self.extras:
       if fixed:
         copies.setdefault(i, []).extend(fixed)
-      inner = [body.held(size) for body in bodies]
+      inner = [body.held(size, made) for body in bodies]
       if inner:
         copies.setdefault(i, []).extend(
             (v, False) for v in max(inner, key=lambda vs: sum(map(held, vs))))
     # The bytes held at each point: add at the start, drop after the stop.
     delta = [0] * (self.end + 2)
-    for v, first, last, _ in self.buffers:
+    for v, first, last, _ in buffers:
       b = held(v)
       delta[first] += b
       delta[last + 1] -= b
@@ -187,7 +213,7 @@ class Liveness:
       total += delta[i]
       totals.append(total)
     peaks = heapq.nlargest(k, range(len(totals)), key=totals.__getitem__)
-    return [(t, [(v, result) for v, first, last, result in self.buffers
+    return [(t, [(v, result) for v, first, last, result in buffers
                  if first <= t <= last] + copies.get(t, [])) for t in peaks]
 
   def mapped(self, fn: Callable[[Any], Any]) -> "Liveness":
@@ -200,7 +226,8 @@ class Liveness:
               if (w := fn(v)) is not None),
         tuple((i, tuple((w, result) for v, result in fixed if (w := fn(v)) is not None),
                tuple(body.mapped(fn) for body in bodies))
-              for i, fixed, bodies in self.extras))
+              for i, fixed, bodies in self.extras),
+        self.reads, self.twice)
 
 
 def _nbytes(v) -> int:
@@ -210,16 +237,22 @@ def _nbytes(v) -> int:
 def liveness(jaxpr, *, gathered: Iterable[Var] = (), released: Iterable[Var] = (),
              folded: Iterable[Var] = (), platform: str = "cpu",
              results: Iterable[Var] = (),
-             operand_copies: Callable[[Any, int], Iterable[Hashable]] | None = None,
-             twice: Callable[[Var], Iterable[Hashable]] | None = None,
-             share_size: Callable[[Any], float] | None = None) -> Liveness:
+             operand_copies: Callable[[Any, int], Iterable[tuple[Hashable, Any]]] | None = None,
+             twice: Callable[[Var], Iterable[tuple[Hashable, Any]]] | None = None
+             ) -> Liveness:
   """The buffers of ``jaxpr`` and where they are held (see the module
   docstring and :func:`liveness_peaks`, which takes the same arguments);
   ``results``: the values a body gives back, marked so in the buffers.
-  ``operand_copies`` and ``twice`` add a plan's copies, and
-  ``share_size`` (a plan's bytes per device) keeps an element-wise result
-  out of an operand's buffer of other bytes under the plan: what these
-  give holds for that plan alone."""
+
+  The copies a plan may make, whatever plan it is (``Liveness.peaks``'
+  ``made`` says which it makes): ``operand_copies(eqn, position)``, the
+  ``(key, item)`` of each copy of that operand a plan may make for the
+  equation to read (a reshard's result, a gathered parameter), held from
+  the equation that reads it (a copy of one of the program's inputs from
+  the start on "cpu", where XLA schedules the collectives of parameters
+  first); ``twice(value)``, those of each other buffer a plan may make of
+  ``value`` where it is made (a partial sum all-reduced into a new
+  buffer)."""
   eqns = jaxpr.eqns
   end = len(eqns)
   cpu = platform == "cpu"
@@ -233,18 +266,15 @@ def liveness(jaxpr, *, gathered: Iterable[Var] = (), released: Iterable[Var] = (
   reads: dict[int, list[Var]] = {}
   early: list = []                   # [copied value, first, last point]
   copied: dict[tuple, list] = {}     # (value, order) -> its copy in ``early``
-  made: dict = {}                    # operand_copies(...) -> [first, last point]
-  made_for: dict[int, list] = {}     # point -> the copies of its first operand
+  plan_reads = []                    # (first, point, key, item) of operand_copies
   program_inputs = set(jaxpr.invars)
   for i, eqn in enumerate(eqns):
     for pos in range(len(eqn.invars) if operand_copies is not None else 0):
-      for c in operand_copies(eqn, pos):
+      for key, item in operand_copies(eqn, pos):
         # XLA:CPU schedules the collectives of the program's inputs (a
         # parameter's gather) first: their copies are held from the start.
         first = 0 if cpu and eqn.invars[pos] in program_inputs else i
-        made.setdefault(c, [first, i])[1] = i
-        if pos == 0:
-          made_for.setdefault(i, []).append(c)
+        plan_reads.append((first, i, key, item))
     if not fusions.runs(i):
       continue
     reads[i] = fusions.reads(i)
@@ -287,7 +317,7 @@ def liveness(jaxpr, *, gathered: Iterable[Var] = (), released: Iterable[Var] = (
       bodies = bodies[1:]               # its cond's values are few and brief
     inner = tuple(liveness(sub, released=sub.outvars, platform=platform,
                            results=sub.outvars, operand_copies=operand_copies,
-                           twice=twice, share_size=share_size) for sub in bodies)
+                           twice=twice) for sub in bodies)
     if fixed or inner:
       extras.append((i, fixed, inner))
 
@@ -296,8 +326,6 @@ def liveness(jaxpr, *, gathered: Iterable[Var] = (), released: Iterable[Var] = (
   inputs = set(jaxpr.invars)         # and views of them: not counted
   start: dict[Var, int] = {}
   stop: dict[Var, int] = {}
-  for c, (first, last) in made.items():
-    start[c], stop[c] = first, last
   for v in gathered:
     if v in first_use:                # (read only through copies: until the first)
       owner[v] = v
@@ -320,16 +348,13 @@ def liveness(jaxpr, *, gathered: Iterable[Var] = (), released: Iterable[Var] = (
         buf = owner.get(same)
       elif is_elementwise(eqn) or name in IN_PLACE and j == 0:
         # A scatter's or dynamic update's result is written into its
-        # operand's buffer, or into the copy a plan makes of it.
+        # operand's buffer.
         operands = reads[i] if name not in IN_PLACE else \
-            [*made_for.get(i, ()), *(v for v in eqn.invars[:1] if type(v) is not Literal)]
+            [v for v in eqn.invars[:1] if type(v) is not Literal]
         for v in operands:
-          b = v if v in made else owner.get(v)
-          # (Under a plan's specs, of the same bytes per device too: a
-          # result split otherwise than its operand is a buffer of its own.)
+          b = owner.get(v)
           if b is not None and b not in taken and stop[b] == i and \
-              (b in made or _nbytes(b) == _nbytes(o)) and \
-              (share_size is None or share_size(b) == share_size(o)):
+              _nbytes(b) == _nbytes(o):
             buf = b
             break
       if buf is None:
@@ -342,18 +367,15 @@ def liveness(jaxpr, *, gathered: Iterable[Var] = (), released: Iterable[Var] = (
 
   # Copies and broadcasts XLA makes, each a buffer of the shape of the
   # value that stands for it in the result.
-  combined = []                      # second buffers of the outputs
+  seconds = []                       # (point, key, item, an output's) of twice
   for i, eqn in enumerate(eqns if twice is not None else ()):
     for o in eqn.outvars:
-      for c in twice(o) if o in owner else ():
-        start[c] = stop[c] = i
-        if stop[owner[o]] == end:       # an output: its buffer is held to the end
-          combined.append(c)
-  for c in combined:                   # where the last of them is made
-    start[c] = stop[c] = max(start[d] for d in combined)
+      for key, item in twice(o) if o in owner else ():
+        # (An output's buffer is held to the end.)
+        seconds.append((i, key, item, stop[owner[o]] == end))
   buffers = [(b, start[b], stop[b], b in results) for b in start]
   buffers += [(v, first, last, v in results) for v, first, last in early]
-  return Liveness(end, tuple(buffers), tuple(extras))
+  return Liveness(end, tuple(buffers), tuple(extras), tuple(plan_reads), tuple(seconds))
 
 
 def fusible(eqn) -> bool:

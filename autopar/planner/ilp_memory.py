@@ -37,7 +37,7 @@ from jax.extend.core import Var
 
 from autopar.costs.cost_model import itemsize
 from autopar.frontend.gradstack import find_grad_stacks, folded_values
-from autopar.costs.liveness import Liveness, liveness, liveness_peaks
+from autopar.costs.liveness import Held, Liveness, liveness
 from autopar.method import accumulation_dtype
 from autopar.costs.strategies import REGIONS, local_bytes
 
@@ -71,22 +71,6 @@ class Copy:
   chain: tuple | None = None
 
 
-class _Held:
-  """A :class:`Copy` at a solution, for ``liveness_peaks``: equal to
-  another where it is the same buffer (the same value in the same spec),
-  with its bytes there."""
-  __slots__ = ("key", "item", "nbytes")
-
-  def __init__(self, key, item: Copy, nbytes: float):
-    self.key, self.item, self.nbytes = key, item, nbytes
-
-  def __eq__(self, other):
-    return isinstance(other, _Held) and self.key == other.key
-
-  def __hash__(self):
-    return hash(self.key)
-
-
 # Points of the pass (by replicated bytes, and by smallest) at which a
 # memory budget is held from the first solve.
 _POINTS = 256
@@ -104,7 +88,7 @@ def _distinct(points: list[tuple[int, list]]) -> list[tuple[int, list]]:
   kept: list[set] = []
   out = []
   for t, live in points:
-    ids = {id(v) if not isinstance(v, _Held) else v for v in live}
+    ids = {id(v) if not isinstance(v, Held) else v for v in live}
     if not any(ids <= k for k in kept):
       kept.append(ids)
       out.append((t, live))
@@ -146,7 +130,7 @@ class MemoryModel:
         return 0 if ref is None else min(self._bytes_per_choice(*ref, v.aval))
       k = _POINTS if self.memory_budget is not None else 3
       points = self._liveness.peaks(k, where=True) + \
-          self._peaks_of(k, size=smallest, where=True)
+          self._liveness.peaks(k, smallest, where=True)
       if self.memory_budget is not None:
         # The last point (the gradients, and their all-reduces) too.
         end = len(self.compute.jaxpr.eqns) - 1
@@ -167,13 +151,21 @@ class MemoryModel:
 
   @functools.cached_property
   def _own_liveness(self) -> Liveness:
-    """:attr:`_liveness` with each value as its memory item (``(node,
-    output, aval, 1)``), those the graph does not have left out (a plan
-    holds them in no spec: 0 bytes at its own peak): what finds a
-    solution's own peak, and what a problem read back from a plan's JSON
-    keeps of the pass (``ilp_saved.py``)."""
+    """:attr:`_liveness` with the copies any plan may make of the pass's
+    values (:meth:`_copy_candidates`, :meth:`_second_candidates`), and
+    each value as its memory item (``(node, output, aval, 1)``), those the
+    graph does not have left out (a plan holds them in no spec: 0 bytes
+    at its own peak): what finds a solution's own peaks
+    (:meth:`_peaks_at_solution`, with :meth:`_made`), and what a problem
+    read back from a plan's JSON keeps of the pass (``ilp_saved.py``)."""
+    cj = self.compute.jaxpr
+    folded = folded_values(cj, self._stacks) \
+        if self.n > 1 or self._batch_size_devices > 1 else []
     val = self._values
-    return self._liveness.mapped(lambda v: (*val[v], v.aval, 1) if v in val else None)
+    return liveness(cj, folded=folded, platform=self.platform,
+                    operand_copies=self._copy_candidates,
+                    twice=self._second_candidates).mapped(
+        lambda v: (*val[v], v.aval, 1) if v in val else None)
 
   def _copies_at(self, t: int, live) -> list[Copy]:
     """The copies any plan may hold at point ``t`` of the pass (``live``
@@ -263,23 +255,11 @@ class MemoryModel:
           self.prob += lp.linear([(ys[k], 1.0), (ys[k + 1], -1.0)]) >= 0
           self.num_constraints += 1
 
-  def _peaks_of(self, k: int, size=None, copies=None, twice=None,
-                where: bool = False) -> list:
-    """The pass's ``k`` liveness peaks under a plan: by ``size``, with
-    ``copies``, ``twice`` (``liveness_peaks``'s ``operand_copies``,
-    ``twice`` and ``where``); found anew for each plan."""
-    cj = self.compute.jaxpr
-    folded = folded_values(cj, self._stacks) \
-        if self.n > 1 or self._batch_size_devices > 1 else []
-    return liveness_peaks(cj, k=k, folded=folded, size=size, platform=self.platform,
-                          operand_copies=copies, twice=twice, where=where)
-
   def _items(self, live) -> list:
     """Memory items of the values in ``live`` that the graph has, and of
     the copies among them."""
     val = self._values
-    return [v.item if isinstance(v, _Held) else (*val[v], v.aval, 1)
-            for v in live if isinstance(v, _Held) or v in val]
+    return [(*val[v], v.aval, 1) for v in live if v in val]
 
   @functools.cached_property
   def _values(self) -> dict:
@@ -297,36 +277,25 @@ class MemoryModel:
     highest first: up to four, none holding only what another holds.
     Found once per solve (the solver clears ``_own_peak``)."""
     if getattr(self, "_own_peak", None) is None:
-      val = self._values
-      def local(v):
-        if isinstance(v, _Held):
-          return v.nbytes
-        ref = val.get(v)
-        return 0 if ref is None else self._bytes(*ref, v.aval, self._chosen(ref[0]))
-      if self.compute is None:
-        # Read back from a plan's JSON (ilp_saved.py): the pass's values
-        # as their items, without the copies a plan makes.
-        live = self._own_liveness.peaks(16, lambda it: self._bytes(
-            it[0], it[1], it[2], self._chosen(it[0])), where=True)
-        self._own_peak = [p for _, p in _distinct(live)[:4]]
-      else:
-        live = self._peaks_of(16, size=local, copies=self._copies_at_solution,
-                              twice=self._reduced_at_solution, where=True)
-        self._own_peak = [self._items(p) for _, p in _distinct(live)[:4]]
+      live = self._own_liveness.peaks(16, lambda it: self._bytes(
+          it[0], it[1], it[2], self._chosen(it[0])), where=True, made=self._made)
+      self._own_peak = [[v.item if isinstance(v, Held) else v for v in p]
+                        for _, p in _distinct(live)[:4]]
     return self._own_peak
 
-  def _reduced_at_solution(self, v) -> list[_Held]:
-    """The other buffers of ``v`` (``liveness_peaks``'s ``twice``): where
-    its chosen strategy all-reduces it, and a gradient's over the batch
-    axes (``_synced``)."""
+  def _second_candidates(self, v) -> list[tuple[tuple, Copy]]:
+    """The other buffers a plan may make of ``v`` (``liveness``'s
+    ``twice``): where a strategy all-reduces it, and a gradient's over the
+    batch axes (``_synced``)."""
     ref = self._values.get(v)
     if ref is None or ref[0] in self._leaf_node_set:
       return []
-    items = [(("reduced", v), Copy(v.aval, reduced=ref))]
+    out = []
+    if any(self._reduces(ref[0], c) for c in range(len(self.nodes[ref[0]].choices))):
+      out.append((("reduced", *ref), Copy(v.aval, reduced=ref)))
     if v in self._synced:
-      items.append((("synced", v), Copy(v.aval, synced=self._synced[v])))
-    return [_Held(key, item, b) for key, item in items
-            if (b := self._copy_at_solution(item))]
+      out.append((("synced", *ref), Copy(v.aval, synced=self._synced[v])))
+    return out
 
   @functools.cached_property
   def _synced(self) -> dict:
@@ -348,29 +317,40 @@ class MemoryModel:
     st = self.nodes[node].choices[choice]
     return any(kind == "all-reduce" for kind, _, _ in getattr(st, "collectives", ()))
 
-  def _copies_at_solution(self, eqn, pos) -> list[_Held]:
-    """What the solution makes of operand ``pos`` of ``eqn`` for it to
-    read (``liveness_peaks``'s ``operand_copies``): the operand resharded by a
+  def _copy_candidates(self, eqn, pos) -> list[tuple[tuple, Copy]]:
+    """The copies a plan may make of operand ``pos`` of ``eqn`` for it to
+    read (``liveness``'s ``operand_copies``): the operand resharded by a
     collective, and a parameter gathered over the batch axes. A loop or
     call reads its operands where its body does."""
     v = eqn.invars[pos]
     if not isinstance(v, Var) or eqn.primitive.name in REGIONS:
       return []
-    out = []
     ref = self._values.get(v)
-    if ref is not None and ref[0] in self._leaf_node_set:
-      _, dim = self.nodes[ref[0]].choices[self._chosen(ref[0])]
-      if dim is not None:
-        out.append(_Held(("gathered", v), Copy(v.aval, leaf=ref[0]), _whole(v.aval)))
+    if ref is None:
+      return []
+    out = []
+    if ref[0] in self._leaf_node_set and any(
+        dim is not None for _, dim in self.nodes[ref[0]].choices):
+      out.append((("gathered", *ref), Copy(v.aval, leaf=ref[0])))
     edge = self.operand_edges.get((id(eqn), pos))
     if edge is not None:
-      (src, spos), dst, dpos, aval, _ = edge
+      out.append((("reshard", *ref), Copy(edge[3], edge=edge)))
+    return out
+
+  def _made(self, key: tuple, item: Copy):
+    """What the solution makes of a copy ``_own_liveness`` holds
+    (``Liveness.peaks``' ``made``): (its buffer's key, bytes), or None.
+    Reshards of one value to one spec are one buffer (XLA makes one
+    collective of one operand and sharding)."""
+    if item.edge is not None:
+      (src, spos), dst, dpos, aval, _ = item.edge
       p = self.nodes[src].specs[self._chosen(src)][spos]
       r = self._read_spec(dst, dpos)
-      if r is not None and r != p and self._reshard(aval, p, r) > 0:
-        out.append(_Held(("reshard", v, r), Copy(aval, edge=edge),
-                         local_bytes(aval, r, self.sizes)))
-    return out
+      if r is None or r == p or self._reshard(aval, p, r) <= 0:
+        return None
+      return (key, r), local_bytes(aval, r, self.sizes)
+    b = self._copy_at_solution(item)
+    return (key, b) if b else None
 
   def _read_spec(self, dst, dpos):
     """The spec the solution reads an edge's value in: operand ``dpos``

@@ -41,6 +41,7 @@ from typing import Any, Mapping
 from autopar.costs.cost_model import MeshCost, dtype_name
 from autopar.costs.liveness import Liveness
 from autopar.costs.strategies import Strategy
+from autopar.planner.ilp_memory import Copy
 
 __all__ = ["Aval", "Writer", "Reader", "SavedGraph"]
 
@@ -270,7 +271,7 @@ class SavedGraph:
     self._mem_items = ([item(it) for it in d["state"]],
                        [[item(it) for it in peak] for peak in d["peaks"]])
     # (a cached property's value, set as the planner's problem finds it)
-    self._own_liveness = _liveness_from_data(d["liveness"], item)
+    self._own_liveness = _liveness_from_data(d["liveness"], item, r)
     self._memory()
     for peak in d["added_peaks"]:
       self._hold_peak([item(it) for it in peak])
@@ -310,7 +311,8 @@ def _kind_from_data(d: Mapping, r: Reader) -> tuple:
 
 
 def _liveness_data(live: Liveness, w: Writer) -> dict:
-  """A :class:`Liveness` whose values are memory items, as data."""
+  """A :class:`Liveness` whose values are memory items, and the copies a
+  plan may make of them (``ilp_memory.Copy``), as data."""
   def item(it):
     node, pos, aval, _ = it
     return [node, pos, w.aval(aval)]
@@ -319,15 +321,44 @@ def _liveness_data(live: Liveness, w: Writer) -> dict:
                       for v, first, last, result in live.buffers],
           "extras": [[i, [[*item(v), result] for v, result in fixed],
                       [_liveness_data(b, w) for b in bodies]]
-                     for i, fixed, bodies in live.extras]}
+                     for i, fixed, bodies in live.extras],
+          "reads": [[first, i, list(key), _copy_data(c, w)]
+                    for first, i, key, c in live.reads],
+          "twice": [[i, list(key), _copy_data(c, w), output]
+                    for i, key, c, output in live.twice]}
 
 
-def _liveness_from_data(d: Mapping, item) -> Liveness:
+def _liveness_from_data(d: Mapping, item, r: Reader) -> Liveness:
   return Liveness(
       d["end"],
       tuple((item((node, pos, aval, 1)), first, last, result)
             for node, pos, aval, first, last, result in d["buffers"]),
       tuple((i, tuple((item((node, pos, aval, 1)), result)
                       for node, pos, aval, result in fixed),
-             tuple(_liveness_from_data(b, item) for b in bodies))
-            for i, fixed, bodies in d["extras"]))
+             tuple(_liveness_from_data(b, item, r) for b in bodies))
+            for i, fixed, bodies in d["extras"]),
+      tuple((first, i, tuple(key), _copy_from_data(c, r))
+            for first, i, key, c in d["reads"]),
+      tuple((i, tuple(key), _copy_from_data(c, r), output)
+            for i, key, c, output in d["twice"]))
+
+
+def _copy_data(c: Copy, w: Writer) -> dict:
+  """A copy of a reshard, a gathered parameter or an all-reduce (not a
+  budget's chain, which only a traced step has) as data."""
+  edge = None
+  if c.edge is not None:
+    (src, spos), dst, dpos, aval, part = c.edge
+    edge = [src, spos, dst, dpos, w.aval(aval), _PARTS.index(part)]
+  return {"aval": w.aval(c.aval), "edge": edge, "leaf": c.leaf,
+          "reduced": None if c.reduced is None else list(c.reduced), "synced": c.synced}
+
+
+def _copy_from_data(d: Mapping, r: Reader) -> Copy:
+  edge = None
+  if d["edge"] is not None:
+    src, spos, dst, dpos, aval, part = d["edge"]
+    edge = ((src, spos), dst, dpos, r.aval(aval), _PARTS[part])
+  return Copy(r.aval(d["aval"]), edge=edge, leaf=d["leaf"],
+              reduced=None if d["reduced"] is None else tuple(d["reduced"]),
+              synced=d["synced"])
