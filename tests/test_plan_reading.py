@@ -682,3 +682,22 @@ def _rewritten(text: str, **changes) -> str:
   data = json.loads(lzma.decompress(base64.b64decode(text[len("xz:"):])))
   data.update(changes)
   return "xz:" + base64.b64encode(lzma.compress(json.dumps(data).encode())).decode()
+
+
+def test_a_plan_made_within_a_memory_budget_says_its_json_keeps_no_ilp():
+  """A budget's constraints count the copies a plan makes of the traced
+  step's values, which the JSON does not keep: explaining the plan read
+  back says so and what to do, rather than explaining another problem."""
+  make_state, step, batch = transformer_setup(tx=optax.sgd(0.1), layers=1, batch=16)
+  mesh = jax.sharding.AbstractMesh((2, 2), ("data", "model"))
+  option = autopar.AutoShardingOption(memory_budget_per_device=2**30, plan_cache=False)
+  pf = autopar.parallelize(step, method=autopar.ShardParallel(mesh=mesh, option=option))
+  plan = pf.plan(*abstract(make_state, batch))
+  leaf = "state.params['params']['Block_0']['Dense_0']['kernel']"
+  assert plan.explain(leaf).candidates              # (with the step: it plans again)
+  text = plan.to_json()
+  assert "ilp" not in json.loads(text)
+  del pf
+  gc.collect()
+  with pytest.raises(autopar.PlanError, match="memory_budget_per_device"):
+    autopar.Plan.from_json(text).explain(leaf)
