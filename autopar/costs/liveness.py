@@ -49,8 +49,8 @@ peak: each value's bytes per device under its spec).
 
 The program's inputs are not counted (the planners count the state and the
 batch on their own), except those named in ``gathered``: a copy made for
-the pass (ZeRO-3's gathered parameters), held from its first reader to its
-last. The program's outputs are held to its end, except those named in
+each equation that reads it (ZeRO-3's gathered parameters), held while it
+runs. The program's outputs are held to its end, except those named in
 ``released``: handed on where they are made (a gradient reduce-scattered
 as soon as it is made, in a step of one micro-batch). Values named in
 ``folded`` are never held whole: the gradient stages add a scan's stacked
@@ -237,7 +237,8 @@ def _nbytes(v) -> int:
 def liveness(jaxpr, *, gathered: Iterable[Var] = (), released: Iterable[Var] = (),
              folded: Iterable[Var] = (), platform: str = "cpu",
              results: Iterable[Var] = (),
-             operand_copies: Callable[[Any, int], Iterable[tuple[Hashable, Any]]] | None = None,
+             operand_copies: Callable[[Any, int], Iterable[tuple[Hashable, Any, bool]]]
+             | None = None,
              twice: Callable[[Var], Iterable[tuple[Hashable, Any]]] | None = None
              ) -> Liveness:
   """The buffers of ``jaxpr`` and where they are held (see the module
@@ -246,11 +247,11 @@ def liveness(jaxpr, *, gathered: Iterable[Var] = (), released: Iterable[Var] = (
 
   The copies a plan may make, whatever plan it is (``Liveness.peaks``'
   ``made`` says which it makes): ``operand_copies(eqn, position)``, the
-  ``(key, item)`` of each copy of that operand a plan may make for the
-  equation to read (a reshard's result, a gathered parameter), held from
-  the equation that reads it (a copy of one of the program's inputs from
-  the start on "cpu", where XLA schedules the collectives of parameters
-  first); ``twice(value)``, those of each other buffer a plan may make of
+  ``(key, item, from_start)`` of each copy of that operand a plan may make for
+  the equation to read (a reshard's result, a gathered parameter), held
+  from the equation that reads it (a ``from_start`` copy of one of the
+  program's inputs from the start on "cpu", where XLA schedules the
+  collectives the partitioner makes of parameters first); ``twice(value)``, those of each other buffer a plan may make of
   ``value`` where it is made (a partial sum all-reduced into a new
   buffer)."""
   eqns = jaxpr.eqns
@@ -270,10 +271,11 @@ def liveness(jaxpr, *, gathered: Iterable[Var] = (), released: Iterable[Var] = (
   program_inputs = set(jaxpr.invars)
   for i, eqn in enumerate(eqns):
     for pos in range(len(eqn.invars) if operand_copies is not None else 0):
-      for key, item in operand_copies(eqn, pos):
+      for key, item, from_start in operand_copies(eqn, pos):
         # XLA:CPU schedules the collectives of the program's inputs (a
-        # parameter's gather) first: their copies are held from the start.
-        first = 0 if cpu and eqn.invars[pos] in program_inputs else i
+        # parameter resharded for its reader) first: their copies are held
+        # from the start.
+        first = 0 if from_start and cpu and eqn.invars[pos] in program_inputs else i
         plan_reads.append((first, i, key, item))
     if not fusions.runs(i):
       continue
@@ -303,12 +305,17 @@ def liveness(jaxpr, *, gathered: Iterable[Var] = (), released: Iterable[Var] = (
       last_use[v] = end
 
   extras = []
+  gathered = set(gathered)
   for i, eqn in enumerate(eqns):
     fixed = ()
     if cpu and eqn.primitive.name == "conv_general_dilated":
       # A result not in the convolution's order is written to a copy.
       fixed = tuple((v, v in results) for v in conv_relayouts(eqn)
                     if v is eqn.outvars[0] and v in last_use)
+    # Each reader of a gathered input gathers its own copy (evaluate.py's
+    # Rules.gathers), held while it runs.
+    fixed += tuple((v, False) for v in dict.fromkeys(
+        v for v in eqn.invars if type(v) is not Literal) if v in gathered)
     # A loop's or branch's body holds its own values while it runs; its
     # results are the equation's (a scan's slices of its stacked outputs),
     # counted here already.
@@ -326,10 +333,6 @@ def liveness(jaxpr, *, gathered: Iterable[Var] = (), released: Iterable[Var] = (
   inputs = set(jaxpr.invars)         # and views of them: not counted
   start: dict[Var, int] = {}
   stop: dict[Var, int] = {}
-  for v in gathered:
-    if v in first_use:                # (read only through copies: until the first)
-      owner[v] = v
-      start[v], stop[v] = first_use[v], last_use.get(v, first_use[v])
   for i, eqn in enumerate(eqns):
     name = eqn.primitive.name
     taken: set[Var] = set()
