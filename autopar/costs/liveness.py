@@ -267,6 +267,7 @@ def liveness(jaxpr, *, gathered: Iterable[Var] = (), released: Iterable[Var] = (
   reads: dict[int, list[Var]] = {}
   early: list = []                   # [copied value, first, last point]
   copied: dict[tuple, list] = {}     # (value, order) -> its copy in ``early``
+  gathered = set(gathered)
   plan_reads = []                    # (first, point, key, item) of operand_copies
   program_inputs = set(jaxpr.invars)
   for i, eqn in enumerate(eqns):
@@ -285,7 +286,9 @@ def liveness(jaxpr, *, gathered: Iterable[Var] = (), released: Iterable[Var] = (
     # recomputing a ReLU, say), and the copy is held until the last
     # equation that reads it, which reads only it.
     for v, order in relayouts(eqn) if cpu else ():
-      if type(v) is not Literal:
+      # (A gathered input's copy, each reader's own, is gathered in the
+      # order its reader takes: no other copy.)
+      if type(v) is not Literal and v not in gathered:
         key = (v, order)
         if key not in copied:           # an input's copy: where it is first read
           copied[key] = [v, producer.get(v, first_use.get(v, i)), i]
@@ -304,18 +307,31 @@ def liveness(jaxpr, *, gathered: Iterable[Var] = (), released: Iterable[Var] = (
     if v not in released:
       last_use[v] = end
 
+  # Each reader of a gathered input gathers its own copy (evaluate.py's
+  # Rules.gathers), held while the reader runs; XLA runs it as soon as its
+  # other operands are made (before independent work, such as a weight's
+  # gradient made between them in the program's order, so that the
+  # gathered copy is freed first): the copy is held at the point of the
+  # last of them (at the reader's, where it reads no value made here).
+  gathered_at: dict[int, list] = {}
+  if gathered:
+    made_at = {o: i for i, eqn in enumerate(eqns) for o in eqn.outvars}
+    for i, eqn in enumerate(eqns):
+      held = [v for v in dict.fromkeys(v for v in eqn.invars if type(v) is not Literal)
+              if v in gathered]
+      if held and region_jaxprs(eqn):
+        gathered_at.setdefault(i, []).extend(held)     # held while the body runs
+      elif held:
+        ready = [made_at[v] for v in eqn.invars if type(v) is not Literal and v in made_at]
+        gathered_at.setdefault(max(ready, default=i), []).extend(held)
   extras = []
-  gathered = set(gathered)
   for i, eqn in enumerate(eqns):
     fixed = ()
     if cpu and eqn.primitive.name == "conv_general_dilated":
       # A result not in the convolution's order is written to a copy.
       fixed = tuple((v, v in results) for v in conv_relayouts(eqn)
                     if v is eqn.outvars[0] and v in last_use)
-    # Each reader of a gathered input gathers its own copy (evaluate.py's
-    # Rules.gathers), held while it runs.
-    fixed += tuple((v, False) for v in dict.fromkeys(
-        v for v in eqn.invars if type(v) is not Literal) if v in gathered)
+    fixed += tuple((v, False) for v in gathered_at.get(i, ()))
     # A loop's or branch's body holds its own values while it runs; its
     # results are the equation's (a scan's slices of its stacked outputs),
     # counted here already.

@@ -130,13 +130,13 @@ def eval_jaxpr(jaxpr, consts, args, rules: Rules, constvals=()):
     env[v] = x
   for v, x in zip(jaxpr.invars, [*consts, *args], strict=True):
     env[v] = x
-  inputs = {*jaxpr.constvars, *jaxpr.invars}
+  made_at = {}                      # value -> the equation that made it
   for i, eqn in enumerate(jaxpr.eqns):
     path = str(i)
     pinned = rules.pins.get(path, {})
     args = [read(a) for a in eqn.invars]
     if rules.gathers:
-      args = _gathered(eqn, args, rules.gathers, inputs)
+      args = _gathered(eqn, args, rules.gathers, made_at)
     args = [rules.pin(x, pinned[f"in{k}"]) if f"in{k}" in pinned else x
             for k, x in enumerate(args)]
     name = eqn.primitive.name
@@ -170,11 +170,12 @@ def eval_jaxpr(jaxpr, consts, args, rules: Rules, constvals=()):
               for j, x in enumerate(outs)]
     for v, x in zip(eqn.outvars, outs, strict=True):
       env[v] = x
+      made_at[v] = i
   return [rules.gathers[a](env[a]) if isinstance(a, Var) and a in rules.gathers else read(a)
           for a in jaxpr.outvars]
 
 
-def _gathered(eqn, args: list, gathers, inputs) -> list:
+def _gathered(eqn, args: list, gathers, made_at) -> list:
   """``args`` with each operand in ``gathers`` gathered for this equation
   alone. An optimization barrier ties the stored shards to an operand the
   pass makes, so that XLA gathers them only once that is made, and each
@@ -187,7 +188,7 @@ def _gathered(eqn, args: list, gathers, inputs) -> list:
   if not ks:
     return args
   args = list(args)
-  anchor = gather_anchor(eqn, inputs)
+  anchor = gather_anchor(eqn, made_at)
   shards = [args[k] for k in ks]
   if anchor is not None:
     *shards, args[anchor] = lax.optimization_barrier((*shards, args[anchor]))
@@ -196,11 +197,13 @@ def _gathered(eqn, args: list, gathers, inputs) -> list:
   return args
 
 
-def gather_anchor(eqn, inputs) -> int | None:
+def gather_anchor(eqn, made_at) -> int | None:
   """The operand of ``eqn`` its gathered parameters wait for
-  (:func:`_gathered`): the first the pass makes (not in ``inputs``)."""
-  return next((k for k, a in enumerate(eqn.invars)
-               if isinstance(a, Var) and a not in inputs), None)
+  (:func:`_gathered`): the one the pass made last (``made_at``: value ->
+  the index of the equation that made it), so that the gathers run just
+  before their reader."""
+  made = [k for k, a in enumerate(eqn.invars) if isinstance(a, Var) and a in made_at]
+  return max(made, key=lambda k: made_at[eqn.invars[k]], default=None)
 
 
 def gather_sites(jaxpr, gathered) -> dict:
@@ -210,14 +213,15 @@ def gather_sites(jaxpr, gathered) -> dict:
   none) make one gather (XLA merges the equal ones), and one more where
   the program gives it back as an output."""
   gathered = set(gathered)
-  inputs = {*jaxpr.constvars, *jaxpr.invars}
+  made_at: dict = {}
   sites: dict = {}
-  for eqn in jaxpr.eqns:
-    anchor = gather_anchor(eqn, inputs)
+  for i, eqn in enumerate(jaxpr.eqns):
+    anchor = gather_anchor(eqn, made_at)
     wait = None if anchor is None else eqn.invars[anchor]
     for a in eqn.invars:
       if isinstance(a, Var) and a in gathered:
         sites.setdefault(a, set()).add(wait)
+    made_at.update((o, i) for o in eqn.outvars)
   out = {v: len(w) for v, w in sites.items()}
   for a in jaxpr.outvars:
     if isinstance(a, Var) and a in gathered:
