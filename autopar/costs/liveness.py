@@ -286,12 +286,11 @@ def liveness(jaxpr, *, gathered: Iterable[Var] = (), released: Iterable[Var] = (
     # recomputing a ReLU, say), and the copy is held until the last
     # equation that reads it, which reads only it.
     for v, order in relayouts(eqn) if cpu else ():
-      # (A gathered input's copy, each reader's own, is gathered in the
-      # order its reader takes: no other copy.)
-      if type(v) is not Literal and v not in gathered:
-        key = (v, order)
+      if type(v) is not Literal:
+        # (A gathered input is copied from each reader's own gathered copy.)
+        key = (v, order, i) if v in gathered else (v, order)
         if key not in copied:           # an input's copy: where it is first read
-          copied[key] = [v, producer.get(v, first_use.get(v, i)), i]
+          copied[key] = [v, i if v in gathered else producer.get(v, first_use.get(v, i)), i]
           early.append(copied[key])
         copied[key][2] = i
         reads[i] = [u for u in reads[i] if u is not v]

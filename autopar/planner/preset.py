@@ -313,8 +313,8 @@ def _preset_activation_peak(split: SplitStep, local: SplitStep | None, params, g
       if zero == 3 else []
   # In a step of one micro-batch, a gradient reduce-scattered over the
   # batch axes leaves the pass where it is made.
-  released = [v for v, g in zip(jaxpr.outvars, grads) if any(g.spec)] \
-      if n == 1 and d > 1 else []
+  released = [v for v, g in zip(jaxpr.outvars, grads) if any(g.spec) or n > 1] \
+      if (n == 1 and d > 1) or (n > 1 and zero == 3) else []
   folded = folded_values(jaxpr, find_grad_stacks(jaxpr, split.num_grads,
                                                  [g.spec for g in grads], batch_axes)) \
       if n > 1 or d > 1 else []
