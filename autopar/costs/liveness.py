@@ -313,16 +313,24 @@ def liveness(jaxpr, *, gathered: Iterable[Var] = (), released: Iterable[Var] = (
   # gathered copy is freed first): the copy is held at the point of the
   # last of them (at the reader's, where it reads no value made here).
   gathered_at: dict[int, list] = {}
+  unanchored: dict = {}
   if gathered:
     made_at = {o: i for i, eqn in enumerate(eqns) for o in eqn.outvars}
     for i, eqn in enumerate(eqns):
       held = [v for v in dict.fromkeys(v for v in eqn.invars if type(v) is not Literal)
               if v in gathered]
-      if held and region_jaxprs(eqn):
-        gathered_at.setdefault(i, []).extend(held)     # held while the body runs
-      elif held:
-        ready = [made_at[v] for v in eqn.invars if type(v) is not Literal and v in made_at]
-        gathered_at.setdefault(max(ready, default=i), []).extend(held)
+      if not held:
+        continue
+      ready = [made_at[v] for v in eqn.invars if type(v) is not Literal and v in made_at]
+      if ready and not region_jaxprs(eqn):
+        gathered_at.setdefault(max(ready), []).extend(held)
+      else:
+        # A gather with no barrier (a loop's, a call's, or one whose
+        # reader reads no value made here): XLA merges the equal ones
+        # and issues them at the start, one copy held to the last reader.
+        for v in held:
+          unanchored[v] = i
+  early += [[v, 0, last] for v, last in unanchored.items()]
   extras = []
   for i, eqn in enumerate(eqns):
     fixed = ()

@@ -136,7 +136,7 @@ def eval_jaxpr(jaxpr, consts, args, rules: Rules, constvals=()):
     pinned = rules.pins.get(path, {})
     args = [read(a) for a in eqn.invars]
     if rules.gathers:
-      args = _gathered(eqn, args, rules.gathers, made_at)
+      args = _gathered(eqn, args, rules.gathers, made_at, env)
     args = [rules.pin(x, pinned[f"in{k}"]) if f"in{k}" in pinned else x
             for k, x in enumerate(args)]
     name = eqn.primitive.name
@@ -175,7 +175,7 @@ def eval_jaxpr(jaxpr, consts, args, rules: Rules, constvals=()):
           for a in jaxpr.outvars]
 
 
-def _gathered(eqn, args: list, gathers, made_at) -> list:
+def _gathered(eqn, args: list, gathers, made_at, env) -> list:
   """``args`` with each operand in ``gathers`` gathered for this equation
   alone. An optimization barrier ties the stored shards to an operand the
   pass makes, so that XLA gathers them only once that is made, and each
@@ -195,6 +195,9 @@ def _gathered(eqn, args: list, gathers, made_at) -> list:
   shards = [args[k] for k in ks]
   if anchor is not None:
     *shards, args[anchor] = lax.optimization_barrier((*shards, args[anchor]))
+    # Every later reader of the operand reads the barrier's result, so that
+    # XLA need not keep (copy) the operand beside it.
+    env[eqn.invars[anchor]] = args[anchor]
   for k, x in zip(ks, shards, strict=True):
     args[k] = gathers[eqn.invars[k]](x)
   return args
