@@ -446,7 +446,7 @@ class MemoryModel:
         items.append((*self.compute_val[v], aval, ratio))
       elif carried:
         items.append((node, 0, aval, ratio))
-      if v in self._synced:
+      if isinstance(v, Var) and v in self._synced:
         continue                    # beside the pass's, where it ends (_synced)
       if (split and (not carried or ratio != 1)) or (carried and g in stacked):
         items.append((node, 0, aval, 1))
