@@ -41,8 +41,8 @@ def mlp(dtype=jnp.float32):
   make_state, step, batch = mlp_setup(batch=512, din=256, hidden=256, dout=256, layers=4)
   state = make_state()
   if dtype != jnp.float32:
-    state = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
-                         else x, state)
+    state = jax.tree.map(lambda x: x.astype(dtype) if hasattr(x, "dtype") and
+                         jnp.issubdtype(x.dtype, jnp.floating) else x, state)
   return step, state, batch
 
 
@@ -83,9 +83,11 @@ def run(name: str) -> None:
     t0 = time.perf_counter()
     try:
       exe, r = compiled(step, state, batch, shard(budget))
-      status = exe.plan.solver.status if exe.plan.solver else ""
-      m = re.search(r"(Zero\dParallel)'s layout taken", status)
-      what = f"{m.group(1)}'s layout" if m else "the ILP's plan"
+      if exe.plan.solver is None:          # (the ILP found none: no solver line)
+        what = "a ZeRO layout (the ILP's model finds none)"
+      else:
+        m = re.search(r"(Zero\dParallel)'s layout taken", exe.plan.solver.status)
+        what = f"{m.group(1)}'s layout" if m else "the ILP's plan"
       row = (what, f"{r.compiled_memory:,}", f"x{r.memory_ratio:.2f}")
       assert r.compiled_memory <= budget
     except autopar.PlanError as e:

@@ -143,30 +143,27 @@ class MemoryModel:
 
   @functools.cached_property
   def _liveness(self) -> Liveness:
-    """Where the pass holds its values (``liveness.liveness``)."""
+    """Where the pass holds its values (``liveness.liveness``), with the
+    copies any plan may make of them (:meth:`_copy_candidates`,
+    :meth:`_second_candidates`; sized only where a solution is, with
+    :meth:`_made`)."""
     cj = self.compute.jaxpr
     folded = folded_values(cj, self._stacks) \
         if self.n > 1 or self._batch_size_devices > 1 else []
-    return liveness(cj, folded=folded, platform=self.platform)
-
-  @functools.cached_property
-  def _own_liveness(self) -> Liveness:
-    """:attr:`_liveness` with the copies any plan may make of the pass's
-    values (:meth:`_copy_candidates`, :meth:`_second_candidates`), and
-    each value as its memory item (``(node, output, aval, 1)``), those the
-    graph does not have left out (a plan holds them in no spec: 0 bytes
-    at its own peak): what finds a solution's own peaks
-    (:meth:`_peaks_at_solution`, with :meth:`_made`), and what a problem
-    read back from a plan's JSON keeps of the pass (``ilp_saved.py``)."""
-    cj = self.compute.jaxpr
-    folded = folded_values(cj, self._stacks) \
-        if self.n > 1 or self._batch_size_devices > 1 else []
-    val = self._values
     self._gathers = 0
     return liveness(cj, folded=folded, platform=self.platform,
                     operand_copies=self._copy_candidates,
-                    twice=self._second_candidates).mapped(
-        lambda v: (*val[v], v.aval, 1) if v in val else None)
+                    twice=self._second_candidates)
+
+  @functools.cached_property
+  def _own_liveness(self) -> Liveness:
+    """:attr:`_liveness` with each value as its memory item (``(node,
+    output, aval, 1)``), those the graph does not have left out (a plan
+    holds them in no spec: 0 bytes at its own peak): what finds a
+    solution's own peaks (:meth:`_peaks_at_solution`), and what a problem
+    read back from a plan's JSON keeps of the pass (``ilp_saved.py``)."""
+    val = self._values
+    return self._liveness.mapped(lambda v: (*val[v], v.aval, 1) if v in val else None)
 
   def _copies_at(self, t: int, live) -> list[Copy]:
     """The copies any plan may hold at point ``t`` of the pass (``live``
@@ -196,8 +193,8 @@ class MemoryModel:
     made = [o for o in cj.eqns[t].outvars] if t < len(cj.eqns) else []
     for v in (live if t == end else made):
       ref = self._values.get(v) if isinstance(v, Var) else None
-      if ref is not None and ref[0] not in self._leaf_node_set and any(
-          self._reduces(ref[0], c) for c in range(len(self.nodes[ref[0]].choices))):
+      if ref is not None and ref[0] not in self._leaf_node_set and \
+          self._may_reduce(ref[0]):
         out.append(Copy(v.aval, reduced=ref))
     if t == end:
       out.extend(Copy(v.aval, synced=node) for v, node in self._synced.items())
@@ -244,7 +241,7 @@ class MemoryModel:
     for v, readers in self._readers.items():
       if v not in self._inputs:
         continue
-      ys = [lp.variable(self.prob, f"y_{len(self._chain_vars)}_{k}", lowBound=0)
+      ys = [self._variable(f"y_{len(self._chain_vars)}_{k}", lowBound=0)
             for k in range(len(readers))]
       self._chain_vars[v] = ys
       self.num_variables += len(ys)
@@ -292,7 +289,7 @@ class MemoryModel:
     if ref is None or ref[0] in self._leaf_node_set:
       return []
     out = []
-    if any(self._reduces(ref[0], c) for c in range(len(self.nodes[ref[0]].choices))):
+    if self._may_reduce(ref[0]):
       out.append((("reduced", *ref), Copy(v.aval, reduced=ref)))
     if v in self._synced:
       out.append((("synced", *ref), Copy(v.aval, synced=self._synced[v])))
@@ -317,6 +314,10 @@ class MemoryModel:
     """Whether choice ``choice`` of node ``node`` all-reduces its result."""
     st = self.nodes[node].choices[choice]
     return any(kind == "all-reduce" for kind, _, _ in getattr(st, "collectives", ()))
+
+  def _may_reduce(self, node) -> bool:
+    """Whether some choice of node ``node`` all-reduces its result."""
+    return any(self._reduces(node, c) for c in range(len(self.nodes[node].choices)))
 
   def _copy_candidates(self, eqn, pos) -> list[tuple[tuple, Copy, bool]]:
     """The copies a plan may make of operand ``pos`` of ``eqn`` for it to
@@ -346,15 +347,13 @@ class MemoryModel:
     (``Liveness.peaks``' ``made``): (its buffer's key, bytes), or None.
     Reshards of one value to one spec are one buffer (XLA makes one
     collective of one operand and sharding)."""
-    if item.edge is not None:
-      (src, spos), dst, dpos, aval, _ = item.edge
-      p = self.nodes[src].specs[self._chosen(src)][spos]
-      r = self._read_spec(dst, dpos)
-      if r is None or r == p or self._reshard(aval, p, r) <= 0:
-        return None
-      return (key, r), local_bytes(aval, r, self.sizes)
     b = self._copy_at_solution(item)
-    return (key, b) if b else None
+    if not b:
+      return None
+    if item.edge is not None:                 # (one buffer per spec read in)
+      _, dst, dpos, _, _ = item.edge
+      key = (key, self._read_spec(dst, dpos))
+    return key, b
 
   def _read_spec(self, dst, dpos):
     """The spec the solution reads an edge's value in: operand ``dpos``
