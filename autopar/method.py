@@ -269,7 +269,10 @@ class ParallelMethod:
       which picks each layer's weights with a ``lax.switch`` (a conditional,
       whose branch index XLA:GPU reads back to the host). None (default):
       ``"unrolled"`` on GPU and TPU, ``"scan"`` on CPU (where XLA would merge
-      an unrolled layer's recomputation with its forward pass). A pipeline's
+      an unrolled layer's recomputation with its forward pass), but
+      ``"unrolled"`` under ``Zero3Parallel`` everywhere (each recomputed
+      layer gathers its weights anew, which XLA does not merge; a scan
+      would gather every layer's weights at once). A pipeline's
       stages (``PipeshardParallel`` with several) checkpoint their layers
       their own way and do not read it.
     grad_accumulation_dtype: ``"float32"`` (default): bfloat16 and float16
