@@ -10,7 +10,8 @@ A method says how a step is parallelized; it is passed explicitly to
 * :class:`Zero2Parallel`: as data parallel, but gradients are reduce-scattered
   and the optimizer state is sharded; parameters are all-gathered after the
   update.
-* :class:`Zero3Parallel`: as Zero2, and the parameters stay sharded too.
+* :class:`Zero3Parallel`: as Zero2, and the parameters stay sharded too,
+  gathered by each equation that reads them.
 """
 
 from __future__ import annotations
@@ -268,7 +269,10 @@ class ParallelMethod:
       which picks each layer's weights with a ``lax.switch`` (a conditional,
       whose branch index XLA:GPU reads back to the host). None (default):
       ``"unrolled"`` on GPU and TPU, ``"scan"`` on CPU (where XLA would merge
-      an unrolled layer's recomputation with its forward pass). A pipeline's
+      an unrolled layer's recomputation with its forward pass), but
+      ``"unrolled"`` under ``Zero3Parallel`` everywhere (each recomputed
+      layer gathers its weights anew, which XLA does not merge; a scan
+      would gather every layer's weights at once). A pipeline's
       stages (``PipeshardParallel`` with several) checkpoint their layers
       their own way and do not read it.
     grad_accumulation_dtype: ``"float32"`` (default): bfloat16 and float16
@@ -371,7 +375,14 @@ class Zero2Parallel(DataParallel):
 
 @dataclasses.dataclass(frozen=True)
 class Zero3Parallel(DataParallel):
-  """ZeRO-3 / FSDP: as :class:`Zero2Parallel`, with the parameters sharded too."""
+  """ZeRO-3 / FSDP: as :class:`Zero2Parallel`, with the parameters sharded too.
+
+  Each equation of the forward and backward pass that reads a parameter
+  all-gathers it for itself, once its other operands are made, and the
+  gathered copy is freed after it: the step holds one layer's gathered
+  weights at a time, for one all-gather per reader per micro-batch (a
+  dense kernel's forward and backward matmuls: two).
+  """
 
 
 @dataclasses.dataclass(frozen=True)

@@ -108,8 +108,8 @@ class Signature:
     (``remat.layer_loop``: in the plan's fingerprint, and what a Ray
     cluster's workers are sent)."""
     if method.remat != "none" and method.remat_loop is None:
-      method = dataclasses.replace(method,
-                                   remat_loop=layer_loop(None, _platform(method)))
+      method = dataclasses.replace(method, remat_loop=layer_loop(
+          None, _platform(method), gathers=isinstance(method, Zero3Parallel)))
     option = getattr(method, "option", None)
     if option is None:
       return method
@@ -209,8 +209,8 @@ class Signature:
     return dataclasses.replace(best, method=method.name, replan=plan.replan,
                                solver=dataclasses.replace(s, status=note))
 
-  def keep_plan(self, prep, exe: Executable, first: Plan | None, micro: int
-                ) -> Executable:
+  def keep_plan(self, prep, exe: Executable, first: Plan | None, micro: int,
+                cache: bool = True) -> Executable:
     """``exe``, whose plan (made within a smaller planning budget than the
     method's, or a ZeRO layout) becomes this step's plan: for ``step.plan``
     and in the plan cache under the method's own key, so the next process
@@ -221,7 +221,7 @@ class Signature:
     plan = exe.plan if first is None else dataclasses.replace(
         exe.plan, fingerprint=first.fingerprint)
     self._plan = (plan, micro)
-    if self.method.option.plan_cache and first is not None and first.fingerprint:
+    if cache and self.method.option.plan_cache and first is not None and first.fingerprint:
       plan_cache.store(plan_cache.plan_key(dict(first.fingerprint)), plan)
     return dataclasses.replace(exe, plan=plan)
 
@@ -555,7 +555,12 @@ class Signature:
       within the last plan's estimate scaled down by how far its compiled
       peak missed (and, once a planning budget is infeasible, halfway
       between it and the last feasible one), up to ``BUDGET_TRIES`` times,
-      until one fits or one is a plan found before (``replanned``).
+      until one fits or one is a plan found before (``replanned``);
+    * if none of those fits and the method has no remat, ZeRO-3's layout
+      under ``remat="layers"``: the step traced again with its repeated
+      layers recomputed in the backward pass (the same numbers, more
+      compute). Such a plan is not kept in the plan cache, whose plans do
+      not say remat: the next process plans again.
 
     ``exe`` None: the ILP found no plan within the budget (``error``); the
     ZeRO layouts are tried, and ``error`` raised if none can be. A
@@ -572,16 +577,12 @@ class Signature:
       tried.append(_Compiled.of("the ILP's plan", budget, self, exe))
       if tried[0].peak <= budget:
         return exe
-    for preset in self.zero_layouts():
-      sig = self.with_method(preset).signature_of(prep)
-      try:
-        tried.append(_Compiled.of(f"{preset.name}'s layout", None, sig,
-                                  sig.compile(prep)))
-      except (InputError, PlanError):
-        continue                    # the preset cannot split this batch
+    tried += self.layouts(prep, self.zero_layouts())
     if exe is not None and not any(t.peak <= budget and t.objective <= first.objective
                                    for t in tried):
       tried += self.replanned(prep, tried[0])
+    if method.remat == "none" and not any(t.peak <= budget for t in tried):
+      tried += self.layouts(prep, self.zero_layouts(remat="layers")[:1])
     if not tried:
       raise error
     fitting = [t for t in tried if t.peak <= budget]
@@ -594,8 +595,15 @@ class Signature:
         plan = dataclasses.replace(
             plan, method=method.name, replan=first.replan if first else None,
             solver=s and dataclasses.replace(s, status=f"{s.status}; {note}"))
+      if best.remat != method.remat:
+        warnings.warn(
+            f"{self.name}: no plan without remat fits memory_budget_per_device="
+            f"{budget:.0f} bytes; {best.what} does ({best.peak:.0f} bytes per device "
+            f"compiled): its layers are recomputed in the backward pass. To plan so "
+            f"from the start, pass remat={best.remat!r} to {method.name}.",
+            stacklevel=2)
       return self.keep_plan(prep, dataclasses.replace(best.exe, plan=plan), first,
-                            best.micro)
+                            best.micro, cache=best.remat == method.remat)
     smallest = min(t.peak for t in tried)
     raise PlanError(
         f"{self.name}: no plan found whose compiled step fits memory_budget_per_device="
@@ -641,17 +649,34 @@ class Signature:
       seen.add(last.peak)
     return out
 
-  def zero_layouts(self) -> list:
+  def layouts(self, prep, presets) -> list["_Compiled"]:
+    """Each of ``presets`` (``zero_layouts``) compiled for this step, but
+    those that cannot split its batch."""
+    out = []
+    for preset in presets:
+      sig = self.with_method(preset).signature_of(prep)
+      what = f"{preset.name}'s layout" + (
+          f" with remat={preset.remat!r}" if preset.remat != self.method.remat else "")
+      try:
+        out.append(_Compiled.of(what, None, sig, sig.compile(prep)))
+      except (InputError, PlanError):
+        continue
+    return out
+
+  def zero_layouts(self, remat: Any = None) -> list:
     """ZeRO-3 and ZeRO-2 under this ShardParallel step's mesh, micro-batches
-    and remat, where ``not_dearer_than_zero`` would consider them."""
+    and remat (or ``remat``), where ``not_dearer_than_zero`` would consider
+    them."""
     method = self.method
     option = method.option
     mesh = resolve_mesh(method)
     if (option.pins or option.force_data_parallel or not option.allow_all_gather
         or option.forced_batch_axes(mesh) is not None):
       return []
+    # (ZeRO-3 runs remat's layers in its own loop: layer_loop's gathers.)
     return [preset(mesh=method.mesh, num_micro_batches=method.num_micro_batches,
-                   remat=method.remat, remat_loop=method.remat_loop,
+                   remat=method.remat if remat is None else remat,
+                   remat_loop=None if preset is Zero3Parallel else method.remat_loop,
                    grad_accumulation_dtype=method.grad_accumulation_dtype,
                    one_executable=method.one_executable)
             for preset in (Zero3Parallel, Zero2Parallel)]
@@ -670,6 +695,7 @@ class _Compiled:
   exe: Executable
   micro: int                    # rows per micro-batch
   peak: int                     # compiled bytes per device
+  remat: Any                    # the remat it was traced under
 
   @property
   def objective(self) -> float:
@@ -678,7 +704,7 @@ class _Compiled:
   @classmethod
   def of(cls, what: str, planning, sig, exe: Executable) -> "_Compiled":
     return cls(what, planning, exe, sig._plan[1],
-               compiled_peak(exe.plan, exe.stages, exe.schedule))
+               compiled_peak(exe.plan, exe.stages, exe.schedule), sig.method.remat)
 
 
 def bind_saved_plan(saved: Plan, split: SplitStep, mesh, fingerprint, name: str

@@ -1,7 +1,8 @@
 """Planning within a memory budget, measured: ``memory_budget_per_device`` at
 fractions of ShardParallel's own plan's compiled peak, the plan that comes
-back (the ILP's, or ZeRO's layout taken for the budget) and what its
-compiled step holds, or the ``PlanError`` and the smallest compiled peak it
+back (the ILP's, or ZeRO's layout taken for the budget, under
+``remat="layers"`` where nothing fits without it) and what its compiled
+step holds, or the ``PlanError`` and the smallest compiled peak it
 names.
 
     python benchmark/memory_budget.py                 # every case (~6 min)
@@ -82,12 +83,16 @@ def run(name: str) -> None:
     budget = int(f * own.compiled_memory)
     t0 = time.perf_counter()
     try:
-      exe, r = compiled(step, state, batch, shard(budget))
+      with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exe, r = compiled(step, state, batch, shard(budget))
       if exe.plan.solver is None:          # (the ILP found none: no solver line)
         what = "a ZeRO layout (the ILP's model finds none)"
       else:
-        m = re.search(r"(Zero\dParallel)'s layout taken", exe.plan.solver.status)
-        what = f"{m.group(1)}'s layout" if m else "the ILP's plan"
+        m = re.search(r"(Zero\dParallel's layout[^;]*?) taken", exe.plan.solver.status)
+        what = m.group(1) if m else "the ILP's plan"
+      if any("remat=" in str(w.message) for w in caught) and "remat=" not in what:
+        what += " with remat='layers'"
       row = (what, f"{r.compiled_memory:,}", f"x{r.memory_ratio:.2f}")
       assert r.compiled_memory <= budget
     except autopar.PlanError as e:

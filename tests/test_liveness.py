@@ -41,18 +41,33 @@ def test_element_wise_work_is_computed_inside_its_reader():
   assert _peak(transposed, X, W) == 2 * ONE == _compiled(transposed, X, W) - 4
 
 
-def test_gathered_inputs_are_held_from_first_to_last_reader():
+def test_gathered_inputs_are_held_where_each_reader_runs():
+  """Each reader of a gathered input gathers its own copy (ZeRO-3 under
+  evaluate.py's Rules.gathers): held while that reader runs, not from the
+  first reader to the last."""
   big = jax.ShapeDtypeStruct((32, 4096), jnp.float32)
+  W_BYTES = 32 * 4096 * 4
 
   def f(x, w):
     h = jnp.tanh(x @ w)                            # [64, 4096]: the peak
-    return (h @ w.T).sum()
+    return jnp.einsum("bd,nd->bn", h, w).sum()     # reads w again
   plain = _peak(f, X, big)
   assert plain == 64 * 4096 * 4 + 64 * 32 * 4      # h and the second dot's result
-  # w is read by both dots: its gathered copy is held across the peak.
-  assert _peak(f, X, big, gathered=[1]) == plain + 32 * 4096 * 4
+  # The second dot reads w: its copy is held where its other operand, h,
+  # is made (XLA runs it as soon as it can, to free the copy), beside h.
+  assert _peak(f, X, big, gathered=[1]) == 64 * 4096 * 4 + W_BYTES
   # x is read by the first dot only, before h is made.
   assert _peak(f, X, big, gathered=[0]) == plain
+
+  def g(x, w):
+    h = x @ w                                      # the first reader
+    e = jnp.sort(h, axis=1)                        # the peak: h and e, no reader of w
+    u = jnp.sort(jnp.tanh((e - h)[:, :32]), axis=1)  # [64, 32], made once h and e are gone
+    return (u @ w).sum()
+  # Held from the first reader to the last, w's copy would be at the peak
+  # (h, e); held by each reader alone, the peak is the last dot's.
+  plain = _peak(g, X, big)
+  assert _peak(g, X, big, gathered=[1]) < plain + W_BYTES
 
 
 def test_released_outputs_end_where_they_are_made():

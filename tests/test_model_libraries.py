@@ -358,7 +358,8 @@ def test_equinox_transformer_equals_filter_jit(eqx_reference, method):
     assert model.blocks[0].mlp.activation is jax.nn.gelu      # static leaves come back
     if remat == "layers":
       text = p.get_executable(model, opt_state, t[:, :-1], t[:, 1:]).as_text()
-      assert text["compute_grad"].count(" while(") == 2       # forward, backward
+      # forward, backward; ZeRO-3 runs its layers unrolled (remat.layer_loop)
+      assert text["compute_grad"].count(" while(") == (0 if method == "zero3" else 2)
 
 
 def test_filter_grad_has_equinox_semantics():

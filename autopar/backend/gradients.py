@@ -26,6 +26,7 @@ does with them is here, once:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Sequence
 
@@ -39,7 +40,7 @@ from autopar.frontend.loss import SHARE, loss_cotangent_p
 __all__ = ["entry_axes", "make_entry", "restrict", "manual_spec", "auto_spec",
            "stacked_spec", "gather_manual", "reduce_manual", "COMBINE", "across",
            "combine_groups", "seed_loss", "loss_marker", "add_partial", "sums_pass",
-           "micro_batch_inputs",
+           "micro_batch_inputs", "manual_gathers",
            "num_groups"]
 
 
@@ -102,19 +103,26 @@ def reduce_manual(x, spec: PartitionSpec, manual: Sequence[str]):
   return lax.psum(x, rest) if rest else x
 
 
-def micro_batch_inputs(leaves, values, i, rows: int, read, specs, manual) -> list:
+def micro_batch_inputs(leaves, values, i, rows: int) -> list:
   """A device's inputs for its micro-batch ``i``: the ``rows`` rows of each
-  batch leaf's local slice (selecting them moves no data), and the
-  parameters ``read`` (indices) gathered where ``specs`` split them over
-  the manual axes (ZeRO-3)."""
-  args = []
-  for k, (leaf, x) in enumerate(zip(leaves, values, strict=True)):
-    if leaf.is_batch:
-      x = lax.dynamic_slice_in_dim(x, i * rows, rows, axis=0)
-    elif k in read:
-      x = gather_manual(x, specs[k], manual)
-    args.append(x)
-  return args
+  batch leaf's local slice (selecting them moves no data); the other
+  leaves as they are (a parameter split over the manual axes is gathered
+  where the pass reads it: :func:`manual_gathers`)."""
+  return [lax.dynamic_slice_in_dim(x, i * rows, rows, axis=0) if leaf.is_batch else x
+          for leaf, x in zip(leaves, values, strict=True)]
+
+
+def manual_gathers(invars, leaves, read, specs, manual) -> dict:
+  """``Rules.gathers`` of a pass whose inputs for the leaves are
+  ``invars``: each parameter ``read`` (indices) that ``specs`` split over
+  the manual axes (ZeRO-3), gathered over them by each equation that reads
+  it (``evaluate._gathered``)."""
+  out = {}
+  for k, (v, leaf) in enumerate(zip(invars, leaves, strict=True)):
+    if k in read and not leaf.is_batch and any(
+        a in manual for e in specs[k] for a in entry_axes(e)):
+      out[v] = functools.partial(gather_manual, spec=specs[k], manual=manual)
+  return out
 
 
 def add_partial(total, g, dtype):

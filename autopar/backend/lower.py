@@ -50,7 +50,8 @@ from autopar.disk import use_compilation_cache
 from autopar.frontend.evaluate import Rules, check_pins, eqn_at, eval_jaxpr, eval_scan
 from autopar.backend.lowering_errors import explained
 from autopar.backend.gradients import (COMBINE, add_partial, across, loss_marker, make_entry,
-                               manual_spec, micro_batch_inputs, reduce_manual,
+                               manual_gathers, manual_spec, micro_batch_inputs,
+                               reduce_manual,
                                seed_loss, stacked_spec, sums_pass)
 from autopar.frontend.gradstack import GradStack, find_grad_stacks, slots
 from autopar.frontend.hints import in_stage
@@ -212,6 +213,7 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
     return (st.out, add_layer, part), False
 
   marker = loss_marker(compute)
+  gathers = manual_gathers(compute.invars[len(consts):], leaves, read, in_specs, manual)
 
   def body(leaf_vals, i, acc, sums):
     # The stacks' scans, evaluated with their fold; what each folded to.
@@ -237,7 +239,7 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
     override = {str(e): fold_scan(sts) for e, sts in by_scan.items()}
     if scale is not None and marker is not None:
       override[str(marker)] = seed_loss(scale, groups, sums)
-    args = micro_batch_inputs(leaves, leaf_vals, i, micro_rows, read, in_specs, manual)
+    args = micro_batch_inputs(leaves, leaf_vals, i, micro_rows)
     # This device holds rows [d*n*m, (d+1)*n*m) of the batch, and micro-batch
     # i is its rows [i*m, (i+1)*m) (see the module docstring).
     device = lax.axis_index(manual) if manual else 0
@@ -246,7 +248,7 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
                    rows=(first_row, groups * micro_rows),
                    once_axes=manual if callbacks else (),
                    hint=(lambda x, spec: pin(x, in_stage(spec, manual))) if hinted else None,
-                   override=override)
+                   override=override, gathers=gathers)
     outs = eval_jaxpr(compute, consts, args, rules)
     num_acc = num_grads + len(reduced)
     grads, sums, micro = outs[:num_grads], outs[num_grads:num_acc], outs[num_acc:]
@@ -418,14 +420,15 @@ def _sums_stage(split: SplitStep, plan: Plan, amesh, *, micro_rows: int):
   read = [k for k, v in enumerate(program.invars[nc:]) if v in used]
   in_specs = [v.spec for v in plan.inputs]
   batch_entry = make_entry(manual)
+  gathers = manual_gathers(program.invars[nc:], leaves, read, in_specs, manual)
 
   def body(leaf_vals):
     device = lax.axis_index(manual) if manual else 0
 
     def evaluate(i):
-      args = micro_batch_inputs(leaves, leaf_vals, i, micro_rows, read, in_specs, manual)
+      args = micro_batch_inputs(leaves, leaf_vals, i, micro_rows)
       rules = Rules(draws=draws, rows=((device * n + i) * micro_rows, groups * micro_rows),
-                    pins=pins, pin=pin,
+                    pins=pins, pin=pin, gathers=gathers,
                     hint=(lambda x, spec: pin(x, in_stage(spec, manual))) if hinted else None)
       return eval_jaxpr(program, split.consts, args, rules)
     return sums_pass(evaluate, n, ops, manual, groups)

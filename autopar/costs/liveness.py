@@ -49,8 +49,8 @@ peak: each value's bytes per device under its spec).
 
 The program's inputs are not counted (the planners count the state and the
 batch on their own), except those named in ``gathered``: a copy made for
-the pass (ZeRO-3's gathered parameters), held from its first reader to its
-last. The program's outputs are held to its end, except those named in
+each equation that reads it (ZeRO-3's gathered parameters), held while it
+runs. The program's outputs are held to its end, except those named in
 ``released``: handed on where they are made (a gradient reduce-scattered
 as soon as it is made, in a step of one micro-batch). Values named in
 ``folded`` are never held whole: the gradient stages add a scan's stacked
@@ -237,7 +237,8 @@ def _nbytes(v) -> int:
 def liveness(jaxpr, *, gathered: Iterable[Var] = (), released: Iterable[Var] = (),
              folded: Iterable[Var] = (), platform: str = "cpu",
              results: Iterable[Var] = (),
-             operand_copies: Callable[[Any, int], Iterable[tuple[Hashable, Any]]] | None = None,
+             operand_copies: Callable[[Any, int], Iterable[tuple[Hashable, Any, bool]]]
+             | None = None,
              twice: Callable[[Var], Iterable[tuple[Hashable, Any]]] | None = None
              ) -> Liveness:
   """The buffers of ``jaxpr`` and where they are held (see the module
@@ -246,11 +247,11 @@ def liveness(jaxpr, *, gathered: Iterable[Var] = (), released: Iterable[Var] = (
 
   The copies a plan may make, whatever plan it is (``Liveness.peaks``'
   ``made`` says which it makes): ``operand_copies(eqn, position)``, the
-  ``(key, item)`` of each copy of that operand a plan may make for the
-  equation to read (a reshard's result, a gathered parameter), held from
-  the equation that reads it (a copy of one of the program's inputs from
-  the start on "cpu", where XLA schedules the collectives of parameters
-  first); ``twice(value)``, those of each other buffer a plan may make of
+  ``(key, item, from_start)`` of each copy of that operand a plan may make for
+  the equation to read (a reshard's result, a gathered parameter), held
+  from the equation that reads it (a ``from_start`` copy of one of the
+  program's inputs from the start on "cpu", where XLA schedules the
+  collectives the partitioner makes of parameters first); ``twice(value)``, those of each other buffer a plan may make of
   ``value`` where it is made (a partial sum all-reduced into a new
   buffer)."""
   eqns = jaxpr.eqns
@@ -266,14 +267,16 @@ def liveness(jaxpr, *, gathered: Iterable[Var] = (), released: Iterable[Var] = (
   reads: dict[int, list[Var]] = {}
   early: list = []                   # [copied value, first, last point]
   copied: dict[tuple, list] = {}     # (value, order) -> its copy in ``early``
+  gathered = set(gathered)
   plan_reads = []                    # (first, point, key, item) of operand_copies
   program_inputs = set(jaxpr.invars)
   for i, eqn in enumerate(eqns):
     for pos in range(len(eqn.invars) if operand_copies is not None else 0):
-      for key, item in operand_copies(eqn, pos):
+      for key, item, from_start in operand_copies(eqn, pos):
         # XLA:CPU schedules the collectives of the program's inputs (a
-        # parameter's gather) first: their copies are held from the start.
-        first = 0 if cpu and eqn.invars[pos] in program_inputs else i
+        # parameter resharded for its reader) first: their copies are held
+        # from the start.
+        first = 0 if from_start and cpu and eqn.invars[pos] in program_inputs else i
         plan_reads.append((first, i, key, item))
     if not fusions.runs(i):
       continue
@@ -284,9 +287,10 @@ def liveness(jaxpr, *, gathered: Iterable[Var] = (), released: Iterable[Var] = (
     # equation that reads it, which reads only it.
     for v, order in relayouts(eqn) if cpu else ():
       if type(v) is not Literal:
-        key = (v, order)
+        # (A gathered input is copied from each reader's own gathered copy.)
+        key = (v, order, i) if v in gathered else (v, order)
         if key not in copied:           # an input's copy: where it is first read
-          copied[key] = [v, producer.get(v, first_use.get(v, i)), i]
+          copied[key] = [v, i if v in gathered else producer.get(v, first_use.get(v, i)), i]
           early.append(copied[key])
         copied[key][2] = i
         reads[i] = [u for u in reads[i] if u is not v]
@@ -302,6 +306,31 @@ def liveness(jaxpr, *, gathered: Iterable[Var] = (), released: Iterable[Var] = (
     if v not in released:
       last_use[v] = end
 
+  # Each reader of a gathered input gathers its own copy (evaluate.py's
+  # Rules.gathers), held while the reader runs; XLA runs it as soon as its
+  # other operands are made (before independent work, such as a weight's
+  # gradient made between them in the program's order, so that the
+  # gathered copy is freed first): the copy is held at the point of the
+  # last of them (at the reader's, where it reads no value made here).
+  gathered_at: dict[int, list] = {}
+  unanchored: dict = {}
+  if gathered:
+    made_at = {o: i for i, eqn in enumerate(eqns) for o in eqn.outvars}
+    for i, eqn in enumerate(eqns):
+      held = [v for v in dict.fromkeys(v for v in eqn.invars if type(v) is not Literal)
+              if v in gathered]
+      if not held:
+        continue
+      ready = [made_at[v] for v in eqn.invars if type(v) is not Literal and v in made_at]
+      if ready and not region_jaxprs(eqn):
+        gathered_at.setdefault(max(ready), []).extend(held)
+      else:
+        # A gather with no barrier (a loop's, a call's, or one whose
+        # reader reads no value made here): XLA merges the equal ones
+        # and issues them at the start, one copy held to the last reader.
+        for v in held:
+          unanchored[v] = i
+  early += [[v, 0, last] for v, last in unanchored.items()]
   extras = []
   for i, eqn in enumerate(eqns):
     fixed = ()
@@ -309,6 +338,7 @@ def liveness(jaxpr, *, gathered: Iterable[Var] = (), released: Iterable[Var] = (
       # A result not in the convolution's order is written to a copy.
       fixed = tuple((v, v in results) for v in conv_relayouts(eqn)
                     if v is eqn.outvars[0] and v in last_use)
+    fixed += tuple((v, False) for v in gathered_at.get(i, ()))
     # A loop's or branch's body holds its own values while it runs; its
     # results are the equation's (a scan's slices of its stacked outputs),
     # counted here already.
@@ -326,10 +356,6 @@ def liveness(jaxpr, *, gathered: Iterable[Var] = (), released: Iterable[Var] = (
   inputs = set(jaxpr.invars)         # and views of them: not counted
   start: dict[Var, int] = {}
   stop: dict[Var, int] = {}
-  for v in gathered:
-    if v in first_use:                # (read only through copies: until the first)
-      owner[v] = v
-      start[v], stop[v] = first_use[v], last_use.get(v, first_use[v])
   for i, eqn in enumerate(eqns):
     name = eqn.primitive.name
     taken: set[Var] = set()

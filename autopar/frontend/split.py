@@ -63,6 +63,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from autopar import jax_compat as jc
 from autopar.frontend.combine import derive
+from autopar.frontend.evaluate import gather_sites
 from autopar.errors import InputError, MarkerError
 from autopar.frontend.hints import HINT_PRIMITIVES, Hint, find_hints
 from autopar.frontend.loss import (LOSS_KEY, LossGradient, cotangents, expand, find_head,
@@ -76,7 +77,7 @@ from autopar.frontend.trace import (TracedStep, count_markers, eqns_by_path, inl
 
 __all__ = ["MIXED", "OutputKind", "SplitStep", "split_step", "instantiate_split",
            "outputs_at", "reads", "depends_on", "dce", "apply_at", "scale_at",
-           "leaves_read_by_compute", "BY_DEVICE", "disagreement"]
+           "leaves_read_by_compute", "leaf_gather_sites", "BY_DEVICE", "disagreement"]
 
 
 # How ``SplitStep.why`` starts for an output whose rows mix.
@@ -623,3 +624,15 @@ def leaves_read_by_compute(split: SplitStep) -> set[int]:
   jaxpr = split.compute.jaxpr
   read = reads(jaxpr)
   return {k for k, v in enumerate(jaxpr.invars[len(split.consts):]) if v in read}
+
+
+def leaf_gather_sites(split: SplitStep) -> dict[int, int]:
+  """Per leaf ``compute_grad`` reads: how many all-gathers of it the pass
+  makes where the plan stores it split over the batch axes (ZeRO-3: one
+  for each reader, ``evaluate.gather_sites``)."""
+  if split.compute is None:
+    return {}
+  jaxpr = split.compute.jaxpr
+  leaves = jaxpr.invars[len(split.consts):]
+  sites = gather_sites(jaxpr, leaves)
+  return {k: sites[v] for k, v in enumerate(leaves) if v in sites}

@@ -844,6 +844,13 @@ class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
         for kind, axes, b in st.collectives:
           colls.append((part, kind, tuple(axes), float(b), mult))
     colls.extend(self._chosen_reshards())
+    for k, n in enumerate(self.leaf_nodes):
+      c = self._chosen(n)
+      if self.nodes[n].choices[c][1] is not None and self.gathers_of.get(k):
+        # A leaf split over the batch axes (ZeRO-3), gathered for each
+        # reader in every micro-batch (``evaluate.gather_sites``).
+        colls.append(("compute_grad", "all-gather", self.S,
+                      float(self.nodes[n].mem[c]) * self.gathers_of[k], 1))
     def with_followers(strat, part):
       specs = {i: st.out_specs for i, st in strat.items()}
       for i, (node, pos) in self._followers[part].items():

@@ -75,7 +75,10 @@ class ChoiceGraph:
     batch_axes: S. planned_axes: A. sizes: every mesh axis's size.
     cost, seconds_per_flop, flop_rates: the strategies' costs
       (``RuleContext``).
-    read_by_compute: leaves compute_grad reads.
+    read_by_compute: leaves compute_grad reads: leaf index -> how many
+      all-gathers of it the pass makes where it is split over the batch
+      axes (``split.leaf_gather_sites``: one per reader), or a set of
+      indices (one each).
     platform: whose fusion rules count the memory traffic ("cpu", "gpu",
       "tpu"; ``devices.platform_of``).
     pins: leaf index -> the spec it must take.
@@ -103,6 +106,8 @@ class ChoiceGraph:
     self.cost = cost
     self.ctx = RuleContext(self.A, self.sizes, cost, seconds_per_flop, dict(flop_rates or {}))
     self.read_by_compute = set(read_by_compute)
+    self.gathers_of = dict(read_by_compute) if isinstance(read_by_compute, Mapping) \
+        else {k: 1 for k in read_by_compute}
     self.platform = platform
     self.pins = dict(pins or {})
     self.leaf_names = list(leaf_names)
@@ -171,7 +176,7 @@ class ChoiceGraph:
     by_key = {}      # leaves of one shape and role (the layers') share their choices
     for k, aval in enumerate(self.leaf_avals):
       key = ("leaf", tuple(aval.shape), aval.dtype, self.batch_leaves[k],
-             k in self.read_by_compute, self.pins.get(k))
+             self.gathers_of.get(k, 0), self.pins.get(k))
       if key not in by_key:
         by_key[key] = self._leaf_choices(k, aval)
       choices, specs, costs, mem = by_key[key]
@@ -231,9 +236,10 @@ class ChoiceGraph:
           continue
         shard = b / self._batch_size_devices
         mem.append(shard)
-        # ZeRO-3: the gradient computation all-gathers the leaf each
-        # micro-batch; ZeRO-2 (optimizer state): the update is gathered once.
-        reps = self.n if k in self.read_by_compute else 1
+        # ZeRO-3: the gradient computation all-gathers the leaf for each
+        # reader each micro-batch; ZeRO-2 (optimizer state): the update is
+        # gathered once.
+        reps = self.n * self.gathers_of[k] if k in self.read_by_compute else 1
         costs.append(reps * self.cost.all_gather(shard, self.S))
     if k in self.pins:
       return self._pinned(k, aval, choices, specs, costs, mem)

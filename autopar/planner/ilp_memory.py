@@ -150,6 +150,7 @@ class MemoryModel:
     cj = self.compute.jaxpr
     folded = folded_values(cj, self._stacks) \
         if self.n > 1 or self._batch_size_devices > 1 else []
+    self._gathers = 0
     return liveness(cj, folded=folded, platform=self.platform,
                     operand_copies=self._copy_candidates,
                     twice=self._second_candidates)
@@ -168,7 +169,7 @@ class MemoryModel:
     """The copies any plan may hold at point ``t`` of the pass (``live``
     held there), as memory items: a program input's largest copy for its
     readers from ``t`` on (from its first reader on, except on "cpu"),
-    its gather over the batch axes (ZeRO-3) up to its last reader, an
+    its gather over the batch axes (ZeRO-3) where a reader runs, an
     activation's copy where its reader runs, the second buffer of a value
     all-reduced where it is made, and of every gradient at the last
     point. An activation's copy held between two readers is left to the
@@ -184,10 +185,9 @@ class MemoryModel:
           out.append(Copy(v.aval, chain=(v, k)))
       else:
         out.extend(Copy(v.aval, edge=e) for i, e in readers if i == t)
-    for v, (first, last) in self._input_reads.items():
+    for v, points in self._input_reads.items():
       node = self._values[v][0]
-      if (cpu or t >= first) and t <= last and any(
-          dim is not None for _, dim in self.nodes[node].choices):
+      if t in points and any(dim is not None for _, dim in self.nodes[node].choices):
         out.append(Copy(v.aval, leaf=node))
     end = len(cj.eqns) - 1
     made = [o for o in cj.eqns[t].outvars] if t < len(cj.eqns) else []
@@ -221,14 +221,15 @@ class MemoryModel:
 
   @functools.cached_property
   def _input_reads(self) -> dict:
-    """Per program input the pass's top level reads (a leaf): its first
-    and last reader."""
+    """Per program input the pass's top level reads (a leaf): the points
+    of its readers (each gathers its own copy where the plan splits it
+    over the batch axes)."""
     out: dict = {}
     for i, eqn in enumerate(self.compute.jaxpr.eqns):
       for v in eqn.invars:
         if isinstance(v, Var) and v in self._inputs and v in self._values:
-          out.setdefault(v, [i, i])[1] = i
-    return {v: tuple(r) for v, r in out.items()}
+          out.setdefault(v, set()).add(i)
+    return out
 
   def _chains(self) -> None:
     """The variables of the largest copies of the program inputs
@@ -318,11 +319,13 @@ class MemoryModel:
     """Whether some choice of node ``node`` all-reduces its result."""
     return any(self._reduces(node, c) for c in range(len(self.nodes[node].choices)))
 
-  def _copy_candidates(self, eqn, pos) -> list[tuple[tuple, Copy]]:
+  def _copy_candidates(self, eqn, pos) -> list[tuple[tuple, Copy, bool]]:
     """The copies a plan may make of operand ``pos`` of ``eqn`` for it to
     read (``liveness``'s ``operand_copies``): the operand resharded by a
-    collective, and a parameter gathered over the batch axes. A loop or
-    call reads its operands where its body does."""
+    collective (a program input's from the start, on XLA:CPU), and a
+    parameter gathered over the batch axes, by each reader for itself
+    (``evaluate.py``'s ``Rules.gathers``). A loop or call reads its
+    operands where its body does."""
     v = eqn.invars[pos]
     if not isinstance(v, Var) or eqn.primitive.name in REGIONS:
       return []
@@ -332,10 +335,11 @@ class MemoryModel:
     out = []
     if ref[0] in self._leaf_node_set and any(
         dim is not None for _, dim in self.nodes[ref[0]].choices):
-      out.append((("gathered", *ref), Copy(v.aval, leaf=ref[0])))
+      self._gathers += 1               # (one buffer per reader)
+      out.append((("gathered", *ref, self._gathers), Copy(v.aval, leaf=ref[0]), False))
     edge = self.operand_edges.get((id(eqn), pos))
     if edge is not None:
-      out.append((("reshard", *ref), Copy(edge[3], edge=edge)))
+      out.append((("reshard", *ref), Copy(edge[3], edge=edge), True))
     return out
 
   def _made(self, key: tuple, item: Copy):

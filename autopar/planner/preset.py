@@ -40,7 +40,7 @@ from autopar.planner.shard import (batch_axes_for, candidate_batch_axes, donatio
                                    shard_first_divisible)
 from autopar.planner.solved import predicted_time, spec_axes
 from autopar.frontend.split import (OutputKind, SizedOutputs, SplitStep, depends_on,
-                                    leaves_read_by_compute)
+                                    leaf_gather_sites, leaves_read_by_compute)
 
 __all__ = ["plan_preset"]
 
@@ -131,8 +131,9 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
                           for p, a, s in zip(traced.out_paths, out_avals, out_specs,
                                              strict=True))
 
+  sites = leaf_gather_sites(split) if split.has_marker else {}
   collectives = _preset_collectives(split, inputs, grads, params, batch_axes,
-                                    sizes, n, zero, out_avals)
+                                    sizes, n, zero, out_avals, sites)
   if option is None:
     option = method.option if isinstance(method, ShardParallel) else preset_option(
         mesh, traced.leaves)
@@ -157,8 +158,8 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
     times = _priced(local or trace_local(traced.micro_batch_size // d), method, mesh,
                     batch_axes, in_specs, traced, zero, collectives, cost, d,
                     num_grads=sum(1 for g in grads if any(g.spec)),
-                    num_params=sum(1 for k in params if any(in_specs[k]) and
-                                   not traced.leaves[k].is_batch),
+                    num_params=sum(sites.get(k, 1) for k in params if any(in_specs[k])
+                                   and not traced.leaves[k].is_batch),
                     cost_option=option, cache=price_cache)
     objective = times["gradient"]["total"] + times["apply"]["total"]
   return Plan(method=method.name, mesh_axis_names=axis_names_of(mesh),
@@ -224,7 +225,7 @@ def _priced(local, method, mesh, batch_axes, in_specs, traced, zero, collectives
 
 
 def _preset_collectives(split, inputs, grads, params, batch_axes, sizes, n, zero,
-                        out_avals):
+                        out_avals, sites):
   if not split.has_marker or not batch_axes or \
       math.prod(sizes[a] for a in batch_axes) == 1:
     return []
@@ -242,10 +243,11 @@ def _preset_collectives(split, inputs, grads, params, batch_axes, sizes, n, zero
                               bytes=sum(num_bytes(a.shape, a.dtype) for a in combined),
                               per_step=1, what="sums over the batch's rows (loss, "
                               "metrics)"))
-  sharded_params = [inputs[k] for k in sorted(params)
+  sharded_params = [k for k in sorted(params)
                     if any(inputs[k].spec) and not split.traced.leaves[k].is_batch]
   if zero == 3 and sharded_params:
-    b = sum(v.bytes_per_device(sizes) for v in sharded_params)
+    # (Gathered for each reader: ``evaluate.gather_sites``.)
+    b = sum(inputs[k].bytes_per_device(sizes) * sites.get(k, 1) for k in sharded_params)
     out.append(CollectivePlan(stage="compute_grad", kind="all-gather",
                               axes=batch_axes, bytes=b, per_step=n,
                               what="parameters for the forward/backward pass"))
@@ -311,8 +313,8 @@ def _preset_activation_peak(split: SplitStep, local: SplitStep | None, params, g
       if zero == 3 else []
   # In a step of one micro-batch, a gradient reduce-scattered over the
   # batch axes leaves the pass where it is made.
-  released = [v for v, g in zip(jaxpr.outvars, grads) if any(g.spec)] \
-      if n == 1 and d > 1 else []
+  released = [v for v, g in zip(jaxpr.outvars, grads) if any(g.spec) or n > 1] \
+      if (n == 1 and d > 1) or (n > 1 and zero == 3) else []
   folded = folded_values(jaxpr, find_grad_stacks(jaxpr, split.num_grads,
                                                  [g.spec for g in grads], batch_axes)) \
       if n > 1 or d > 1 else []

@@ -37,7 +37,8 @@ from autopar.method import (ParallelMethod, ShardParallel, axis_names_of,
                             axis_sizes_of, check_axes, split_axes_of)
 from autopar.plan import Plan
 from autopar.frontend.pytrees import ends_with_key
-from autopar.frontend.split import (OutputKind, SizedOutputs, SplitStep, leaves_read_by_compute,
+from autopar.frontend.split import (OutputKind, SizedOutputs, SplitStep, leaf_gather_sites,
+                                    leaves_read_by_compute,
                                     outputs_at)
 from autopar.costs.strategies import (grad_sync_costs, grad_sync_latency,
                                       missing_rules, warn_missing_rules)
@@ -435,7 +436,7 @@ def sharding_problem(local: SplitStep, method, S, A, sizes, cost: MeshCost, rows
       allow_all_gather=option.allow_all_gather,
       allow_all_to_all=option.allow_all_to_all,
       memory_budget=option.memory_budget_per_device,
-      read_by_compute=leaves_read_by_compute(local),
+      read_by_compute=leaf_gather_sites(local),
       share_layers=option.share_layers, pins=pins or {},
       accumulate=method.grad_accumulation_dtype,
       leaf_names=[l.path for l in traced.leaves], keep=keep)
