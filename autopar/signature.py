@@ -582,7 +582,13 @@ class Signature:
                                    for t in tried):
       tried += self.replanned(prep, tried[0])
     if method.remat == "none" and not any(t.peak <= budget for t in tried):
-      tried += self.layouts(prep, self.zero_layouts(remat="layers")[:1])
+      # (The trace's warnings were given once already; a step without
+      # repeated layers has nothing to recompute: the same plan again.)
+      with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rematted = self.layouts(prep, self.zero_layouts(remat="layers")[:1])
+      if not any("nothing is rematerialised" in str(w.message) for w in caught):
+        tried += rematted
     if not tried:
       raise error
     fitting = [t for t in tried if t.peak <= budget]
