@@ -13,12 +13,13 @@ import jax
 import numpy as np
 from jax import lax
 from jax.extend.core import Var
-from jax.sharding import AbstractMesh, PartitionSpec
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from autopar import jax_compat as jc
 from autopar.disk import use_compilation_cache
 from autopar.errors import InputError, PlanError
 from autopar.frontend.evaluate import Rules, eval_jaxpr
+from autopar.frontend.hints import in_stage
 from autopar.backend.gradients import sums_pass
 from autopar.method import PipeshardParallel, axis_sizes_of
 from autopar.planner.pipeline import Prepared, home_specs
@@ -58,12 +59,6 @@ def compile_pipeline(pre: Prepared, method: PipeshardParallel, mesh, cut_,
                     what=f"a value of stage {s} (to or from stage {t})")
   exes = []
   for s, (st, ch) in enumerate(zip(cut_.stages, choices, strict=True)):
-    if st.hints:
-      raise InputError(
-          f"{program.fn_name}: the loss function has sharding hints "
-          f"(with_sharding_constraint) in pipeline stage {s}; PipeshardParallel does "
-          f"not carry hints into stages yet, and autopar does not drop them "
-          f"silently. Fix: remove the hints, or use ShardParallel.")
     sub = submesh(mesh, ch.offset, ch.shape)
     layout = StageLayout(
         mesh=sub, batch_axes=tuple(ch.batch_axes), micro=ctx.micro, n=ctx.n,
@@ -126,12 +121,13 @@ def _inputs_pass(pre: Prepared, layout: StageLayout, stage: int) -> SumsPass:
   nc = ctx.num_consts
   written = Instantiator({ROWS_NAME: layout.rows}).jaxpr(program)
   consts = ctx.consts
+  rules = Rules(hint=_hint_on(layout.mesh, ()))
 
   def fn(*xs):
     args = [None] * len(program.invars[nc:])
     for k, x in zip(leaves, xs, strict=True):
       args[k] = x
-    return jc.eval_jaxpr(written, (), *consts, *args)
+    return eval_jaxpr(written, consts, args, rules)
   return SumsPass(fn=jax.jit(fn), stage=stage, leaves=leaves,
                   batch=(False,) * len(leaves), specs=(PartitionSpec(),) * len(leaves))
 
@@ -155,13 +151,14 @@ def _sums_pass(pre: Prepared, layout: StageLayout, stage: int) -> SumsPass:
   written = Instantiator({ROWS_NAME: m}).jaxpr(program)
   consts = ctx.consts
   ops = loss.sum_ops
+  rules = Rules(hint=_hint_on(layout.mesh, manual))
 
   def body(*xs):
     def evaluate(i):
       args = [None] * len(program.invars[nc:])
       for k, b, x in zip(leaves, batch, xs, strict=True):
         args[k] = lax.dynamic_index_in_dim(x, i, 0, keepdims=False) if b else x
-      return jc.eval_jaxpr(written, (), *consts, *args)
+      return eval_jaxpr(written, consts, args, rules)
     return sums_pass(evaluate, n, ops, manual, n * layout.devices)
 
   specs = tuple(layout.batch_leaf_spec() if b else PartitionSpec() for b in batch)
@@ -169,6 +166,15 @@ def _sums_pass(pre: Prepared, layout: StageLayout, stage: int) -> SumsPass:
       body, mesh=layout.mesh, in_specs=specs, out_specs=[PartitionSpec()] * len(ops),
       axis_names=set(manual), check_vma=False)
   return SumsPass(fn=jax.jit(fn), stage=stage, leaves=leaves, batch=batch, specs=specs)
+
+
+def _hint_on(mesh, manual):
+  """A user's sharding hint (``Rules.hint``) on a stage's submesh, where
+  ``manual`` axes are manual (and where the rows are: ``hints.in_stage``)."""
+  def hint(x, spec):
+    return lax.with_sharding_constraint(
+        x, in_stage(spec, manual) if manual else NamedSharding(mesh, spec))
+  return hint
 
 
 def _apply_segments(pre: Prepared, cut_, exes, homes) -> list[ApplySegment]:
@@ -195,8 +201,10 @@ def _apply_segments(pre: Prepared, cut_, exes, homes) -> list[ApplySegment]:
     shardings = [None if sp is None else jax.sharding.NamedSharding(mesh, sp)
                  for sp in out_specs]
 
-    def fn(*xs, seg=seg):
-      return eval_jaxpr(seg.jaxpr, (), xs, Rules())
+    rules = Rules(hint=_hint_on(mesh, ()))    # (the user's hints in the update)
+
+    def fn(*xs, seg=seg, rules=rules):
+      return eval_jaxpr(seg.jaxpr, (), xs, rules)
     out.append(ApplySegment(segment=seg, fn=jax.jit(fn, donate_argnums=donate,
                                                     out_shardings=shardings),
                             donate=donate, out_specs=out_specs))
