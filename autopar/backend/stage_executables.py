@@ -148,7 +148,7 @@ def build_stage(st: StageProgram, fns: StageFunctions, layout: StageLayout, *,
       x, spec if manual else NamedSharding(L.mesh, spec))
   # The user's hints, on the stage's submesh (its batch axes are where the
   # rows are: hints.in_stage); the stage's ILP pinned them (constraints.py).
-  hint = lambda x, spec: pin(x, in_stage(spec, manual))
+  hint = (lambda x, spec: pin(x, in_stage(spec, manual))) if st.hints else None
 
   # Layout of the forward's outputs: rows split over B, or stacked [D, ...].
   out_rows = []

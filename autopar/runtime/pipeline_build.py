@@ -30,7 +30,7 @@ from autopar.runtime.schedule import dispatch_order, stage_tasks
 from autopar.costs.submesh import tile
 from autopar.runtime.transfer import check_movable
 from autopar.plan import submesh
-from autopar.frontend.retype import Instantiator
+from autopar.frontend.retype import Instantiator, has_hints
 from autopar.frontend.rng import DRAW_PRIMITIVES
 from autopar.frontend.rows import ROWS_NAME
 from autopar.frontend.split import dce, scale_at
@@ -121,7 +121,7 @@ def _inputs_pass(pre: Prepared, layout: StageLayout, stage: int) -> SumsPass:
   nc = ctx.num_consts
   written = Instantiator({ROWS_NAME: layout.rows}).jaxpr(program)
   consts = ctx.consts
-  rules = Rules(hint=_hint_on(layout.mesh, ()))
+  rules = Rules(hint=_hint_on(written, layout.mesh, ()))
 
   def fn(*xs):
     args = [None] * len(program.invars[nc:])
@@ -151,7 +151,7 @@ def _sums_pass(pre: Prepared, layout: StageLayout, stage: int) -> SumsPass:
   written = Instantiator({ROWS_NAME: m}).jaxpr(program)
   consts = ctx.consts
   ops = loss.sum_ops
-  rules = Rules(hint=_hint_on(layout.mesh, manual))
+  rules = Rules(hint=_hint_on(written, layout.mesh, manual))
 
   def body(*xs):
     def evaluate(i):
@@ -168,9 +168,13 @@ def _sums_pass(pre: Prepared, layout: StageLayout, stage: int) -> SumsPass:
   return SumsPass(fn=jax.jit(fn), stage=stage, leaves=leaves, batch=batch, specs=specs)
 
 
-def _hint_on(mesh, manual):
-  """A user's sharding hint (``Rules.hint``) on a stage's submesh, where
-  ``manual`` axes are manual (and where the rows are: ``hints.in_stage``)."""
+def _hint_on(jaxpr, mesh, manual):
+  """How ``jaxpr`` applies a user's sharding hint (``Rules.hint``) on a
+  stage's submesh, where ``manual`` axes are manual (and where the rows
+  are: ``hints.in_stage``); None where it has none."""
+  if not has_hints(jaxpr):
+    return None
+
   def hint(x, spec):
     return lax.with_sharding_constraint(
         x, in_stage(spec, manual) if manual else NamedSharding(mesh, spec))
@@ -201,7 +205,7 @@ def _apply_segments(pre: Prepared, cut_, exes, homes) -> list[ApplySegment]:
     shardings = [None if sp is None else jax.sharding.NamedSharding(mesh, sp)
                  for sp in out_specs]
 
-    rules = Rules(hint=_hint_on(mesh, ()))    # (the user's hints in the update)
+    rules = Rules(hint=_hint_on(seg.jaxpr, mesh, ()))    # (the user's hints in the update)
 
     def fn(*xs, seg=seg, rules=rules):
       return eval_jaxpr(seg.jaxpr, (), xs, rules)
