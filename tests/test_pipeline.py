@@ -416,3 +416,33 @@ def test_sharding_hints_are_kept_in_stages(schedule):
     rows = 16 // math.prod(dict(zip(("data", "model"), exe.plan.stages[s].submesh_shape))[a]
                            for a in exe.plan.stages[s].batch_axes)
     assert re.search(rf"f32\[{rows},4\]\S* tanh\(", text[f"stage{s}/forward"]), s
+
+
+def test_random_draws_in_the_first_pass():
+  """A loss whose weights are drawn (a random keep mask over the rows, as
+  token dropping does) and divided by their sum: the first pass draws each
+  device's and micro-batch's rows of the whole batch's draw, as the stages'
+  forward passes do, so the loss and the update are jit's. Before, such a
+  loss was refused under PipeshardParallel."""
+  def step(w, batch):
+    def loss_fn(w):
+      h = batch["x"]
+      for k in range(4):
+        h = jnp.tanh(h @ w[k])
+      keep = jax.random.bernoulli(jax.random.key(3), 0.6, (h.shape[0],))
+      weight = batch["mask"] * keep
+      return jnp.sum(jnp.sum(h ** 2, axis=1) * weight) / jnp.sum(weight)
+    loss, g = autopar.value_and_grad(loss_fn)(w)
+    return [a - 0.1 * b for a, b in zip(w, g)], loss
+
+  rng = np.random.RandomState(1)
+  w = [jnp.asarray(rng.randn(16, 16) / 4, jnp.float32) for _ in range(4)]
+  batch = {"x": rng.randn(32, 16).astype(np.float32),
+           "mask": (rng.rand(32) > 0.2).astype(np.float32)}
+  ref_w, ref_loss = single_device(step)(w, batch)
+  for n, stages in ((2, 2), (4, 4)):
+    pf = autopar.parallelize(step, method=autopar.PipeshardParallel(
+        mesh=mesh24(), num_micro_batches=n, num_stages=stages), donate_argnums=())
+    got_w, loss = pf(w, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_trees_close(got_w, ref_w)
