@@ -1,5 +1,6 @@
 """PipeshardParallel: pipeline stages on submeshes, equal to single-device jit."""
 
+import math
 import re
 import warnings
 
@@ -366,3 +367,82 @@ def test_a_stage_that_reads_fewer_constants_than_the_step():
   method = autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=2, num_stages=2)
   got = autopar.parallelize(step, method=method, donate_argnums=(), batch_argnums=(1,))(ws, x)
   assert_trees_close(got, single_device(step)(ws, x))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_sharding_hints_are_kept_in_stages(schedule):
+  """with_sharding_constraint in the loss function (on the activations, and
+  on the mask on its way to the first pass that sums it) and in the update
+  is applied by the stage that holds the equation, on its submesh: the
+  stage's ILP pins it (constraints.py), its programs apply it
+  (``Rules.hint``), no stage splits its batch over an axis a hint puts
+  elsewhere. Before, a hint in a pipelined loss was refused, and one in the
+  update failed in XLA's verifier (a sharding of 8 devices on a stage's
+  4)."""
+  P = jax.sharding.PartitionSpec
+  wsc = jax.lax.with_sharding_constraint
+
+  def make(act, rows, update):
+    def step(w, batch):
+      def loss_fn(w):
+        h = batch["x"]
+        for k in range(4):
+          h = act(jnp.tanh(h @ w[k]))
+        m = rows(batch["mask"])
+        return jnp.sum(jnp.sum(h ** 2, axis=1) * m) / jnp.sum(m)
+      loss, g = autopar.value_and_grad(loss_fn)(w)
+      return [update(a - 0.1 * b) for a, b in zip(w, g)], loss
+    return step
+
+  rng = np.random.RandomState(0)
+  w = [jnp.asarray(rng.randn(16, 16) / 4, jnp.float32) for _ in range(4)]
+  batch = {"x": rng.randn(32, 16).astype(np.float32),
+           "mask": (rng.rand(32) > 0.3).astype(np.float32)}
+  same = lambda x: x
+  ref_w, ref_loss = single_device(make(same, same, same))(w, batch)
+  step = make(lambda h: wsc(h, P(None, "model")), lambda m: wsc(m, P("model")),
+              lambda a: wsc(a, P(None, "model")))
+  pf = autopar.parallelize(step, method=autopar.PipeshardParallel(
+      mesh=mesh24(), num_micro_batches=2, num_stages=2, schedule=schedule),
+      donate_argnums=())
+  got_w, loss = pf(w, batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(got_w, ref_w)
+  assert {a.sharding.spec for a in got_w} == {P(None, "model")}
+  exe = pf.get_executable(w, batch)
+  assert all("model" not in st.batch_axes for st in exe.plan.stages)
+  text = exe.as_text()
+  for s in range(2):   # the micro-batch's 16 rows, the hidden 16 split four ways
+    rows = 16 // math.prod(dict(zip(("data", "model"), exe.plan.stages[s].submesh_shape))[a]
+                           for a in exe.plan.stages[s].batch_axes)
+    assert re.search(rf"f32\[{rows},4\]\S* tanh\(", text[f"stage{s}/forward"]), s
+
+
+def test_random_draws_in_the_first_pass():
+  """A loss whose weights are drawn (a random keep mask over the rows, as
+  token dropping does) and divided by their sum: the first pass draws each
+  device's and micro-batch's rows of the whole batch's draw, as the stages'
+  forward passes do, so the loss and the update are jit's. Before, such a
+  loss was refused under PipeshardParallel."""
+  def step(w, batch):
+    def loss_fn(w):
+      h = batch["x"]
+      for k in range(4):
+        h = jnp.tanh(h @ w[k])
+      keep = jax.random.bernoulli(jax.random.key(3), 0.6, (h.shape[0],))
+      weight = batch["mask"] * keep
+      return jnp.sum(jnp.sum(h ** 2, axis=1) * weight) / jnp.sum(weight)
+    loss, g = autopar.value_and_grad(loss_fn)(w)
+    return [a - 0.1 * b for a, b in zip(w, g)], loss
+
+  rng = np.random.RandomState(1)
+  w = [jnp.asarray(rng.randn(16, 16) / 4, jnp.float32) for _ in range(4)]
+  batch = {"x": rng.randn(32, 16).astype(np.float32),
+           "mask": (rng.rand(32) > 0.2).astype(np.float32)}
+  ref_w, ref_loss = single_device(step)(w, batch)
+  for n, stages in ((2, 2), (4, 4)):
+    pf = autopar.parallelize(step, method=autopar.PipeshardParallel(
+        mesh=mesh24(), num_micro_batches=n, num_stages=stages), donate_argnums=())
+    got_w, loss = pf(w, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_trees_close(got_w, ref_w)

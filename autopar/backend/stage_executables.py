@@ -39,6 +39,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.frontend.evaluate import Rules, eval_jaxpr
+from autopar.frontend.hints import in_stage
 from autopar.backend.gradients import (add_partial, make_entry, manual_spec, reduce_manual,
                                stacked_spec)
 from autopar.method import accumulation_dtype
@@ -145,6 +146,9 @@ def build_stage(st: StageProgram, fns: StageFunctions, layout: StageLayout, *,
   fwd_pins, bwd_pins = L.pins
   pin = lambda x, spec: lax.with_sharding_constraint(
       x, spec if manual else NamedSharding(L.mesh, spec))
+  # The user's hints, on the stage's submesh (its batch axes are where the
+  # rows are: hints.in_stage); the stage's ILP pinned them (constraints.py).
+  hint = (lambda x, spec: pin(x, in_stage(spec, manual))) if st.hints else None
 
   # Layout of the forward's outputs: rows split over B, or stacked [D, ...].
   out_rows = []
@@ -185,7 +189,7 @@ def build_stage(st: StageProgram, fns: StageFunctions, layout: StageLayout, *,
 
   def fwd_body(i, roots, acts, leaves):
     ins = local_inputs(i, roots, acts, leaves)
-    outs = eval_jaxpr(fj.jaxpr, (), ins, Rules(pins=fwd_pins, pin=pin),
+    outs = eval_jaxpr(fj.jaxpr, (), ins, Rules(pins=fwd_pins, pin=pin, hint=hint),
                        constvals=fj.consts)
     main = [x if r is not None else _stack(x) for x, r in zip(outs[:n_out], out_rows)]
     return main, [_stack(x) for x in outs[n_out:]]
@@ -222,7 +226,7 @@ def build_stage(st: StageProgram, fns: StageFunctions, layout: StageLayout, *,
         ct_all.append(next(ct_iter))
       else:
         ct_all.append(jnp.broadcast_to(next(seed_iter), v.aval.shape).astype(v.aval.dtype))
-    r = eval_jaxpr(bj.jaxpr, (), [*res, *ct_all], Rules(pins=bwd_pins, pin=pin),
+    r = eval_jaxpr(bj.jaxpr, (), [*res, *ct_all], Rules(pins=bwd_pins, pin=pin, hint=hint),
                     constvals=bj.consts)
     grads, ct_in = r[:nr], r[nr:]
     acc = [add_partial(a, g[None], t) for a, g, t in zip(acc, grads, acc_dtypes, strict=True)]

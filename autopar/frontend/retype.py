@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 
 from autopar import jax_compat as jc
 
-__all__ = ["Instantiator", "without_meshes", "jaxprs_in"]
+__all__ = ["Instantiator", "without_meshes", "jaxprs_in", "has_hints"]
 
 
 def jaxprs_in(eqn) -> list:
@@ -226,9 +226,14 @@ def without_meshes(closed: ClosedJaxpr, *, in_context: bool = False) -> ClosedJa
   """
   j = closed.jaxpr
   if not (in_context or any(_mesh_of(v.aval) is not None for v in (*j.constvars, *j.invars))
-          or _has_hints(j, set())):
+          or has_hints(j)):
     return closed
   return ClosedJaxpr(_MeshStripper().jaxpr(j), closed.consts)
+
+
+def has_hints(jaxpr) -> bool:
+  """Whether ``jaxpr`` (or a jaxpr inside it) has a sharding hint."""
+  return _has_hints(jaxpr, set())
 
 
 def _has_hints(jaxpr, seen: set) -> bool:

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec
 
 from autopar.costs.cost_model import assumed_costs, dtype_name
 from autopar.errors import InputError, MarkerError, PlanError
+from autopar.frontend.hints import check_hints, find_hints, model_axes
 from autopar.frontend.loss import check_loss
 from autopar.method import PipeshardParallel, auto_mesh, axis_sizes_of, resolve_mesh
 from autopar.frontend.capture import capture_mode
@@ -33,7 +34,8 @@ from autopar.planner.shard import donation_pairs
 from autopar.frontend.remat import remat_mode
 from autopar.frontend.rows import RowOracle
 from autopar.frontend.split import BY_DEVICE, OutputKind, SplitStep, apply_at, split_step
-from autopar.frontend.trace import check_batch_leaves, trace_step, trace_step_any_batch
+from autopar.frontend.trace import (check_batch_leaves, eqns_by_path, trace_step,
+                                    trace_step_any_batch)
 
 __all__ = ["Prepared", "prepare", "plan_pipeline", "FinalInfo", "home_specs",
            "update_leaf_specs"]
@@ -102,6 +104,8 @@ def prepare(fun, args, prep, method: PipeshardParallel, *, name: str,
                           outs=compute.outvars[split.num_grads:], loss=split.loss,
                           fn_name=name)
   analysis = program.analysis(RowOracle.symbolic())
+  hints = find_hints("compute", eqns_by_path(program.jaxpr), RowOracle.symbolic())
+  check_hints(hints, axis_sizes_of(mesh), (), f"{name} under PipeshardParallel")
   total = math.prod(axis_sizes_of(mesh).values())
   layers = layer_starts(program, analysis, method.layers, max_layers=max(2 * total, 8),
                         rows=micro)
@@ -115,7 +119,8 @@ def prepare(fun, args, prep, method: PipeshardParallel, *, name: str,
                 num_consts=len(split.consts), consts=tuple(split.consts), micro=micro,
                 n=n, batch=batch, donation=donation, grad_names=split.grad_names,
                 leaf_names=tuple(l.path for l in traced.leaves), option=method.option,
-                accumulate=method.grad_accumulation_dtype, remat=method.remat)
+                accumulate=method.grad_accumulation_dtype, remat=method.remat,
+                hint_axes=frozenset(model_axes(hints)))
   return Prepared(split=split, ctx=ctx, batch=batch, finals=_finals(split, program, name))
 
 

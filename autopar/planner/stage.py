@@ -64,6 +64,9 @@ class Context:
     leaf_names: per argument leaf, its path.
     option: the method's AutoShardingOption; accumulate: its
       grad_accumulation_dtype; remat: its remat.
+    hint_axes: the mesh axes the step's sharding hints put on dimensions
+      that do not hold rows (``hints.model_axes``): no stage splits its
+      batch over them.
   """
   program: Program
   analysis: Analysis
@@ -80,6 +83,7 @@ class Context:
   option: Any
   accumulate: str | None
   remat: Any = "none"
+  hint_axes: frozenset = frozenset()
   cache: dict = dataclasses.field(default_factory=dict)
 
   @property
@@ -225,11 +229,14 @@ def act_name(program: Program, analysis: Analysis, v) -> str:
   return f"P/{i}/{program.eqns[i].outvars.index(v)}"
 
 
-def stage_batch_axes(sizes: dict[str, int], micro: int, option) -> list[tuple[str, ...]]:
+def stage_batch_axes(sizes: dict[str, int], micro: int, option,
+                     taken: frozenset = frozenset()) -> list[tuple[str, ...]]:
   """The choices of batch axes for a stage on a submesh of ``sizes``: each
-  set of its axes (of size > 1) whose devices divide the micro-batch, and
-  that leaves at most ``option.max_model_axes`` axes to plan."""
-  names = [a for a, s in sizes.items() if s > 1]
+  set of its axes (of size > 1, none of ``taken``: a sharding hint splits
+  another dimension over it) whose devices divide the micro-batch, and
+  that leaves at most ``option.max_model_axes`` axes to plan (besides
+  ``taken``, which are planned whatever that says)."""
+  names = [a for a, s in sizes.items() if s > 1 and a not in taken]
   if option.force_data_parallel:
     return [tuple(names)] if micro % math.prod(sizes[a] for a in names) == 0 else [()]
   forced = option.forced_batch_axes(jax.sharding.AbstractMesh(

@@ -13,12 +13,13 @@ import jax
 import numpy as np
 from jax import lax
 from jax.extend.core import Var
-from jax.sharding import AbstractMesh, PartitionSpec
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from autopar import jax_compat as jc
 from autopar.disk import use_compilation_cache
-from autopar.errors import InputError, PlanError
+from autopar.errors import PlanError
 from autopar.frontend.evaluate import Rules, eval_jaxpr
+from autopar.frontend.hints import in_stage
 from autopar.backend.gradients import sums_pass
 from autopar.method import PipeshardParallel, axis_sizes_of
 from autopar.planner.pipeline import Prepared, home_specs
@@ -29,10 +30,11 @@ from autopar.runtime.schedule import dispatch_order, stage_tasks
 from autopar.costs.submesh import tile
 from autopar.runtime.transfer import check_movable
 from autopar.plan import submesh
-from autopar.frontend.retype import Instantiator
-from autopar.frontend.rng import DRAW_PRIMITIVES
-from autopar.frontend.rows import ROWS_NAME
-from autopar.frontend.split import dce, scale_at
+from autopar.frontend.retype import Instantiator, has_hints
+from autopar.frontend.rng import DRAW_PRIMITIVES, find_draws
+from autopar.frontend.rows import ROWS_NAME, RowOracle
+from autopar.frontend.split import dce, renumbered, scale_at
+from autopar.frontend.trace import eqns_by_path
 
 __all__ = ["compile_pipeline"]
 
@@ -58,12 +60,6 @@ def compile_pipeline(pre: Prepared, method: PipeshardParallel, mesh, cut_,
                     what=f"a value of stage {s} (to or from stage {t})")
   exes = []
   for s, (st, ch) in enumerate(zip(cut_.stages, choices, strict=True)):
-    if st.hints:
-      raise InputError(
-          f"{program.fn_name}: the loss function has sharding hints "
-          f"(with_sharding_constraint) in pipeline stage {s}; PipeshardParallel does "
-          f"not carry hints into stages yet, and autopar does not drop them "
-          f"silently. Fix: remove the hints, or use ShardParallel.")
     sub = submesh(mesh, ch.offset, ch.shape)
     layout = StageLayout(
         mesh=sub, batch_axes=tuple(ch.batch_axes), micro=ctx.micro, n=ctx.n,
@@ -126,12 +122,13 @@ def _inputs_pass(pre: Prepared, layout: StageLayout, stage: int) -> SumsPass:
   nc = ctx.num_consts
   written = Instantiator({ROWS_NAME: layout.rows}).jaxpr(program)
   consts = ctx.consts
+  rules = Rules(hint=_hint_on(written, layout.mesh, ()))
 
   def fn(*xs):
     args = [None] * len(program.invars[nc:])
     for k, x in zip(leaves, xs, strict=True):
       args[k] = x
-    return jc.eval_jaxpr(written, (), *consts, *args)
+    return eval_jaxpr(written, consts, args, rules)
   return SumsPass(fn=jax.jit(fn), stage=stage, leaves=leaves,
                   batch=(False,) * len(leaves), specs=(PartitionSpec(),) * len(leaves))
 
@@ -139,15 +136,12 @@ def _inputs_pass(pre: Prepared, layout: StageLayout, stage: int) -> SumsPass:
 def _sums_pass(pre: Prepared, layout: StageLayout, stage: int) -> SumsPass:
   """The first pass: the whole batch's sums the loss's cotangents read,
   computed on stage ``stage``'s submesh from the argument leaves they read
-  (batch leaves as the stages take them, ``[n, M, ...]``)."""
+  (batch leaves as the stages take them, ``[n, M, ...]``). Its random draws
+  give each device and micro-batch its rows of the whole batch's draw, as
+  the stages' forward passes do (device ``d``'s rows of micro-batch ``i``
+  start at ``i·M + d·m``)."""
   ctx, loss = pre.ctx, pre.split.loss
   program, leaves = _pass_program(pre, loss.values.sums)
-  if any(e.primitive.name in DRAW_PRIMITIVES for e in program.eqns):
-    raise InputError(f"{ctx.program.fn_name}: the sums the loss of {loss.name} is scaled "
-                     f"by draw random numbers; PipeshardParallel does not draw them as "
-                     f"on one device. Fix: use ShardParallel, or say how each device's "
-                     f"and micro-batch's loss combines: parallelize(..., "
-                     f"output_reductions={{'loss': 'mean'}}).")
   nc = ctx.num_consts
   batch = tuple(ctx.program.leaves[k].is_batch for k in leaves)
   manual = tuple(layout.batch_axes)
@@ -155,13 +149,19 @@ def _sums_pass(pre: Prepared, layout: StageLayout, stage: int) -> SumsPass:
   written = Instantiator({ROWS_NAME: m}).jaxpr(program)
   consts = ctx.consts
   ops = loss.sum_ops
+  hint = _hint_on(written, layout.mesh, manual)
+  draws = _draws_of(program, written)
 
   def body(*xs):
+    d = lax.axis_index(manual) if manual else 0
+
     def evaluate(i):
       args = [None] * len(program.invars[nc:])
       for k, b, x in zip(leaves, batch, xs, strict=True):
         args[k] = lax.dynamic_index_in_dim(x, i, 0, keepdims=False) if b else x
-      return jc.eval_jaxpr(written, (), *consts, *args)
+      first_row = lax.convert_element_type(i * ctx.micro + d * m, np.int32)
+      rules = Rules(draws=draws, rows=(first_row, ctx.batch), hint=hint)
+      return eval_jaxpr(written, consts, args, rules)
     return sums_pass(evaluate, n, ops, manual, n * layout.devices)
 
   specs = tuple(layout.batch_leaf_spec() if b else PartitionSpec() for b in batch)
@@ -169,6 +169,28 @@ def _sums_pass(pre: Prepared, layout: StageLayout, stage: int) -> SumsPass:
       body, mesh=layout.mesh, in_specs=specs, out_specs=[PartitionSpec()] * len(ops),
       axis_names=set(manual), check_vma=False)
   return SumsPass(fn=jax.jit(fn), stage=stage, leaves=leaves, batch=batch, specs=specs)
+
+
+def _draws_of(program, written) -> dict:
+  """The random draws of ``written`` (``program``, traced at a symbolic
+  batch size, written out at a concrete one) that hold rows, by path
+  (``rng.find_draws``)."""
+  found = find_draws(eqns_by_path(program), RowOracle.symbolic())
+  return {new: found[old] for old, new in renumbered(program, written, DRAW_PRIMITIVES)
+          if old in found}
+
+
+def _hint_on(jaxpr, mesh, manual):
+  """How ``jaxpr`` applies a user's sharding hint (``Rules.hint``) on a
+  stage's submesh, where ``manual`` axes are manual (and where the rows
+  are: ``hints.in_stage``); None where it has none."""
+  if not has_hints(jaxpr):
+    return None
+
+  def hint(x, spec):
+    return lax.with_sharding_constraint(
+        x, in_stage(spec, manual) if manual else NamedSharding(mesh, spec))
+  return hint
 
 
 def _apply_segments(pre: Prepared, cut_, exes, homes) -> list[ApplySegment]:
@@ -195,8 +217,10 @@ def _apply_segments(pre: Prepared, cut_, exes, homes) -> list[ApplySegment]:
     shardings = [None if sp is None else jax.sharding.NamedSharding(mesh, sp)
                  for sp in out_specs]
 
-    def fn(*xs, seg=seg):
-      return eval_jaxpr(seg.jaxpr, (), xs, Rules())
+    rules = Rules(hint=_hint_on(seg.jaxpr, mesh, ()))    # (the user's hints in the update)
+
+    def fn(*xs, seg=seg, rules=rules):
+      return eval_jaxpr(seg.jaxpr, (), xs, rules)
     out.append(ApplySegment(segment=seg, fn=jax.jit(fn, donate_argnums=donate,
                                                     out_shardings=shardings),
                             donate=donate, out_specs=out_specs))
