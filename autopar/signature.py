@@ -210,18 +210,23 @@ class Signature:
                                solver=dataclasses.replace(s, status=note))
 
   def keep_plan(self, prep, exe: Executable, first: Plan | None, micro: int,
-                cache: bool = True) -> Executable:
+                traced_alike: bool = True) -> Executable:
     """``exe``, whose plan (made within a smaller planning budget than the
     method's, or a ZeRO layout) becomes this step's plan: for ``step.plan``
     and in the plan cache under the method's own key, so the next process
     compiles it at once. Its fingerprint is the method's (``first``, the
-    plan made within the method's budget; None where there was none)."""
+    plan made within the method's budget; None where there was none).
+    ``traced_alike`` False: ``exe`` is the step traced otherwise (under
+    remat): its plan keeps its own fingerprint, so a saved copy given back
+    to the method fails its check rather than run without remat, and it
+    stays out of the cache."""
     if exe.plan is first:
       return exe
-    plan = exe.plan if first is None else dataclasses.replace(
+    plan = exe.plan if first is None or not traced_alike else dataclasses.replace(
         exe.plan, fingerprint=first.fingerprint)
     self._plan = (plan, micro)
-    if cache and self.method.option.plan_cache and first is not None and first.fingerprint:
+    if (traced_alike and self.method.option.plan_cache and first is not None
+        and first.fingerprint):
       plan_cache.store(plan_cache.plan_key(dict(first.fingerprint)), plan)
     return dataclasses.replace(exe, plan=plan)
 
@@ -609,7 +614,7 @@ class Signature:
             f"from the start, pass remat={best.remat!r} to {method.name}.",
             stacklevel=2)
       return self.keep_plan(prep, dataclasses.replace(best.exe, plan=plan), first,
-                            best.micro, cache=best.remat == method.remat)
+                            best.micro, traced_alike=best.remat == method.remat)
     smallest = min(t.peak for t in tried)
     raise PlanError(
         f"{self.name}: no plan found whose compiled step fits memory_budget_per_device="

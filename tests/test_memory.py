@@ -775,6 +775,11 @@ def test_memory_budget_under_shard_parallels_own_peak():
   _, loss = pf(make_state(), batch)
   _, ref_loss = single_device(step)(make_state(), batch)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  # Saved and given back without remat, the plan is refused, not run over budget.
+  saved = autopar.Plan.from_json(exe.plan.to_json())
+  with pytest.raises(autopar.PlanError, match="another program"):
+    autopar.parallelize(step, method=autopar.ShardParallel(mesh=mesh, plan=saved)).plan(
+        state, batch)
 
   with pytest.raises(autopar.PlanError, match="smallest is") as e:
     planned(int(0.60 * own.compiled_memory))

@@ -423,13 +423,15 @@ def test_random_draws_in_the_first_pass():
   token dropping does) and divided by their sum: the first pass draws each
   device's and micro-batch's rows of the whole batch's draw, as the stages'
   forward passes do, so the loss and the update are jit's. Before, such a
-  loss was refused under PipeshardParallel."""
-  def step(w, batch):
+  loss was refused under PipeshardParallel. A draw that cannot be cut into
+  rows (an rbg key) is still refused: each device would draw its own, and
+  the first pass and the stage that draws it for the loss could differ."""
+  def step(w, batch, impl="threefry2x32"):
     def loss_fn(w):
       h = batch["x"]
       for k in range(4):
         h = jnp.tanh(h @ w[k])
-      keep = jax.random.bernoulli(jax.random.key(3), 0.6, (h.shape[0],))
+      keep = jax.random.bernoulli(jax.random.key(3, impl=impl), 0.6, (h.shape[0],))
       weight = batch["mask"] * keep
       return jnp.sum(jnp.sum(h ** 2, axis=1) * weight) / jnp.sum(weight)
     loss, g = autopar.value_and_grad(loss_fn)(w)
@@ -446,3 +448,9 @@ def test_random_draws_in_the_first_pass():
     got_w, loss = pf(w, batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert_trees_close(got_w, ref_w)
+  pf = autopar.parallelize(lambda w, batch: step(w, batch, "rbg"),
+                           method=autopar.PipeshardParallel(
+                               mesh=mesh24(), num_micro_batches=2, num_stages=2),
+                           donate_argnums=())
+  with pytest.raises(autopar.InputError, match="PRNG implementation is 'rbg'"):
+    pf(w, batch)

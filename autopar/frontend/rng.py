@@ -49,7 +49,7 @@ from autopar import jax_compat as jc
 from autopar.jax_compat import hlo, ir, mlir
 from autopar.frontend.rows import RowDim
 
-__all__ = ["RowDraw", "DRAW_PRIMITIVES", "find_draws", "draw"]
+__all__ = ["RowDraw", "DRAW_PRIMITIVES", "find_draws", "cannot_cut", "draw"]
 
 # Primitives whose `shape` param says how many values they draw.
 DRAW_PRIMITIVES = ("random_bits", "random_split")
@@ -167,6 +167,12 @@ def _reproducible(eqn) -> str:
   return ""
 
 
+def cannot_cut(eqn, found: RowDraw) -> str:
+  """Why draw ``eqn`` cannot give each device its rows of the whole
+  batch's draw ("" if it can): each then draws its own (:func:`draw`)."""
+  return found.why or _reproducible(eqn)
+
+
 def draw(eqn, path: str, found: RowDraw, key, first_row, total_rows: int):
   """Evaluates draw equation ``eqn`` on ``key`` for the rows
   ``[first_row, first_row + rows)`` of a batch of ``total_rows`` rows.
@@ -175,7 +181,7 @@ def draw(eqn, path: str, found: RowDraw, key, first_row, total_rows: int):
   Returns the equation's outputs (a list).
   """
   key_aval = eqn.invars[0].aval
-  why = found.why or _reproducible(eqn)
+  why = cannot_cut(eqn, found)
   if why:
     where = f"{eqn.primitive.name}[shape={tuple(eqn.params['shape'])}] (equation {path})"
     if where not in _warned:

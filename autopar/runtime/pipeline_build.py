@@ -17,8 +17,8 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from autopar import jax_compat as jc
 from autopar.disk import use_compilation_cache
-from autopar.errors import PlanError
-from autopar.frontend.evaluate import Rules, eval_jaxpr
+from autopar.errors import InputError, PlanError
+from autopar.frontend.evaluate import Rules, eqn_at, eval_jaxpr
 from autopar.frontend.hints import in_stage
 from autopar.backend.gradients import sums_pass
 from autopar.method import PipeshardParallel, axis_sizes_of
@@ -31,7 +31,7 @@ from autopar.costs.submesh import tile
 from autopar.runtime.transfer import check_movable
 from autopar.plan import submesh
 from autopar.frontend.retype import Instantiator, has_hints
-from autopar.frontend.rng import DRAW_PRIMITIVES, find_draws
+from autopar.frontend.rng import DRAW_PRIMITIVES, cannot_cut, find_draws
 from autopar.frontend.rows import ROWS_NAME, RowOracle
 from autopar.frontend.split import dce, renumbered, scale_at
 from autopar.frontend.trace import eqns_by_path
@@ -151,6 +151,18 @@ def _sums_pass(pre: Prepared, layout: StageLayout, stage: int) -> SumsPass:
   ops = loss.sum_ops
   hint = _hint_on(written, layout.mesh, manual)
   draws = _draws_of(program, written)
+  for path, found in draws.items():
+    why = cannot_cut(eqn_at(written, path), found)
+    if why:
+      # Drawn per device instead, at this stage's rows per device: the
+      # stage that draws it for the loss may split the batch otherwise.
+      raise InputError(
+          f"{ctx.program.fn_name}: the sums the loss of {loss.name} is scaled by "
+          f"draw random numbers that PipeshardParallel cannot draw as on one device "
+          f"({why}), so its first pass and its stages would draw different ones. "
+          f"Fix: use a threefry key with jax_threefry_partitionable on, use "
+          f"ShardParallel, or say how each device's and micro-batch's loss "
+          f"combines: parallelize(..., output_reductions={{'loss': 'mean'}}).")
 
   def body(*xs):
     d = lax.axis_index(manual) if manual else 0
