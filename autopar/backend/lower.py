@@ -54,7 +54,7 @@ from autopar.backend.gradients import (COMBINE, add_partial, across, loss_marker
                                reduce_manual,
                                seed_loss, stacked_spec, sums_pass)
 from autopar.frontend.gradstack import GradStack, find_grad_stacks, slots
-from autopar.frontend.hints import in_stage
+from autopar.frontend.hints import hint_rule
 from autopar.method import accumulation_dtype, auto_mesh
 from autopar.costs.strategies import batch_spec
 from autopar.plan import Plan, grad_stage_names, plan_constraints
@@ -247,7 +247,7 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
     rules = Rules(pins=constraints, pin=pin, draws=draws,
                    rows=(first_row, groups * micro_rows),
                    once_axes=manual if callbacks else (),
-                   hint=(lambda x, spec: pin(x, in_stage(spec, manual))) if hinted else None,
+                   hint=hint_rule(pin, manual) if hinted else None,
                    override=override, gathers=gathers)
     outs = eval_jaxpr(compute, consts, args, rules)
     num_acc = num_grads + len(reduced)
@@ -429,7 +429,7 @@ def _sums_stage(split: SplitStep, plan: Plan, amesh, *, micro_rows: int):
       args = micro_batch_inputs(leaves, leaf_vals, i, micro_rows)
       rules = Rules(draws=draws, rows=((device * n + i) * micro_rows, groups * micro_rows),
                     pins=pins, pin=pin, gathers=gathers,
-                    hint=(lambda x, spec: pin(x, in_stage(spec, manual))) if hinted else None)
+                    hint=hint_rule(pin, manual) if hinted else None)
       return eval_jaxpr(program, split.consts, args, rules)
     return sums_pass(evaluate, n, ops, manual, groups)
 

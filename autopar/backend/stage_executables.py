@@ -39,7 +39,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.frontend.evaluate import Rules, eval_jaxpr
-from autopar.frontend.hints import in_stage
+from autopar.frontend.hints import hint_rule
 from autopar.backend.gradients import (add_partial, make_entry, manual_spec, reduce_manual,
                                stacked_spec)
 from autopar.method import accumulation_dtype
@@ -148,7 +148,7 @@ def build_stage(st: StageProgram, fns: StageFunctions, layout: StageLayout, *,
       x, spec if manual else NamedSharding(L.mesh, spec))
   # The user's hints, on the stage's submesh (its batch axes are where the
   # rows are: hints.in_stage); the stage's ILP pinned them (constraints.py).
-  hint = (lambda x, spec: pin(x, in_stage(spec, manual))) if st.hints else None
+  hint = hint_rule(pin, manual) if st.hints else None
 
   # Layout of the forward's outputs: rows split over B, or stacked [D, ...].
   out_rows = []

@@ -40,7 +40,7 @@ from autopar.errors import InputError
 from autopar.frontend.rows import ROWS_NAME, RowDim
 
 __all__ = ["Hint", "HINT_PRIMITIVES", "find_hints", "model_axes", "check_hints",
-           "in_stage", "check_pins", "entry_axes", "spec_of"]
+           "in_stage", "hint_rule", "check_pins", "entry_axes", "spec_of"]
 
 HINT_PRIMITIVES = ("sharding_constraint", "reshard")
 
@@ -174,6 +174,12 @@ def in_stage(spec: PartitionSpec, manual: Sequence[str]) -> PartitionSpec:
     else:
       out.append(_make_entry([a for a in entry_axes(e) if a not in manual]))
   return PartitionSpec(*out)
+
+
+def hint_rule(pin, manual: Sequence[str]):
+  """``evaluate.Rules.hint`` for a program whose ``manual`` axes are manual:
+  ``pin(x, spec)`` with the hint's spec less those axes (:func:`in_stage`)."""
+  return lambda x, spec: pin(x, in_stage(spec, manual))
 
 
 def check_pins(pins: Mapping[str, PartitionSpec], leaves, sizes: Mapping[str, int]

@@ -19,7 +19,7 @@ from autopar import jax_compat as jc
 from autopar.disk import use_compilation_cache
 from autopar.errors import InputError, PlanError
 from autopar.frontend.evaluate import Rules, eqn_at, eval_jaxpr
-from autopar.frontend.hints import in_stage
+from autopar.frontend.hints import hint_rule
 from autopar.backend.gradients import sums_pass
 from autopar.method import PipeshardParallel, axis_sizes_of
 from autopar.planner.pipeline import Prepared, home_specs
@@ -198,11 +198,8 @@ def _hint_on(jaxpr, mesh, manual):
   are: ``hints.in_stage``); None where it has none."""
   if not has_hints(jaxpr):
     return None
-
-  def hint(x, spec):
-    return lax.with_sharding_constraint(
-        x, in_stage(spec, manual) if manual else NamedSharding(mesh, spec))
-  return hint
+  return hint_rule(lambda x, spec: lax.with_sharding_constraint(
+      x, spec if manual else NamedSharding(mesh, spec)), manual)
 
 
 def _apply_segments(pre: Prepared, cut_, exes, homes) -> list[ApplySegment]:
