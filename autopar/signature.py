@@ -31,7 +31,7 @@ from autopar.errors import InputError, MarkerError, PlanError
 from autopar.frontend.align import first_difference
 from autopar.frontend.hints import check_hints
 from autopar.frontend.loss import check_loss
-from autopar.frontend.remat import layer_loop, remat_mode
+from autopar.frontend.remat import NoLayersWarning, layer_loop, remat_mode
 from autopar.frontend.split import (MIXED, OutputKind, SplitStep, apply_at, disagreement,
                                     instantiate_split, outputs_at, scale_at, split_step)
 from autopar.frontend.trace import check_batch_leaves, trace_step, trace_step_any_batch
@@ -592,7 +592,7 @@ class Signature:
       with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         rematted = self.layouts(prep, self.zero_layouts(remat="layers")[:1])
-      if not any("nothing is rematerialised" in str(w.message) for w in caught):
+      if not any(issubclass(w.category, NoLayersWarning) for w in caught):
         tried += rematted
     if not tried:
       raise error

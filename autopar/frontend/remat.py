@@ -88,7 +88,8 @@ from autopar import jax_compat as jc
 from autopar.errors import InputError, PlanError
 from autopar.frontend.pytrees import leaf_mask
 
-__all__ = ["remat_mode", "check_remat", "maybe_roll", "rolled_eval", "find_layers", "Stack"]
+__all__ = ["remat_mode", "check_remat", "maybe_roll", "rolled_eval", "find_layers", "Stack",
+           "NoLayersWarning", "layer_loop"]
 
 _MODE: contextvars.ContextVar = contextvars.ContextVar("autopar_remat",
                                                       default=("none", "scan"))
@@ -109,6 +110,10 @@ def check_remat_loop(loop: Any, where: str) -> None:
     return
   raise InputError(f"{where}: remat_loop={loop!r}; expected None (the platform's: "
                    f"'unrolled' on GPU and TPU, 'scan' on CPU), 'scan' or 'unrolled'.")
+
+
+class NoLayersWarning(UserWarning):
+  """remat found no repeated layers to checkpoint: nothing is recomputed."""
 
 
 def layer_loop(loop: str | None, platform: str, gathers: bool = False) -> str:
@@ -227,12 +232,13 @@ def rolled_eval(jaxpr: Jaxpr, consts, args, remat: Any, name: str, *,
           f"loss itself (a per-layer auxiliary loss or penalty, summed over the "
           f"layers), which its gradient reads one by one, so the layers are not "
           f"rolled and nothing is rematerialised. Fix: stack the per-layer values "
-          f"and reduce them after the layers.", stacklevel=stacklevel + 1)
+          f"and reduce them after the layers.", NoLayersWarning,
+          stacklevel=stacklevel + 1)
     else:
       warnings.warn(
           f"autopar: remat={mode} found no repeated layers in {name} (a stretch of "
           f"equations that repeats with different weights, or a scan over "
-          f"per-layer inputs), so nothing is rematerialised.",
+          f"per-layer inputs), so nothing is rematerialised.", NoLayersWarning,
           stacklevel=stacklevel + 1)
   return _eval(jaxpr, consts, args, stacks, policy, loop)
 
