@@ -204,6 +204,10 @@ class StagePlan:
     in_flight: how many micro-batches' activations it holds at most.
     bytes_to_next: bytes of activations it sends per micro-batch (all
       devices), and send_seconds the predicted time to send them.
+    first_pass_seconds: where the loss's gradient reads sums over the
+      batch that depend on the parameters, a first pass runs the forward
+      passes alone before the schedule; the predicted time of this stage's
+      for one micro-batch (0: it runs none).
   """
   index: int
   layers: tuple[int, int]
@@ -218,6 +222,7 @@ class StagePlan:
   in_flight: int
   bytes_to_next: int
   send_seconds: float = 0.0
+  first_pass_seconds: float = 0.0
 
   def to_json(self) -> dict:
     d = dataclasses.asdict(self)
@@ -238,7 +243,8 @@ class StagePlan:
                time_per_step=float(d["time_per_step"]),
                memory_per_device=int(d["memory_per_device"]), in_flight=int(d["in_flight"]),
                bytes_to_next=int(d["bytes_to_next"]),
-               send_seconds=float(d.get("send_seconds", 0.0)))
+               send_seconds=float(d.get("send_seconds", 0.0)),
+               first_pass_seconds=float(d.get("first_pass_seconds", 0.0)))
 
 
 @dataclasses.dataclass(frozen=True)

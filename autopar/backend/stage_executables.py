@@ -5,7 +5,8 @@ partial-manual ``jax.shard_map``, as ``lower.py`` does for one mesh) and
 the other axes under XLA's partitioner pinned to the stage's plan:
 
 * ``forward(i, roots, acts_in, leaves) -> (outputs, stored residuals)`` for
-  micro-batch ``i``. Batch leaves come whole, as ``[n, M, ...]`` with the
+  micro-batch ``i`` (``first``: the outputs alone, for a first pass that
+  computes what the loss's cotangents read). Batch leaves come whole, as ``[n, M, ...]`` with the
   rows of a micro-batch split over ``B``; the stage takes micro-batch ``i``.
   A device holds rows ``[i*M + d*m, i*M + (d+1)*m)`` of the whole batch
   (``d``: its index over ``B``, ``m = M / |B|``), which is where its random
@@ -109,6 +110,7 @@ class StageExecutables:
   of what they take and give."""
   layout: StageLayout
   forward: Any
+  first: Any                       # forward's outputs alone (the first pass)
   backward: Any
   sync: Any
   init: Any
@@ -198,6 +200,13 @@ def build_stage(st: StageProgram, fns: StageFunctions, layout: StageLayout, *,
     return manual_region(fwd_body, (PartitionSpec(), root_in, act_in_specs, leaf_in),
                          (out_specs, stored_specs))(i, roots, acts, leaves)
 
+  # The first pass's forward: the outputs alone (XLA drops what only the
+  # residuals need).
+  def first(i, roots, acts, leaves):
+    return manual_region(lambda *a: fwd_body(*a)[0],
+                         (PartitionSpec(), root_in, act_in_specs, leaf_in),
+                         out_specs)(i, roots, acts, leaves)
+
   # The cotangents the backward pass is given: the next stages' for the
   # tangent acts_out, the seeds for the seeded finals (the loss's entries).
   diff_out = fns.out_order[:fns.num_diff_out]
@@ -261,6 +270,7 @@ def build_stage(st: StageProgram, fns: StageFunctions, layout: StageLayout, *,
   return StageExecutables(
       layout=L,
       forward=jax.jit(forward),
+      first=jax.jit(first),
       backward=jax.jit(backward, donate_argnums=(1,)),
       sync=jax.jit(sync, out_shardings=[ns(s) for s in grad_specs], donate_argnums=(0,)),
       init=jax.jit(init, out_shardings=acc_shardings),

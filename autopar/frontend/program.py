@@ -75,8 +75,9 @@ class Program:
     jaxpr: ``P``. Invars: the step's consts and argument leaves (as
       ``compute_grad``'s), then the roots. Outvars: the seeded outputs, then
       ``compute_grad``'s outputs after the gradients (the reductions over the
-      rows, then the per-micro-batch outputs). Constvars: the loss
-      function's own constants (values in ``consts``).
+      rows, then the per-micro-batch outputs), then the ``num_first``
+      first-pass outputs. Constvars: the loss function's own constants
+      (values in ``consts``).
     consts: values of ``jaxpr.constvars``.
     num_step_consts: how many leading invars are the step's consts.
     leaves: the step's argument leaves (``trace.LeafInfo``), in invar order
@@ -88,6 +89,10 @@ class Program:
     boundaries: positions (equation indices of ``P``) of the user's
       ``mark_pipeline_boundary`` calls.
     fn_name: the step's name, for messages.
+    num_first: how many of the outputs (the last) are what the loss's
+      cotangents read that the stages compute (``loss.LossValues``: its
+      sums, then its inputs), where a first pass through the stages
+      computes them before the schedule's backward passes.
   """
   jaxpr: Jaxpr
   consts: tuple
@@ -98,6 +103,13 @@ class Program:
   num_seeded: int
   boundaries: tuple[int, ...]
   fn_name: str = "step"
+  num_first: int = 0
+
+  @property
+  def first_outputs(self) -> tuple[int, ...]:
+    """The indices of the first-pass outputs."""
+    n = len(self.jaxpr.outvars)
+    return tuple(range(n - self.num_first, n))
 
   @property
   def eqns(self):
@@ -128,14 +140,16 @@ def _find(jaxpr, prim, where="") -> list[str]:
 
 
 def build_program(view: ClosedJaxpr, *, leaves: Sequence[LeafInfo], grads: Sequence,
-                  outs: Sequence, loss: LossGradient, fn_name: str = "step") -> Program:
+                  outs: Sequence, loss: LossGradient, first: Sequence = (),
+                  fn_name: str = "step") -> Program:
   """``P`` of a step traced under ``capture.capture_mode`` and split for a
   pipeline: ``view`` is the step with the loss function inlined
   (``loss.inline_loss``; its consts are leading inputs of ``P``), ``grads``
   its gradients (the marker's operands), ``outs`` what ``compute_grad``
   returns after them (the reductions over the rows, the per-micro-batch
   outputs), ``loss`` how the loss's entries are seeded (``loss.py``): they
-  are ``P``'s seeded outputs.
+  are ``P``'s seeded outputs; ``first``: values of the view a first pass
+  computes (``Program.num_first``).
   """
   jaxpr = jc.convert_constvars_jaxpr(view.jaxpr)
   num_consts = len(view.consts)
@@ -200,14 +214,15 @@ def build_program(view: ClosedJaxpr, *, leaves: Sequence[LeafInfo], grads: Seque
     grad_roots.append(by_grad_var[g])
 
   read = lambda v: v if isinstance(v, Literal) else sub.get(v, v)
-  outvars = [read(v) for v in loss.values.entries] + [read(v) for v in outs]
+  outvars = ([read(v) for v in loss.values.entries] + [read(v) for v in outs] +
+             [read(v) for v in first])
   program = Jaxpr([], [*invars, *(r.var for r in roots)], outvars, eqns,
                   jaxpr.effects, jaxpr.debug_info)
   program, boundaries = _dce_with_boundaries(program)
   return Program(jaxpr=program, consts=(), num_step_consts=num_consts,
                  leaves=tuple(leaves), roots=tuple(roots), grad_roots=tuple(grad_roots),
                  num_seeded=len(loss.values.entries), boundaries=boundaries,
-                 fn_name=fn_name)
+                 fn_name=fn_name, num_first=len(first))
 
 
 def _dce_with_boundaries(jaxpr: Jaxpr) -> tuple[Jaxpr, tuple[int, ...]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any
 
 from jax.extend.core import Literal
@@ -27,7 +28,8 @@ from autopar.frontend.capture import capture_mode
 from autopar.planner.stage import Context, cut
 from autopar.planner.layers import layer_starts
 from autopar.frontend.program import build_program
-from autopar.planner.stage_search import StageChoice, search
+from autopar.planner.stage_search import (StageChoice, first_pass_time, forward_seconds,
+                                          search)
 from autopar.costs.submesh import tile
 from autopar.plan import Plan, StagePlan, ValuePlan
 from autopar.planner.shard import donation_pairs
@@ -97,11 +99,21 @@ def prepare(fun, args, prep, method: PipeshardParallel, *, name: str,
   if not split.has_marker:
     raise MarkerError(f"{name}: PipeshardParallel needs the gradients from "
                       f"autopar.value_and_grad / autopar.grad (the grad marker).")
-  _check_loss(split, name, n)
+  through = _check_loss(split, name, n)
+  if through:
+    warnings.warn(
+        f"autopar: the gradient of the loss of {split.loss.name} needs values the "
+        f"stages compute (sums over the rows that depend on the parameters, a ratio "
+        f"or a log of such sums, or a parameter-dependent factor of one) over the "
+        f"whole batch before any backward pass; a first pass runs the stages' "
+        f"forward passes once more per step (plan.summary() gives its time).",
+        stacklevel=4)
   compute = split.compute.jaxpr
+  values = split.loss.values
   program = build_program(split.traced.jaxpr, leaves=traced.leaves,
                           grads=compute.outvars[:split.num_grads],
                           outs=compute.outvars[split.num_grads:], loss=split.loss,
+                          first=[*values.sums, *values.inputs] if through else (),
                           fn_name=name)
   analysis = program.analysis(RowOracle.symbolic())
   hints = find_hints("compute", eqns_by_path(program.jaxpr), RowOracle.symbolic())
@@ -120,37 +132,37 @@ def prepare(fun, args, prep, method: PipeshardParallel, *, name: str,
                 n=n, batch=batch, donation=donation, grad_names=split.grad_names,
                 leaf_names=tuple(l.path for l in traced.leaves), option=method.option,
                 accumulate=method.grad_accumulation_dtype, remat=method.remat,
-                hint_axes=frozenset(model_axes(hints)))
+                hint_axes=frozenset(model_axes(hints)),
+                first_until=_first_until(program, analysis))
   return Prepared(split=split, ctx=ctx, batch=batch, finals=_finals(split, program, name))
 
 
-def _check_loss(split: SplitStep, name: str, n: int) -> None:
-  """The loss as a pipeline can seed it (``loss.py``): derived, with
-  cotangents that read at most sums over the batch that the parameters do
-  not change (a token count), from constant seeds."""
+def _check_loss(split: SplitStep, name: str, n: int) -> bool:
+  """The loss as a pipeline can seed it (``loss.py``): derived, from
+  constant seeds. Returns whether the values its cotangents read need a
+  first pass through the stages: sums over the batch that depend on the
+  parameters (a ratio, a log or a product of such sums: a mixture of
+  experts' load-balancing loss), or a factor that depends on them."""
   loss = split.loss
   check_loss(loss, name, f"{n} micro-batch(es) and the pipeline stages' devices")
   values = loss.values
-  fix = ("Fix: use ShardParallel (its first pass computes them); or say how each "
-         "device's and micro-batch's loss combines, parallelize(..., "
-         "output_reductions={'loss': 'mean'}) (right only if each holds as many "
-         "valid rows).")
-  if not all(values.fixed):
-    raise InputError(
-        f"{name}: the gradient of the loss of {loss.name} under PipeshardParallel "
-        f"would need values computed from the parameters besides the loss's sums "
-        f"(a factor of the loss that depends on them and on the sums) before any "
-        f"backward pass, which no stage holds then. {fix}")
-  if loss.forward_sums:
-    raise InputError(
-        f"{name}: the gradient of the loss of {loss.name} needs sums over the rows "
-        f"that depend on the parameters (a ratio or a log of such sums) over the "
-        f"whole batch before any backward pass, which a pipeline does not compute. "
-        f"{fix}")
   if any(not isinstance(v, Literal) for v in values.seeds):
     raise MarkerError(f"{name}: the loss's cotangent seed is computed from the "
                       f"step's inputs; PipeshardParallel needs a constant seed (as "
                       f"autopar.value_and_grad gives).")
+  return bool(loss.num_sums and loss.forward_sums) or not all(values.fixed)
+
+
+def _first_until(program, analysis) -> int:
+  """``Context.first_until``: after the last equation of ``P`` that makes a
+  first-pass output (one made by no stage's own equation, or by a floating
+  one, is the last stage's)."""
+  out = 0
+  for j in program.first_outputs:
+    v = program.jaxpr.outvars[j]
+    i = analysis.producer.get(v) if not isinstance(v, Literal) else None
+    out = max(out, len(program.eqns) if i is None or i in analysis.floating else i + 1)
+  return out
 
 
 def _finals(split: SplitStep, program, name: str) -> dict[int, FinalInfo]:
@@ -174,6 +186,8 @@ def _finals(split: SplitStep, program, name: str) -> dict[int, FinalInfo]:
           f"before the gradient marker and autopar cannot tell how to combine it "
           f"over micro-batches and devices: {why}. Fix: say how with "
           f"parallelize(..., output_reductions={{...: 'mean'}}).")
+  for j in program.first_outputs:       # (the first pass combines them)
+    out[j] = FinalInfo(None, None)
   return out
 
 
@@ -190,6 +204,9 @@ def _plan_of(pre: Prepared, method, mesh, cut_, choices) -> Plan:
   home_spec = home_specs(ctx, cut_, choices)
   S = cut_.num_stages
   in_flight = _in_flight(method.schedule, S, ctx.n)
+  first = [forward_seconds(ch.time_per_micro_batch, ch.send_seconds)
+           if lo < ctx.first_until else 0.0
+           for (lo, _), ch in zip(cut_.ranges, choices, strict=True)]
   for s, (st, ch) in enumerate(zip(cut_.stages, choices, strict=True)):
     values = []
     params = []
@@ -205,7 +222,7 @@ def _plan_of(pre: Prepared, method, mesh, cut_, choices) -> Plan:
         inputs=tuple(values), time_per_micro_batch=float(ch.time_per_micro_batch),
         time_per_step=float(ch.time_per_step), memory_per_device=int(ch.memory),
         in_flight=in_flight[s], bytes_to_next=int(ch.send_bytes),
-        send_seconds=float(ch.send_seconds)))
+        send_seconds=float(ch.send_seconds), first_pass_seconds=float(first[s])))
   inputs = tuple(ValuePlan(l.path, tuple(l.shape), dtype_name(l.dtype),
                            home_spec.get(k, PartitionSpec())) for k, l in enumerate(leaves))
   grads, grad_inputs = [], []
@@ -218,7 +235,8 @@ def _plan_of(pre: Prepared, method, mesh, cut_, choices) -> Plan:
   grads = tuple(grads)
   t = [c.time_per_micro_batch for c in choices]
   objective = (sum(t) + (ctx.n - 1) * max(t) + sum(c.send_seconds for c in choices) +
-               max(c.time_per_step for c in choices))
+               max(c.time_per_step for c in choices) +
+               first_pass_time([f for f in first if f], ctx.n))
   return Plan(method="PipeshardParallel", mesh_axis_names=names,
               mesh_shape=tuple(sizes.values()), num_micro_batches=ctx.n,
               batch_axes=(), inputs=inputs, grads=grads, outputs=(),

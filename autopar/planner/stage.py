@@ -67,6 +67,10 @@ class Context:
     hint_axes: the mesh axes the step's sharding hints put on dimensions
       that do not hold rows (``hints.model_axes``): no stage splits its
       batch over them.
+    first_until: with a first pass through the stages
+      (``Program.num_first``), the position of ``P`` after the last
+      equation that makes what it computes: the stages that start before
+      it run in it; 0 without one.
   """
   program: Program
   analysis: Analysis
@@ -84,6 +88,7 @@ class Context:
   accumulate: str | None
   remat: Any = "none"
   hint_axes: frozenset = frozenset()
+  first_until: int = 0
   cache: dict = dataclasses.field(default_factory=dict)
 
   @property

@@ -20,7 +20,10 @@ Alpa's two-level search, with the link between stages priced:
 
        T = Σ t_s + (n - 1) × max t_s + max u_s
 
-   picks the best; a stage whose memory (state + residuals × micro-batches
+   picks the best (plus, where the loss's gradient reads sums that depend
+   on the parameters, the first pass: the forward passes alone of the
+   stages that lead to them, ``Σ f_s + (n - 1) × max f_s``, each priced by
+   :func:`forward_seconds`); a stage whose memory (state + residuals × micro-batches
    it holds under the schedule + peak) exceeds ``memory_budget_per_device``
    is not a candidate.
 3. **Stage plans.** The chosen stages are planned whole by the ILP on their
@@ -54,7 +57,27 @@ from autopar.costs.submesh import block_shapes, fits, link_axis, tile
 from autopar.costs.strategies import (local_bytes, missing_rules, to_partition_spec,
                                       warn_missing_rules)
 
-__all__ = ["search", "SearchResult", "Candidate", "StageChoice"]
+__all__ = ["search", "SearchResult", "Candidate", "StageChoice", "forward_seconds",
+           "first_pass_time"]
+
+# A stage's forward pass alone, as a share of its forward and backward
+# passes: the backward's matmuls are twice the forward's (the cotangents of
+# their inputs and of their weights).
+FORWARD_SHARE = 1 / 3
+
+
+def forward_seconds(t: float, send_seconds: float) -> float:
+  """A stage's forward pass alone for one micro-batch (the first pass),
+  from its time per micro-batch ``t`` (forward and backward, its
+  activations sent and their cotangents received, ``send_seconds`` each):
+  :data:`FORWARD_SHARE` of the compute, one send."""
+  return (t - 2 * send_seconds) * FORWARD_SHARE + send_seconds
+
+
+def first_pass_time(times, n: int) -> float:
+  """The first pass of ``n`` micro-batches through stages whose forward
+  passes take ``times``: pipelined as GPipe's forward half."""
+  return sum(times) + (n - 1) * max(times) if times else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,7 +283,10 @@ def search(pre, method, mesh):
 
   def step_time(cands) -> float:
     ts = [c.t for c in cands]
-    return sum(ts) + (n - 1) * max(ts) + max(c.u for c in cands)
+    first = [forward_seconds(c.t, c.send_seconds) for c in cands
+             if ctx.layers[bounds[c.layers[0]]] < ctx.first_until]
+    return sum(ts) + (n - 1) * max(ts) + max(c.u for c in cands) + \
+        first_pass_time(first, n)
 
   # t_max candidates: stage times of single-layer-group stages up to whole ranges.
   grid = set()

@@ -97,7 +97,13 @@ class LossSeeds:
   whole batch's (``loss.py``): ``scale(sums, seeds)`` at the whole batch's
   size, over ``groups`` (micro-batches x devices of the stage that makes
   it) for the entries every group shares. ``owner``: per entry, that
-  stage; ``first``: the first pass, where ``scale`` reads sums."""
+  stage; ``first``: the first pass on one stage, where ``scale`` reads sums
+  the parameters do not change (a token count); ``inputs``: the pass for
+  the step's arguments it reads. ``through``: where it reads values the
+  stages compute (sums that depend on the parameters, a factor that does),
+  the outputs of ``P`` that are its sums (combined by ``sum_ops``) then its
+  inputs, which a first pass through the stages computes
+  (:meth:`PipelineStep.first_pass`)."""
   scale: Any
   kinds: tuple[str, ...]
   seeds: tuple
@@ -105,15 +111,26 @@ class LossSeeds:
   groups: tuple[int, ...]
   first: SumsPass | None = None
   inputs: SumsPass | None = None
+  through: tuple[int, ...] = ()
+  sum_ops: tuple[str, ...] = ()
   _constant: dict | None = None
   _fn: Any = None
 
-  def values(self, step: "PipelineStep", leaves: Sequence[Any]) -> dict[int, Any]:
-    """Per entry, its cotangent on its stage's submesh."""
-    if self.first is None and self.inputs is None and self._constant is not None:
+  @property
+  def constant(self) -> bool:
+    return self.first is None and self.inputs is None and not self.through
+
+  def values(self, step: "PipelineStep", leaves: Sequence[Any],
+             per_stage) -> dict[int, Any]:
+    """Per entry, its cotangent on its stage's submesh (``per_stage``: the
+    stages' roots and leaves, ``PipelineStep.place``)."""
+    if self.constant and self._constant is not None:
       return self._constant
-    sums = self._run(self.first, step, leaves)
-    inputs = self._run(self.inputs, step, leaves)
+    if self.through:
+      sums, inputs = self._through(step, per_stage)
+    else:
+      sums = self._run(self.first, step, leaves)
+      inputs = self._run(self.inputs, step, leaves)
     if self._fn is None:
       scale = self.scale
       self._fn = jax.jit(lambda s, h, t: jc.eval_jaxpr(
@@ -123,9 +140,24 @@ class LossSeeds:
     for j, (x, kind, s, g) in enumerate(zip(c, self.kinds, self.owner, self.groups,
                                             strict=True)):
       out[j] = step._on(s, x / g if kind == SHARE else x, PartitionSpec())
-    if self.first is None and self.inputs is None:
+    if self.constant:
       self._constant = out
     return out
+
+  def _through(self, step: "PipelineStep", per_stage) -> tuple[list, list]:
+    """The sums and inputs ``scale`` reads, from a first pass through the
+    stages, on the stage of the last entry: each sum combined over the
+    micro-batches and the devices of the stage that makes it; each input
+    (the same in every group) as the first group has it."""
+    got = step.first_pass(per_stage, self.through)
+    where = self.owner[-1] if self.owner else step.num_stages - 1
+    ns = len(self.sum_ops)
+    out = []
+    for k, j in enumerate(self.through):
+      xs = got[j]
+      x = combine_groups(xs, self.sum_ops[k], None, 1) if k < ns else xs[0][0]
+      out.append(step._on(where, x, PartitionSpec()))
+    return out[:ns], out[ns:]
 
   @staticmethod
   def _run(f: SumsPass | None, step: "PipelineStep", leaves: Sequence[Any]) -> list:
@@ -275,11 +307,46 @@ class PipelineStep:
       out[name] = entry[2]
     return out
 
+  def first_stages(self) -> int:
+    """How many stages (the first ones) the first pass runs: up to the
+    last that makes a value the loss's cotangents read; 0 without one."""
+    through = self.seeds.through if self.seeds is not None else ()
+    return 1 + max(self.final_stage[j] for j in through) if through else 0
+
+  def first_pass(self, per_stage, outputs: Sequence[int]) -> dict[int, list]:
+    """The forward passes alone of every micro-batch through the stages
+    that lead to ``outputs`` (of ``P``), dispatched micro-batch by
+    micro-batch (the stages work at the same time, as in GPipe's forward
+    half): per output, its value for each micro-batch (per device, stacked
+    ``[D, ...]``). Nothing is kept for a backward pass."""
+    to, _ = self.routes()
+    last = self.first_stages()
+    wanted = set(outputs)
+    acts: dict = {}
+    out: dict[int, list] = {j: [] for j in outputs}
+    for i in range(self.n):
+      for s in range(last):
+        st, ex = self.stages[s], self.exes[s]
+        roots, ls = per_stage[s]
+        a_in = [acts.pop((s, i, v)) for v in st.acts_in]
+        outs = self._call(s, "first", ex.first, ex.index[i], roots, a_in, ls)
+        g_out = [None] * len(ex.out_rows)
+        for pos, k in enumerate(ex.fns_out_order):
+          g_out[k] = outs[pos]
+        for k, v in enumerate(st.acts_out):
+          for c, spec in to[s][k]:
+            if c < last:
+              acts[(c, i, v)] = self._on(c, g_out[k], spec)
+        for j, x in zip(st.finals, g_out[len(st.acts_out):], strict=True):
+          if j in wanted:
+            out[j].append(x)
+    return out
+
   def run(self, leaves: Sequence[Any]) -> list[Any]:
     """Runs one step; returns the flat outputs (as ``Executable.run``)."""
     program, S, n = self.program, self.num_stages, self.n
     per_stage, home = self.place(leaves)
-    seeds = self.seeds.values(self, leaves)
+    seeds = self.seeds.values(self, leaves, per_stage)
     to, back = self.routes()
     measuring = self.recording or self.timing
     acts: dict = {}          # (stage, micro-batch, var) -> array on that stage
@@ -451,9 +518,12 @@ class PipelineExecutable:
   @property
   def schedule(self) -> list[str]:
     """The tasks one call dispatches, in order (``F3@1``: micro-batch 3's
-    forward on stage 1), then each stage's sync and update."""
-    S = self.step.num_stages
-    return ([str(t) for t in self.step.order] + [f"sync@{s}" for s in range(S)] +
+    forward on stage 1; ``first3@1``: its forward alone in the first pass,
+    before the schedule), then each stage's sync and update."""
+    step = self.step
+    S = step.num_stages
+    first = [f"first{i}@{s}" for i in range(step.n) for s in range(step.first_stages())]
+    return (first + [str(t) for t in step.order] + [f"sync@{s}" for s in range(S)] +
             [f"apply{k}@{a.segment.stage}" for k, a in enumerate(self.step.segments)])
 
   def memory_analysis(self) -> dict[str, Any]:

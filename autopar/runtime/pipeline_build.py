@@ -87,19 +87,25 @@ def compile_pipeline(pre: Prepared, method: PipeshardParallel, mesh, cut_,
 def _loss_seeds(pre: Prepared, cut_, exes) -> LossSeeds:
   """How a pipelined step seeds the loss's entries (``loss.py``): with the
   whole batch's cotangents, over the micro-batches and devices of the stage
-  that makes an entry where every group shares it; the sums they read (a
-  token count) come from a first pass on the last entry's stage."""
+  that makes an entry where every group shares it. What they read comes
+  from a first pass: through the stages where it depends on the parameters
+  (``Program.num_first``); else sums the parameters do not change (a token
+  count) from a pass on the last entry's stage, and the step's arguments."""
   ctx, split = pre.ctx, pre.split
   loss = split.loss
   program = ctx.program
   owner = tuple(cut_.final_stage[j] for j in range(program.num_seeded))
   groups = tuple(ctx.n * exes[s].layout.devices for s in owner)
   seeds = tuple(np.asarray(v.val) for v in loss.values.seeds)
+  common = dict(scale=scale_at(split, ctx.batch), kinds=tuple(loss.kinds), seeds=seeds,
+                owner=owner, groups=groups)
+  if program.num_first:
+    return LossSeeds(**common, through=program.first_outputs,
+                     sum_ops=tuple(loss.sum_ops))
   s = owner[-1] if owner else len(exes) - 1
   first = _sums_pass(pre, exes[s].layout, s) if loss.num_sums else None
   inputs = _inputs_pass(pre, exes[s].layout, s) if loss.values.inputs else None
-  return LossSeeds(scale=scale_at(split, ctx.batch), kinds=tuple(loss.kinds),
-                   seeds=seeds, owner=owner, groups=groups, first=first, inputs=inputs)
+  return LossSeeds(**common, first=first, inputs=inputs)
 
 
 def _pass_program(pre: Prepared, outputs) -> tuple[Any, tuple[int, ...]]:

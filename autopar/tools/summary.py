@@ -121,9 +121,18 @@ def stage_lines(plan: "Plan") -> list[str]:
   lines += format_rows(stage_rows(plan))
   t = [st.time_per_micro_batch for st in plan.stages]
   if t:
+    f = [st.first_pass_seconds for st in plan.stages if st.first_pass_seconds]
     lines.append(f"predicted step time: {plan.objective:.6g} s = sum of stage times "
                  f"{sum(t):.3g} s + ({n} - 1) x slowest {max(t):.3g} s + sends and "
-                 f"updates")
+                 f"updates{' + the first pass' if f else ''}")
+    if f:
+      lines.append(
+          f"first pass (the loss's gradient reads sums over the batch that depend on "
+          f"the parameters): stage(s) 0-{len(f) - 1} run their forward passes alone "
+          f"for every micro-batch before the schedule, predicted "
+          f"{sum(f) + (n - 1) * max(f):.3g} s = {sum(f):.3g} s + ({n} - 1) x slowest "
+          f"{max(f):.3g} s (a forward priced at a third of its stage's time per "
+          f"micro-batch)")
   lines.append("")
   return lines
 
