@@ -262,6 +262,51 @@ def image_setup(model, batch=32, hw=8):
   return make_state, step, {"x": x, "y": y}
 
 
+def moe_setup(E=4, V=16, D=16, T=6, B=16, aux=0.1, factor=True):
+  """A token mean plus a Switch load-balancing loss ``E · Σ_e f_e · P_e``
+  (each a mean over the valid tokens; ``aux=0``: none), with dropout drawn
+  on the expert's output, and the whole loss scaled by a factor of the
+  parameters (``factor=False``: not). Returns ``(step, params, optimizer
+  state, batch)``; ``step(params, opt, batch) -> (params, opt, loss)``."""
+  k = jax.random.split(jax.random.PRNGKey(0), 8)
+  n = lambda key, shape, s: jax.random.normal(key, shape) * s
+  params = {"embed": n(k[0], (V, D), 1.0), "w0": n(k[1], (D, D), 0.4),
+            "router": n(k[2], (D, E), 0.5), "experts": n(k[3], (E, D, D), 0.3),
+            "w1": n(k[4], (D, D), 0.4), "head": n(k[5], (D, V), 0.4),
+            "temperature": jnp.float32(0.3)}
+
+  def loss_fn(p, b):
+    h = p["embed"][b["tokens"][:, :-1]]
+    h = h + jnp.tanh(h @ p["w0"])
+    probs = jax.nn.softmax(h @ p["router"], axis=-1)
+    top = jax.nn.one_hot(jnp.argmax(probs, -1), E)
+    expert = jnp.tanh(jnp.einsum("btd,edf,bte->btf", h, p["experts"], top))
+    keep = jax.random.bernoulli(jax.random.key(7), 0.8, expert.shape)
+    h = h + jnp.sum(probs * top, -1, keepdims=True) * jnp.where(keep, expert / 0.8, 0)
+    h = h + jnp.tanh(h @ p["w1"])
+    nll = optax.softmax_cross_entropy_with_integer_labels(h @ p["head"],
+                                                          b["tokens"][:, 1:])
+    m = b["mask"]
+    count = jnp.sum(m)
+    f = jnp.sum(top * m[..., None], (0, 1)) / count
+    P = jnp.sum(probs * m[..., None], (0, 1)) / count
+    balance = aux * E * jnp.sum(f * P) if aux else 0.0
+    loss = jnp.sum(nll * m) / count + balance
+    return loss * jnp.exp(p["temperature"]) if factor else loss
+
+  tx = optax.adam(1e-2)
+
+  def step(params, opt, b):
+    loss, g = autopar.value_and_grad(lambda p: loss_fn(p, b))(params)
+    updates, opt = tx.update(g, opt, params)
+    return optax.apply_updates(params, updates), opt, loss
+
+  rng = np.random.RandomState(0)
+  batch = {"tokens": rng.randint(0, V, (B, T + 1)).astype(np.int32),
+           "mask": (rng.rand(B, T) < 0.7).astype(np.float32)}
+  return step, params, tx.init(params), batch
+
+
 class StoredBatches:
   """A data set of several batches in memory, read as a DataSource's loader:
   batch number ``step % len`` and of it the rows ``shard.rows``."""

@@ -14,8 +14,8 @@ import autopar
 from autopar.backend import hlo
 from autopar.text import axes_str
 from autopar.runtime import schedule as sched
-from models import (assert_trees_close, boundary_mlp_setup, mlp_setup, single_device,
-                    transformer_setup)
+from models import (assert_trees_close, boundary_mlp_setup, mlp_setup, moe_setup,
+                    single_device, transformer_setup)
 
 SGD = optax.sgd(0.1, momentum=0.9)
 
@@ -456,48 +456,6 @@ def test_random_draws_in_the_first_pass():
     pf(w, batch)
 
 
-def _moe_setup(E=4, V=16, D=16, T=6, B=16):
-  """A token mean plus a Switch load-balancing loss ``E · Σ_e f_e · P_e``
-  (each a mean over the valid tokens), with dropout drawn on the expert's
-  output, and the whole loss scaled by a factor of the parameters."""
-  k = jax.random.split(jax.random.PRNGKey(0), 8)
-  n = lambda key, shape, s: jax.random.normal(key, shape) * s
-  params = {"embed": n(k[0], (V, D), 1.0), "w0": n(k[1], (D, D), 0.4),
-            "router": n(k[2], (D, E), 0.5), "experts": n(k[3], (E, D, D), 0.3),
-            "w1": n(k[4], (D, D), 0.4), "head": n(k[5], (D, V), 0.4),
-            "temperature": jnp.float32(0.3)}
-
-  def loss_fn(p, b):
-    h = p["embed"][b["tokens"][:, :-1]]
-    h = h + jnp.tanh(h @ p["w0"])
-    probs = jax.nn.softmax(h @ p["router"], axis=-1)
-    top = jax.nn.one_hot(jnp.argmax(probs, -1), E)
-    expert = jnp.tanh(jnp.einsum("btd,edf,bte->btf", h, p["experts"], top))
-    keep = jax.random.bernoulli(jax.random.key(7), 0.8, expert.shape)
-    h = h + jnp.sum(probs * top, -1, keepdims=True) * jnp.where(keep, expert / 0.8, 0)
-    h = h + jnp.tanh(h @ p["w1"])
-    nll = optax.softmax_cross_entropy_with_integer_labels(h @ p["head"],
-                                                          b["tokens"][:, 1:])
-    m = b["mask"]
-    count = jnp.sum(m)
-    f = jnp.sum(top * m[..., None], (0, 1)) / count
-    P = jnp.sum(probs * m[..., None], (0, 1)) / count
-    return (jnp.sum(nll * m) / count + 0.1 * E * jnp.sum(f * P)) * \
-        jnp.exp(p["temperature"])
-
-  tx = optax.adam(1e-2)
-
-  def step(params, opt, b):
-    loss, g = autopar.value_and_grad(lambda p: loss_fn(p, b))(params)
-    updates, opt = tx.update(g, opt, params)
-    return optax.apply_updates(params, updates), opt, loss
-
-  rng = np.random.RandomState(0)
-  batch = {"tokens": rng.randint(0, V, (B, T + 1)).astype(np.int32),
-           "mask": (rng.rand(B, T) < 0.7).astype(np.float32)}
-  return step, params, tx.init(params), batch
-
-
 @pytest.mark.parametrize("stages,n,schedule", [(2, 2, "1f1b"), (4, 4, "gpipe")])
 def test_parameter_dependent_sums_take_a_first_pass_through_the_stages(stages, n, schedule):
   """The load-balancing loss's cotangents read sums over the batch that
@@ -505,7 +463,7 @@ def test_parameter_dependent_sums_take_a_first_pass_through_the_stages(stages, n
   a first pass runs the stages' forward passes alone before the schedule,
   drawing the dropout as the schedule's forward passes do; parameters and
   loss are jit's. Before, PipeshardParallel refused such a loss."""
-  step, params, opt, batch = _moe_setup()
+  step, params, opt, batch = moe_setup()
   ref = single_device(step)(params, opt, batch)
   pf = autopar.parallelize(step, method=autopar.PipeshardParallel(
       mesh=mesh24(), num_micro_batches=n, num_stages=stages, schedule=schedule),
