@@ -480,3 +480,86 @@ def test_parameter_dependent_sums_take_a_first_pass_through_the_stages(stages, n
       [s in ran for s in range(stages)]
   assert "first pass" in exe.plan.summary()
   assert autopar.Plan.from_json(exe.plan.to_json()) == exe.plan
+
+
+def test_host_callbacks_in_stages(capsys):
+  """jax.debug.print and jax.pure_callback inside a stage: JAX lowers a
+  host callback only in a computation manual over every mesh axis or none,
+  so each stage splits its batch over all of its submesh's axes or none
+  (here all: both 2 x 2 submeshes), and the print runs once per
+  micro-batch, on the first device. Forcing the batch over some axes is a
+  clear error. Before, the stages failed to lower."""
+  def step(w, batch):
+    def loss_fn(w):
+      h = batch["x"]
+      for k in range(4):
+        h = jnp.tanh(h @ w[k])
+        if k == 1:
+          jax.debug.print("rows {}", h.shape[0])
+          h = h + jax.pure_callback(
+              lambda a: np.float32(0.25) * np.ones_like(a),
+              jax.ShapeDtypeStruct(h.shape, h.dtype), jax.lax.stop_gradient(h),
+              vmap_method="broadcast_all")
+      return jnp.mean(h ** 2)
+    loss, g = autopar.value_and_grad(loss_fn)(w)
+    return [a - 0.1 * b for a, b in zip(w, g)], loss
+
+  rng = np.random.RandomState(1)
+  w = [jnp.asarray(rng.randn(16, 16) / 4, jnp.float32) for _ in range(4)]
+  batch = {"x": rng.randn(32, 16).astype(np.float32)}
+  ref_w, ref_loss = single_device(step)(w, batch)
+  jax.effects_barrier()
+  capsys.readouterr()
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  method = autopar.PipeshardParallel(mesh=mesh, num_micro_batches=2,
+                                     stage_mesh_shapes=[(2, 2), (2, 2)])
+  pf = autopar.parallelize(step, method=method, donate_argnums=())
+  got_w, loss = pf(w, batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(got_w, ref_w)
+  jax.effects_barrier()
+  assert capsys.readouterr().out.split("\n")[:-1] == ["rows 4"] * 2   # 16 rows / 4 devices
+  assert [st.batch_axes for st in pf.get_executable(w, batch).plan.stages] == \
+      [("data", "model")] * 2
+  forced = autopar.PipeshardParallel(
+      mesh=mesh, num_micro_batches=2, stage_mesh_shapes=[(2, 2), (2, 2)],
+      option=autopar.AutoShardingOption(force_batch_dim_to_mesh_dim=("data",)))
+  with pytest.raises(autopar.InputError, match=r"force_batch_dim_to_mesh_dim=\('data',\)\) "
+                     r"splits a pipeline stage's batch over some"):
+    autopar.parallelize(step, method=forced, donate_argnums=())(w, batch)
+
+
+def test_custom_partitioning_under_custom_vjp_is_refused_clearly():
+  """A custom_partitioning op under a jax.custom_vjp (as cuDNN attention is
+  built): a pipeline differentiates each stage from its primal equations,
+  without the rule; a clear InputError with the fix, not JAX's
+  NotImplementedError. (Running it needs the step traced at the real size:
+  issue 45's item 4, not done.)"""
+  from jax.experimental.custom_partitioning import custom_partitioning
+
+  @custom_partitioning
+  def scaled_tanh(x):
+    return jnp.tanh(x) * 1.5
+
+  scaled_tanh.def_partition(
+      infer_sharding_from_operands=lambda mesh, args, result: args[0].sharding,
+      partition=lambda mesh, args, result: (
+          mesh, lambda x: jnp.tanh(x) * 1.5, args[0].sharding, (args[0].sharding,)),
+      sharding_rule="... -> ...")
+
+  @jax.custom_vjp
+  def act(x):
+    return scaled_tanh(x)
+  act.defvjp(lambda x: (scaled_tanh(x), x),
+             lambda x, g: (g * 1.5 * (1 - jnp.tanh(x) ** 2),))
+
+  def step(w, x):
+    loss, g = autopar.value_and_grad(lambda w: jnp.mean(act(act(x @ w[0]) @ w[1]) ** 2))(w)
+    return [a - 0.1 * b for a, b in zip(w, g)], loss
+
+  w = [jnp.eye(8) * 0.5, jnp.eye(8) * 0.5]
+  pf = autopar.parallelize(step, method=autopar.PipeshardParallel(
+      mesh=mesh24(), num_micro_batches=2, num_stages=2), donate_argnums=())
+  with pytest.raises(autopar.InputError, match="custom_partitioning op .* under a "
+                     "jax.custom_vjp.*Fix: use ShardParallel"):
+    pf(w, jnp.ones((16, 8)))

@@ -47,7 +47,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from autopar import jax_compat as jc
 from autopar.frontend import rng
 from autopar.disk import use_compilation_cache
-from autopar.frontend.evaluate import Rules, check_pins, eqn_at, eval_jaxpr, eval_scan
+from autopar.frontend.evaluate import (DEBUG_CALLBACKS, Rules, check_pins, eqn_at, eval_jaxpr,
+                                       eval_scan)
 from autopar.backend.lowering_errors import explained
 from autopar.backend.gradients import (COMBINE, add_partial, across, loss_marker, make_entry,
                                manual_gathers, manual_spec, micro_batch_inputs,
@@ -184,7 +185,7 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
   for path in draws:
     eqn = eqn_at(compute, path)
     assert eqn is not None and eqn.primitive.name in rng.DRAW_PRIMITIVES, path
-  callbacks = any(e.primitive.name == "debug_callback" for _, e in eqns_by_path(compute))
+  callbacks = any(e.primitive.name in DEBUG_CALLBACKS for _, e in eqns_by_path(compute))
   hinted = any(h.part == "compute" for h in split.hints)
 
   def fold(st: GradStack, part):

@@ -25,27 +25,13 @@ import contextlib
 from typing import Sequence
 
 from autopar.errors import AutoparError, InputError
-from autopar.frontend.retype import jaxprs_in
+from autopar.frontend.retype import HOST_CALLBACKS, primitive_names
 
 __all__ = ["explained"]
 
-_HOST_CALLBACKS = ("pure_callback", "io_callback", "debug_callback", "debug_print")
 # What JAX's lowering says for a host callback inside a partly manual computation.
 _CALLBACK_MESSAGES = ("callbacks are only supported in spmd computations",
                       "context mesh cannot be empty")
-
-
-def _primitive_names(jaxpr, seen=None) -> set[str]:
-  """The names of the primitives in ``jaxpr`` and its sub-jaxprs."""
-  seen = set() if seen is None else seen
-  names = set()
-  for eqn in jaxpr.eqns:
-    names.add(eqn.primitive.name)
-    for sub in jaxprs_in(eqn):
-      if id(sub) not in seen:
-        seen.add(id(sub))
-        names |= _primitive_names(sub, seen)
-  return names
 
 
 @contextlib.contextmanager
@@ -70,7 +56,7 @@ def explained(jaxpr, *, where: str, batch_axes: Sequence[str],
     # (Only where autopar split the batch over some axes and not others: a
     # callback inside the user's own partly manual shard_map is theirs.)
     if others and any(m in message for m in _CALLBACK_MESSAGES):
-      callbacks = sorted(_primitive_names(jaxpr) & set(_HOST_CALLBACKS))
+      callbacks = sorted(primitive_names(jaxpr) & set(HOST_CALLBACKS))
       if callbacks:
         raise InputError(
             f"{where}: the step calls back to the host ({', '.join(callbacks)}: "
@@ -86,7 +72,7 @@ def explained(jaxpr, *, where: str, batch_axes: Sequence[str],
                f"or compute the callback's value outside the step and pass it in.")
         ) from e
     if (pipeline and "custom_partitioner" in message and
-        "custom_partitioning" in _primitive_names(jaxpr)):
+        "custom_partitioning" in primitive_names(jaxpr)):
       raise InputError(
           f"{where}: JAX could not partition a custom_partitioning op of the step "
           f"(jax.nn.dot_product_attention(implementation='cudnn') is one) in this "

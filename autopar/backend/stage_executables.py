@@ -39,7 +39,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from autopar.frontend.evaluate import Rules, eval_jaxpr
+from autopar.frontend.evaluate import DEBUG_CALLBACKS, Rules, eval_jaxpr
+from autopar.frontend.retype import primitive_names
 from autopar.frontend.hints import hint_rule
 from autopar.backend.gradients import (add_partial, make_entry, manual_spec, reduce_manual,
                                stacked_spec)
@@ -151,6 +152,9 @@ def build_stage(st: StageProgram, fns: StageFunctions, layout: StageLayout, *,
   # The user's hints, on the stage's submesh (its batch axes are where the
   # rows are: hints.in_stage); the stage's ILP pinned them (constraints.py).
   hint = hint_rule(pin, manual) if st.hints else None
+  # jax.debug.print runs on the first device of the batch axes: once per
+  # micro-batch, as on one device.
+  once = manual if primitive_names(fj.jaxpr) & set(DEBUG_CALLBACKS) else ()
 
   # Layout of the forward's outputs: rows split over B, or stacked [D, ...].
   out_rows = []
@@ -191,7 +195,8 @@ def build_stage(st: StageProgram, fns: StageFunctions, layout: StageLayout, *,
 
   def fwd_body(i, roots, acts, leaves):
     ins = local_inputs(i, roots, acts, leaves)
-    outs = eval_jaxpr(fj.jaxpr, (), ins, Rules(pins=fwd_pins, pin=pin, hint=hint),
+    outs = eval_jaxpr(fj.jaxpr, (), ins, Rules(pins=fwd_pins, pin=pin, hint=hint,
+                                                once_axes=once),
                        constvals=fj.consts)
     main = [x if r is not None else _stack(x) for x, r in zip(outs[:n_out], out_rows)]
     return main, [_stack(x) for x in outs[n_out:]]
@@ -235,7 +240,8 @@ def build_stage(st: StageProgram, fns: StageFunctions, layout: StageLayout, *,
         ct_all.append(next(ct_iter))
       else:
         ct_all.append(jnp.broadcast_to(next(seed_iter), v.aval.shape).astype(v.aval.dtype))
-    r = eval_jaxpr(bj.jaxpr, (), [*res, *ct_all], Rules(pins=bwd_pins, pin=pin, hint=hint),
+    r = eval_jaxpr(bj.jaxpr, (), [*res, *ct_all], Rules(pins=bwd_pins, pin=pin, hint=hint,
+                                                         once_axes=once),
                     constvals=bj.consts)
     grads, ct_in = r[:nr], r[nr:]
     acc = [add_partial(a, g[None], t) for a, g, t in zip(acc, grads, acc_dtypes, strict=True)]

@@ -22,8 +22,11 @@ from autopar.errors import PlanError
 from autopar.frontend.hints import HINT_PRIMITIVES, spec_of
 from autopar.frontend.trace import region_jaxprs
 
-__all__ = ["Rules", "check_pins", "eqn_at", "eval_jaxpr", "eval_scan", "gather_anchor",
+__all__ = ["DEBUG_CALLBACKS", "Rules", "check_pins", "eqn_at", "eval_jaxpr", "eval_scan", "gather_anchor",
            "gather_sites"]
+
+# jax.debug.print / jax.debug.callback (by JAX version), run once per group.
+DEBUG_CALLBACKS = ("debug_callback", "debug_print")
 
 
 def eqn_at(jaxpr, path: str):
@@ -152,7 +155,7 @@ def eval_jaxpr(jaxpr, consts, args, rules: Rules, constvals=()):
       outs = _REGION_EVAL[name](eqn, args, inner)
     elif path in rules.draws:
       outs = rng.draw(eqn, path, rules.draws[path], args[0], *rules.rows)
-    elif name == "debug_callback" and rules.once_axes:
+    elif name in DEBUG_CALLBACKS and rules.once_axes:
       outs = _on_first_device(eqn, args, rules.once_axes)
     elif name in HINT_PRIMITIVES and rules.hint is not None:
       outs = [rules.hint(args[0], spec_of(eqn))]

@@ -20,7 +20,33 @@ from jax.sharding import NamedSharding
 
 from autopar import jax_compat as jc
 
-__all__ = ["Instantiator", "without_meshes", "jaxprs_in", "has_hints"]
+__all__ = ["Instantiator", "without_meshes", "jaxprs_in", "has_hints", "primitive_names",
+           "HOST_CALLBACKS", "lowers_with_devices"]
+
+
+# Host callbacks: JAX lowers one only in a computation split by hand over
+# every mesh axis or none.
+HOST_CALLBACKS = ("pure_callback", "io_callback", "debug_callback", "debug_print")
+
+
+def primitive_names(jaxpr, seen=None) -> set[str]:
+  """The names of the primitives in ``jaxpr`` and its sub-jaxprs."""
+  seen = set() if seen is None else seen
+  names = set()
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    for sub in jaxprs_in(eqn):
+      if id(sub) not in seen:
+        seen.add(id(sub))
+        names |= primitive_names(sub, seen)
+  return names
+
+
+def lowers_with_devices(jaxpr) -> bool:
+  """Whether ``jaxpr`` holds an op JAX lowers with the devices in hand (a
+  host callback, a ``custom_partitioning`` op), which it lowers in a
+  computation manual over every mesh axis or none, not some."""
+  return bool(primitive_names(jaxpr) & {*HOST_CALLBACKS, "custom_partitioning"})
 
 
 def jaxprs_in(eqn) -> list:

@@ -35,7 +35,7 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
-from autopar.errors import PlanError
+from autopar.errors import InputError, PlanError
 from autopar.frontend.hints import HINT_PRIMITIVES, find_hints
 from autopar.frontend.evaluate import Rules, eval_jaxpr
 from autopar.frontend.program import Analysis, Program
@@ -309,8 +309,20 @@ def forward_backward(stage: StageProgram, g: Jaxpr, draws: dict, *,
     return [*douts, *aux, *res]
 
   first = jax.ShapeDtypeStruct((), np.int32)
-  closed = jax.make_jaxpr(forward)(first, *[jax.ShapeDtypeStruct(a.shape, a.dtype)
-                                            for a in in_avals])
+  try:
+    closed = jax.make_jaxpr(forward)(first, *[jax.ShapeDtypeStruct(a.shape, a.dtype)
+                                              for a in in_avals])
+  except NotImplementedError as e:
+    if "Differentiation rule for 'custom_partitioning'" not in str(e):
+      raise
+    raise InputError(
+        "PipeshardParallel: the loss function holds a custom_partitioning op "
+        "(jax.nn.dot_product_attention(implementation='cudnn') is one) under a "
+        "jax.custom_vjp; a pipeline plans the step traced at a symbolic batch size "
+        "and differentiates each stage from its primal equations, without the "
+        "custom_vjp's rule, and custom_partitioning has no derivative of its own. "
+        "Fix: use ShardParallel or DataParallel (one mesh), or a version of the op "
+        "without custom_partitioning (implementation='xla' for attention).") from e
   fj = closed.jaxpr
   n_fwd_out = len(diff_out) + len(other_out)
   res_vars = fj.outvars[n_fwd_out:]

@@ -34,6 +34,7 @@ from autopar.costs.submesh import tile
 from autopar.plan import Plan, StagePlan, ValuePlan
 from autopar.planner.shard import donation_pairs
 from autopar.frontend.remat import remat_mode
+from autopar.frontend.retype import lowers_with_devices
 from autopar.frontend.rows import RowOracle
 from autopar.frontend.split import BY_DEVICE, OutputKind, SplitStep, apply_at, split_step
 from autopar.frontend.trace import (check_batch_leaves, eqns_by_path, trace_step,
@@ -133,7 +134,8 @@ def prepare(fun, args, prep, method: PipeshardParallel, *, name: str,
                 leaf_names=tuple(l.path for l in traced.leaves), option=method.option,
                 accumulate=method.grad_accumulation_dtype, remat=method.remat,
                 hint_axes=frozenset(model_axes(hints)),
-                first_until=_first_until(program, analysis))
+                first_until=_first_until(program, analysis),
+                whole_batch=lowers_with_devices(program.jaxpr))
   return Prepared(split=split, ctx=ctx, batch=batch, finals=_finals(split, program, name))
 
 

@@ -34,7 +34,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 from autopar import jax_compat as jc
 from autopar.costs.cost_model import MeshCost, num_bytes
 from autopar.costs.devices import platform_of
-from autopar.errors import PlanError
+from autopar.errors import InputError, PlanError
 from autopar.frontend.hints import check_pins, entry_axes
 from autopar.planner.ilp import ShardingProblem
 from autopar.planner.apply_segments import ApplyPartition, partition_apply
@@ -71,6 +71,9 @@ class Context:
       (``Program.num_first``), the position of ``P`` after the last
       equation that makes what it computes: the stages that start before
       it run in it; 0 without one.
+    whole_batch: the step holds an op JAX lowers with the devices in hand
+      (``retype.lowers_with_devices``): a stage's batch is split over
+      every axis of its submesh or none (``stage_batch_axes``).
   """
   program: Program
   analysis: Analysis
@@ -89,6 +92,7 @@ class Context:
   remat: Any = "none"
   hint_axes: frozenset = frozenset()
   first_until: int = 0
+  whole_batch: bool = False
   cache: dict = dataclasses.field(default_factory=dict)
 
   @property
@@ -234,16 +238,24 @@ def act_name(program: Program, analysis: Analysis, v) -> str:
   return f"P/{i}/{program.eqns[i].outvars.index(v)}"
 
 
-def stage_batch_axes(sizes: dict[str, int], micro: int, option,
-                     taken: frozenset = frozenset()) -> list[tuple[str, ...]]:
+def stage_batch_axes(ctx: Context, sizes: dict[str, int]) -> list[tuple[str, ...]]:
   """The choices of batch axes for a stage on a submesh of ``sizes``: each
-  set of its axes (of size > 1, none of ``taken``: a sharding hint splits
-  another dimension over it) whose devices divide the micro-batch, and
-  that leaves at most ``option.max_model_axes`` axes to plan (besides
-  ``taken``, which are planned whatever that says)."""
-  names = [a for a, s in sizes.items() if s > 1 and a not in taken]
+  set of its axes (of size > 1, none of ``ctx.hint_axes``: a sharding hint
+  splits another dimension over it) whose devices divide the micro-batch,
+  and that leaves at most ``option.max_model_axes`` axes to plan (besides
+  the hinted ones, which are planned whatever that says). Where the step
+  holds an op JAX lowers with the devices in hand (``ctx.whole_batch``:
+  a host callback, a ``custom_partitioning`` op), every axis of size > 1
+  or none: JAX lowers those only in a computation manual over all of its
+  mesh's axes or none."""
+  micro, option, taken = ctx.micro, ctx.option, ctx.hint_axes
+  every = [a for a, s in sizes.items() if s > 1]
+  names = [a for a in every if a not in taken]
+  whole = lambda axes: not ctx.whole_batch or not axes or set(axes) == set(every)
   if option.force_data_parallel:
-    return [tuple(names)] if micro % math.prod(sizes[a] for a in names) == 0 else [()]
+    axes = tuple(names)
+    return [axes] if micro % math.prod(sizes[a] for a in names) == 0 and whole(axes) \
+        else [()]
   forced = option.forced_batch_axes(jax.sharding.AbstractMesh(
       tuple(sizes.values()), tuple(sizes)))
   out = []
@@ -253,8 +265,17 @@ def stage_batch_axes(sizes: dict[str, int], micro: int, option,
       continue
     if len(names) - len(axes) > option.max_model_axes:
       continue
-    if micro % math.prod(sizes[a] for a in axes) == 0:
+    if micro % math.prod(sizes[a] for a in axes) == 0 and whole(axes):
       out.append(axes)
+  if not out and forced and not whole(tuple(a for a in forced if a in names)):
+    raise InputError(
+        f"{ctx.program.fn_name}: AutoShardingOption(force_batch_dim_to_mesh_dim="
+        f"{tuple(forced)}) splits a pipeline stage's batch over some of its submesh's "
+        f"axes {tuple(every)} and not others, and the step holds an op JAX lowers "
+        f"only in a computation split by hand over every mesh axis or none (a host "
+        f"callback: jax.debug.print, pure_callback, io_callback; or a "
+        f"custom_partitioning op). Fix: force all of the stage's axes or none, or "
+        f"drop force_batch_dim_to_mesh_dim.")
   return out or [()]
 
 

@@ -153,7 +153,7 @@ def _solve_layers(ctx, groups, shapes, names, progress=None):
     key_prog = st.signature() + "|" + "|".join(str(seg.jaxpr) for seg in c.apply.of_stage(s))
     for shape in shapes:
       sizes = dict(zip(names, shape))
-      for axes in stage_batch_axes(sizes, ctx.micro, ctx.option, ctx.hint_axes):
+      for axes in stage_batch_axes(ctx, sizes):
         key = (key_prog, shape, axes)
         if key not in memo:
           sol = solve_stage(ctx, c, s, sizes, axes)
@@ -205,8 +205,7 @@ def search(pre, method, mesh):
   # Prefix sums per (shape, axes) of t, u, state, residual; max of peak by range.
   prefix = {}
   for shape in shapes:
-    for axes in stage_batch_axes(dict(zip(names, shape)), ctx.micro, option,
-                                 ctx.hint_axes):
+    for axes in stage_batch_axes(ctx, dict(zip(names, shape))):
       rows = np.array([costs[(g, shape, axes)] for g in range(G)])
       prefix[(shape, axes)] = (np.vstack([np.zeros(5), np.cumsum(rows, axis=0)]), rows)
 
@@ -243,9 +242,7 @@ def search(pre, method, mesh):
       return n
     return min(n, S_total - k) if S_total is not None else n
 
-  axes_of = {shape: stage_batch_axes(dict(zip(names, shape)), ctx.micro, option,
-                                     ctx.hint_axes)
-             for shape in shapes}
+  axes_of = {shape: stage_batch_axes(ctx, dict(zip(names, shape))) for shape in shapes}
   fit = {(off, shape): fits(mesh_shape, off, shape) for off in range(total)
          for shape in shapes}
 

@@ -34,7 +34,7 @@ from jax.extend.core import Literal
 from jax.sharding import PartitionSpec
 
 from autopar.costs.cost_model import MeshCost, dtype_flop_seconds, itemsize
-from autopar.frontend.retype import jaxprs_in
+from autopar.frontend.retype import HOST_CALLBACKS, jaxprs_in
 from autopar.frontend.trace import INLINED_CALLS
 
 __all__ = ["Spec", "Strategy", "RuleContext", "register", "strategies_for",
@@ -231,13 +231,14 @@ def strategies_for(eqn, ctx: RuleContext) -> list[Strategy]:
 
 def missing_rules(*jaxprs) -> dict[str, int]:
   """Primitive name -> how many equations of ``jaxprs`` (and of the bodies
-  inside them) have it and no sharding rule: they run replicated."""
+  inside them) have it and no sharding rule: they run replicated. (A host
+  callback is not one: it takes and gives whole values by its nature.)"""
   found: dict[str, int] = {}
 
   def walk(jaxpr):
     for eqn in jaxpr.eqns:
       name = eqn.primitive.name
-      if name not in RULES and name not in PLANNED_THROUGH:
+      if name not in RULES and name not in PLANNED_THROUGH and name not in HOST_CALLBACKS:
         found[name] = found.get(name, 0) + 1
       for sub in jaxprs_in(eqn):
         walk(sub)
