@@ -44,10 +44,10 @@ from autopar.planner import pipeline as pipeline_compile
 from autopar.planner.preset import plan_preset
 from autopar.planner.solved import gc_paused
 from autopar.planner.shard import Progress, batch_axes_for, keeps_batch_whole, plan_auto
-from autopar.runtime import pipeline_build
+
 from autopar.runtime.base import active as active_runtime
 from autopar.runtime.executor import Executable
-from autopar.runtime.pipeline import PipelineExecutable
+from autopar.runtime.pipeline import PipelineExecutable, compile_pipeline
 
 __all__ = ["Signature", "BUDGET_TRIES", "bind_saved_plan"]
 
@@ -473,8 +473,8 @@ class Signature:
         return one.signature_of(prep).executable(prep)
       pre, plan, (cut, choices, _) = self.pipeline(prep)
       with jax.set_mesh(None):
-        step = pipeline_build.compile_pipeline(pre, self.method,
-                                               resolve_mesh(self.method), cut, choices)
+        step = compile_pipeline(pre, self.method, resolve_mesh(self.method), cut,
+                                choices)
       return PipelineExecutable(plan=plan, step=step, static_argnums=prep.flags.static)
     try:
       exe = self.compile(prep)

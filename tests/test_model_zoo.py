@@ -234,7 +234,7 @@ def maxtext_reference(maxtext):
 NNX_REMAT_PIPELINE = (
     "PipeshardParallel: MarkerError 'output model.decoder.layers_0.mlp.wi_0.kernel.value "
     "uses values computed from the batch other than through the gradients' (raised in "
-    "autopar/frontend/split.py split_step, from planner/pipeline.py prepare). MaxText "
+    "autopar/frontend/split.py split_step, from frontend/pipeline.py trace_pipelined). MaxText "
     "calls each layer through jax.checkpoint of a function of the layer's NNX state "
     "(layers/nnx_decoders.py), as nnx.remat does; its remat2 equation returns the "
     "parameters unchanged. The pipeline traces the loss's forward pass outside the "

@@ -11,8 +11,10 @@ random draws per row (``rng.py``), the user's sharding hints
 (``hints.py``), repeated layers checkpointed one by one (``remat.py``)
 and the stacked gradients a scan makes (``gradstack.py``), a jaxpr
 interpreter under pins (``evaluate.py``), the loss function captured as
-one call (``capture.py``), and for pipelines its forward program ``P``
-(``program.py``) and the stages cut out of it (``stages.py``).
+one call (``capture.py``), and for pipelines the step traced for one
+(``pipeline.py``), its forward program ``P`` (``program.py``), the stages
+cut out of it (``cut.py``, ``stages.py``) and the update cut per stage
+(``apply_segments.py``).
 
 Imports only the shared leaves (errors, jax_compat, version, text, disk).
 """

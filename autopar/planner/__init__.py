@@ -11,10 +11,9 @@ prices layouts); the presets' (DataParallel, ZeRO-2/3) are priced alike
 pins for ``explain`` (``replan.py``), from the problems they keep, in this
 process or read back from their JSON (``solved.py``: the problems and what
 turns their solutions into plans; ``ilp_saved.py``: a problem as data). For
-pipelines: where layers start
-(``layers.py``), one ILP per stage (``stage.py``), the stage and submesh
-search (``stage_search.py``), the update cut into per-stage segments
-(``apply_segments.py``), and the pipeline's plan (``pipeline.py``).
+pipelines: where layers start (``layers.py``), one ILP per stage
+(``stage.py``), the stage and submesh search (``stage_search.py``), and the
+pipeline's plan (``pipeline.py``).
 
 Imports the plan and method, the costs, the front end and the shared
 leaves.

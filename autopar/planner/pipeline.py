@@ -1,196 +1,65 @@
 """From a traced step to a planned pipeline.
 
-:func:`prepare` traces the step with the loss function captured
-(``frontend/capture.py``) and builds ``P`` and its layers; :func:`plan_pipeline`
-picks the stages, their submeshes and their plans (``stage_search.py``,
+:func:`prepare` traces the step for a pipeline (``frontend/pipeline.py``)
+and finds its layers (``layers.py``); :func:`plan_pipeline` picks the
+stages, their submeshes and their plans (``stage_search.py``,
 ``stage.py``) and returns the :class:`~autopar.Plan`;
-:func:`~autopar.runtime.pipeline_build.compile_pipeline` then compiles each
-stage on its submesh
-and returns the runnable :class:`~autopar.runtime.pipeline.PipelineStep`.
+``backend/pipeline_build.py`` then compiles each stage on its submesh and
+``runtime/pipeline.py`` runs them in the schedule's order.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from typing import Any
 
-from jax.extend.core import Literal
 from jax.sharding import PartitionSpec
 
 from autopar.costs.cost_model import assumed_costs, dtype_name
-from autopar.errors import InputError, MarkerError, PlanError
-from autopar.frontend.hints import check_hints, find_hints, model_axes
-from autopar.frontend.loss import check_loss
+from autopar.costs.submesh import tile
+from autopar.errors import PlanError
+from autopar.frontend.cut import cut, home_specs, stage_specs
+from autopar.frontend.hints import model_axes
+from autopar.frontend.pipeline import Context, Prepared, trace_pipelined
+from autopar.frontend.split import OutputKind
 from autopar.method import PipeshardParallel, auto_mesh, axis_sizes_of, resolve_mesh
-from autopar.frontend.capture import capture_mode
-from autopar.planner.stage import Context, cut
+from autopar.plan import Plan, StagePlan, ValuePlan
 from autopar.planner.layers import layer_starts
-from autopar.frontend.program import build_program
+from autopar.planner.shard import donation_pairs
 from autopar.planner.stage_search import (StageChoice, first_pass_time, forward_seconds,
                                           search)
-from autopar.costs.submesh import tile
-from autopar.plan import Plan, StagePlan, ValuePlan
-from autopar.planner.shard import donation_pairs
-from autopar.frontend.remat import remat_mode
-from autopar.frontend.retype import lowers_with_devices
-from autopar.frontend.rows import RowOracle
-from autopar.frontend.split import BY_DEVICE, OutputKind, SplitStep, apply_at, split_step
-from autopar.frontend.trace import (check_batch_leaves, eqns_by_path, trace_step,
-                                    trace_step_any_batch)
 
-__all__ = ["Prepared", "prepare", "plan_pipeline", "FinalInfo", "home_specs",
-           "update_leaf_specs"]
-
-
-@dataclasses.dataclass(frozen=True)
-class FinalInfo:
-  """How one output of ``P`` is combined over micro-batches: ``op`` over
-  per-device values, or concatenated along ``row_dim``; ``None`` op and
-  row_dim: not a step output (a seeded loss that is not returned)."""
-  op: str | None
-  row_dim: int | None
-
-
-@dataclasses.dataclass
-class Prepared:
-  """A step traced for pipelining, and its context for planning."""
-  split: SplitStep
-  ctx: Context
-  batch: int
-  finals: dict
+__all__ = ["prepare", "plan_pipeline"]
 
 
 def prepare(fun, args, prep, method: PipeshardParallel, *, name: str,
             output_reductions=None) -> Prepared:
-  """Traces the step ``fun`` (``args``: its arguments for tracing; ``prep``:
-  their leaves, flags, inputs and names, as ``api`` prepared them) with the
-  loss function captured, and builds ``P``."""
+  """Traces the step ``fun`` for ``method``'s pipeline (``args``: its
+  arguments for tracing; ``prep``: their leaves, flags, inputs and names,
+  as ``api`` prepared them) and finds its layers: the step with what
+  planning its stages reads."""
   mesh = resolve_mesh(method)
-  n = method.micro_batches
-  batch = check_batch_leaves(prep.leaves, num_micro_batches=n, data_axes=(),
-                             data_size=1, fn_name=name)
-  if not batch:
-    raise InputError(f"{name}: PipeshardParallel streams micro-batches through the "
-                     f"stages, but the step has no batch argument. Fix: say which "
-                     f"arguments hold the batch with batch_argnums=.")
-  micro = batch // n
-  failures: list = []
-  with capture_mode(), remat_mode("none"):
-    traced = trace_step_any_batch(fun, args, prep.flags,
-                                  prep.leaves, prep.inputs, mesh=auto_mesh(mesh),
-                                  names=prep.names, failures=failures)
-  if traced is None:
-    # The step's own error first: traced at a micro-batch's rows, it fails
-    # as the user wrote it (or with what the batch split does to it).
-    with capture_mode(), remat_mode("none"):
-      trace_step(fun, args, prep.flags, prep.leaves,
-                 prep.inputs, micro_batch_size=micro, mesh=auto_mesh(mesh),
-                 names=prep.names)
-    why = failures[0] if failures else None
-    raise InputError(
-        f"{name}: PipeshardParallel plans the step at a symbolic batch size, and this "
-        f"step cannot be traced so (its shapes depend on the batch size in a way "
-        f"autopar cannot follow"
-        f"{f': {type(why).__name__}: {why}' if why is not None else ''}). Fix: use "
-        f"ShardParallel, or keep the batch size out of the step's Python logic.")
-  split = split_step(traced, fn_name=name, output_reductions=output_reductions,
-                     pipeline=True)
-  if not split.has_marker:
-    raise MarkerError(f"{name}: PipeshardParallel needs the gradients from "
-                      f"autopar.value_and_grad / autopar.grad (the grad marker).")
-  through = _check_loss(split, name, n)
-  if through:
-    warnings.warn(
-        f"autopar: the gradient of the loss of {split.loss.name} needs values the "
-        f"stages compute (sums over the rows that depend on the parameters, a ratio "
-        f"or a log of such sums, or a parameter-dependent factor of one) over the "
-        f"whole batch before any backward pass; a first pass runs the stages' "
-        f"forward passes once more per step (plan.summary() gives its time).",
-        stacklevel=4)
-  compute = split.compute.jaxpr
-  values = split.loss.values
-  program = build_program(split.traced.jaxpr, leaves=traced.leaves,
-                          grads=compute.outvars[:split.num_grads],
-                          outs=compute.outvars[split.num_grads:], loss=split.loss,
-                          first=[*values.sums, *values.inputs] if through else (),
-                          fn_name=name)
-  analysis = program.analysis(RowOracle.symbolic())
-  hints = find_hints("compute", eqns_by_path(program.jaxpr), RowOracle.symbolic())
-  check_hints(hints, axis_sizes_of(mesh), (), f"{name} under PipeshardParallel")
-  total = math.prod(axis_sizes_of(mesh).values())
-  layers = layer_starts(program, analysis, method.layers, max_layers=max(2 * total, 8),
-                        rows=micro)
-  apply = apply_at(split, batch)
+  sizes = axis_sizes_of(mesh)
+  t = trace_pipelined(fun, args, prep, n=method.micro_batches, mesh=auto_mesh(mesh),
+                      axis_sizes=sizes, name=name, output_reductions=output_reductions)
+  split, program = t.split, t.program
+  layers = layer_starts(program, t.analysis, method.layers,
+                        max_layers=max(2 * math.prod(sizes.values()), 8), rows=t.micro)
   # Step outputs that replace donated leaves, by update output.
   donation = {}
-  for o, leaf in donation_pairs(traced).items():
+  for o, leaf in donation_pairs(t.traced).items():
     if split.out_kinds[o] is OutputKind.APPLY:
       donation[split.out_index[o]] = leaf
-  ctx = Context(program=program, analysis=analysis, layers=tuple(layers), apply=apply,
-                num_consts=len(split.consts), consts=tuple(split.consts), micro=micro,
-                n=n, batch=batch, donation=donation, grad_names=split.grad_names,
-                leaf_names=tuple(l.path for l in traced.leaves), option=method.option,
+  ctx = Context(program=program, analysis=t.analysis, layers=tuple(layers), apply=t.apply,
+                num_consts=len(split.consts), consts=tuple(split.consts), micro=t.micro,
+                n=method.micro_batches, batch=t.batch, donation=donation,
+                grad_names=split.grad_names,
+                leaf_names=tuple(l.path for l in t.traced.leaves), option=method.option,
                 accumulate=method.grad_accumulation_dtype, remat=method.remat,
-                hint_axes=frozenset(model_axes(hints)),
-                first_until=_first_until(program, analysis),
-                whole_batch=lowers_with_devices(program.jaxpr))
-  return Prepared(split=split, ctx=ctx, batch=batch, finals=_finals(split, program, name))
-
-
-def _check_loss(split: SplitStep, name: str, n: int) -> bool:
-  """The loss as a pipeline can seed it (``loss.py``): derived, from
-  constant seeds. Returns whether the values its cotangents read need a
-  first pass through the stages: sums over the batch that depend on the
-  parameters (a ratio, a log or a product of such sums: a mixture of
-  experts' load-balancing loss), or a factor that depends on them."""
-  loss = split.loss
-  check_loss(loss, name, f"{n} micro-batch(es) and the pipeline stages' devices")
-  values = loss.values
-  if any(not isinstance(v, Literal) for v in values.seeds):
-    raise MarkerError(f"{name}: the loss's cotangent seed is computed from the "
-                      f"step's inputs; PipeshardParallel needs a constant seed (as "
-                      f"autopar.value_and_grad gives).")
-  return bool(loss.num_sums and loss.forward_sums) or not all(values.fixed)
-
-
-def _first_until(program, analysis) -> int:
-  """``Context.first_until``: after the last equation of ``P`` that makes a
-  first-pass output (one made by no stage's own equation, or by a floating
-  one, is the last stage's)."""
-  out = 0
-  for j in program.first_outputs:
-    v = program.jaxpr.outvars[j]
-    i = analysis.producer.get(v) if not isinstance(v, Literal) else None
-    out = max(out, len(program.eqns) if i is None or i in analysis.floating else i + 1)
-  return out
-
-
-def _finals(split: SplitStep, program, name: str) -> dict[int, FinalInfo]:
-  """How each output of ``P`` is combined over micro-batches."""
-  out = {j: FinalInfo(None, None) for j in range(program.num_seeded)}
-  base = program.num_seeded
-  for r, op in enumerate(split.reduced):
-    out[base + r] = FinalInfo(op, None)
-  base += len(split.reduced)
-  for o, (kind, idx) in enumerate(zip(split.out_kinds, split.out_index, strict=True)):
-    if kind is OutputKind.APPLY:
-      continue
-    if kind is OutputKind.CONCAT:
-      out[base + idx] = FinalInfo(None, split.out_dims[o].dim)
-    elif kind in BY_DEVICE:
-      out[base + idx] = FinalInfo(BY_DEVICE[kind], None)
-    else:
-      why = split.why.get(o, "it cannot be combined over micro-batches")
-      raise InputError(
-          f"{name}: output {split.traced.out_paths[o]} is computed from the batch "
-          f"before the gradient marker and autopar cannot tell how to combine it "
-          f"over micro-batches and devices: {why}. Fix: say how with "
-          f"parallelize(..., output_reductions={{...: 'mean'}}).")
-  for j in program.first_outputs:       # (the first pass combines them)
-    out[j] = FinalInfo(None, None)
-  return out
+                hint_axes=frozenset(model_axes(t.hints)), first_until=t.first_until,
+                whole_batch=t.whole_batch)
+  return Prepared(split=split, ctx=ctx, batch=t.batch, finals=t.finals)
 
 
 # -- the stages' layout --------------------------------------------------------------
@@ -212,7 +81,7 @@ def _plan_of(pre: Prepared, method, mesh, cut_, choices) -> Plan:
   for s, (st, ch) in enumerate(zip(cut_.stages, choices, strict=True)):
     values = []
     params = []
-    for leaf, spec, kind in _stage_specs(ctx, st, ch):
+    for leaf, spec, kind in stage_specs(ctx, st, ch):
       info = leaves[leaf]
       if kind == "root":
         params.append(ctx.leaf_names[leaf])
@@ -247,34 +116,6 @@ def _plan_of(pre: Prepared, method, mesh, cut_, choices) -> Plan:
               collectives=tuple(c for ch in choices for c in ch.collectives),
               schedule=method.schedule, costs=assumed_costs(sizes, method.option),
               grad_inputs=tuple(grad_inputs))
-
-
-def _stage_specs(ctx, st, ch: StageChoice):
-  """(argument leaf, spec, kind) of what stage ``st`` holds on its submesh:
-  its roots that are argument leaves ("root"), the other leaves it reads
-  ("leaf"; batch leaves split over its batch axes) and the leaves only its
-  update reads ("update")."""
-  program = ctx.program
-  for k, spec in zip(st.roots, ch.root_specs, strict=True):
-    leaf = program.roots[k].leaf
-    if leaf is not None:
-      yield leaf, spec, "root"
-  for leaf, spec in zip(st.leaves, ch.leaf_specs, strict=True):
-    if program.leaves[leaf].is_batch:
-      spec = PartitionSpec(ch.batch_axes or None)
-    yield leaf, spec, "leaf"
-  for leaf, spec in update_leaf_specs(ctx, ch):
-    yield leaf, spec, "update"
-
-
-def home_specs(ctx, cut_, choices) -> dict[int, PartitionSpec]:
-  """Argument leaf -> its spec on the stage it lives on (``cut_.leaf_home``)."""
-  out: dict[int, PartitionSpec] = {}
-  for s, (st, ch) in enumerate(zip(cut_.stages, choices, strict=True)):
-    for leaf, spec, _ in _stage_specs(ctx, st, ch):
-      if cut_.leaf_home.get(leaf) == s:
-        out.setdefault(leaf, spec)
-  return out
 
 
 def _in_flight(schedule: str, S: int, n: int) -> list[int]:
@@ -347,12 +188,3 @@ def _saved(pre: Prepared, method, mesh, plan: Plan):
         time_per_step=sp.time_per_step, memory=sp.memory_per_device,
         send_bytes=sp.bytes_to_next, send_seconds=sp.send_seconds))
   return c, choices
-
-
-def update_leaf_specs(ctx, ch: StageChoice):
-  """(argument leaf, spec) of the leaves only the stage's update reads
-  (optimizer state), as its plan gives them."""
-  aj = ctx.apply.jaxpr
-  nc, nl = ctx.num_consts, len(ctx.program.leaves)
-  index = {v: k - nc for k, v in enumerate(aj.invars) if nc <= k < nc + nl}
-  return [(index[v], spec) for v, spec in ch.update_specs.items() if v in index]

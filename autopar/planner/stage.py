@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -36,157 +35,14 @@ from autopar.costs.cost_model import MeshCost, num_bytes
 from autopar.costs.devices import platform_of
 from autopar.errors import InputError, PlanError
 from autopar.frontend.hints import check_pins, entry_axes
-from autopar.planner.ilp import ShardingProblem
-from autopar.planner.apply_segments import ApplyPartition, partition_apply
+from autopar.frontend.cut import Cut, stage_functions
+from autopar.frontend.pipeline import Context
 from autopar.frontend.program import Analysis, Program
-from autopar.frontend.stages import (StageFunctions, StageProgram, forward_backward,
-                                     instantiate_stage, stage_program)
+from autopar.frontend.stages import StageFunctions, StageProgram
+from autopar.planner.ilp import ShardingProblem
 
-__all__ = ["Context", "Cut", "cut", "StageIO", "StageSolution", "solve_stage",
-           "stage_batch_axes"]
-
-
-@dataclasses.dataclass
-class Context:
-  """What planning the stages reads of one step.
-
-  Attributes:
-    program, analysis: ``P`` and what ``frontend/program.py`` read of it.
-    layers: positions of ``P`` where layers start (the first is 0).
-    apply: the update (at the whole batch's shapes), its invars the step's
-      consts, the argument leaves, the gradients, the reductions.
-    num_consts: the step's consts (leading invars of ``P`` and the update).
-    consts: their values.
-    micro: rows of one micro-batch (all devices); n: micro-batches; batch:
-      rows of the whole batch.
-    donation: update output index -> the argument leaf it replaces.
-    grad_names: per gradient, its name.
-    leaf_names: per argument leaf, its path.
-    option: the method's AutoShardingOption; accumulate: its
-      grad_accumulation_dtype; remat: its remat.
-    hint_axes: the mesh axes the step's sharding hints put on dimensions
-      that do not hold rows (``hints.model_axes``): no stage splits its
-      batch over them.
-    first_until: with a first pass through the stages
-      (``Program.num_first``), the position of ``P`` after the last
-      equation that makes what it computes: the stages that start before
-      it run in it; 0 without one.
-    whole_batch: the step holds an op JAX lowers with the devices in hand
-      (``retype.lowers_with_devices``): a stage's batch is split over
-      every axis of its submesh or none (``stage_batch_axes``).
-  """
-  program: Program
-  analysis: Analysis
-  layers: tuple[int, ...]
-  apply: ClosedJaxpr
-  num_consts: int
-  consts: tuple
-  micro: int
-  n: int
-  batch: int
-  donation: dict
-  grad_names: tuple[str, ...]
-  leaf_names: tuple[str, ...]
-  option: Any
-  accumulate: str | None
-  remat: Any = "none"
-  hint_axes: frozenset = frozenset()
-  first_until: int = 0
-  whole_batch: bool = False
-  cache: dict = dataclasses.field(default_factory=dict)
-
-  @property
-  def num_layers(self) -> int:
-    return len(self.layers)
-
-  def layer_range(self, first: int, last: int) -> tuple[int, int]:
-    """Positions of ``P`` that layers ``[first, last)`` cover."""
-    n = len(self.program.eqns)
-    hi = self.layers[last] if last < len(self.layers) else n
-    return self.layers[first], hi
-
-
-@dataclasses.dataclass
-class Cut:
-  """``P`` cut into stages.
-
-  Attributes:
-    layers: per stage, its layers ``(first, last)``.
-    ranges: per stage, the positions of ``P`` it covers.
-    stages: per stage, its program.
-    leaf_home: argument leaf -> the stage its array lives on (the first that
-      reads it; the update's own state: the first whose update reads it).
-    root_home: root -> the stage whose gradient of it is the gradient.
-    final_stage: output of ``P`` -> the stage that makes it.
-    apply: the update cut per stage.
-  """
-  layers: list[tuple[int, int]]
-  ranges: list[tuple[int, int]]
-  stages: list[StageProgram]
-  leaf_home: dict[int, int]
-  root_home: dict[int, int]
-  final_stage: dict[int, int]
-  apply: ApplyPartition
-
-  @property
-  def num_stages(self) -> int:
-    return len(self.stages)
-
-
-def cut(ctx: Context, layers: Sequence[tuple[int, int]]) -> Cut:
-  """``P`` cut into stages of consecutive ``layers`` ((first, last) each)."""
-  key = ("cut", tuple(layers))
-  if key in ctx.cache:
-    return ctx.cache[key]
-  program = ctx.program
-  ranges = [ctx.layer_range(a, b) for a, b in layers]
-  stages = [stage_program(program, ctx.analysis, ranges, s) for s in range(len(ranges))]
-  leaf_home: dict[int, int] = {}
-  root_home: dict[int, int] = {}
-  final_stage: dict[int, int] = {}
-  for s, st in enumerate(stages):
-    for k in st.roots:
-      root_home.setdefault(k, s)
-      leaf = program.roots[k].leaf
-      if leaf is not None:
-        leaf_home.setdefault(leaf, s)
-    for leaf in st.leaves:
-      leaf_home.setdefault(leaf, s)
-    for j in st.finals:
-      final_stage[j] = s
-  for k, r in enumerate(program.roots):
-    if r.leaf is not None:
-      # A parameter no stage reads (its gradient is zero) lives on the last.
-      root_home[k] = leaf_home.setdefault(r.leaf, len(stages) - 1)
-  aj = ctx.apply.jaxpr
-  nc, nl = ctx.num_consts, len(program.leaves)
-  homes = {}
-  for leaf, s in leaf_home.items():
-    homes[aj.invars[nc + leaf]] = s
-  grads = aj.invars[nc + nl:nc + nl + len(program.grad_roots)]
-  for v, k in zip(grads, program.grad_roots, strict=True):
-    homes[v] = root_home[k]
-  reduced = aj.invars[nc + nl + len(program.grad_roots):]
-  for r, v in enumerate(reduced):
-    homes[v] = final_stage[program.num_seeded + r]
-  donated = {j: aj.invars[nc + leaf] for j, leaf in ctx.donation.items()}
-  apply = partition_apply(aj, homes, len(stages), donated)
-  for v, s in apply.home.items():
-    k = _leaf_of(aj, v, nc, nl)
-    if k is not None:
-      leaf_home.setdefault(k, s)
-  out = Cut(layers=list(layers), ranges=ranges, stages=stages, leaf_home=leaf_home,
-            root_home=root_home, final_stage=final_stage, apply=apply)
-  ctx.cache[key] = out
-  return out
-
-
-def _leaf_of(apply_jaxpr, v, nc: int, nl: int) -> int | None:
-  try:
-    k = apply_jaxpr.invars.index(v)
-  except ValueError:
-    return None
-  return k - nc if nc <= k < nc + nl else None
+__all__ = ["StageIO", "StageSolution", "solve_stage", "stage_batch_axes", "update_inputs",
+           "act_name"]
 
 
 # -- the stage's problem ---------------------------------------------------------------
@@ -277,48 +133,6 @@ def stage_batch_axes(ctx: Context, sizes: dict[str, int]) -> list[tuple[str, ...
         f"custom_partitioning op). Fix: force all of the stage's axes or none, or "
         f"drop force_batch_dim_to_mesh_dim.")
   return out or [()]
-
-
-def stage_functions(ctx: Context, st: StageProgram, rows: int) -> StageFunctions:
-  """The stage's forward and backward passes as jaxprs at ``rows`` rows per
-  micro-batch (``stages.StageFunctions``; cached in ``ctx``)."""
-  key = ("functions", st.signature(), rows, _remat_key(ctx.remat))
-  if key not in ctx.cache:
-    g, draws, _ = instantiate_stage(st, rows)
-    groups = _layer_groups(ctx, st, g) if ctx.remat != "none" else None
-    policy = None if ctx.remat in ("none", "layers") else ctx.remat
-    ctx.cache[key] = forward_backward(st, g, draws, total_rows=ctx.batch,
-                                      remat_groups=groups, policy=policy)
-  return ctx.cache[key]
-
-
-def _remat_key(remat):
-  return remat if isinstance(remat, str) else id(remat)
-
-
-def _layer_groups(ctx: Context, st: StageProgram, g: Jaxpr) -> list[tuple[int, int]]:
-  """Equation ranges of ``g`` for the stage's layers (floating equations
-  join the first), checkpointed one by one under ``remat``."""
-  starts = [p for p in ctx.layers if st.lo < p < st.hi]
-  # g's equations are P's (written out) in P's order, floating ones included:
-  # split where P's layers start, counted in g's equations.
-  eqns = st.jaxpr.eqns
-  index = {id(e): i for i, e in enumerate(ctx.program.eqns)}
-  pos = [index[id(e)] for e in eqns]
-  bounds = [0]
-  for p in starts:
-    k = next((j for j, q in enumerate(pos) if q >= p and q not in
-              ctx.analysis.floating), len(pos))
-    if bounds[-1] < k < len(pos):
-      bounds.append(k)
-  # g has the equations of st.jaxpr minus the symbolic ones written out
-  # (dim_as_value): map by counting the others.
-  kept = [j for j, e in enumerate(eqns) if e.primitive.name != "dim_as_value"]
-  where = {j: k for k, j in enumerate(kept)}
-  gb = sorted({where.get(b, next((where[j] for j in kept if j >= b), len(kept)))
-               for b in bounds})
-  gb = [b for b in gb if b < len(g.eqns)]
-  return [(a, b) for a, b in zip(gb, gb[1:] + [len(g.eqns)]) if a < b]
 
 
 def _io(ctx: Context, cut_: Cut, s: int, fns: StageFunctions, update_inputs) -> StageIO:

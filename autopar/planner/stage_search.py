@@ -50,7 +50,8 @@ from autopar.costs.cost_model import DEFAULT_ALPHA, DEFAULT_BETA
 from autopar.errors import InputError, PlanError
 from autopar.method import accumulation_dtype, axis_sizes_of
 from autopar.plan import CollectivePlan
-from autopar.planner.stage import update_inputs, cut, solve_stage, stage_batch_axes
+from autopar.frontend.cut import cut
+from autopar.planner.stage import update_inputs, solve_stage, stage_batch_axes
 from autopar.planner.layers import value_bytes
 from autopar.frontend.program import sizer
 from autopar.costs.submesh import block_shapes, fits, link_axis, tile

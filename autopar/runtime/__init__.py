@@ -7,9 +7,9 @@ is the runtime interface, the local runtime and the active one, with
 checkpoints (``checkpoint.py``); ``cluster.py`` and ``host_worker.py`` run
 the same step on every host of a Ray cluster (``shards.py``: which shards
 each host holds). For pipelines: the 1F1B and GPipe schedules
-(``schedule.py``), values moved between submeshes (``transfer.py``), the
-runnable step built from the planned stages (``pipeline_build.py``) and its
-run loop (``pipeline.py``).
+(``schedule.py``), values moved between submeshes (``transfer.py``), and the
+runnable step assembled from the back end's executables, with its run loop
+(``pipeline.py``).
 
 Imports the back end, the planner, the plan and method, the costs, the
 front end and the shared leaves.

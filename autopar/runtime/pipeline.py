@@ -15,7 +15,7 @@ One call of :meth:`PipelineStep.run`:
 3. syncs each stage's gradients once (``sync``) and adds the partial
    gradients of parameters that several stages read (tied embeddings) on
    the parameter's own stage;
-4. runs the update's segments (``planner/apply_segments.py``) in order, each on its stage's
+4. runs the update's segments (``frontend/apply_segments.py``) in order, each on its stage's
    submesh, moving the few values that cross stages (a global norm);
 5. combines the outputs over micro-batches (the loss, per-example outputs).
 
@@ -40,19 +40,28 @@ import numpy as np
 from jax.extend.core import Var
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jax.sharding import AbstractMesh
+
 from autopar import jax_compat as jc
 from autopar.backend.gradients import combine_groups
-from autopar.frontend.loss import SHARE
-from autopar.planner.apply_segments import Segment
 from autopar.backend.lowering_errors import explained
+from autopar.backend.pipeline_build import (ApplySegment, SumsPass, apply_segments,
+                                            build_stages, inputs_pass, sums_pass_of)
 from autopar.backend.stage_executables import StageExecutables
+from autopar.costs.submesh import tile
+from autopar.errors import PlanError
+from autopar.frontend.cut import home_specs
+from autopar.frontend.loss import SHARE
+from autopar.frontend.pipeline import Prepared
 from autopar.frontend.program import Program
-from autopar.runtime.schedule import Task
+from autopar.frontend.split import OutputKind, SplitStep, scale_at
 from autopar.frontend.stages import StageProgram
-from autopar.runtime.transfer import move
-from autopar.frontend.split import OutputKind, SplitStep
+from autopar.method import PipeshardParallel, axis_sizes_of
+from autopar.plan import submesh
+from autopar.runtime.schedule import Task, dispatch_order, stage_tasks
+from autopar.runtime.transfer import check_movable, move
 
-__all__ = ["PipelineStep", "ApplySegment", "LossSeeds", "SumsPass"]
+__all__ = ["PipelineStep", "LossSeeds", "PipelineExecutable", "compile_pipeline"]
 
 
 # Sums of cotangents and of partial gradients (a value several stages read):
@@ -67,28 +76,6 @@ def _per_device_bytes(tree) -> int:
     if isinstance(x, jax.Array) and x.addressable_shards:   # (none: another host's)
       total += x.addressable_shards[0].data.nbytes
   return total
-
-
-@dataclasses.dataclass(frozen=True)
-class ApplySegment:
-  """An update segment, jitted for its stage's submesh."""
-  segment: Segment
-  fn: Any
-  donate: tuple[int, ...]          # input positions donated
-  out_specs: tuple                 # per output: spec on the submesh, or None
-
-
-@dataclasses.dataclass(frozen=True)
-class SumsPass:
-  """A pass on one stage's submesh before the schedule: ``fn(*leaves)``
-  gives what the loss's cotangents read (the whole batch's sums; or the
-  step's arguments they read), from the argument ``leaves`` it reads (batch
-  ones as ``[n, M, ...]``), each placed with its spec."""
-  fn: Any
-  stage: int
-  leaves: tuple[int, ...]
-  batch: tuple[bool, ...]
-  specs: tuple
 
 
 @dataclasses.dataclass(eq=False)
@@ -491,6 +478,64 @@ class PipelineStep:
       outs.append(apply_outs[idx] if kind is OutputKind.APPLY
                   else combined[micro_base + idx])
     return outs
+
+
+# -- building the step -------------------------------------------------------------
+
+def compile_pipeline(pre: Prepared, method: PipeshardParallel, mesh, cut_,
+                     choices) -> PipelineStep:
+  """The runnable pipeline for the stages ``choices`` of ``cut_``."""
+  ctx = pre.ctx
+  program = ctx.program
+  split = pre.split
+  if isinstance(mesh, AbstractMesh):
+    raise PlanError("PipeshardParallel: the mesh is an AbstractMesh, which can be "
+                    "planned for but not run on. Fix: use .plan(*args) to plan, and "
+                    "run with a concrete mesh.")
+  tile(tuple(axis_sizes_of(mesh).values()), [c.shape for c in choices])
+  # Across hosts: stages that may exchange values (any two: activations,
+  # shared parameters, their gradients) must be movable between.
+  meshes = [submesh(mesh, c.offset, c.shape) for c in choices]
+  for s, a in enumerate(meshes):
+    for t, b in enumerate(meshes[s + 1:], s + 1):
+      check_movable(a.devices.flat, b.devices.flat,
+                    what=f"a value of stage {s} (to or from stage {t})")
+  exes = build_stages(pre, mesh, cut_, choices)
+  homes = home_specs(ctx, cut_, choices)
+  segments = apply_segments(pre, cut_, exes, homes)
+  order = dispatch_order(stage_tasks(method.schedule, cut_.num_stages, ctx.n))
+  return PipelineStep(
+      seeds=_loss_seeds(pre, cut_, exes),
+      split=dataclasses.replace(split, apply=ctx.apply), program=program,
+      stages=list(cut_.stages), exes=exes, segments=segments, order=order, n=ctx.n,
+      micro=ctx.micro, root_home=dict(cut_.root_home),
+      final_stage=dict(cut_.final_stage), finals=pre.finals,
+      apply_consts=tuple(ctx.consts), leaf_home=dict(cut_.leaf_home),
+      home_specs=homes)
+
+
+def _loss_seeds(pre: Prepared, cut_, exes) -> LossSeeds:
+  """How a pipelined step seeds the loss's entries (``loss.py``): with the
+  whole batch's cotangents, over the micro-batches and devices of the stage
+  that makes an entry where every group shares it. What they read comes
+  from a first pass: through the stages where it depends on the parameters
+  (``Program.num_first``); else sums the parameters do not change (a token
+  count) from a pass on the last entry's stage, and the step's arguments."""
+  ctx, split = pre.ctx, pre.split
+  loss = split.loss
+  program = ctx.program
+  owner = tuple(cut_.final_stage[j] for j in range(program.num_seeded))
+  groups = tuple(ctx.n * exes[s].layout.devices for s in owner)
+  seeds = tuple(np.asarray(v.val) for v in loss.values.seeds)
+  common = dict(scale=scale_at(split, ctx.batch), kinds=tuple(loss.kinds), seeds=seeds,
+                owner=owner, groups=groups)
+  if program.num_first:
+    return LossSeeds(**common, through=program.first_outputs,
+                     sum_ops=tuple(loss.sum_ops))
+  s = owner[-1] if owner else len(exes) - 1
+  first = sums_pass_of(pre, exes[s].layout, s) if loss.num_sums else None
+  inputs = inputs_pass(pre, exes[s].layout, s) if loss.values.inputs else None
+  return LossSeeds(**common, first=first, inputs=inputs)
 
 
 @dataclasses.dataclass(eq=False)

@@ -1,8 +1,8 @@
-"""From a planned pipeline to the runnable step: each stage compiled on its
-submesh (``backend/stage_executables.py``), the passes before the schedule (the loss's
-sums, the arguments its cotangents read), the update's segments, and the
-:class:`~autopar.runtime.pipeline.PipelineStep` that runs them in the
-schedule's order. (Planning is ``planner/pipeline.py``'s.)"""
+"""A planned pipeline's executables: each stage compiled on its submesh
+(``stage_executables.py``), the passes before the schedule (the loss's sums,
+the arguments its cotangents read) and the update's segments, each jitted
+on its stage's submesh. ``runtime/pipeline.py`` runs them in the
+schedule's order; planning is ``planner/pipeline.py``'s."""
 
 from __future__ import annotations
 
@@ -13,57 +13,63 @@ import jax
 import numpy as np
 from jax import lax
 from jax.extend.core import Var
-from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar import jax_compat as jc
+from autopar.backend.gradients import sums_pass
+from autopar.backend.stage_executables import StageExecutables, StageLayout, build_stage
 from autopar.disk import use_compilation_cache
-from autopar.errors import InputError, PlanError
+from autopar.errors import InputError
+from autopar.frontend.apply_segments import Segment
+from autopar.frontend.cut import stage_functions
 from autopar.frontend.evaluate import Rules, eqn_at, eval_jaxpr
 from autopar.frontend.hints import hint_rule
-from autopar.backend.gradients import sums_pass
-from autopar.method import PipeshardParallel, axis_sizes_of
-from autopar.planner.pipeline import Prepared, home_specs
-from autopar.backend.stage_executables import StageLayout, build_stage
-from autopar.planner.stage import stage_functions
-from autopar.runtime.pipeline import ApplySegment, LossSeeds, PipelineStep, SumsPass
-from autopar.runtime.schedule import dispatch_order, stage_tasks
-from autopar.costs.submesh import tile
-from autopar.runtime.transfer import check_movable
-from autopar.plan import submesh
+from autopar.frontend.pipeline import Prepared
 from autopar.frontend.retype import Instantiator, has_hints
 from autopar.frontend.rng import DRAW_PRIMITIVES, cannot_cut, find_draws
 from autopar.frontend.rows import ROWS_NAME, RowOracle
-from autopar.frontend.split import dce, renumbered, scale_at
+from autopar.frontend.split import dce, renumbered
 from autopar.frontend.trace import eqns_by_path
+from autopar.plan import submesh
 
-__all__ = ["compile_pipeline"]
+__all__ = ["ApplySegment", "SumsPass", "build_stages", "sums_pass_of", "inputs_pass",
+           "apply_segments"]
 
 
-def compile_pipeline(pre: Prepared, method: PipeshardParallel, mesh, cut_,
-                     choices) -> PipelineStep:
-  """The runnable pipeline for the stages ``choices`` of ``cut_``."""
+@dataclasses.dataclass(frozen=True)
+class ApplySegment:
+  """An update segment, jitted for its stage's submesh."""
+  segment: Segment
+  fn: Any
+  donate: tuple[int, ...]          # input positions donated
+  out_specs: tuple                 # per output: spec on the submesh, or None
+
+
+@dataclasses.dataclass(frozen=True)
+class SumsPass:
+  """A pass on one stage's submesh before the schedule: ``fn(*leaves)``
+  gives what the loss's cotangents read (the whole batch's sums; or the
+  step's arguments they read), from the argument ``leaves`` it reads (batch
+  ones as ``[n, M, ...]``), each placed with its spec."""
+  fn: Any
+  stage: int
+  leaves: tuple[int, ...]
+  batch: tuple[bool, ...]
+  specs: tuple
+
+
+def build_stages(pre: Prepared, mesh, cut_, choices) -> list[StageExecutables]:
+  """Each stage of ``cut_`` compiled on its submesh of ``mesh`` as the
+  planner's ``choices`` lay it out."""
   use_compilation_cache()
   ctx = pre.ctx
   program = ctx.program
-  split = pre.split
-  if isinstance(mesh, AbstractMesh):
-    raise PlanError("PipeshardParallel: the mesh is an AbstractMesh, which can be "
-                    "planned for but not run on. Fix: use .plan(*args) to plan, and "
-                    "run with a concrete mesh.")
-  tile(tuple(axis_sizes_of(mesh).values()), [c.shape for c in choices])
-  # Across hosts: stages that may exchange values (any two: activations,
-  # shared parameters, their gradients) must be movable between.
-  meshes = [submesh(mesh, c.offset, c.shape) for c in choices]
-  for s, a in enumerate(meshes):
-    for t, b in enumerate(meshes[s + 1:], s + 1):
-      check_movable(a.devices.flat, b.devices.flat,
-                    what=f"a value of stage {s} (to or from stage {t})")
   exes = []
-  for s, (st, ch) in enumerate(zip(cut_.stages, choices, strict=True)):
-    sub = submesh(mesh, ch.offset, ch.shape)
+  for st, ch in zip(cut_.stages, choices, strict=True):
     layout = StageLayout(
-        mesh=sub, batch_axes=tuple(ch.batch_axes), micro=ctx.micro, n=ctx.n,
-        root_specs=tuple(ch.root_specs), leaf_specs=tuple(ch.leaf_specs),
+        mesh=submesh(mesh, ch.offset, ch.shape), batch_axes=tuple(ch.batch_axes),
+        micro=ctx.micro, n=ctx.n, root_specs=tuple(ch.root_specs),
+        leaf_specs=tuple(ch.leaf_specs),
         batch_leaf=tuple(program.leaves[k].is_batch for k in st.leaves),
         final_rows=tuple(pre.finals[j].row_dim for j in st.finals),
         grad_specs=tuple(ch.grad_specs), pins=ch.pins, accumulate=ctx.accumulate)
@@ -71,41 +77,7 @@ def compile_pipeline(pre: Prepared, method: PipeshardParallel, mesh, cut_,
     exes.append(build_stage(
         st, fns, layout, step_consts=[ctx.consts[k] for k in st.step_consts],
         fn_consts=[program.consts[k] for k in st.fn_consts]))
-  homes = home_specs(ctx, cut_, choices)
-  segments = _apply_segments(pre, cut_, exes, homes)
-  order = dispatch_order(stage_tasks(method.schedule, cut_.num_stages, ctx.n))
-  return PipelineStep(
-      seeds=_loss_seeds(pre, cut_, exes),
-      split=dataclasses.replace(split, apply=ctx.apply), program=program,
-      stages=list(cut_.stages), exes=exes, segments=segments, order=order, n=ctx.n,
-      micro=ctx.micro, root_home=dict(cut_.root_home),
-      final_stage=dict(cut_.final_stage), finals=pre.finals,
-      apply_consts=tuple(ctx.consts), leaf_home=dict(cut_.leaf_home),
-      home_specs=homes)
-
-
-def _loss_seeds(pre: Prepared, cut_, exes) -> LossSeeds:
-  """How a pipelined step seeds the loss's entries (``loss.py``): with the
-  whole batch's cotangents, over the micro-batches and devices of the stage
-  that makes an entry where every group shares it. What they read comes
-  from a first pass: through the stages where it depends on the parameters
-  (``Program.num_first``); else sums the parameters do not change (a token
-  count) from a pass on the last entry's stage, and the step's arguments."""
-  ctx, split = pre.ctx, pre.split
-  loss = split.loss
-  program = ctx.program
-  owner = tuple(cut_.final_stage[j] for j in range(program.num_seeded))
-  groups = tuple(ctx.n * exes[s].layout.devices for s in owner)
-  seeds = tuple(np.asarray(v.val) for v in loss.values.seeds)
-  common = dict(scale=scale_at(split, ctx.batch), kinds=tuple(loss.kinds), seeds=seeds,
-                owner=owner, groups=groups)
-  if program.num_first:
-    return LossSeeds(**common, through=program.first_outputs,
-                     sum_ops=tuple(loss.sum_ops))
-  s = owner[-1] if owner else len(exes) - 1
-  first = _sums_pass(pre, exes[s].layout, s) if loss.num_sums else None
-  inputs = _inputs_pass(pre, exes[s].layout, s) if loss.values.inputs else None
-  return LossSeeds(**common, first=first, inputs=inputs)
+  return exes
 
 
 def _pass_program(pre: Prepared, outputs) -> tuple[Any, tuple[int, ...]]:
@@ -119,7 +91,7 @@ def _pass_program(pre: Prepared, outputs) -> tuple[Any, tuple[int, ...]]:
   return program, tuple(k for k, v in enumerate(program.invars[nc:]) if v in used)
 
 
-def _inputs_pass(pre: Prepared, layout: StageLayout, stage: int) -> SumsPass:
+def inputs_pass(pre: Prepared, layout: StageLayout, stage: int) -> SumsPass:
   """The values besides sums that the loss's cotangents read: the step's
   arguments or constants, none of the parameters or the batch (a loss
   times a scale given to the step), computed on stage ``stage``'s submesh."""
@@ -139,7 +111,7 @@ def _inputs_pass(pre: Prepared, layout: StageLayout, stage: int) -> SumsPass:
                   batch=(False,) * len(leaves), specs=(PartitionSpec(),) * len(leaves))
 
 
-def _sums_pass(pre: Prepared, layout: StageLayout, stage: int) -> SumsPass:
+def sums_pass_of(pre: Prepared, layout: StageLayout, stage: int) -> SumsPass:
   """The first pass: the whole batch's sums the loss's cotangents read,
   computed on stage ``stage``'s submesh from the argument leaves they read
   (batch leaves as the stages take them, ``[n, M, ...]``). Its random draws
@@ -208,7 +180,7 @@ def _hint_on(jaxpr, mesh, manual):
       x, spec if manual else NamedSharding(mesh, spec)), manual)
 
 
-def _apply_segments(pre: Prepared, cut_, exes, homes) -> list[ApplySegment]:
+def apply_segments(pre: Prepared, cut_, exes, homes) -> list[ApplySegment]:
   """The update's segments, jitted on their stages' submeshes; a donated
   leaf is donated to the last segment that reads it."""
   ctx = pre.ctx

@@ -34,11 +34,11 @@ with two stages::
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Mapping
 
 from jax.extend.core import Jaxpr, Literal, Var
 
-from autopar.costs.cost_model import num_bytes
 
 __all__ = ["Segment", "ApplyPartition", "partition_apply"]
 
@@ -80,7 +80,7 @@ def _bytes(v) -> int:
   shape = getattr(v.aval, "shape", ())
   if not all(isinstance(d, int) for d in shape):
     return 0
-  return num_bytes(shape, v.aval.dtype)
+  return math.prod(shape) * int(v.aval.dtype.itemsize)
 
 
 def partition_apply(jaxpr: Jaxpr, homes: Mapping[Var, int], num_stages: int,

@@ -1,0 +1,255 @@
+"""A step traced for a pipeline, and what planning its stages reads of it.
+
+:func:`trace_pipelined` traces the step with the loss function captured
+(``capture.py``), splits it at the grad marker (``split.py``) and builds
+``P``, one micro-batch's forward program (``program.py``), with what the
+stage construction reads of it. The planner (``planner/pipeline.py``) adds
+the layers and the method's settings: :class:`Context`, and
+:class:`Prepared`, the step with its context, which the stages are cut from
+(``cut.py``) and compiled from (``backend/pipeline_build.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+from jax.extend.core import ClosedJaxpr, Literal
+
+from autopar.errors import InputError, MarkerError
+from autopar.frontend.capture import capture_mode
+from autopar.frontend.hints import check_hints, find_hints
+from autopar.frontend.loss import check_loss
+from autopar.frontend.program import Analysis, Program, build_program
+from autopar.frontend.remat import remat_mode
+from autopar.frontend.retype import lowers_with_devices
+from autopar.frontend.rows import RowOracle
+from autopar.frontend.split import BY_DEVICE, OutputKind, SplitStep, apply_at, split_step
+from autopar.frontend.trace import (TracedStep, check_batch_leaves, eqns_by_path,
+                                    trace_step, trace_step_any_batch)
+
+__all__ = ["FinalInfo", "Context", "Prepared", "PipelineTrace", "trace_pipelined"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FinalInfo:
+  """How one output of ``P`` is combined over micro-batches: ``op`` over
+  per-device values, or concatenated along ``row_dim``; ``None`` op and
+  row_dim: not a step output (a seeded loss that is not returned)."""
+  op: str | None
+  row_dim: int | None
+
+
+@dataclasses.dataclass
+class Context:
+  """What planning the stages reads of one step.
+
+  Attributes:
+    program, analysis: ``P`` and what ``frontend/program.py`` read of it.
+    layers: positions of ``P`` where layers start (the first is 0).
+    apply: the update (at the whole batch's shapes), its invars the step's
+      consts, the argument leaves, the gradients, the reductions.
+    num_consts: the step's consts (leading invars of ``P`` and the update).
+    consts: their values.
+    micro: rows of one micro-batch (all devices); n: micro-batches; batch:
+      rows of the whole batch.
+    donation: update output index -> the argument leaf it replaces.
+    grad_names: per gradient, its name.
+    leaf_names: per argument leaf, its path.
+    option: the method's AutoShardingOption; accumulate: its
+      grad_accumulation_dtype; remat: its remat.
+    hint_axes: the mesh axes the step's sharding hints put on dimensions
+      that do not hold rows (``hints.model_axes``): no stage splits its
+      batch over them.
+    first_until: with a first pass through the stages
+      (``Program.num_first``), the position of ``P`` after the last
+      equation that makes what it computes: the stages that start before
+      it run in it; 0 without one.
+    whole_batch: the step holds an op JAX lowers with the devices in hand
+      (``retype.lowers_with_devices``): a stage's batch is split over
+      every axis of its submesh or none (``stage_batch_axes``).
+  """
+  program: Program
+  analysis: Analysis
+  layers: tuple[int, ...]
+  apply: ClosedJaxpr
+  num_consts: int
+  consts: tuple
+  micro: int
+  n: int
+  batch: int
+  donation: dict
+  grad_names: tuple[str, ...]
+  leaf_names: tuple[str, ...]
+  option: Any
+  accumulate: str | None
+  remat: Any = "none"
+  hint_axes: frozenset = frozenset()
+  first_until: int = 0
+  whole_batch: bool = False
+  cache: dict = dataclasses.field(default_factory=dict)
+
+  @property
+  def num_layers(self) -> int:
+    return len(self.layers)
+
+  def layer_range(self, first: int, last: int) -> tuple[int, int]:
+    """Positions of ``P`` that layers ``[first, last)`` cover."""
+    n = len(self.program.eqns)
+    hi = self.layers[last] if last < len(self.layers) else n
+    return self.layers[first], hi
+
+
+@dataclasses.dataclass
+class Prepared:
+  """A step traced for pipelining, and its context for planning."""
+  split: SplitStep
+  ctx: Context
+  batch: int
+  finals: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineTrace:
+  """A step traced for pipelining (:func:`trace_pipelined`).
+
+  Attributes:
+    split: the step split at its grad marker, the loss function inlined.
+    traced: the step as traced (its leaves, outputs and donations).
+    program, analysis: ``P`` and what ``program.py`` reads of it.
+    hints: the user's sharding hints in ``P``, by path.
+    batch, micro: rows of the whole batch and of one micro-batch.
+    apply: the update at the whole batch's shapes.
+    finals: per output of ``P``, how it is combined over micro-batches.
+    first_until, whole_batch: as :class:`Context`'s.
+  """
+  split: SplitStep
+  traced: TracedStep
+  program: Program
+  analysis: Analysis
+  hints: dict
+  batch: int
+  micro: int
+  apply: ClosedJaxpr
+  finals: dict
+  first_until: int
+  whole_batch: bool
+
+
+def trace_pipelined(fun, args, prep, *, n: int, mesh, axis_sizes: dict[str, int],
+                    name: str, output_reductions=None) -> PipelineTrace:
+  """Traces the step ``fun`` (``args``: its arguments for tracing; ``prep``:
+  their leaves, flags, inputs and names, as ``api`` prepared them) with the
+  loss function captured, for ``n`` micro-batches on a mesh of
+  ``axis_sizes`` (``mesh``: the one to trace under), and builds ``P``."""
+  batch = check_batch_leaves(prep.leaves, num_micro_batches=n, data_axes=(),
+                             data_size=1, fn_name=name)
+  if not batch:
+    raise InputError(f"{name}: PipeshardParallel streams micro-batches through the "
+                     f"stages, but the step has no batch argument. Fix: say which "
+                     f"arguments hold the batch with batch_argnums=.")
+  micro = batch // n
+  failures: list = []
+  with capture_mode(), remat_mode("none"):
+    traced = trace_step_any_batch(fun, args, prep.flags,
+                                  prep.leaves, prep.inputs, mesh=mesh,
+                                  names=prep.names, failures=failures)
+  if traced is None:
+    # The step's own error first: traced at a micro-batch's rows, it fails
+    # as the user wrote it (or with what the batch split does to it).
+    with capture_mode(), remat_mode("none"):
+      trace_step(fun, args, prep.flags, prep.leaves,
+                 prep.inputs, micro_batch_size=micro, mesh=mesh,
+                 names=prep.names)
+    why = failures[0] if failures else None
+    raise InputError(
+        f"{name}: PipeshardParallel plans the step at a symbolic batch size, and this "
+        f"step cannot be traced so (its shapes depend on the batch size in a way "
+        f"autopar cannot follow"
+        f"{f': {type(why).__name__}: {why}' if why is not None else ''}). Fix: use "
+        f"ShardParallel, or keep the batch size out of the step's Python logic.")
+  split = split_step(traced, fn_name=name, output_reductions=output_reductions,
+                     pipeline=True)
+  if not split.has_marker:
+    raise MarkerError(f"{name}: PipeshardParallel needs the gradients from "
+                      f"autopar.value_and_grad / autopar.grad (the grad marker).")
+  through = _check_loss(split, name, n)
+  if through:
+    warnings.warn(
+        f"autopar: the gradient of the loss of {split.loss.name} needs values the "
+        f"stages compute (sums over the rows that depend on the parameters, a ratio "
+        f"or a log of such sums, or a parameter-dependent factor of one) over the "
+        f"whole batch before any backward pass; a first pass runs the stages' "
+        f"forward passes once more per step (plan.summary() gives its time).",
+        stacklevel=4)
+  compute = split.compute.jaxpr
+  values = split.loss.values
+  program = build_program(split.traced.jaxpr, leaves=traced.leaves,
+                          grads=compute.outvars[:split.num_grads],
+                          outs=compute.outvars[split.num_grads:], loss=split.loss,
+                          first=[*values.sums, *values.inputs] if through else (),
+                          fn_name=name)
+  analysis = program.analysis(RowOracle.symbolic())
+  hints = find_hints("compute", eqns_by_path(program.jaxpr), RowOracle.symbolic())
+  check_hints(hints, axis_sizes, (), f"{name} under PipeshardParallel")
+  apply = apply_at(split, batch)
+  return PipelineTrace(split=split, traced=traced, program=program, analysis=analysis,
+                       hints=hints, batch=batch, micro=micro, apply=apply,
+                       finals=_finals(split, program, name),
+                       first_until=_first_until(program, analysis),
+                       whole_batch=lowers_with_devices(program.jaxpr))
+
+
+def _check_loss(split: SplitStep, name: str, n: int) -> bool:
+  """The loss as a pipeline can seed it (``loss.py``): derived, from
+  constant seeds. Returns whether the values its cotangents read need a
+  first pass through the stages: sums over the batch that depend on the
+  parameters (a ratio, a log or a product of such sums: a mixture of
+  experts' load-balancing loss), or a factor that depends on them."""
+  loss = split.loss
+  check_loss(loss, name, f"{n} micro-batch(es) and the pipeline stages' devices")
+  values = loss.values
+  if any(not isinstance(v, Literal) for v in values.seeds):
+    raise MarkerError(f"{name}: the loss's cotangent seed is computed from the "
+                      f"step's inputs; PipeshardParallel needs a constant seed (as "
+                      f"autopar.value_and_grad gives).")
+  return bool(loss.num_sums and loss.forward_sums) or not all(values.fixed)
+
+
+def _first_until(program, analysis) -> int:
+  """``Context.first_until``: after the last equation of ``P`` that makes a
+  first-pass output (one made by no stage's own equation, or by a floating
+  one, is the last stage's)."""
+  out = 0
+  for j in program.first_outputs:
+    v = program.jaxpr.outvars[j]
+    i = analysis.producer.get(v) if not isinstance(v, Literal) else None
+    out = max(out, len(program.eqns) if i is None or i in analysis.floating else i + 1)
+  return out
+
+
+def _finals(split: SplitStep, program, name: str) -> dict[int, FinalInfo]:
+  """How each output of ``P`` is combined over micro-batches."""
+  out = {j: FinalInfo(None, None) for j in range(program.num_seeded)}
+  base = program.num_seeded
+  for r, op in enumerate(split.reduced):
+    out[base + r] = FinalInfo(op, None)
+  base += len(split.reduced)
+  for o, (kind, idx) in enumerate(zip(split.out_kinds, split.out_index, strict=True)):
+    if kind is OutputKind.APPLY:
+      continue
+    if kind is OutputKind.CONCAT:
+      out[base + idx] = FinalInfo(None, split.out_dims[o].dim)
+    elif kind in BY_DEVICE:
+      out[base + idx] = FinalInfo(BY_DEVICE[kind], None)
+    else:
+      why = split.why.get(o, "it cannot be combined over micro-batches")
+      raise InputError(
+          f"{name}: output {split.traced.out_paths[o]} is computed from the batch "
+          f"before the gradient marker and autopar cannot tell how to combine it "
+          f"over micro-batches and devices: {why}. Fix: say how with "
+          f"parallelize(..., output_reductions={{...: 'mean'}}).")
+  for j in program.first_outputs:       # (the first pass combines them)
+    out[j] = FinalInfo(None, None)
+  return out
