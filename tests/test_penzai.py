@@ -2,7 +2,7 @@
 (``penzai.models.transformer.variants.llamalike_common``, 2 blocks, named
 axes, its frozen parameter values bound into the model inside the loss)
 trained two steps with a masked token-mean loss under DataParallel,
-Zero3Parallel and ShardParallel.
+Zero3Parallel, ShardParallel and a 2-stage PipeshardParallel.
 
 penzai checks that named axes' sizes are ints, so its steps cannot be traced
 at a symbolic batch size: autopar traces them at each concrete size it runs
@@ -140,11 +140,26 @@ def test_llamalike_transformer_equals_jit(reference, method):
                                atol=SUMMATION * largest, err_msg=jax.tree_util.keystr(path))
 
 
-def test_pipeline_says_it_needs_a_symbolic_batch_size(reference):
-  """PipeshardParallel plans its stages on one trace at a symbolic batch
-  size, which penzai's steps cannot give: an autopar error that says so."""
-  step, params, batch, _ = reference
+def test_pipeline_traces_at_each_size(reference):
+  """PipeshardParallel cannot trace penzai's steps at a symbolic batch size:
+  it traces them at a micro-batch's rows and at each stage's rows per device
+  (the batch split over 'model': 2 rows), and gives jit's numbers. Before,
+  an error said it needed a symbolic size."""
+  step, params, batch, (ref_params, ref_losses) = reference
   pf = autopar.parallelize(step, method=autopar.PipeshardParallel(
-      mesh=mesh24(), num_stages=2, num_micro_batches=2), batch_argnums=(2,))
-  with pytest.raises(autopar.InputError, match="symbolic batch size.*Fix"):
-    pf(params, SGD.init(params), batch)
+      mesh=mesh24(), num_stages=2, num_micro_batches=2,
+      option=autopar.AutoShardingOption(force_batch_dim_to_mesh_dim=("model",))),
+      batch_argnums=(2,), donate_argnums=())
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    got, losses = train(step, params, batch, run=pf)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  largest = max(float(np.max(np.abs(np.asarray(r) - np.asarray(p))))
+                for r, p in zip(jax.tree.leaves(ref_params), jax.tree.leaves(params),
+                                strict=True))
+  for (path, a), r in zip(jax.tree_util.tree_leaves_with_path(got),
+                          jax.tree.leaves(ref_params), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=ROUNDING,
+                               atol=SUMMATION * largest, err_msg=jax.tree_util.keystr(path))
+  plan = pf.get_executable(params, SGD.init(params), batch).plan
+  assert [st.batch_axes for st in plan.stages] == [("model",)] * 2

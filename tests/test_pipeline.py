@@ -563,3 +563,45 @@ def test_custom_partitioning_under_custom_vjp_is_refused_clearly():
   with pytest.raises(autopar.InputError, match="custom_partitioning op .* under a "
                      "jax.custom_vjp.*Fix: use ShardParallel"):
     pf(w, jnp.ones((16, 8)))
+
+
+def test_a_step_that_needs_its_batch_size_is_traced_at_each_size():
+  """A step whose Python compares its batch size (``rows < 1000``) cannot
+  be traced at a symbolic size: the pipeline traces it at a micro-batch's
+  rows and at each stage's rows per device (here 4: the batch split over
+  'model'), checks that the programs are the same equations, and gives
+  jit's numbers. A branch taken otherwise at a stage's rows than at the
+  micro-batch's is an error that names both sizes. Before, any such step
+  was refused."""
+  def make(threshold):
+    def step(w, batch):
+      def loss_fn(w):
+        h = batch["x"]
+        c = 2.0 if h.shape[0] > threshold else 1.0
+        for k in range(4):
+          h = jnp.tanh(h @ w[k]) * c
+        return jnp.sum(jnp.sum(h ** 2, axis=1) * batch["mask"]) / jnp.sum(batch["mask"])
+      loss, g = autopar.value_and_grad(loss_fn)(w)
+      return [a - 0.1 * b for a, b in zip(w, g)], loss
+    return step
+
+  rng = np.random.RandomState(1)
+  w = [jnp.asarray(rng.randn(16, 16) / 4, jnp.float32) for _ in range(4)]
+  batch = {"x": rng.randn(32, 16).astype(np.float32),
+           "mask": (rng.rand(32) > 0.2).astype(np.float32)}
+  method = autopar.PipeshardParallel(
+      mesh=mesh24(), num_micro_batches=2, num_stages=2,
+      option=autopar.AutoShardingOption(force_batch_dim_to_mesh_dim=("model",)))
+  step = make(threshold=1)
+  ref_w, ref_loss = single_device(step)(w, batch)
+  pf = autopar.parallelize(step, method=method, donate_argnums=())
+  with pytest.warns(UserWarning, match="traced at concrete sizes"):
+    got_w, loss = pf(w, batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(got_w, ref_w)
+  assert [st.batch_axes for st in pf.get_executable(w, batch).plan.stages] == \
+      [("model",)] * 2
+  pf = autopar.parallelize(make(threshold=6), method=method, donate_argnums=())
+  with pytest.raises(autopar.InputError, match="its program at 4 rows is not its "
+                     "program at 16 rows"):
+    pf(w, batch)

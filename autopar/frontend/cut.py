@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec
 from autopar.frontend.apply_segments import ApplyPartition, partition_apply
 from autopar.frontend.pipeline import Context
 from autopar.frontend.stages import (StageFunctions, StageProgram, forward_backward,
-                                     instantiate_stage, stage_program)
+                                     instantiate_stage, stage_at, stage_program)
 
 __all__ = ["Cut", "cut", "stage_functions", "stage_specs", "home_specs", "update_leaf_specs"]
 
@@ -113,7 +113,10 @@ def stage_functions(ctx: Context, st: StageProgram, rows: int) -> StageFunctions
   micro-batch (``stages.StageFunctions``; cached in ``ctx``)."""
   key = ("functions", st.signature(), rows, _remat_key(ctx.remat))
   if key not in ctx.cache:
-    g, draws, _ = instantiate_stage(st, rows)
+    if ctx.program_at is None:
+      g, draws, _ = instantiate_stage(st, rows)
+    else:      # (traced at concrete sizes: P traced at these rows)
+      g, draws = stage_at(st, ctx.program, ctx.program_at(rows)), st.draws
     groups = _layer_groups(ctx, st, g) if ctx.remat != "none" else None
     policy = None if ctx.remat in ("none", "layers") else ctx.remat
     ctx.cache[key] = forward_backward(st, g, draws, total_rows=ctx.batch,

@@ -21,11 +21,12 @@ from autopar.errors import InputError, MarkerError
 from autopar.frontend.capture import capture_mode
 from autopar.frontend.hints import check_hints, find_hints
 from autopar.frontend.loss import check_loss
-from autopar.frontend.program import Analysis, Program, build_program
+from autopar.frontend.program import Analysis, Program, build_program, same_value, unlike
 from autopar.frontend.remat import remat_mode
 from autopar.frontend.retype import lowers_with_devices
 from autopar.frontend.rows import RowOracle
-from autopar.frontend.split import BY_DEVICE, OutputKind, SplitStep, apply_at, split_step
+from autopar.frontend.split import (BY_DEVICE, OutputKind, SplitStep, apply_at, scale_at,
+                                    split_step)
 from autopar.frontend.trace import (TracedStep, check_batch_leaves, eqns_by_path,
                                     trace_step, trace_step_any_batch)
 
@@ -69,6 +70,10 @@ class Context:
     whole_batch: the step holds an op JAX lowers with the devices in hand
       (``retype.lowers_with_devices``): a stage's batch is split over
       every axis of its submesh or none (``stage_batch_axes``).
+    program_at: where the step could not be traced at a symbolic batch
+      size, ``P`` is traced at ``micro`` rows and ``program_at(rows)``
+      gives it traced at ``rows`` (a stage's rows per device; the same
+      equations, checked); None where ``P`` is symbolic.
   """
   program: Program
   analysis: Analysis
@@ -88,6 +93,7 @@ class Context:
   hint_axes: frozenset = frozenset()
   first_until: int = 0
   whole_batch: bool = False
+  program_at: Any = None
   cache: dict = dataclasses.field(default_factory=dict)
 
   @property
@@ -103,11 +109,14 @@ class Context:
 
 @dataclasses.dataclass
 class Prepared:
-  """A step traced for pipelining, and its context for planning."""
+  """A step traced for pipelining, and its context for planning.
+  ``scale``: the loss's cotangents from what they read, at the whole
+  batch's size (``loss.LossGradient.scale``)."""
   split: SplitStep
   ctx: Context
   batch: int
   finals: dict
+  scale: ClosedJaxpr | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,9 +129,10 @@ class PipelineTrace:
     program, analysis: ``P`` and what ``program.py`` reads of it.
     hints: the user's sharding hints in ``P``, by path.
     batch, micro: rows of the whole batch and of one micro-batch.
-    apply: the update at the whole batch's shapes.
+    apply: the update at the whole batch's shapes; scale: as
+      :class:`Prepared`'s.
     finals: per output of ``P``, how it is combined over micro-batches.
-    first_until, whole_batch: as :class:`Context`'s.
+    first_until, whole_batch, program_at: as :class:`Context`'s.
   """
   split: SplitStep
   traced: TracedStep
@@ -132,9 +142,11 @@ class PipelineTrace:
   batch: int
   micro: int
   apply: ClosedJaxpr
+  scale: ClosedJaxpr
   finals: dict
   first_until: int
   whole_batch: bool
+  program_at: Any = None
 
 
 def trace_pipelined(fun, args, prep, *, n: int, mesh, axis_sizes: dict[str, int],
@@ -142,7 +154,10 @@ def trace_pipelined(fun, args, prep, *, n: int, mesh, axis_sizes: dict[str, int]
   """Traces the step ``fun`` (``args``: its arguments for tracing; ``prep``:
   their leaves, flags, inputs and names, as ``api`` prepared them) with the
   loss function captured, for ``n`` micro-batches on a mesh of
-  ``axis_sizes`` (``mesh``: the one to trace under), and builds ``P``."""
+  ``axis_sizes`` (``mesh``: the one to trace under), and builds ``P``: at a
+  symbolic batch size where the step traces so, else at a micro-batch's
+  rows (and at the size of each stage's rows per device as the planner
+  asks, ``Context.program_at``)."""
   batch = check_batch_leaves(prep.leaves, num_micro_batches=n, data_axes=(),
                              data_size=1, fn_name=name)
   if not batch:
@@ -150,55 +165,118 @@ def trace_pipelined(fun, args, prep, *, n: int, mesh, axis_sizes: dict[str, int]
                      f"stages, but the step has no batch argument. Fix: say which "
                      f"arguments hold the batch with batch_argnums=.")
   micro = batch // n
-  failures: list = []
-  with capture_mode(), remat_mode("none"):
-    traced = trace_step_any_batch(fun, args, prep.flags,
-                                  prep.leaves, prep.inputs, mesh=mesh,
-                                  names=prep.names, failures=failures)
-  if traced is None:
-    # The step's own error first: traced at a micro-batch's rows, it fails
-    # as the user wrote it (or with what the batch split does to it).
+
+  def trace_at(rows):
     with capture_mode(), remat_mode("none"):
-      trace_step(fun, args, prep.flags, prep.leaves,
-                 prep.inputs, micro_batch_size=micro, mesh=mesh,
-                 names=prep.names)
-    why = failures[0] if failures else None
-    raise InputError(
-        f"{name}: PipeshardParallel plans the step at a symbolic batch size, and this "
-        f"step cannot be traced so (its shapes depend on the batch size in a way "
-        f"autopar cannot follow"
-        f"{f': {type(why).__name__}: {why}' if why is not None else ''}). Fix: use "
-        f"ShardParallel, or keep the batch size out of the step's Python logic.")
-  split = split_step(traced, fn_name=name, output_reductions=output_reductions,
-                     pipeline=True)
-  if not split.has_marker:
-    raise MarkerError(f"{name}: PipeshardParallel needs the gradients from "
-                      f"autopar.value_and_grad / autopar.grad (the grad marker).")
-  through = _check_loss(split, name, n)
+      return trace_step(fun, args, prep.flags, prep.leaves, prep.inputs,
+                        micro_batch_size=rows, mesh=mesh, names=prep.names)
+
+  def split_of(traced, reference):
+    split = split_step(traced, fn_name=name, output_reductions=output_reductions,
+                       pipeline=True, reference=reference)
+    if not split.has_marker:
+      raise MarkerError(f"{name}: PipeshardParallel needs the gradients from "
+                        f"autopar.value_and_grad / autopar.grad (the grad marker).")
+    return split
+
+  with capture_mode(), remat_mode("none"):
+    traced = trace_step_any_batch(fun, args, prep.flags, prep.leaves, prep.inputs,
+                                  mesh=mesh, names=prep.names)
+  symbolic = traced is not None
+  if symbolic:
+    split = split_of(traced, None)
+  else:
+    # At a micro-batch's rows (the step's own error first, if it fails), and
+    # at another size to tell which dimensions hold rows: the whole batch,
+    # whose update and loss scale the step runs with.
+    traced = trace_at(micro)
+    other_rows = batch if batch != micro else micro // 2 if micro % 2 == 0 else 2 * micro
+    other = trace_at(other_rows)
+    split, split_other = split_of(traced, other), split_of(other, traced)
+  through = _check_loss(split, name, n) or bool(not symbolic and split.loss.num_sums)
   if through:
     warnings.warn(
         f"autopar: the gradient of the loss of {split.loss.name} needs values the "
         f"stages compute (sums over the rows that depend on the parameters, a ratio "
-        f"or a log of such sums, or a parameter-dependent factor of one) over the "
-        f"whole batch before any backward pass; a first pass runs the stages' "
-        f"forward passes once more per step (plan.summary() gives its time).",
+        f"or a log of such sums, or a parameter-dependent factor of one"
+        f"{'' if symbolic else '; or, the step traced at concrete sizes, any sum'}) "
+        f"over the whole batch before any backward pass; a first pass runs the "
+        f"stages' forward passes once more per step (plan.summary() gives its time).",
         stacklevel=4)
-  compute = split.compute.jaxpr
-  values = split.loss.values
-  program = build_program(split.traced.jaxpr, leaves=traced.leaves,
-                          grads=compute.outvars[:split.num_grads],
-                          outs=compute.outvars[split.num_grads:], loss=split.loss,
-                          first=[*values.sums, *values.inputs] if through else (),
-                          fn_name=name)
-  analysis = program.analysis(RowOracle.symbolic())
-  hints = find_hints("compute", eqns_by_path(program.jaxpr), RowOracle.symbolic())
+  program = _program(split, traced, through, name)
+  if symbolic:
+    oracle = RowOracle.symbolic()
+    apply, scale, program_at = apply_at(split, batch), scale_at(split, batch), None
+  else:
+    program_other = _program(split_other, other, through, name)
+    oracle = RowOracle.paired(program.jaxpr, program_other.jaxpr, micro, other_rows)
+    whole = split_other if other_rows == batch else split
+    apply, scale = whole.apply, whole.loss.scale
+    program_at = _programs_at(
+        program, oracle, micro, {micro: (program, split.consts),
+                                 other_rows: (program_other, split_other.consts)},
+        lambda rows: _program_and_consts(split_of(trace_at(rows), traced), traced,
+                                         through, name), name)
+    program_at(other_rows)       # (checked alike as any other size)
+  analysis = program.analysis(oracle)
+  hints = find_hints("compute", eqns_by_path(program.jaxpr), oracle)
   check_hints(hints, axis_sizes, (), f"{name} under PipeshardParallel")
-  apply = apply_at(split, batch)
   return PipelineTrace(split=split, traced=traced, program=program, analysis=analysis,
-                       hints=hints, batch=batch, micro=micro, apply=apply,
+                       hints=hints, batch=batch, micro=micro, apply=apply, scale=scale,
                        finals=_finals(split, program, name),
                        first_until=_first_until(program, analysis),
-                       whole_batch=lowers_with_devices(program.jaxpr))
+                       whole_batch=lowers_with_devices(program.jaxpr),
+                       program_at=program_at)
+
+
+def _program(split: SplitStep, traced, through: bool, name: str) -> Program:
+  """``P`` of ``split`` (``through``: with the first pass's outputs)."""
+  compute = split.compute.jaxpr
+  values = split.loss.values
+  return build_program(split.traced.jaxpr, leaves=traced.leaves,
+                       grads=compute.outvars[:split.num_grads],
+                       outs=compute.outvars[split.num_grads:], loss=split.loss,
+                       first=[*values.sums, *values.inputs] if through else (),
+                       fn_name=name)
+
+
+def _program_and_consts(split: SplitStep, traced, through: bool, name: str):
+  return _program(split, traced, through, name), split.consts
+
+
+def _programs_at(program: Program, oracle, micro: int, known: dict, make, name: str):
+  """``Context.program_at``: ``P`` traced at ``rows`` (``make(rows)``: it
+  and the step's constants there, kept in ``known``), checked to be
+  ``program``'s equations (``program.unlike``) on the same constants."""
+  consts = known[micro][1]
+  checked: set = {micro}
+
+  def at(rows: int) -> Program:
+    if rows not in known:
+      known[rows] = make(rows)
+    other, other_consts = known[rows]
+    if rows not in checked:
+      why = unlike(program, other, oracle)
+      if not why and not _same_consts(consts, other_consts):
+        why = "the constants it closes over differ"
+      if why:
+        raise InputError(
+            f"{name}: the step cannot be traced at a symbolic batch size, so "
+            f"PipeshardParallel traces it at each size a stage runs it at, and its "
+            f"program at {rows} rows is not its program at {micro} rows: {why}. "
+            f"Its program changes with the batch size (a Python branch on it, or JAX "
+            f"writing some operations only where a dimension is not 1), so autopar "
+            f"cannot give each device the whole batch's results. Fix: keep the batch "
+            f"size out of the step's Python logic so that it traces at a symbolic "
+            f"size; or give each device more rows of each micro-batch (fewer "
+            f"micro-batches, or a larger batch); or use ShardParallel.")
+      checked.add(rows)
+    return other
+  return at
+
+
+def _same_consts(a, b) -> bool:
+  return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
 
 
 def _check_loss(split: SplitStep, name: str, n: int) -> bool:

@@ -52,7 +52,8 @@ from autopar.frontend.rows import RowOracle
 from autopar.frontend.retype import jaxprs_in
 from autopar.frontend.trace import LeafInfo
 
-__all__ = ["Program", "Root", "build_program", "find_cuts", "sizer"]
+__all__ = ["Program", "Root", "build_program", "find_cuts", "sizer", "unlike", "matching",
+           "same_value"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +255,8 @@ class Analysis:
     producer: variable -> index of the equation that makes it.
     last_read: variable -> the last equation index that reads it.
     rows: variable -> its row dimensions (a list; [] none; None unknown).
+    oracle: what told them (``rows.RowOracle``): symbolic, or ``P``
+      paired with itself traced at another size.
   """
   program: Program
   on_batch: set
@@ -262,6 +265,7 @@ class Analysis:
   producer: dict
   last_read: dict
   rows: dict
+  oracle: RowOracle | None = None
 
   @classmethod
   def of(cls, program: Program, oracle: RowOracle | None) -> "Analysis":
@@ -290,7 +294,7 @@ class Analysis:
             rows[v] = oracle.dims(v)
       for v in batch:
         rows[v] = oracle.dims(v)
-    return cls(program, on_batch, on_roots, floating, producer, last_read, rows)
+    return cls(program, on_batch, on_roots, floating, producer, last_read, rows, oracle)
 
   def is_tangent(self, v) -> bool:
     """Whether ``v`` carries a derivative: computed from a root, inexact."""
@@ -357,3 +361,47 @@ def sizer(rows: int):
     shape = tuple(dim(d) for d in shape)
     return shape if dims else math.prod(shape)
   return size
+
+
+# -- P traced at two concrete sizes ---------------------------------------------------
+
+def unlike(a: Program, b: Program, oracle) -> str:
+  """Why ``b`` (``P`` traced at another concrete size than ``a``) is not
+  ``a``'s program at its size, or "": the same equations in the same order,
+  the same constants, and the same literals except where ``oracle`` (``a``
+  paired with a third size) says an equation's literal is the batch's
+  size (``rows.RowOracle.size_dependent``)."""
+  if (len(a.eqns), len(a.jaxpr.invars), len(a.jaxpr.outvars)) != \
+      (len(b.eqns), len(b.jaxpr.invars), len(b.jaxpr.outvars)):
+    return (f"{len(a.eqns)} equations, {len(a.jaxpr.invars)} inputs and "
+            f"{len(a.jaxpr.outvars)} outputs against {len(b.eqns)}, "
+            f"{len(b.jaxpr.invars)} and {len(b.jaxpr.outvars)}")
+  for i, (e, f) in enumerate(zip(a.eqns, b.eqns)):
+    if e.primitive is not f.primitive or len(e.invars) != len(f.invars):
+      return f"equation {i} is '{e.primitive.name}' against '{f.primitive.name}'"
+    for x, y in zip(e.invars, f.invars):
+      if isinstance(x, Literal) != isinstance(y, Literal):
+        return f"equation {i} ('{e.primitive.name}') reads a constant at one size only"
+      if isinstance(x, Literal) and not oracle.size_dependent(e) and \
+          not same_value(x.val, y.val):
+        return (f"equation {i} ('{e.primitive.name}') reads the constant {x.val} "
+                f"against {y.val}")
+  return ""
+
+
+def same_value(x, y) -> bool:
+  """Whether two constants are equal (shape, dtype, values)."""
+  try:
+    x, y = np.asarray(x), np.asarray(y)
+    return x.shape == y.shape and x.dtype == y.dtype and bool(np.all(x == y))
+  except Exception:  # noqa: BLE001 - an opaque constant (a key): compared by identity
+    return x is y
+
+
+def matching(a: Program, b: Program) -> dict:
+  """``a``'s variables -> ``b``'s, by position (``unlike(a, b)`` is "")."""
+  out = dict(zip(a.jaxpr.invars, b.jaxpr.invars, strict=True))
+  for e, f in zip(a.eqns, b.eqns, strict=True):
+    out.update(zip(e.outvars, f.outvars, strict=True))
+  return out
+

@@ -386,13 +386,13 @@ def _differentiate(traced: TracedStep, reference: TracedStep | None, fn_name: st
   the gradient stages seed it; as they are, with None, for a step without
   a loss function's call. For a pipeline, the loss function is inlined and
   not differentiated: the pipeline differentiates each stage itself."""
-  closed = inline_loss_rules(traced.jaxpr, fn_name=fn_name) if pipeline else traced.jaxpr
-  view, call = inline_loss(closed, fn_name)
+  rules = (lambda c: inline_loss_rules(c, fn_name=fn_name)) if pipeline else (lambda c: c)
+  view, call = inline_loss(rules(traced.jaxpr), fn_name)
   if call is None:
     return traced, reference, None
   ref_view = ref_call = None
   if reference is not None:
-    ref_view, ref_call = inline_loss(reference.jaxpr, fn_name)
+    ref_view, ref_call = inline_loss(rules(reference.jaxpr), fn_name)
     if ref_call is None:
       ref_view = None
   if jc.is_symbolic_dim(traced.micro_batch_size):
@@ -415,7 +415,9 @@ def _differentiate(traced: TracedStep, reference: TracedStep | None, fn_name: st
     batch = {x for x, l in zip(view.jaxpr.invars, traced.leaves, strict=True) if l.is_batch}
     head = find_head(view, call, batch=batch, oracle=oracles[0], how=how)
     grad = cotangents(view, call, head, how).gradient(head, call, how, with_values=True)
-    return dataclasses.replace(traced, jaxpr=view), None, grad
+    if ref_view is not None:
+      reference = dataclasses.replace(reference, jaxpr=ref_view)
+    return dataclasses.replace(traced, jaxpr=view), reference, grad
   traced, grad = differentiated(traced, view, call, oracles[0])
   if ref_view is not None:
     reference, _ = differentiated(reference, ref_view, ref_call, oracles[1])

@@ -38,14 +38,14 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 from autopar.errors import InputError, PlanError
 from autopar.frontend.hints import HINT_PRIMITIVES, find_hints
 from autopar.frontend.evaluate import Rules, eval_jaxpr
-from autopar.frontend.program import Analysis, Program
+from autopar.frontend.program import Analysis, Program, matching
 from autopar.frontend.retype import Instantiator
 from autopar.frontend.rng import DRAW_PRIMITIVES, find_draws
 from autopar.frontend.rows import ROWS_NAME, RowOracle
 from autopar.frontend.split import renumbered
 from autopar.frontend.trace import eqns_by_path
 
-__all__ = ["StageProgram", "stage_program", "Residuals", "forward_backward",
+__all__ = ["StageProgram", "stage_program", "stage_at", "Residuals", "forward_backward",
            "StageFunctions"]
 
 
@@ -66,6 +66,7 @@ class StageProgram:
     tangent_in, tangent_out: per act, whether it carries a derivative.
     row_in, row_out: per act, the dimension that holds the rows.
     draws, hints: random draws and sharding hints of ``G``, by path.
+    eqn_indices: the equations of ``P`` that ``G``'s are, in order.
   """
   lo: int
   hi: int
@@ -84,6 +85,7 @@ class StageProgram:
   num_seeded: int
   draws: dict
   hints: dict
+  eqn_indices: tuple[int, ...] = ()
 
   @property
   def input_groups(self) -> tuple[int, int, int, int, int]:
@@ -192,7 +194,7 @@ def stage_program(program: Program, analysis: Analysis, ranges: Sequence[tuple[i
           [jaxpr.constvars[k] for k in fn_consts])
   g_out = list(acts_out) + [jaxpr.outvars[j] for j in finals]
   g = Jaxpr([], g_in, g_out, [eqns[i] for i in order], jaxpr.effects, jaxpr.debug_info)
-  oracle = RowOracle.symbolic()
+  oracle = analysis.oracle or RowOracle.symbolic()
   row = lambda v: analysis.row_dim(v)
   for v in [*acts_in, *acts_out]:
     if row(v) is None:
@@ -208,7 +210,7 @@ def stage_program(program: Program, analysis: Analysis, ranges: Sequence[tuple[i
       row_in=tuple(row(v) for v in acts_in), row_out=tuple(row(v) for v in acts_out),
       num_seeded=program.num_seeded,
       draws=find_draws(eqns_by_path(g), oracle),
-      hints=find_hints("compute", eqns_by_path(g), oracle))
+      hints=find_hints("compute", eqns_by_path(g), oracle), eqn_indices=tuple(order))
 
 
 def instantiate_stage(stage: StageProgram, rows: int) -> tuple[Jaxpr, dict, dict]:
@@ -225,6 +227,18 @@ def instantiate_stage(stage: StageProgram, rows: int) -> tuple[Jaxpr, dict, dict
     hints = {new: dataclasses.replace(stage.hints[old], path=new) for old, new in
              renumbered(stage.jaxpr, g, HINT_PRIMITIVES) if old in stage.hints}
   return g, draws, hints
+
+
+def stage_at(stage: StageProgram, ref: Program, other: Program) -> Jaxpr:
+  """``stage``'s ``G``, cut from ``ref`` (``P`` traced at a concrete size),
+  at another size: the same equations of ``other``, ``P`` traced there
+  (``program.unlike(ref, other)`` is ""), by position. Its draws and hints
+  keep their paths."""
+  sub = matching(ref, other)
+  read = lambda v: v if isinstance(v, Literal) else sub[v]
+  g = stage.jaxpr
+  return Jaxpr([], [read(v) for v in g.invars], [read(v) for v in g.outvars],
+               [other.eqns[i] for i in stage.eqn_indices], g.effects, g.debug_info)
 
 
 # -- forward and backward ----------------------------------------------------------

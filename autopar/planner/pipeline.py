@@ -58,8 +58,8 @@ def prepare(fun, args, prep, method: PipeshardParallel, *, name: str,
                 leaf_names=tuple(l.path for l in t.traced.leaves), option=method.option,
                 accumulate=method.grad_accumulation_dtype, remat=method.remat,
                 hint_axes=frozenset(model_axes(t.hints)), first_until=t.first_until,
-                whole_batch=t.whole_batch)
-  return Prepared(split=split, ctx=ctx, batch=t.batch, finals=t.finals)
+                whole_batch=t.whole_batch, program_at=t.program_at)
+  return Prepared(split=split, ctx=ctx, batch=t.batch, finals=t.finals, scale=t.scale)
 
 
 # -- the stages' layout --------------------------------------------------------------

@@ -54,7 +54,7 @@ from autopar.frontend.cut import home_specs
 from autopar.frontend.loss import SHARE
 from autopar.frontend.pipeline import Prepared
 from autopar.frontend.program import Program
-from autopar.frontend.split import OutputKind, SplitStep, scale_at
+from autopar.frontend.split import OutputKind, SplitStep
 from autopar.frontend.stages import StageProgram
 from autopar.method import PipeshardParallel, axis_sizes_of
 from autopar.plan import submesh
@@ -527,7 +527,7 @@ def _loss_seeds(pre: Prepared, cut_, exes) -> LossSeeds:
   owner = tuple(cut_.final_stage[j] for j in range(program.num_seeded))
   groups = tuple(ctx.n * exes[s].layout.devices for s in owner)
   seeds = tuple(np.asarray(v.val) for v in loss.values.seeds)
-  common = dict(scale=scale_at(split, ctx.batch), kinds=tuple(loss.kinds), seeds=seeds,
+  common = dict(scale=pre.scale, kinds=tuple(loss.kinds), seeds=seeds,
                 owner=owner, groups=groups)
   if program.num_first:
     return LossSeeds(**common, through=program.first_outputs,
