@@ -91,6 +91,16 @@ def _pass_program(pre: Prepared, outputs) -> tuple[Any, tuple[int, ...]]:
   return program, tuple(k for k, v in enumerate(program.invars[nc:]) if v in used)
 
 
+def _program_pass(program, outputs) -> tuple[Any, tuple[int, ...]]:
+  """``P`` (``program``) cut down to computing its ``outputs`` (indices),
+  and the argument leaves that reads (its inputs: the step's consts, the
+  leaves, the roots, which the sums of the first pass do not read)."""
+  jaxpr = dce(program.jaxpr.replace(outvars=[program.jaxpr.outvars[j] for j in outputs]))
+  used = {v for e in jaxpr.eqns for v in e.invars if isinstance(v, Var)}
+  used |= {v for v in jaxpr.outvars if isinstance(v, Var)}
+  return jaxpr, tuple(k for k, v in enumerate(program.leaf_vars) if v in used)
+
+
 def inputs_pass(pre: Prepared, layout: StageLayout, stage: int) -> SumsPass:
   """The values besides sums that the loss's cotangents read: the step's
   arguments or constants, none of the parameters or the batch (a loss
@@ -119,16 +129,24 @@ def sums_pass_of(pre: Prepared, layout: StageLayout, stage: int) -> SumsPass:
   the stages' forward passes do (device ``d``'s rows of micro-batch ``i``
   start at ``i·M + d·m``)."""
   ctx, loss = pre.ctx, pre.split.loss
-  program, leaves = _pass_program(pre, loss.values.sums)
+  m, n = layout.rows, ctx.n
+  if ctx.program_at is None:
+    program, leaves = _pass_program(pre, loss.values.sums)
+    written = Instantiator({ROWS_NAME: m}).jaxpr(program)
+    draws = _draws_of(program, written)
+  else:
+    # Traced at concrete sizes: P at these rows, cut down to the sums (its
+    # first outputs); its draws are P's at a micro-batch's rows, by path.
+    sums = ctx.program.first_outputs[:loss.num_sums]
+    program, leaves = _program_pass(ctx.program, sums)
+    written, _ = _program_pass(ctx.program_at(m), sums)
+    draws = find_draws(eqns_by_path(program), ctx.analysis.oracle)
   nc = ctx.num_consts
   batch = tuple(ctx.program.leaves[k].is_batch for k in leaves)
   manual = tuple(layout.batch_axes)
-  m, n = layout.rows, ctx.n
-  written = Instantiator({ROWS_NAME: m}).jaxpr(program)
   consts = ctx.consts
   ops = loss.sum_ops
   hint = _hint_on(written, layout.mesh, manual)
-  draws = _draws_of(program, written)
   for path, found in draws.items():
     why = cannot_cut(eqn_at(written, path), found)
     if why:

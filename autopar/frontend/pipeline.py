@@ -17,6 +17,8 @@ from typing import Any
 
 from jax.extend.core import ClosedJaxpr, Literal
 
+from autopar import jax_compat as jc
+
 from autopar.errors import InputError, MarkerError
 from autopar.frontend.capture import capture_mode
 from autopar.frontend.hints import check_hints, find_hints
@@ -28,7 +30,7 @@ from autopar.frontend.rows import RowOracle
 from autopar.frontend.split import (BY_DEVICE, OutputKind, SplitStep, apply_at, scale_at,
                                     split_step)
 from autopar.frontend.trace import (TracedStep, check_batch_leaves, eqns_by_path,
-                                    trace_step, trace_step_any_batch)
+                                    loss_has_vjp_rules, trace_step, trace_step_any_batch)
 
 __all__ = ["FinalInfo", "Context", "Prepared", "PipelineTrace", "trace_pipelined"]
 
@@ -63,8 +65,10 @@ class Context:
     hint_axes: the mesh axes the step's sharding hints put on dimensions
       that do not hold rows (``hints.model_axes``): no stage splits its
       batch over them.
-    first_until: with a first pass through the stages
-      (``Program.num_first``), the position of ``P`` after the last
+    through: the loss's cotangents read values that depend on the
+      parameters (``Program.num_first`` of ``P``'s outputs), which a first
+      pass through the stages computes before the schedule.
+    first_until: with a first pass through the stages, the position of ``P`` after the last
       equation that makes what it computes: the stages that start before
       it run in it; 0 without one.
     whole_batch: the step holds an op JAX lowers with the devices in hand
@@ -91,6 +95,7 @@ class Context:
   accumulate: str | None
   remat: Any = "none"
   hint_axes: frozenset = frozenset()
+  through: bool = False
   first_until: int = 0
   whole_batch: bool = False
   program_at: Any = None
@@ -132,7 +137,7 @@ class PipelineTrace:
     apply: the update at the whole batch's shapes; scale: as
       :class:`Prepared`'s.
     finals: per output of ``P``, how it is combined over micro-batches.
-    first_until, whole_batch, program_at: as :class:`Context`'s.
+    through, first_until, whole_batch, program_at: as :class:`Context`'s.
   """
   split: SplitStep
   traced: TracedStep
@@ -144,6 +149,7 @@ class PipelineTrace:
   apply: ClosedJaxpr
   scale: ClosedJaxpr
   finals: dict
+  through: bool
   first_until: int
   whole_batch: bool
   program_at: Any = None
@@ -173,7 +179,8 @@ def trace_pipelined(fun, args, prep, *, n: int, mesh, axis_sizes: dict[str, int]
 
   def split_of(traced, reference):
     split = split_step(traced, fn_name=name, output_reductions=output_reductions,
-                       pipeline=True, reference=reference)
+                       pipeline=True, reference=reference,
+                       keep_rules=not jc.is_symbolic_dim(traced.micro_batch_size))
     if not split.has_marker:
       raise MarkerError(f"{name}: PipeshardParallel needs the gradients from "
                         f"autopar.value_and_grad / autopar.grad (the grad marker).")
@@ -182,7 +189,10 @@ def trace_pipelined(fun, args, prep, *, n: int, mesh, axis_sizes: dict[str, int]
   with capture_mode(), remat_mode("none"):
     traced = trace_step_any_batch(fun, args, prep.flags, prep.leaves, prep.inputs,
                                   mesh=mesh, names=prep.names)
-  symbolic = traced is not None
+  # A custom_vjp in the loss function (cuDNN's attention, a straight-through
+  # estimator): its gradient is its rule's, which only a trace at a concrete
+  # size keeps (the Instantiator cannot write the rule's Python out).
+  symbolic = traced is not None and not loss_has_vjp_rules(traced.jaxpr)
   if symbolic:
     split = split_of(traced, None)
   else:
@@ -193,22 +203,24 @@ def trace_pipelined(fun, args, prep, *, n: int, mesh, axis_sizes: dict[str, int]
     other_rows = batch if batch != micro else micro // 2 if micro % 2 == 0 else 2 * micro
     other = trace_at(other_rows)
     split, split_other = split_of(traced, other), split_of(other, traced)
-  through = _check_loss(split, name, n) or bool(not symbolic and split.loss.num_sums)
+  through = _check_loss(split, name, n)
   if through:
     warnings.warn(
         f"autopar: the gradient of the loss of {split.loss.name} needs values the "
         f"stages compute (sums over the rows that depend on the parameters, a ratio "
-        f"or a log of such sums, or a parameter-dependent factor of one"
-        f"{'' if symbolic else '; or, the step traced at concrete sizes, any sum'}) "
-        f"over the whole batch before any backward pass; a first pass runs the "
-        f"stages' forward passes once more per step (plan.summary() gives its time).",
+        f"or a log of such sums, or a parameter-dependent factor of one) over the "
+        f"whole batch before any backward pass; a first pass runs the stages' "
+        f"forward passes once more per step (plan.summary() gives its time).",
         stacklevel=4)
-  program = _program(split, traced, through, name)
+  # (Traced at concrete sizes, the first pass of sums the parameters do not
+  # change is P's too: P at a stage's rows, cut down to them.)
+  first = through or not symbolic and bool(split.loss.num_sums)
+  program = _program(split, traced, first, name)
   if symbolic:
     oracle = RowOracle.symbolic()
     apply, scale, program_at = apply_at(split, batch), scale_at(split, batch), None
   else:
-    program_other = _program(split_other, other, through, name)
+    program_other = _program(split_other, other, first, name)
     oracle = RowOracle.paired(program.jaxpr, program_other.jaxpr, micro, other_rows)
     whole = split_other if other_rows == batch else split
     apply, scale = whole.apply, whole.loss.scale
@@ -216,7 +228,7 @@ def trace_pipelined(fun, args, prep, *, n: int, mesh, axis_sizes: dict[str, int]
         program, oracle, micro, {micro: (program, split.consts),
                                  other_rows: (program_other, split_other.consts)},
         lambda rows: _program_and_consts(split_of(trace_at(rows), traced), traced,
-                                         through, name), name)
+                                         first, name), name)
     program_at(other_rows)       # (checked alike as any other size)
   analysis = program.analysis(oracle)
   hints = find_hints("compute", eqns_by_path(program.jaxpr), oracle)
@@ -224,24 +236,25 @@ def trace_pipelined(fun, args, prep, *, n: int, mesh, axis_sizes: dict[str, int]
   return PipelineTrace(split=split, traced=traced, program=program, analysis=analysis,
                        hints=hints, batch=batch, micro=micro, apply=apply, scale=scale,
                        finals=_finals(split, program, name),
-                       first_until=_first_until(program, analysis),
+                       through=through,
+                       first_until=_first_until(program, analysis) if through else 0,
                        whole_batch=lowers_with_devices(program.jaxpr),
                        program_at=program_at)
 
 
-def _program(split: SplitStep, traced, through: bool, name: str) -> Program:
-  """``P`` of ``split`` (``through``: with the first pass's outputs)."""
+def _program(split: SplitStep, traced, first: bool, name: str) -> Program:
+  """``P`` of ``split`` (``first``: with the first pass's outputs)."""
   compute = split.compute.jaxpr
   values = split.loss.values
   return build_program(split.traced.jaxpr, leaves=traced.leaves,
                        grads=compute.outvars[:split.num_grads],
                        outs=compute.outvars[split.num_grads:], loss=split.loss,
-                       first=[*values.sums, *values.inputs] if through else (),
+                       first=[*values.sums, *values.inputs] if first else (),
                        fn_name=name)
 
 
-def _program_and_consts(split: SplitStep, traced, through: bool, name: str):
-  return _program(split, traced, through, name), split.consts
+def _program_and_consts(split: SplitStep, traced, first: bool, name: str):
+  return _program(split, traced, first, name), split.consts
 
 
 def _programs_at(program: Program, oracle, micro: int, known: dict, make, name: str):

@@ -232,7 +232,7 @@ def split_step(traced: TracedStep, *, fn_name: str = "step",
                reference: TracedStep | None = None,
                output_reductions: Mapping[str, str] | None = None,
                remat: Any = "none", remat_loop: str = "scan",
-               pipeline: bool = False) -> SplitStep:
+               pipeline: bool = False, keep_rules: bool = False) -> SplitStep:
   """Cuts ``traced`` at its grad marker (see the module docstring).
 
   Which dimensions hold rows is read from ``traced`` itself when it was
@@ -243,12 +243,15 @@ def split_step(traced: TracedStep, *, fn_name: str = "step",
   "min", for outputs the program does not say how to combine; its key
   ``"loss"``: how to combine the loss itself (``loss.py``). ``remat``: the
   method's, applied where the loss function is differentiated, its layers
-  in a ``remat_loop`` (``remat.layer_loop``).
+  in a ``remat_loop`` (``remat.layer_loop``). ``pipeline``: the loss function
+  inlined, not differentiated; its custom derivative rules inlined too
+  (each stage differentiates its primal equations) unless ``keep_rules``
+  (the step traced at a concrete size, where a stage keeps the rule's call).
   """
   how = _loss_how(output_reductions)
   raw = traced
   traced, reference, loss_grad = _differentiate(traced, reference, fn_name, how, remat,
-                                                remat_loop, pipeline)
+                                                remat_loop, pipeline, keep_rules)
   closed = traced.jaxpr
   jaxpr = jc.convert_constvars_jaxpr(closed.jaxpr)
   nconst = len(closed.consts)
@@ -380,13 +383,14 @@ def _loss_how(output_reductions) -> str | None:
 
 def _differentiate(traced: TracedStep, reference: TracedStep | None, fn_name: str,
                    how: str | None, remat, remat_loop: str = "scan",
-                   pipeline: bool = False) -> tuple:
+                   pipeline: bool = False, keep_rules: bool = False) -> tuple:
   """``traced`` (and ``reference``, the same step at another size) with the
   loss function differentiated as the whole batch's (``loss.py``), and how
   the gradient stages seed it; as they are, with None, for a step without
   a loss function's call. For a pipeline, the loss function is inlined and
   not differentiated: the pipeline differentiates each stage itself."""
-  rules = (lambda c: inline_loss_rules(c, fn_name=fn_name)) if pipeline else (lambda c: c)
+  rules = ((lambda c: inline_loss_rules(c, fn_name=fn_name)) if pipeline and not keep_rules
+           else (lambda c: c))
   view, call = inline_loss(rules(traced.jaxpr), fn_name)
   if call is None:
     return traced, reference, None

@@ -330,12 +330,12 @@ def forward_backward(stage: StageProgram, g: Jaxpr, draws: dict, *,
     if "Differentiation rule for 'custom_partitioning'" not in str(e):
       raise
     raise InputError(
-        "PipeshardParallel: the loss function holds a custom_partitioning op "
-        "(jax.nn.dot_product_attention(implementation='cudnn') is one) under a "
-        "jax.custom_vjp; a pipeline plans the step traced at a symbolic batch size "
-        "and differentiates each stage from its primal equations, without the "
-        "custom_vjp's rule, and custom_partitioning has no derivative of its own. "
-        "Fix: use ShardParallel or DataParallel (one mesh), or a version of the op "
+        "PipeshardParallel: the loss function differentiates a custom_partitioning "
+        "op other than through a jax.custom_vjp rule (bare, or under a "
+        "jax.custom_jvp, whose rule a pipeline traced at a symbolic batch size "
+        "inlines), and custom_partitioning has no derivative of its own. Fix: put "
+        "the op under a jax.custom_vjp (as jax.nn.dot_product_attention does), "
+        "use ShardParallel or DataParallel, or a version of the op "
         "without custom_partitioning (implementation='xla' for attention).") from e
   fj = closed.jaxpr
   n_fwd_out = len(diff_out) + len(other_out)

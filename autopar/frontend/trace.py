@@ -708,6 +708,17 @@ def inline_loss_rules(closed: ClosedJaxpr, *, fn_name: str) -> ClosedJaxpr:
   return ClosedJaxpr(closed.jaxpr.replace(eqns=eqns), closed.consts)
 
 
+def loss_has_vjp_rules(closed: ClosedJaxpr) -> bool:
+  """Whether the loss function's forward call in ``closed`` holds a
+  ``jax.custom_vjp`` call (at any depth): its gradient is the rule's, which
+  a pipeline traced at a symbolic size cannot keep (:func:`inline_loss_rules`)."""
+  def has(jaxpr) -> bool:
+    return any(e.primitive.name in ("custom_vjp_call", "custom_vjp_call_jaxpr") or
+               any(has(s) for s in jaxprs_in(e)) for e in jaxpr.eqns)
+  return any(e.primitive is forward_p and has(e.params["jaxpr"].jaxpr)
+             for e in closed.jaxpr.eqns)
+
+
 def _has_calls(jaxpr, inlinable=INLINED_CALLS) -> bool:
   return any(e.primitive.name in inlinable or
              any(_has_calls(s, _PLAIN_CALLS if e.primitive in _LOSS_CALLS else inlinable)

@@ -57,7 +57,8 @@ def prepare(fun, args, prep, method: PipeshardParallel, *, name: str,
                 grad_names=split.grad_names,
                 leaf_names=tuple(l.path for l in t.traced.leaves), option=method.option,
                 accumulate=method.grad_accumulation_dtype, remat=method.remat,
-                hint_axes=frozenset(model_axes(t.hints)), first_until=t.first_until,
+                hint_axes=frozenset(model_axes(t.hints)), through=t.through,
+                first_until=t.first_until,
                 whole_batch=t.whole_batch, program_at=t.program_at)
   return Prepared(split=split, ctx=ctx, batch=t.batch, finals=t.finals, scale=t.scale)
 

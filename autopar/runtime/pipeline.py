@@ -529,7 +529,7 @@ def _loss_seeds(pre: Prepared, cut_, exes) -> LossSeeds:
   seeds = tuple(np.asarray(v.val) for v in loss.values.seeds)
   common = dict(scale=pre.scale, kinds=tuple(loss.kinds), seeds=seeds,
                 owner=owner, groups=groups)
-  if program.num_first:
+  if ctx.through:
     return LossSeeds(**common, through=program.first_outputs,
                      sum_ops=tuple(loss.sum_ops))
   s = owner[-1] if owner else len(exes) - 1
