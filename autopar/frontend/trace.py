@@ -710,11 +710,19 @@ def inline_loss_rules(closed: ClosedJaxpr, *, fn_name: str) -> ClosedJaxpr:
 
 def loss_has_vjp_rules(closed: ClosedJaxpr) -> bool:
   """Whether the loss function's forward call in ``closed`` holds a
-  ``jax.custom_vjp`` call (at any depth): its gradient is the rule's, which
-  a pipeline traced at a symbolic size cannot keep (:func:`inline_loss_rules`)."""
+  ``jax.custom_vjp`` call (at any depth) other than autopar's own (whose
+  backward is its primal's derivative, written to save memory: the chunked
+  cross-entropy's): its gradient is the rule's, which a pipeline traced at a
+  symbolic size cannot keep (:func:`inline_loss_rules`)."""
+  def user_rule(eqn) -> bool:
+    if eqn.primitive.name not in ("custom_vjp_call", "custom_vjp_call_jaxpr"):
+      return False
+    bwd = eqn.params.get("bwd")
+    module = getattr(getattr(bwd, "f", bwd), "__module__", None) or ""
+    return not module.startswith("autopar.")
+
   def has(jaxpr) -> bool:
-    return any(e.primitive.name in ("custom_vjp_call", "custom_vjp_call_jaxpr") or
-               any(has(s) for s in jaxprs_in(e)) for e in jaxpr.eqns)
+    return any(user_rule(e) or any(has(s) for s in jaxprs_in(e)) for e in jaxpr.eqns)
   return any(e.primitive is forward_p and has(e.params["jaxpr"].jaxpr)
              for e in closed.jaxpr.eqns)
 
