@@ -231,22 +231,8 @@ def maxtext_reference(maxtext):
   return start, losses, params_of(model)
 
 
-NNX_REMAT_PIPELINE = (
-    "PipeshardParallel: MarkerError 'output model.decoder.layers_0.mlp.wi_0.kernel.value "
-    "uses values computed from the batch other than through the gradients' (raised in "
-    "autopar/frontend/split.py split_step, from frontend/pipeline.py trace_pipelined). MaxText "
-    "calls each layer through jax.checkpoint of a function of the layer's NNX state "
-    "(layers/nnx_decoders.py), as nnx.remat does; its remat2 equation returns the "
-    "parameters unchanged. The pipeline traces the loss's forward pass outside the "
-    "gradient (capture mode), and split.depends_on counts every output of an equation "
-    "as depending on all its inputs, so the parameters the optimizer reads look "
-    "batch-dependent. test_nnx_remat_layers_in_a_pipeline reproduces it without MaxText.")
-
-
 @pytest.mark.parametrize("name", [
-    "dp", "zero3", "shard",
-    pytest.param("pipeshard", marks=pytest.mark.xfail(
-        strict=True, raises=autopar.MarkerError, reason=NNX_REMAT_PIPELINE)),
+    "dp", "zero3", "shard", "pipeshard",
 ])
 def test_maxtext_equals_jit(maxtext, maxtext_reference, name):
   make, step, data, _ = maxtext
@@ -279,10 +265,14 @@ def test_maxtext_on_its_own_mesh(maxtext, maxtext_reference):
 
 # -- what the zoo found, reproduced small ---------------------------------------------
 
-@pytest.mark.xfail(strict=True, raises=autopar.MarkerError, reason=NNX_REMAT_PIPELINE)
 def test_nnx_remat_layers_in_a_pipeline():
   """An NNX model whose blocks are called through nnx.remat (as MaxText's
-  are), under PipeshardParallel: the step fails to split (see the reason)."""
+  are), under PipeshardParallel, equals nnx.jit. The remat call returns the
+  layer's parameters unchanged beside its activations; before, the split
+  took every output of the call as depending on the batch, and refused the
+  step ("output ... kernel.value uses values computed from the batch other
+  than through the gradients": split.depends_on now reads the call's
+  body)."""
   import test_model_libraries as libs
 
   class RematGPT(libs.NnxGPT):
@@ -292,8 +282,19 @@ def test_nnx_remat_layers_in_a_pipeline():
         x = nnx.remat(lambda block, x: block(x))(block, x)
       return self.head(x)
 
-  model = RematGPT(nnx.Rngs(0))
-  optimizer = nnx.Optimizer(model, SGD, wrt=nnx.Param)
+  def make():
+    model = RematGPT(nnx.Rngs(0))
+    return model, nnx.Optimizer(model, SGD, wrt=nnx.Param)
+
+  model, optimizer = make()
+  start = jax.tree.map(np.asarray, params_of(model))
+  ref_step = nnx.jit(libs.nnx_step(nnx.value_and_grad))
+  ref_losses = [float(ref_step(model, optimizer, libs.tokens())) for _ in range(STEPS)]
+  ref_params = params_of(model)
+  model, optimizer = make()
   train_step = autopar.parallelize(libs.nnx_step(autopar.value_and_grad),
                                    method=method("pipeshard"))
-  train_step.get_executable(model, optimizer, libs.tokens())
+  losses = without_missing_rules(
+      lambda: [float(train_step(model, optimizer, libs.tokens())) for _ in range(STEPS)])
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  assert_params_close(params_of(model), ref_params, start)

@@ -21,7 +21,7 @@ from autopar import jax_compat as jc
 
 from autopar.errors import InputError, MarkerError
 from autopar.frontend.capture import capture_mode
-from autopar.frontend.hints import check_hints, find_hints
+from autopar.frontend.hints import HINT_PRIMITIVES, check_hints, find_hints
 from autopar.frontend.loss import check_loss
 from autopar.frontend.program import Analysis, Program, build_program, same_value, unlike
 from autopar.frontend.remat import remat_mode
@@ -203,6 +203,7 @@ def trace_pipelined(fun, args, prep, *, n: int, mesh, axis_sizes: dict[str, int]
     other_rows = batch if batch != micro else micro // 2 if micro % 2 == 0 else 2 * micro
     other = trace_at(other_rows)
     split, split_other = split_of(traced, other), split_of(other, traced)
+  split = _with_constant_seeds(split)
   through = _check_loss(split, name, n)
   if through:
     warnings.warn(
@@ -290,6 +291,27 @@ def _programs_at(program: Program, oracle, micro: int, known: dict, make, name: 
 
 def _same_consts(a, b) -> bool:
   return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+
+
+def _with_constant_seeds(split: SplitStep) -> SplitStep:
+  """``split`` with each seed of its loss's cotangent that is a literal
+  under sharding hints (``reshard(1.0)``: what value_and_grad seeds with
+  under an explicit mesh, as MaxText's) as that literal."""
+  values = split.loss.values
+  producer = {v: e for e in split.traced.jaxpr.jaxpr.eqns for v in e.outvars}
+
+  def constant(v):
+    while not isinstance(v, Literal):
+      e = producer.get(v)
+      if e is None or e.primitive.name not in HINT_PRIMITIVES or len(e.invars) != 1:
+        return v
+      v = e.invars[0]
+    return v
+  seeds = tuple(constant(v) for v in values.seeds)
+  if seeds == tuple(values.seeds):
+    return split
+  loss = dataclasses.replace(split.loss, values=dataclasses.replace(values, seeds=seeds))
+  return dataclasses.replace(split, loss=loss)
 
 
 def _check_loss(split: SplitStep, name: str, n: int) -> bool:

@@ -191,12 +191,40 @@ def depends_on(jaxpr, sources, *, stop=None) -> set:
   """Variables computed (transitively) from ``sources``, ``sources`` included.
 
   Dependence does not flow through the equation ``stop`` (the grad marker).
+  Through a call (``jax.checkpoint``, a nested ``jit``) it is read from the
+  call's body, output by output: nnx.remat's call of a layer returns the
+  layer's parameters unchanged beside its activations, and they depend on
+  the parameters alone.
   """
   dep = set(sources)
   for eqn in jaxpr.eqns:
-    if eqn is not stop and any(isinstance(v, Var) and v in dep for v in eqn.invars):
+    if eqn is stop:
+      continue
+    reads = [isinstance(v, Var) and v in dep for v in eqn.invars]
+    if not any(reads):
+      continue
+    body = _call_body(eqn)
+    if body is None:
       dep.update(eqn.outvars)
+      continue
+    inner = depends_on(body, {b for b, r in zip(body.invars, reads) if r})
+    dep.update(o for o, b in zip(eqn.outvars, body.outvars)
+               if isinstance(b, Var) and b in inner)
   return dep
+
+
+def _call_body(eqn):
+  """The body of a call equation whose inputs and outputs are its body's
+  one to one (``remat2``, ``pjit``, ``closed_call``), or None."""
+  p = eqn.params
+  body = {"remat2": p.get("jaxpr"), "pjit": p.get("jaxpr"), "jit": p.get("jaxpr"),
+          "closed_call": p.get("call_jaxpr"), "core_call": p.get("call_jaxpr")
+          }.get(eqn.primitive.name)
+  body = getattr(body, "jaxpr", body)
+  if body is None or len(body.invars) != len(eqn.invars) or \
+      len(body.outvars) != len(eqn.outvars):
+    return None
+  return body
 
 
 def dce(jaxpr: Jaxpr, keep=None) -> Jaxpr:
