@@ -247,15 +247,16 @@ def test_maxtext_equals_jit(maxtext, maxtext_reference, name):
 
 def test_maxtext_on_its_own_mesh(maxtext, maxtext_reference):
   """MaxText's mesh (twelve axes: fsdp 8, the others 1), its sharding
-  constraints naming them: DataParallel, Zero3 and ShardParallel split the
-  batch over it (ShardParallel plans its axes of size 1 away: before, its
-  planning ran past 130 s and 14 GB)."""
+  constraints naming them: DataParallel, Zero3, ShardParallel and a 2-stage
+  pipeline split the batch over it (ShardParallel plans its axes of size 1
+  away: before, its planning ran past 130 s and 14 GB)."""
   make, step, data, mesh = maxtext
   start, ref_losses, ref_params = maxtext_reference
   assert len(mesh.axis_names) == 12 and mesh.shape["fsdp"] == 8
   for m in (autopar.DataParallel(mesh=mesh, num_micro_batches=2),
             autopar.Zero3Parallel(mesh=mesh, num_micro_batches=2),
-            autopar.ShardParallel(mesh=mesh, num_micro_batches=2)):
+            autopar.ShardParallel(mesh=mesh, num_micro_batches=2),
+            autopar.PipeshardParallel(mesh=mesh, num_micro_batches=2, num_stages=2)):
     model, optimizer = make()
     train_step = autopar.parallelize(step(autopar.value_and_grad), method=m)
     losses = [float(train_step(model, optimizer, data)) for _ in range(STEPS)]
