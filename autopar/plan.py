@@ -204,6 +204,9 @@ class StagePlan:
     in_flight: how many micro-batches' activations it holds at most.
     bytes_to_next: bytes of activations it sends per micro-batch (all
       devices), and send_seconds the predicted time to send them.
+    zero_state: its optimizer state (what only its update reads) is split
+      over its batch axes (ZeRO-2), where the stage's ILP chose so (under a
+      memory budget: it costs a gather of the updated values each step).
     first_pass_seconds: where the loss's gradient reads sums over the
       batch that depend on the parameters, a first pass runs the forward
       passes alone before the schedule; the predicted time of this stage's
@@ -223,6 +226,7 @@ class StagePlan:
   bytes_to_next: int
   send_seconds: float = 0.0
   first_pass_seconds: float = 0.0
+  zero_state: bool = False
 
   def to_json(self) -> dict:
     d = dataclasses.asdict(self)
@@ -244,7 +248,8 @@ class StagePlan:
                memory_per_device=int(d["memory_per_device"]), in_flight=int(d["in_flight"]),
                bytes_to_next=int(d["bytes_to_next"]),
                send_seconds=float(d.get("send_seconds", 0.0)),
-               first_pass_seconds=float(d.get("first_pass_seconds", 0.0)))
+               first_pass_seconds=float(d.get("first_pass_seconds", 0.0)),
+               zero_state=bool(d.get("zero_state", False)))
 
 
 @dataclasses.dataclass(frozen=True)

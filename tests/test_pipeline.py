@@ -623,3 +623,35 @@ def test_a_step_that_needs_its_batch_size_is_traced_at_each_size():
   with pytest.raises(autopar.InputError, match="its program at 4 rows is not its "
                      "program at 16 rows"):
     pf(w, batch)
+
+
+def test_optimizer_state_split_in_a_stage_under_a_budget():
+  """ZeRO-2 inside a stage: under a memory budget that the replicated plan
+  exceeds, the stage search counts what splitting a stage's optimizer state
+  over its batch axes saves, and the stage's ILP splits it; the state lives
+  split on the stage's submesh, the plan's memory meets the budget, the
+  summary says so, and the step is jit's. Before, each stage replicated
+  its state over its batch axes and the budget was refused."""
+  make_state, step, batch = transformer_setup(batch=16, d=64, layers=4, tx=SGD)
+  mesh = mesh24()
+
+  def method(budget):
+    return autopar.PipeshardParallel(
+        mesh=mesh, num_micro_batches=2, num_stages=2, option=autopar.AutoShardingOption(
+            memory_budget_per_device=budget, force_batch_dim_to_mesh_dim=("model",)))
+
+  free = autopar.parallelize(step, method=method(None), donate_argnums=())
+  replicated = free.get_executable(make_state(), batch).plan
+  assert not any(st.zero_state for st in replicated.stages)
+  budget = int(0.9 * replicated.memory_per_device)
+  pf = autopar.parallelize(step, method=method(budget), donate_argnums=())
+  state, loss = pf(make_state(), batch)
+  ref, ref_loss = single_device(step)(make_state(), batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(state.params, ref.params)
+  plan = pf.get_executable(make_state(), batch).plan
+  assert plan.memory_per_device <= budget
+  split = [st.index for st in plan.stages if st.zero_state]
+  assert split and "ZeRO-2" in plan.summary()
+  traces = jax.tree.leaves(state.opt_state)
+  assert any("model" in str(x.sharding.spec) and x.ndim == 2 for x in traces)

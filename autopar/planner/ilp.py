@@ -205,14 +205,15 @@ class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
                memory_budget: float | None = None, read_by_compute=(),
                share_layers: bool = True, pins: Mapping[int, Spec] | None = None,
                leaf_names: Sequence[str] = (), accumulate: str | None = "float32",
-               keep: tuple[Sequence[str], Mapping[str, tuple]] | None = None):
+               keep: tuple[Sequence[str], Mapping[str, tuple]] | None = None,
+               zero3: bool = True):
     super().__init__(compute=compute, apply=apply, num_consts=num_consts,
                      leaf_avals=leaf_avals, batch_leaves=batch_leaves,
                      num_micro_batches=num_micro_batches, batch_axes=batch_axes,
                      planned_axes=planned_axes, sizes=sizes, cost=cost,
                      seconds_per_flop=seconds_per_flop, flop_rates=flop_rates,
                      read_by_compute=read_by_compute, platform=platform,
-                     pins=pins, leaf_names=leaf_names, keep=keep)
+                     pins=pins, leaf_names=leaf_names, keep=keep, zero3=zero3)
     self.donation = dict(donation)
     self.seconds_per_byte = seconds_per_byte
     self.sync_latency = 0.0      # set by build: the combined gradient sync's latency

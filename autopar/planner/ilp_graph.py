@@ -84,6 +84,9 @@ class ChoiceGraph:
     pins: leaf index -> the spec it must take.
     leaf_names: leaves' pytree paths, for errors.
     keep: see :class:`autopar.planner.ilp.ShardingProblem`.
+    zero3: whether leaves ``compute_grad`` reads may be split over the batch
+      axes too (ZeRO-3; a pipeline stage's may not: only its update-only
+      state, ZeRO-2).
   """
 
   def __init__(self, *, compute, apply, num_consts: int, leaf_avals: Sequence,
@@ -93,7 +96,8 @@ class ChoiceGraph:
                flop_rates: Mapping[str, float] | None = None, read_by_compute=(),
                platform: str = "cpu",
                pins: Mapping[int, Spec] | None = None, leaf_names: Sequence[str] = (),
-               keep: tuple[Sequence[str], Mapping[str, tuple]] | None = None):
+               keep: tuple[Sequence[str], Mapping[str, tuple]] | None = None,
+               zero3: bool = True):
     self.compute = compute
     self.apply = apply
     self.num_consts = num_consts
@@ -112,6 +116,7 @@ class ChoiceGraph:
     self.pins = dict(pins or {})
     self.leaf_names = list(leaf_names)
     self.keep = keep
+    self.zero3 = zero3
     self.nodes: list[_Node] = []
     self._pending_edges: list = []   # (src, dst node, operand position, aval, mult, part)
     self._follow_edges: list = []    # (src, dst, aval, mult, part)
@@ -278,7 +283,8 @@ class ChoiceGraph:
     """None (replicated over the batch axes), and the dim a state leaf can
     also be split on over them (ZeRO/FSDP), if any."""
     d = self._batch_size_devices
-    if d == 1 or self.batch_leaves[k] or not aval.shape:
+    if d == 1 or self.batch_leaves[k] or not aval.shape or (
+        not self.zero3 and k in self.read_by_compute):
       return [None]
     for dim, n in enumerate(aval.shape):
       if n % (d * math.prod(self.sizes[a] for a in spec[dim])) == 0:

@@ -20,7 +20,7 @@ from autopar.costs.cost_model import assumed_costs, dtype_name
 from autopar.costs.submesh import tile
 from autopar.errors import PlanError
 from autopar.frontend.cut import cut, home_specs, stage_specs
-from autopar.frontend.hints import model_axes
+from autopar.frontend.hints import entry_axes, model_axes
 from autopar.frontend.pipeline import Context, Prepared, trace_pipelined
 from autopar.frontend.split import OutputKind
 from autopar.method import PipeshardParallel, auto_mesh, axis_sizes_of, resolve_mesh
@@ -82,10 +82,13 @@ def _plan_of(pre: Prepared, method, mesh, cut_, choices) -> Plan:
   for s, (st, ch) in enumerate(zip(cut_.stages, choices, strict=True)):
     values = []
     params = []
+    zero = False
     for leaf, spec, kind in stage_specs(ctx, st, ch):
       info = leaves[leaf]
       if kind == "root":
         params.append(ctx.leaf_names[leaf])
+      if kind == "update" and {a for e in spec for a in entry_axes(e)} & set(ch.batch_axes):
+        zero = True
       values.append(ValuePlan(ctx.leaf_names[leaf], tuple(info.shape),
                               dtype_name(info.dtype), spec))
     stage_plans.append(StagePlan(
@@ -94,7 +97,8 @@ def _plan_of(pre: Prepared, method, mesh, cut_, choices) -> Plan:
         inputs=tuple(values), time_per_micro_batch=float(ch.time_per_micro_batch),
         time_per_step=float(ch.time_per_step), memory_per_device=int(ch.memory),
         in_flight=in_flight[s], bytes_to_next=int(ch.send_bytes),
-        send_seconds=float(ch.send_seconds), first_pass_seconds=float(first[s])))
+        send_seconds=float(ch.send_seconds), first_pass_seconds=float(first[s]),
+        zero_state=zero))
   inputs = tuple(ValuePlan(l.path, tuple(l.shape), dtype_name(l.dtype),
                            home_spec.get(k, PartitionSpec())) for k, l in enumerate(leaves))
   grads, grad_inputs = [], []

@@ -336,10 +336,11 @@ def _aval_of(io: StageIO, kind, ref):
 
 def solve_stage(ctx: Context, cut_: Cut, s: int, sizes: dict[str, int],
                 batch_axes: tuple[str, ...], *, in_flight: int = 1,
-                cost: MeshCost | None = None) -> StageSolution:
+                cost: MeshCost | None = None, tighter: float = 0.0) -> StageSolution:
   """Plans stage ``s`` of ``cut_`` on a submesh of ``sizes`` with the batch
   split over ``batch_axes``; ``in_flight``: how many micro-batches'
-  residuals the schedule keeps (they count against the memory budget)."""
+  residuals the schedule keeps (they count against the memory budget);
+  ``tighter``: bytes to plan under the budget besides."""
   st = cut_.stages[s]
   d = math.prod(sizes[a] for a in batch_axes)
   rows = ctx.micro // d
@@ -385,7 +386,7 @@ def solve_stage(ctx: Context, cut_: Cut, s: int, sizes: dict[str, int],
                        for v in fns.forward.jaxpr.outvars[fns.num_outputs:])
   budget = option.memory_budget_per_device
   if budget is not None:
-    budget = budget - max(0, in_flight - 1) * residual_bytes
+    budget = budget - max(0, in_flight - 1) * residual_bytes - tighter
     if budget <= 0:
       raise PlanError(f"autopar: stage {s}'s activations of {in_flight} micro-batches "
                       f"in flight ({residual_bytes * in_flight:.0f} bytes) exceed "
@@ -402,7 +403,7 @@ def solve_stage(ctx: Context, cut_: Cut, s: int, sizes: dict[str, int],
       allow_all_gather=option.allow_all_gather, allow_all_to_all=option.allow_all_to_all,
       memory_budget=budget, read_by_compute=read_by,
       share_layers=option.share_layers, pins=pins, accumulate=ctx.accumulate,
-      leaf_names=list(io.names))
+      leaf_names=list(io.names), zero3=False)
   problem.build()
   objective = problem.solve()
   parts = problem.cost_by_part()

@@ -45,6 +45,7 @@ import warnings
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from autopar.costs.cost_model import DEFAULT_ALPHA, DEFAULT_BETA
 from autopar.errors import InputError, PlanError
@@ -55,8 +56,8 @@ from autopar.planner.stage import update_inputs, solve_stage, stage_batch_axes
 from autopar.planner.layers import value_bytes
 from autopar.frontend.program import sizer
 from autopar.costs.submesh import block_shapes, fits, link_axis, tile
-from autopar.costs.strategies import (local_bytes, missing_rules, to_partition_spec,
-                                      warn_missing_rules)
+from autopar.costs.strategies import (local_bytes, local_shape, missing_rules,
+                                      to_partition_spec, warn_missing_rules)
 
 __all__ = ["search", "SearchResult", "Candidate", "StageChoice", "forward_seconds",
            "first_pass_time"]
@@ -139,8 +140,9 @@ def _send(ctx, position: int) -> float:
 
 
 def _solve_layers(ctx, groups, shapes, names, progress=None):
-  """costs[(g, shape, axes)] = (t, u, state, residual bytes, peak) per DP
-  layer group ``g`` (layers ``groups[g]..groups[g+1]``)."""
+  """costs[(g, shape, axes)] = (t, u, state, residual bytes, peak, and what
+  ZeRO-2 would save and cost: ``_zero_state``) per DP layer group ``g``
+  (layers ``groups[g]..groups[g+1]``)."""
   L = ctx.num_layers
   bounds = [*groups, L]
   memo: dict = {}
@@ -159,9 +161,30 @@ def _solve_layers(ctx, groups, shapes, names, progress=None):
         if key not in memo:
           sol = solve_stage(ctx, c, s, sizes, axes)
           memo[key] = (sol.per_micro_batch, sol.per_step, sol.state_bytes,
-                       sol.residual_bytes, sol.peak_bytes)
+                       sol.residual_bytes, sol.peak_bytes, *_zero_state(sol, sizes, axes))
         out[(g, shape, axes)] = memo[key]
   return out, len(memo)
+
+
+def _zero_state(sol, sizes, axes) -> tuple[float, float]:
+  """What splitting the layer's optimizer state (what only its update reads)
+  over the batch axes ``axes`` (ZeRO-2) would save of its state's bytes per
+  device, and cost per step in gathering the updated values back (the
+  layer's ILP solution replicates it there: it costs time, and saves only
+  memory, which the search weighs against the budget)."""
+  d = math.prod(sizes[a] for a in axes)
+  if d == 1:
+    return 0.0, 0.0
+  problem, solution = sol.problem, sol.problem.solution()
+  saved = gather = 0.0
+  for k in sol.io.index("update"):
+    aval, spec = problem.leaf_avals[k], solution.leaf_specs[k]
+    local = local_shape(aval.shape, spec, sizes)
+    if any(n % d == 0 for n in local):
+      b = local_bytes(aval, spec, sizes)
+      saved += b * (1 - 1 / d)
+      gather += problem.cost.all_gather(b / d, axes)
+  return saved, gather
 
 
 def search(pre, method, mesh):
@@ -208,7 +231,7 @@ def search(pre, method, mesh):
   for shape in shapes:
     for axes in stage_batch_axes(ctx, dict(zip(names, shape))):
       rows = np.array([costs[(g, shape, axes)] for g in range(G)])
-      prefix[(shape, axes)] = (np.vstack([np.zeros(5), np.cumsum(rows, axis=0)]), rows)
+      prefix[(shape, axes)] = (np.vstack([np.zeros(7), np.cumsum(rows, axis=0)]), rows)
 
   @functools.lru_cache(maxsize=None)
   def stage(a: int, b: int, offset: int, shape, held: int):
@@ -221,6 +244,7 @@ def search(pre, method, mesh):
     for axes in axes_of[shape]:
       cum, rows = prefix[(shape, axes)]
       t, u, state, resid = (cum[b, :4] - cum[a, :4])
+      zero_saved, zero_gather = (cum[b, 5:7] - cum[a, 5:7])
       peak = rows[a:b, 4].max()
       sb = send_bytes[b] if b < G else 0.0
       sec = 0.0
@@ -229,7 +253,10 @@ def search(pre, method, mesh):
                beta.get(axis, DEFAULT_BETA) * sb / devices)
       mem = state + held * resid + peak
       if budget is not None and mem > budget:
-        continue
+        # The optimizer state split over the batch axes (ZeRO-2) may fit.
+        if mem - zero_saved > budget:
+          continue
+        mem, u = mem - zero_saved, u + zero_gather
       cand = Candidate(layers=(a, b), offset=offset, shape=shape, batch_axes=axes,
                        t=t + 2 * sec, u=u, memory=mem, send_bytes=sb, send_seconds=sec)
       if best is None or cand.t + cand.u / max(n, 1) < best.t + best.u / max(n, 1):
@@ -344,12 +371,33 @@ def search(pre, method, mesh):
            "|".join(str(seg.jaxpr) for seg in c.apply.of_stage(s)))
     sol = plans.get(key)
     if sol is None:
-      sol = plans[key] = solve_stage(ctx, c, s, sizes_s, cand.batch_axes,
-                                     in_flight=in_flight[s])
+      sol = plans[key] = _within_budget(ctx, c, s, sizes_s, cand.batch_axes,
+                                        in_flight[s], budget)
     choices.append(_choice(ctx, c, s, cand, sol, layers[s], in_flight[s]))
     missing.update(missing_rules(sol.joint, sol.update))
   warn_missing_rules(missing, f"{ctx.program.fn_name}'s pipeline stages")
   return c, choices, result
+
+
+def _within_budget(ctx, c, s, sizes, axes, in_flight: int, budget):
+  """Stage ``s`` planned whole by its ILP; under a budget, planned tighter
+  until its memory as the search counts it (state, the residuals of the
+  micro-batches in flight, the peak) fits: the ILP's own peak counts one
+  micro-batch's residuals, and its plan may take the budget's room for the
+  others (then it splits the optimizer state over the batch axes, ZeRO-2,
+  as the search assumed where that was needed to fit)."""
+  tighter = 0.0
+  for _ in range(4):
+    sol = solve_stage(ctx, c, s, sizes, axes, in_flight=in_flight, tighter=tighter)
+    mem = sol.state_bytes + in_flight * sol.residual_bytes + sol.peak_bytes
+    if budget is None or mem <= budget:
+      return sol
+    tighter += mem - budget
+  raise PlanError(
+      f"{ctx.program.fn_name}: pipeline stage {s} (on a submesh {tuple(sizes.values())}, "
+      f"{in_flight} micro-batch(es) in flight) needs {mem:.0f} bytes per device, over "
+      f"memory_budget_per_device={budget}. Fix: raise the budget, use more stages or "
+      f"more micro-batches with 1F1B, or remat.")
 
 
 def _collectives(ctx, s: int, sol, solution) -> tuple[CollectivePlan, ...]:
@@ -381,6 +429,16 @@ def _collectives(ctx, s: int, sol, solution) -> tuple[CollectivePlan, ...]:
   return tuple(out)
 
 
+def _with_batch_dim(spec, dim, batch_axes) -> PartitionSpec:
+  """``spec`` (the ILP's, over the planned axes) with dimension ``dim`` also
+  split over ``batch_axes`` ahead of them; as it is where ``dim`` is None."""
+  if dim is None:
+    return to_partition_spec(spec)
+  spec = list(spec)
+  spec[dim] = tuple(batch_axes) + tuple(spec[dim])
+  return to_partition_spec(tuple(spec))
+
+
 def _layer_note(method) -> str:
   return ("layers found: the boundaries marked with autopar.mark_pipeline_boundary()"
           if method.layers == "manual" else
@@ -397,7 +455,11 @@ def _choice(ctx, c, s, cand, sol, layers, in_flight):
   # A solution may be shared by stages that compute alike: take this stage's
   # own update inputs, in the same order.
   own = [v for v, _ in update_inputs(ctx, c, s)[1]]
-  update_specs = {v: specs[k] for v, k in zip(own, io.index("update"), strict=True)}
+  # State only the update reads may also be split over the stage's batch
+  # axes (ZeRO-2: the ILP weighs the bytes it saves against gathering it).
+  update_specs = {v: _with_batch_dim(solution.leaf_specs[k], solution.leaf_batch_dims[k],
+                                     cand.batch_axes)
+                  for v, k in zip(own, io.index("update"), strict=True)}
   grad_specs = tuple(to_partition_spec(x) for x in solution.grad_specs)
   fwd_pins, bwd_pins = {}, {}
   nf = sol.num_forward_eqns
