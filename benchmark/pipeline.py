@@ -39,8 +39,16 @@ between stages, and the stage search's choice against one-mesh plans.
    pass, and the measured step time (median of 5 steps, both run side by
    side in this process).
 
+8. ZeRO inside stages. A 24-layer GPT (d=256, Adam) on an abstract
+   4 hosts x 8 devices mesh, 4 stages x 8 micro-batches: per stage, its
+   modelled memory per device with its optimizer state replicated over its
+   batch axes (no budget) and under budgets of 90 % and 80 % of that plan's
+   largest stage, where the search may split the state (ZeRO-2), with the
+   modelled step time of each plan.
+
     python benchmark/pipeline.py --host    # section 6 alone
     python benchmark/pipeline.py --first   # section 7 alone
+    python benchmark/pipeline.py --zero    # section 8 alone
 """
 
 import os
@@ -252,6 +260,42 @@ def first_pass_table(steps=5):
   print(f"measured: the step with the first pass takes {b / a:.2f}x the other's")
 
 
+def zero_in_stage_table():
+  print("\n8. ZeRO-2 inside stages: GPT (24 layers, d=256, Adam) on abstract 4 x 8, "
+        "4 stages, 8 micro-batches")
+  make_state, step, batch = transformer_setup(tx=optax.adam(1e-3), layers=24, d=256,
+                                              heads=8, batch=64, seq=32, vocab=256)
+  abstract = jax.eval_shape(lambda: (make_state(), batch))
+  mesh = jax.sharding.AbstractMesh((4, 8), ("host", "device"))
+
+  def plan(budget):
+    option = autopar.AutoShardingOption(
+        mesh_beta={"host": 1 / 25e9, "device": 1 / 300e9}, memory_budget_per_device=budget)
+    pf = autopar.parallelize(step, method=autopar.PipeshardParallel(
+        mesh=mesh, num_micro_batches=8, num_stages=4, option=option))
+    t = time.perf_counter()
+    try:
+      p = pf.plan(*abstract)
+    except autopar.PlanError as e:
+      return None, time.perf_counter() - t, str(e).split(". Fix")[0]
+    return p, time.perf_counter() - t, ""
+
+  free, seconds, _ = plan(None)
+  top = max(st.memory_per_device for st in free.stages)
+  print(f"   {'budget':<22}{'memory per device by stage (MiB)':<40}{'ZeRO-2 stages':<16}"
+        f"{'step (model)':>12}")
+  for label, budget in (("none (replicated)", None), ("90 % of the largest", 0.9),
+                        ("80 % of the largest", 0.8)):
+    p, secs, why = (free, seconds, "") if budget is None else plan(int(budget * top))
+    if p is None:
+      print(f"   {label:<22}no plan: {why[:90]}")
+      continue
+    mem = ", ".join(f"{st.memory_per_device / 2**20:.2f}" for st in p.stages)
+    zero = ",".join(str(st.index) for st in p.stages if st.zero_state) or "-"
+    print(f"   {label:<22}{mem:<40}{zero:<16}{p.objective * 1e3:>9.3f} ms"
+          f"   (planned in {secs:.1f} s)")
+
+
 if __name__ == "__main__":
   if "--host" in sys.argv:
     host_time_per_task()
@@ -259,8 +303,12 @@ if __name__ == "__main__":
   if "--first" in sys.argv:
     first_pass_table()
     sys.exit()
+  if "--zero" in sys.argv:
+    zero_in_stage_table()
+    sys.exit()
   bubble_table()
   search_table()
   planning_time()
   host_time_per_task()
   first_pass_table()
+  zero_in_stage_table()

@@ -31,7 +31,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from autopar import jax_compat as jc
-from autopar.costs.cost_model import MeshCost, num_bytes
+from autopar.costs.cost_model import MeshCost
 from autopar.costs.devices import platform_of
 from autopar.errors import InputError, PlanError
 from autopar.frontend.hints import check_pins, entry_axes
@@ -382,15 +382,18 @@ def solve_stage(ctx: Context, cut_: Cut, s: int, sizes: dict[str, int],
     wanted = {p: spec for p, spec in option.pin_map.items() if p in io.names}
     pins = {k: tuple(entry_axes(e) for e in spec) for k, spec in
             check_pins(wanted, leaves_for_pins, sizes).items()}
-  residual_bytes = sum(num_bytes(v.aval.shape, v.aval.dtype)
-                       for v in fns.forward.jaxpr.outvars[fns.num_outputs:])
+  # The ILP's own peak holds one micro-batch's residuals; the schedule's
+  # others in flight take the room ``tighter`` leaves (``stage_search``
+  # tightens until the stage fits as it counts).
   budget = option.memory_budget_per_device
   if budget is not None:
-    budget = budget - max(0, in_flight - 1) * residual_bytes - tighter
+    budget = budget - tighter
     if budget <= 0:
-      raise PlanError(f"autopar: stage {s}'s activations of {in_flight} micro-batches "
-                      f"in flight ({residual_bytes * in_flight:.0f} bytes) exceed "
-                      f"memory_budget_per_device={option.memory_budget_per_device}.")
+      raise PlanError(f"autopar: stage {s} with {in_flight} micro-batches in flight "
+                      f"cannot fit memory_budget_per_device="
+                      f"{option.memory_budget_per_device}: the activations they keep "
+                      f"take it all. Fix: raise the budget, use more stages or more "
+                      f"micro-batches with 1F1B, or remat.")
   problem = ShardingProblem(
       compute=ClosedJaxpr(joint, ()), apply=ClosedJaxpr(update, ()),
       num_consts=num_consts, leaf_avals=leaf_avals, batch_leaves=list(io.batch),

@@ -386,18 +386,27 @@ def _within_budget(ctx, c, s, sizes, axes, in_flight: int, budget):
   micro-batch's residuals, and its plan may take the budget's room for the
   others (then it splits the optimizer state over the batch axes, ZeRO-2,
   as the search assumed where that was needed to fit)."""
-  tighter = 0.0
-  for _ in range(4):
-    sol = solve_stage(ctx, c, s, sizes, axes, in_flight=in_flight, tighter=tighter)
-    mem = sol.state_bytes + in_flight * sol.residual_bytes + sol.peak_bytes
+  tighter, mem = 0.0, None
+  for _ in range(6):
+    try:
+      sol = solve_stage(ctx, c, s, sizes, axes, in_flight=in_flight, tighter=tighter)
+    except PlanError:
+      if not tighter:
+        raise
+      break          # (no plan leaves the room the micro-batches in flight need)
+    own = sol.state_bytes + sol.peak_bytes
+    mem = own + in_flight * sol.residual_bytes
     if budget is None or mem <= budget:
       return sol
-    tighter += mem - budget
+    # Next, the ILP's own count must come down by the excess.
+    tighter = max(tighter, budget - (own - (mem - budget)))
   raise PlanError(
       f"{ctx.program.fn_name}: pipeline stage {s} (on a submesh {tuple(sizes.values())}, "
-      f"{in_flight} micro-batch(es) in flight) needs {mem:.0f} bytes per device, over "
-      f"memory_budget_per_device={budget}. Fix: raise the budget, use more stages or "
-      f"more micro-batches with 1F1B, or remat.")
+      f"{in_flight} micro-batch(es) in flight) does not fit "
+      f"memory_budget_per_device={budget}"
+      f"{f' (its best plan needs {mem:.0f} bytes per device' if mem else ' ('}: its "
+      f"state, the activations of the micro-batches in flight and its peak). Fix: "
+      f"raise the budget, use more stages or more micro-batches with 1F1B, or remat.")
 
 
 def _collectives(ctx, s: int, sol, solution) -> tuple[CollectivePlan, ...]:
