@@ -193,10 +193,10 @@ def build_stage(st: StageProgram, fns: StageFunctions, layout: StageLayout, *,
     return jax.shard_map(f, mesh=L.mesh, in_specs=in_specs, out_specs=out_specs_,
                          axis_names=set(manual), check_vma=False)
 
-  def fwd_body(i, roots, acts, leaves):
+  def fwd_body(i, roots, acts, leaves, quiet=False):
     ins = local_inputs(i, roots, acts, leaves)
     outs = eval_jaxpr(fj.jaxpr, (), ins, Rules(pins=fwd_pins, pin=pin, hint=hint,
-                                                once_axes=once),
+                                                once_axes=once, quiet=quiet),
                        constvals=fj.consts)
     main = [x if r is not None else _stack(x) for x, r in zip(outs[:n_out], out_rows)]
     return main, [_stack(x) for x in outs[n_out:]]
@@ -206,9 +206,9 @@ def build_stage(st: StageProgram, fns: StageFunctions, layout: StageLayout, *,
                          (out_specs, stored_specs))(i, roots, acts, leaves)
 
   # The first pass's forward: the outputs alone (XLA drops what only the
-  # residuals need).
+  # residuals need), its debug prints silent (the schedule's forward prints).
   def first(i, roots, acts, leaves):
-    return manual_region(lambda *a: fwd_body(*a)[0],
+    return manual_region(lambda *a: fwd_body(*a, quiet=True)[0],
                          (PartitionSpec(), root_in, act_in_specs, leaf_in),
                          out_specs)(i, roots, acts, leaves)
 

@@ -93,6 +93,8 @@ class Rules:
       gradients, ``gradstack.py``).
     trips: for the rules a scan is evaluated under (``eval_scan``): scanned
       operand index -> the spec each trip's slice enters the body in.
+    quiet: ``jax.debug.print`` / ``jax.debug.callback`` do not run (a
+      pass that evaluates the forward pass once more: a pipeline's first).
     gathers: top-level input -> ``f(x)`` that gathers it (a parameter
       stored split over the manual batch axes: ZeRO-3): gathered for each
       equation that reads it, once its other operands are made
@@ -107,10 +109,11 @@ class Rules:
   override: dict = dataclasses.field(default_factory=dict)
   trips: dict = dataclasses.field(default_factory=dict)
   gathers: dict = dataclasses.field(default_factory=dict)
+  quiet: bool = False
 
   def __bool__(self) -> bool:
     return bool(self.pins or self.draws or self.once_axes or self.hint or self.override
-                or self.trips or self.gathers)
+                or self.trips or self.gathers or self.quiet)
 
   def inside(self, prefix: str) -> "Rules":
     return dataclasses.replace(self, pins=_inside(self.pins, prefix),
@@ -155,6 +158,8 @@ def eval_jaxpr(jaxpr, consts, args, rules: Rules, constvals=()):
       outs = _REGION_EVAL[name](eqn, args, inner)
     elif path in rules.draws:
       outs = rng.draw(eqn, path, rules.draws[path], args[0], *rules.rows)
+    elif name in DEBUG_CALLBACKS and rules.quiet:
+      outs = []
     elif name in DEBUG_CALLBACKS and rules.once_axes:
       outs = _on_first_device(eqn, args, rules.once_axes)
     elif name in HINT_PRIMITIVES and rules.hint is not None:

@@ -27,8 +27,8 @@ from autopar.frontend.program import Analysis, Program, build_program, same_valu
 from autopar.frontend.remat import remat_mode
 from autopar.frontend.retype import lowers_with_devices
 from autopar.frontend.rows import RowOracle
-from autopar.frontend.split import (BY_DEVICE, OutputKind, SplitStep, apply_at, scale_at,
-                                    split_step)
+from autopar.frontend.split import (BY_DEVICE, OutputKind, SplitStep, apply_at, disagreement,
+                                    scale_at, split_step)
 from autopar.frontend.trace import (TracedStep, check_batch_leaves, eqns_by_path,
                                     loss_has_vjp_rules, trace_step, trace_step_any_batch)
 
@@ -203,6 +203,20 @@ def trace_pipelined(fun, args, prep, *, n: int, mesh, axis_sizes: dict[str, int]
     other_rows = batch if batch != micro else micro // 2 if micro % 2 == 0 else 2 * micro
     other = trace_at(other_rows)
     split, split_other = split_of(traced, other), split_of(other, traced)
+    # (The update and the loss's scale are the other size's: lined up with
+    # this one's outputs, reductions and sums.)
+    why = disagreement(split, split_other)
+    sa, sb = split.apply.jaxpr, split_other.apply.jaxpr
+    if not why and (len(sa.invars), len(sa.outvars)) != (len(sb.invars), len(sb.outvars)):
+      why = "the update reads or makes other values"
+    if why:
+      raise InputError(
+          f"{name}: the step cannot be traced at a symbolic batch size, so "
+          f"PipeshardParallel traces it at a micro-batch's {micro} rows and at "
+          f"{other_rows}, and they split otherwise: {why}. Its program changes with "
+          f"the batch size (a Python branch on it), so autopar cannot give each "
+          f"device the whole batch's results. Fix: keep the batch size out of the "
+          f"step's Python logic; or use ShardParallel.")
   split = _with_constant_seeds(split)
   through = _check_loss(split, name, n)
   if through:

@@ -39,6 +39,7 @@ import dataclasses
 import math
 from typing import Any, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
@@ -368,34 +369,86 @@ def sizer(rows: int):
 def unlike(a: Program, b: Program, oracle) -> str:
   """Why ``b`` (``P`` traced at another concrete size than ``a``) is not
   ``a``'s program at its size, or "": the same equations in the same order,
-  the same constants, and the same literals except where ``oracle`` (``a``
-  paired with a third size) says an equation's literal is the batch's
-  size (``rows.RowOracle.size_dependent``)."""
-  if (len(a.eqns), len(a.jaxpr.invars), len(a.jaxpr.outvars)) != \
-      (len(b.eqns), len(b.jaxpr.invars), len(b.jaxpr.outvars)):
-    return (f"{len(a.eqns)} equations, {len(a.jaxpr.invars)} inputs and "
-            f"{len(a.jaxpr.outvars)} outputs against {len(b.eqns)}, "
+  inside calls and loops too, with the same settings where their shapes are
+  the same, the same literals except where ``oracle`` (``a`` paired with a
+  third size) says an equation's literal is the batch's size
+  (``rows.RowOracle.size_dependent``) or its shapes differ, and the same
+  values as its outputs."""
+  if (len(a.jaxpr.invars), len(a.jaxpr.outvars)) != (len(b.jaxpr.invars),
+                                                     len(b.jaxpr.outvars)):
+    return (f"{len(a.jaxpr.invars)} inputs and {len(a.jaxpr.outvars)} outputs against "
             f"{len(b.jaxpr.invars)} and {len(b.jaxpr.outvars)}")
-  for i, (e, f) in enumerate(zip(a.eqns, b.eqns)):
-    if e.primitive is not f.primitive or len(e.invars) != len(f.invars):
-      return f"equation {i} is '{e.primitive.name}' against '{f.primitive.name}'"
-    for x, y in zip(e.invars, f.invars):
-      if isinstance(x, Literal) != isinstance(y, Literal):
-        return f"equation {i} ('{e.primitive.name}') reads a constant at one size only"
-      if isinstance(x, Literal) and not oracle.size_dependent(e) and \
-          not same_value(x.val, y.val):
-        return (f"equation {i} ('{e.primitive.name}') reads the constant {x.val} "
-                f"against {y.val}")
+  why = _unlike_eqns(a.eqns, b.eqns, oracle, "")
+  if why:
+    return why
+  where_a, where_b = _made_at(a.jaxpr), _made_at(b.jaxpr)
+  for k, (x, y) in enumerate(zip(a.jaxpr.outvars, b.jaxpr.outvars)):
+    if isinstance(x, Literal) != isinstance(y, Literal) or (
+        not isinstance(x, Literal) and where_a.get(x) != where_b.get(y)):
+      return f"output {k} of its forward program is another value"
   return ""
 
 
+def _made_at(jaxpr) -> dict:
+  out = {v: ("input", k) for k, v in enumerate(jaxpr.invars)}
+  for i, e in enumerate(jaxpr.eqns):
+    out.update({v: (i, k) for k, v in enumerate(e.outvars)})
+  return out
+
+
+def _unlike_eqns(ea, eb, oracle, where: str) -> str:
+  if len(ea) != len(eb):
+    return (f"{len(ea)} equations against {len(eb)}" +
+            (f" inside equation {where[:-1]}" if where else ""))
+  for i, (e, f) in enumerate(zip(ea, eb)):
+    at = f"equation {where}{i} ('{e.primitive.name}')"
+    if e.primitive is not f.primitive or (len(e.invars), len(e.outvars)) != (
+        len(f.invars), len(f.outvars)):
+      return f"equation {where}{i} is '{e.primitive.name}' against '{f.primitive.name}'"
+    shaped = [getattr(v.aval, "shape", None) for v in e.outvars] == \
+        [getattr(v.aval, "shape", None) for v in f.outvars]
+    for x, y in zip(e.invars, f.invars):
+      if isinstance(x, Literal) != isinstance(y, Literal):
+        return f"{at} reads a constant at one size only"
+      if isinstance(x, Literal) and shaped and not (not where and oracle.size_dependent(e)) \
+          and not same_value(x.val, y.val):
+        return f"{at} reads the constant {x.val} against {y.val}"
+    if shaped:
+      for name, x in e.params.items():
+        y = f.params.get(name)
+        if _plain(x) and _plain(y) and x != y:
+          return f"{at} has {name}={x!r} against {y!r}"
+    subs_a, subs_b = jaxprs_in(e), jaxprs_in(f)
+    if len(subs_a) != len(subs_b):
+      return f"{at} holds {len(subs_a)} programs against {len(subs_b)}"
+    for k, (x, y) in enumerate(zip(subs_a, subs_b)):
+      why = _unlike_eqns(x.eqns, y.eqns, oracle, f"{where}{i}.{k}.")
+      if why:
+        return why
+  return ""
+
+
+def _plain(x) -> bool:
+  """A setting compared between two traces: numbers, strings, flags and
+  tuples of them (not functions, jaxprs or shardings)."""
+  if isinstance(x, (bool, int, float, str, type(None))):
+    return True
+  return isinstance(x, tuple) and all(_plain(y) for y in x)
+
+
 def same_value(x, y) -> bool:
-  """Whether two constants are equal (shape, dtype, values)."""
+  """Whether two constants are equal (shape, dtype, values; a typed PRNG
+  key's by its data)."""
+  if x is y:
+    return True
   try:
+    if all(getattr(v, "dtype", None) is not None and
+           jnp.issubdtype(v.dtype, jax.dtypes.prng_key) for v in (x, y)):
+      x, y = jax.random.key_data(x), jax.random.key_data(y)
     x, y = np.asarray(x), np.asarray(y)
     return x.shape == y.shape and x.dtype == y.dtype and bool(np.all(x == y))
-  except Exception:  # noqa: BLE001 - an opaque constant (a key): compared by identity
-    return x is y
+  except Exception:  # noqa: BLE001 - an opaque constant: equal only if the same object
+    return False
 
 
 def matching(a: Program, b: Program) -> dict:

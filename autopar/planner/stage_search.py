@@ -380,12 +380,14 @@ def search(pre, method, mesh):
 
 
 def _within_budget(ctx, c, s, sizes, axes, in_flight: int, budget):
-  """Stage ``s`` planned whole by its ILP; under a budget, planned tighter
+  """Stage ``s`` planned whole by its ILP; under a budget, planned again
   until its memory as the search counts it (state, the residuals of the
-  micro-batches in flight, the peak) fits: the ILP's own peak counts one
-  micro-batch's residuals, and its plan may take the budget's room for the
-  others (then it splits the optimizer state over the batch axes, ZeRO-2,
-  as the search assumed where that was needed to fit)."""
+  micro-batches in flight, the peak) fits: the ILP counts its state and its
+  own peak, and may take the budget's room the micro-batches in flight
+  need. Each try lowers the ILP's budget to leave that room as the last
+  plan's residuals take it (then the ILP splits the optimizer state over
+  the batch axes, ZeRO-2, as the search assumed where that was needed);
+  at most six tries, then a PlanError."""
   tighter, mem = 0.0, None
   for _ in range(6):
     try:
