@@ -101,9 +101,9 @@ def stage_batch_axes(ctx: Context, sizes: dict[str, int]) -> list[tuple[str, ...
   and that leaves at most ``option.max_model_axes`` axes to plan (besides
   the hinted ones, which are planned whatever that says). Where the step
   holds an op JAX lowers with the devices in hand (``ctx.whole_batch``:
-  a host callback, a ``custom_partitioning`` op), every axis of size > 1
-  or none: JAX lowers those only in a computation manual over all of its
-  mesh's axes or none."""
+  a host callback, a ``custom_partitioning`` op), every axis or none (the
+  axes of size 1 with the others): JAX lowers those only in a computation
+  manual over all of its mesh's axes or none."""
   micro, option, taken = ctx.micro, ctx.option, ctx.hint_axes
   every = [a for a, s in sizes.items() if s > 1]
   names = [a for a in every if a not in taken]
@@ -123,6 +123,11 @@ def stage_batch_axes(ctx: Context, sizes: dict[str, int]) -> list[tuple[str, ...
       continue
     if micro % math.prod(sizes[a] for a in axes) == 0 and whole(axes):
       out.append(axes)
+  if ctx.whole_batch:
+    # Manual over every axis means the axes of size 1 too (JAX counts one
+    # left automatic as a partly manual computation).
+    out = [tuple(a for a in sizes if a in axes or sizes[a] == 1) if axes else ()
+           for axes in out]
   if not out and forced and not whole(tuple(a for a in forced if a in names)):
     raise InputError(
         f"{ctx.program.fn_name}: AutoShardingOption(force_batch_dim_to_mesh_dim="
