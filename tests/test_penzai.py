@@ -122,6 +122,18 @@ SUMMATION = BATCH * SEQ * EPS
 ROUNDING = 2 * STEPS * EPS
 
 
+def assert_params_close(got, ref_params, start):
+  """``got`` within SUMMATION of the largest update from ``start`` and
+  ROUNDING of jit's ``ref_params`` (see above)."""
+  largest = max(float(np.max(np.abs(np.asarray(r) - np.asarray(p))))
+                for r, p in zip(jax.tree.leaves(ref_params), jax.tree.leaves(start),
+                                strict=True))
+  for (path, a), r in zip(jax.tree_util.tree_leaves_with_path(got),
+                          jax.tree.leaves(ref_params), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=ROUNDING,
+                               atol=SUMMATION * largest, err_msg=jax.tree_util.keystr(path))
+
+
 @pytest.mark.parametrize("method", list(METHODS))
 def test_llamalike_transformer_equals_jit(reference, method):
   step, params, batch, (ref_params, ref_losses) = reference
@@ -131,13 +143,7 @@ def test_llamalike_transformer_equals_jit(reference, method):
     warnings.simplefilter("ignore")
     got, losses = train(step, params, batch, run=pf)
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-  largest = max(float(np.max(np.abs(np.asarray(r) - np.asarray(p))))
-                for r, p in zip(jax.tree.leaves(ref_params), jax.tree.leaves(params),
-                                strict=True))
-  for (path, a), r in zip(jax.tree_util.tree_leaves_with_path(got),
-                          jax.tree.leaves(ref_params), strict=True):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=ROUNDING,
-                               atol=SUMMATION * largest, err_msg=jax.tree_util.keystr(path))
+  assert_params_close(got, ref_params, params)
 
 
 def test_pipeline_traces_at_each_size(reference):
@@ -154,12 +160,6 @@ def test_pipeline_traces_at_each_size(reference):
     warnings.simplefilter("ignore")
     got, losses = train(step, params, batch, run=pf)
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-  largest = max(float(np.max(np.abs(np.asarray(r) - np.asarray(p))))
-                for r, p in zip(jax.tree.leaves(ref_params), jax.tree.leaves(params),
-                                strict=True))
-  for (path, a), r in zip(jax.tree_util.tree_leaves_with_path(got),
-                          jax.tree.leaves(ref_params), strict=True):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=ROUNDING,
-                               atol=SUMMATION * largest, err_msg=jax.tree_util.keystr(path))
+  assert_params_close(got, ref_params, params)
   plan = pf.get_executable(params, SGD.init(params), batch).plan
   assert [st.batch_axes for st in plan.stages] == [("model",)] * 2
