@@ -262,6 +262,20 @@ def image_setup(model, batch=32, hw=8):
   return make_state, step, {"x": x, "y": y}
 
 
+def partitioned(f):
+  """Element-wise ``f`` as a ``custom_partitioning`` op whose result takes
+  its operand's sharding: an op JAX partitions with the devices in hand, as
+  cuDNN's fused attention is."""
+  from jax.experimental.custom_partitioning import custom_partitioning
+  op = custom_partitioning(f)
+  op.def_partition(
+      infer_sharding_from_operands=lambda mesh, args, result: args[0].sharding,
+      partition=lambda mesh, args, result: (mesh, f, args[0].sharding,
+                                            (args[0].sharding,)),
+      sharding_rule="... -> ...")
+  return op
+
+
 def moe_setup(E=4, V=16, D=16, T=6, B=16, aux=0.1, factor=True):
   """A token mean plus a Switch load-balancing loss ``E · Σ_e f_e · P_e``
   (each a mean over the valid tokens; ``aux=0``: none), with dropout drawn

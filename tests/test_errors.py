@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import autopar
-from models import assert_trees_close, mlp_setup, single_device
+from models import assert_trees_close, mlp_setup, partitioned, single_device
 
 
 def mesh8():
@@ -308,18 +308,8 @@ def test_pipeline_stage_with_an_op_jax_lowers_with_the_devices(op):
   a stage splits its batch over all of its submesh's axes (the axis of size
   1 too) or none, and the step is jit's. Before, the stages' forward failed
   to lower (an InputError that said which op and what to do)."""
-  from jax.experimental.custom_partitioning import custom_partitioning
-
-  @custom_partitioning
-  def sin(x):
-    return jnp.sin(x)
-
-  sin.def_partition(
-      infer_sharding_from_operands=lambda mesh, args, result: args[0].sharding,
-      partition=lambda mesh, args, result: (mesh, jnp.sin, args[0].sharding,
-                                            (args[0].sharding,)),
-      sharding_rule="i j -> i j")
-  step, params, x = _step_with(_host_tanh if op == "pure_callback" else sin)
+  step, params, x = _step_with(_host_tanh if op == "pure_callback" else
+                               partitioned(jnp.sin))
   ref, ref_loss = single_device(step)(params, x)
   p = autopar.parallelize(step, method=autopar.PipeshardParallel(
       mesh=mesh8(), num_micro_batches=2, num_stages=2), donate_argnums=())

@@ -15,7 +15,7 @@ from autopar.backend import hlo
 from autopar.text import axes_str
 from autopar.runtime import schedule as sched
 from models import (assert_trees_close, boundary_mlp_setup, mlp_setup, moe_setup,
-                    single_device, transformer_setup)
+                    partitioned, single_device, transformer_setup)
 
 SGD = optax.sgd(0.1, momentum=0.9)
 
@@ -537,17 +537,7 @@ def test_custom_vjp_rules_in_the_loss_are_kept():
   primal derivative is zero. The step is traced at concrete sizes to keep
   them. Before, the first failed with JAX's NotImplementedError and the
   second gave zero gradients through the rounding."""
-  from jax.experimental.custom_partitioning import custom_partitioning
-
-  @custom_partitioning
-  def scaled_tanh(x):
-    return jnp.tanh(x) * 1.5
-
-  scaled_tanh.def_partition(
-      infer_sharding_from_operands=lambda mesh, args, result: args[0].sharding,
-      partition=lambda mesh, args, result: (
-          mesh, lambda x: jnp.tanh(x) * 1.5, args[0].sharding, (args[0].sharding,)),
-      sharding_rule="... -> ...")
+  scaled_tanh = partitioned(lambda x: jnp.tanh(x) * 1.5)
 
   @jax.custom_vjp
   def act(x):

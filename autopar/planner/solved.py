@@ -55,7 +55,8 @@ from autopar.plan import (CollectivePlan, Plan, SolverStats, ValuePlan, grad_sta
 from autopar.version import __version__
 
 __all__ = ["PlanTemplate", "Program", "SolvedProblem", "encode", "decode", "gc_paused",
-           "predicted_time", "spec_axes", "ILP_FORMAT", "READ_FIX"]
+           "predicted_time", "spec_axes", "with_batch_dim", "divisible_dim", "ILP_FORMAT",
+           "READ_FIX"]
 
 # The version of the saved problems' layout (``encode``): problems saved in
 # another are not read (``decode`` says so, and the fix).
@@ -193,14 +194,6 @@ class PlanTemplate:
       first = S + tuple(spec[0]) if spec else S
       return to_partition_spec((first, *spec[1:]))
 
-    def with_batch_dim(spec, dim):
-      # A state leaf also split over the batch axes (ZeRO/FSDP).
-      if dim is None:
-        return to_partition_spec(spec)
-      spec = list(spec)
-      spec[dim] = S + tuple(spec[dim])
-      return to_partition_spec(tuple(spec))
-
     leaf_dims = list(sol.leaf_batch_dims)
     # The ILP plans the reductions over the rows apply_grad takes (combine.py)
     # as it plans gradients; the plan's gradients are the gradients.
@@ -214,11 +207,11 @@ class PlanTemplate:
       for k, ((_, shape, _, is_batch), spec) in enumerate(zip(self.leaves,
                                                               sol.leaf_specs)):
         if leaf_dims[k] is None and not is_batch and k not in self.read:
-          leaf_dims[k] = _divisible_dim(shape, spec, d_batch, sizes)
+          leaf_dims[k] = divisible_dim(shape, spec, d_batch, sizes)
       for g, ((_, a), spec) in enumerate(zip(self.grads, grad_specs)):
-        grad_dims[g] = _divisible_dim(a.shape, spec, d_batch, sizes)
+        grad_dims[g] = divisible_dim(a.shape, spec, d_batch, sizes)
 
-    in_specs = [with_batch(s) if leaf[3] else with_batch_dim(s, dim)
+    in_specs = [with_batch(s) if leaf[3] else with_batch_dim(s, dim, S)
                 for leaf, s, dim in zip(self.leaves, sol.leaf_specs, leaf_dims,
                                         strict=True)]
     # A pin stays as the user wrote it: the ILP, which plans the axes of size
@@ -231,7 +224,7 @@ class PlanTemplate:
     inputs = tuple(ValuePlan(path, shape, dtype, s)
                    for (path, shape, dtype, _), s in zip(self.leaves, in_specs,
                                                         strict=True))
-    grads = tuple(ValuePlan(name, a.shape, a.dtype, with_batch_dim(s, dim))
+    grads = tuple(ValuePlan(name, a.shape, a.dtype, with_batch_dim(s, dim, S))
                   for (name, a), s, dim in zip(self.grads, grad_specs, grad_dims,
                                                strict=True))
     batch_entry = None if not S else S[0] if len(S) == 1 else S
@@ -323,7 +316,18 @@ class PlanTemplate:
         programs={part: Program.from_data(p, r) for part, p in d["programs"].items()})
 
 
-def _divisible_dim(shape, spec, d_batch, sizes) -> int | None:
+def with_batch_dim(spec, dim, batch_axes) -> PartitionSpec:
+  """``spec`` (the ILP's, over the planned axes) with dimension ``dim`` also
+  split over ``batch_axes`` ahead of them (a state leaf's ZeRO/FSDP
+  split); as it is where ``dim`` is None."""
+  if dim is None:
+    return to_partition_spec(spec)
+  spec = list(spec)
+  spec[dim] = tuple(batch_axes) + tuple(spec[dim])
+  return to_partition_spec(tuple(spec))
+
+
+def divisible_dim(shape, spec, d_batch, sizes) -> int | None:
   """First dim that can also be split over the batch axes, if any."""
   for dim, n in enumerate(shape):
     if n % (d_batch * math.prod(sizes[a] for a in spec[dim])) == 0:

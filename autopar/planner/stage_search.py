@@ -45,19 +45,19 @@ import warnings
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec
 
 from autopar.costs.cost_model import DEFAULT_ALPHA, DEFAULT_BETA
 from autopar.errors import InputError, PlanError
 from autopar.method import accumulation_dtype, axis_sizes_of
 from autopar.plan import CollectivePlan
 from autopar.frontend.cut import cut
+from autopar.planner.solved import divisible_dim, with_batch_dim
 from autopar.planner.stage import update_inputs, solve_stage, stage_batch_axes
 from autopar.planner.layers import value_bytes
 from autopar.frontend.program import sizer
 from autopar.costs.submesh import block_shapes, fits, link_axis, tile
-from autopar.costs.strategies import (local_bytes, local_shape, missing_rules,
-                                      to_partition_spec, warn_missing_rules)
+from autopar.costs.strategies import (local_bytes, missing_rules, to_partition_spec,
+                                      warn_missing_rules)
 
 __all__ = ["search", "SearchResult", "Candidate", "StageChoice", "forward_seconds",
            "first_pass_time"]
@@ -179,8 +179,7 @@ def _zero_state(sol, sizes, axes) -> tuple[float, float]:
   saved = gather = 0.0
   for k in sol.io.index("update"):
     aval, spec = problem.leaf_avals[k], solution.leaf_specs[k]
-    local = local_shape(aval.shape, spec, sizes)
-    if any(n % d == 0 for n in local):
+    if divisible_dim(aval.shape, spec, d, sizes) is not None:
       b = local_bytes(aval, spec, sizes)
       saved += b * (1 - 1 / d)
       gather += problem.cost.all_gather(b / d, axes)
@@ -440,16 +439,6 @@ def _collectives(ctx, s: int, sol, solution) -> tuple[CollectivePlan, ...]:
   return tuple(out)
 
 
-def _with_batch_dim(spec, dim, batch_axes) -> PartitionSpec:
-  """``spec`` (the ILP's, over the planned axes) with dimension ``dim`` also
-  split over ``batch_axes`` ahead of them; as it is where ``dim`` is None."""
-  if dim is None:
-    return to_partition_spec(spec)
-  spec = list(spec)
-  spec[dim] = tuple(batch_axes) + tuple(spec[dim])
-  return to_partition_spec(tuple(spec))
-
-
 def _layer_note(method) -> str:
   return ("layers found: the boundaries marked with autopar.mark_pipeline_boundary()"
           if method.layers == "manual" else
@@ -468,8 +457,8 @@ def _choice(ctx, c, s, cand, sol, layers, in_flight):
   own = [v for v, _ in update_inputs(ctx, c, s)[1]]
   # State only the update reads may also be split over the stage's batch
   # axes (ZeRO-2: the ILP weighs the bytes it saves against gathering it).
-  update_specs = {v: _with_batch_dim(solution.leaf_specs[k], solution.leaf_batch_dims[k],
-                                     cand.batch_axes)
+  update_specs = {v: with_batch_dim(solution.leaf_specs[k], solution.leaf_batch_dims[k],
+                                    cand.batch_axes)
                   for v, k in zip(own, io.index("update"), strict=True)}
   grad_specs = tuple(to_partition_spec(x) for x in solution.grad_specs)
   fwd_pins, bwd_pins = {}, {}

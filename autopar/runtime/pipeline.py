@@ -294,6 +294,25 @@ class PipelineStep:
       out[name] = entry[2]
     return out
 
+  def _send_forward(self, s: int, i: int, outs, acts: dict,
+                    below: int | None = None) -> tuple[list, int]:
+    """Stage ``s``'s forward outputs ``outs`` for micro-batch ``i``: its
+    activations moved into ``acts`` for the stages that read them (those
+    before ``below`` only, if given). Returns the values of its finals, in
+    ``StageProgram.finals`` order, and the bytes it sent."""
+    st, ex = self.stages[s], self.exes[s]
+    to, _ = self.routes()
+    g_out = [None] * len(ex.out_rows)
+    for pos, k in enumerate(ex.fns_out_order):
+      g_out[k] = outs[pos]
+    sent = 0
+    for k, v in enumerate(st.acts_out):
+      for c, spec in to[s][k]:
+        if below is None or c < below:
+          acts[(c, i, v)] = self._on(c, g_out[k], spec)
+          sent += g_out[k].nbytes
+    return g_out[len(st.acts_out):], sent
+
   def first_stages(self) -> int:
     """How many stages (the first ones) the first pass runs: up to the
     last that makes a value the loss's cotangents read; 0 without one."""
@@ -306,7 +325,6 @@ class PipelineStep:
     micro-batch (the stages work at the same time, as in GPipe's forward
     half): per output, its value for each micro-batch (per device, stacked
     ``[D, ...]``). Nothing is kept for a backward pass."""
-    to, _ = self.routes()
     last = self.first_stages()
     wanted = set(outputs)
     acts: dict = {}
@@ -317,14 +335,8 @@ class PipelineStep:
         roots, ls = per_stage[s]
         a_in = [acts.pop((s, i, v)) for v in st.acts_in]
         outs = self._call(s, "first", ex.first, ex.index[i], roots, a_in, ls)
-        g_out = [None] * len(ex.out_rows)
-        for pos, k in enumerate(ex.fns_out_order):
-          g_out[k] = outs[pos]
-        for k, v in enumerate(st.acts_out):
-          for c, spec in to[s][k]:
-            if c < last:
-              acts[(c, i, v)] = self._on(c, g_out[k], spec)
-        for j, x in zip(st.finals, g_out[len(st.acts_out):], strict=True):
+        made, _ = self._send_forward(s, i, outs, acts, below=last)
+        for j, x in zip(st.finals, made, strict=True):
           if j in wanted:
             out[j].append(x)
     return out
@@ -334,7 +346,7 @@ class PipelineStep:
     program, S, n = self.program, self.num_stages, self.n
     per_stage, home = self.place(leaves)
     seeds = self.seeds.values(self, leaves, per_stage)
-    to, back = self.routes()
+    _, back = self.routes()
     measuring = self.recording or self.timing
     acts: dict = {}          # (stage, micro-batch, var) -> array on that stage
     cts: dict = {}           # (stage, micro-batch, var) -> cotangent on that stage
@@ -361,16 +373,9 @@ class PipelineStep:
         if measuring:
           held_bytes[s] += _per_device_bytes((outs, stored))
           peak_bytes[s] = max(peak_bytes[s], held_bytes[s])
-        n_acts = len(st.acts_out)
-        g_out = [None] * len(ex.out_rows)
-        for pos, k in enumerate(ex.fns_out_order):
-          g_out[k] = outs[pos]
-        for k, v in enumerate(st.acts_out):
-          for c, spec in to[s][k]:
-            acts[(c, i, v)] = self._on(c, g_out[k], spec)
-            if measuring:
-              sent[s] += g_out[k].nbytes
-        for j, x in zip(st.finals, g_out[n_acts:], strict=True):
+        made, nbytes = self._send_forward(s, i, outs, acts)
+        sent[s] += nbytes
+        for j, x in zip(st.finals, made, strict=True):
           finals.setdefault(j, []).append(x)
         held[s] += 1
       else:

@@ -40,7 +40,7 @@ from autopar.frontend.trace import INLINED_CALLS
 __all__ = ["Spec", "Strategy", "RuleContext", "register", "strategies_for",
            "enumerate_specs", "without_unit_axes", "grad_sync_costs", "grad_sync_latency",
            "replicated", "shard_count",
-           "local_bytes", "local_shape", "to_partition_spec", "RULES", "missing_rules",
+           "local_bytes", "to_partition_spec", "RULES", "missing_rules",
            "replicated_fallback", "warn_missing_rules", "PLANNED_THROUGH", "REGIONS",
            "batch_spec"]
 
