@@ -41,6 +41,7 @@ from typing import Callable, Optional, Sequence
 import jax
 from jax._src import core as _core
 from jax._src import dispatch as _dispatch
+from jax._src import linear_util as _lu
 from jax._src import mesh as _mesh
 from jax._src import source_info_util
 from jax._src.export import shape_poly as _shape_poly
@@ -92,7 +93,7 @@ __all__ = [
     "has_effects", "dce_jaxpr", "dce_rule", "get_abstract_mesh", "needs_devices_to_lower",
     "summarize_source", "current_name_stack", "user_context", "eqn_context_without_mesh",
     "evaluate_dim", "key_impl_of", "debug_info", "JAX_VERSION", "backends_are_initialized",
-    "undecided_dim_equalities", "JAX_SOURCE_DIR",
+    "undecided_dim_equalities", "JAX_SOURCE_DIR", "mapped_jvp_rule",
 ]
 
 
@@ -120,6 +121,25 @@ def dce_rule(primitive) -> Optional[Callable]:
       return rule(list(used_outputs), [True] * len(eqn.invars), eqn)
     _ADAPTED[rule] = adapted
   return adapted
+
+
+def mapped_jvp_rule(rule, write: Callable):
+  """A ``custom_jvp_call``'s ``jvp_jaxpr_fun`` param whose jaxpr is
+  ``write(jaxpr)`` of ``rule``'s (e.g. written out at a concrete size).
+
+  JAX keeps the rule as a thunk, ``rule(*tangent_is_zero) -> (jaxpr, consts,
+  output_tangent_is_zero)``, traced on first call at the equation's input
+  types; this one traces it through ``rule`` and rewrites it, once per
+  pattern of zero tangents."""
+  done: dict = {}
+
+  def thunk(*in_zeros):
+    out = done.get(in_zeros)
+    if out is None:
+      jaxpr, consts, out_zeros = rule.call_wrapped(*in_zeros)
+      out = done[in_zeros] = (write(jaxpr), consts, out_zeros)
+    return out
+  return _lu.wrap_init(thunk, debug_info=rule.debug_info)
 
 
 def eqn_context_without_mesh(ctx):

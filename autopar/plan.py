@@ -207,6 +207,8 @@ class StagePlan:
     zero_state: its optimizer state (what only its update reads) is split
       over its batch axes (ZeRO-2), where the stage's ILP chose so (under a
       memory budget: it costs a gather of the updated values each step).
+    zero_params: its parameters are split over its batch axes too (ZeRO-3),
+      gathered by each pass that reads them, for every micro-batch.
     first_pass_seconds: where the loss's gradient reads sums over the
       batch that depend on the parameters, a first pass runs the forward
       passes alone before the schedule; the predicted time of this stage's
@@ -227,6 +229,7 @@ class StagePlan:
   send_seconds: float = 0.0
   first_pass_seconds: float = 0.0
   zero_state: bool = False
+  zero_params: bool = False
 
   def to_json(self) -> dict:
     d = dataclasses.asdict(self)
@@ -249,7 +252,8 @@ class StagePlan:
                bytes_to_next=int(d["bytes_to_next"]),
                send_seconds=float(d.get("send_seconds", 0.0)),
                first_pass_seconds=float(d.get("first_pass_seconds", 0.0)),
-               zero_state=bool(d.get("zero_state", False)))
+               zero_state=bool(d.get("zero_state", False)),
+               zero_params=bool(d.get("zero_params", False)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,7 +48,7 @@ between stages, and the stage search's choice against one-mesh plans.
 
     python benchmark/pipeline.py --host    # section 6 alone
     python benchmark/pipeline.py --first   # section 7 alone
-    python benchmark/pipeline.py --zero    # section 8 alone
+    python benchmark/pipeline.py --zero    # section 8 alone (ZeRO-2/3 in stages)
 """
 
 import os
@@ -261,7 +261,7 @@ def first_pass_table(steps=5):
 
 
 def zero_in_stage_table():
-  print("\n8. ZeRO-2 inside stages: GPT (24 layers, d=256, Adam) on abstract 4 x 8, "
+  print("\n8. ZeRO inside stages: GPT (24 layers, d=256, Adam) on abstract 4 x 8, "
         "4 stages, 8 micro-batches")
   make_state, step, batch = transformer_setup(tx=optax.adam(1e-3), layers=24, d=256,
                                               heads=8, batch=64, seq=32, vocab=256)
@@ -282,17 +282,20 @@ def zero_in_stage_table():
 
   free, seconds, _ = plan(None)
   top = max(st.memory_per_device for st in free.stages)
-  print(f"   {'budget':<22}{'memory per device by stage (MiB)':<40}{'ZeRO-2 stages':<16}"
+  print(f"   {'budget':<22}{'memory per device by stage (MiB)':<40}{'ZeRO-2 / ZeRO-3':<18}"
         f"{'step (model)':>12}")
   for label, budget in (("none (replicated)", None), ("90 % of the largest", 0.9),
-                        ("80 % of the largest", 0.8)):
+                        ("80 % of the largest", 0.8), ("70 % of the largest", 0.7),
+                        ("60 % of the largest", 0.6)):
     p, secs, why = (free, seconds, "") if budget is None else plan(int(budget * top))
     if p is None:
       print(f"   {label:<22}no plan: {why[:90]}")
       continue
     mem = ", ".join(f"{st.memory_per_device / 2**20:.2f}" for st in p.stages)
-    zero = ",".join(str(st.index) for st in p.stages if st.zero_state) or "-"
-    print(f"   {label:<22}{mem:<40}{zero:<16}{p.objective * 1e3:>9.3f} ms"
+    zero = lambda flag: ",".join(str(st.index) for st in p.stages if flag(st)) or "-"
+    which = (f"{zero(lambda st: st.zero_state and not st.zero_params)} / "
+             f"{zero(lambda st: st.zero_params)}")
+    print(f"   {label:<22}{mem:<40}{which:<18}{p.objective * 1e3:>9.3f} ms"
           f"   (planned in {secs:.1f} s)")
 
 

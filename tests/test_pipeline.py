@@ -572,6 +572,53 @@ def test_custom_vjp_rules_in_the_loss_are_kept():
   assert float(jnp.max(jnp.abs(got_w[0] - w[0]))) > 0     # through the estimator
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_custom_jvp_rules_in_the_loss_are_kept(schedule):
+  """A pipeline traced at a symbolic batch size keeps the loss function's
+  jax.custom_jvp rules (each is written out at a stage's rows when the
+  stage is differentiated), as jax.jit does: jax.nn.relu's at exactly 0
+  (zero-padded rows), relu6's at its edges, a straight-through estimator
+  whose primal derivative is zero, and a custom_partitioning op whose rule
+  gives its derivative. Before, each stage differentiated the primal
+  equations: relu' (0) = 0.5, zero gradients through the rounding, and
+  JAX's NotImplementedError for the op."""
+  scaled_tanh = partitioned(lambda x: jnp.tanh(x) * 1.5)
+
+  @jax.custom_jvp
+  def act(x):
+    return scaled_tanh(x)
+  act.defjvp(lambda p, t: (act(p[0]), t[0] * 1.5 * (1 - jnp.tanh(p[0]) ** 2)))
+
+  @jax.custom_jvp
+  def ste(x):
+    return jnp.round(x * 4) / 4
+  ste.defjvp(lambda p, t: (ste(p[0]), t[0]))
+
+  def step(w, x):
+    def loss_fn(w):
+      h = jax.nn.relu(x @ w[0])                 # exactly 0 on the zero rows
+      h = act(ste(h @ w[1]))
+      p = jax.nn.relu6(6 * jax.nn.sigmoid(h @ w[2]) + 1)
+      return jnp.mean(p ** 2 + jnp.abs(h))
+    loss, g = autopar.value_and_grad(loss_fn)(w)
+    return [a - 0.1 * b for a, b in zip(w, g)], loss
+
+  rng = np.random.RandomState(0)
+  w = [jnp.asarray(rng.randn(8, 8) / 2, jnp.float32) for _ in range(3)]
+  x = rng.randn(16, 8).astype(np.float32)
+  x[::3] = 0
+  ref_w, ref_loss = single_device(step)(w, x)
+  pf = autopar.parallelize(step, method=autopar.PipeshardParallel(
+      mesh=mesh24(), num_micro_batches=4, num_stages=2, schedule=schedule),
+      donate_argnums=())
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")       # (custom_partitioning: no sharding rule)
+    got_w, loss = pf(w, x)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(got_w, ref_w)
+  assert float(jnp.max(jnp.abs(got_w[0] - w[0]))) > 0     # through the estimator
+
+
 def test_a_step_that_needs_its_batch_size_is_traced_at_each_size():
   """A step whose Python compares its batch size (``rows < 1000``) cannot
   be traced at a symbolic size: the pipeline traces it at a micro-batch's
@@ -618,13 +665,16 @@ def test_a_step_that_needs_its_batch_size_is_traced_at_each_size():
     pf(w, batch)
 
 
-def test_optimizer_state_split_in_a_stage_under_a_budget():
-  """ZeRO-2 inside a stage: under a memory budget that the replicated plan
+@pytest.mark.parametrize("fraction,zero", [(0.9, "ZeRO-2"), (0.75, "ZeRO-3")])
+def test_state_split_in_a_stage_under_a_budget(fraction, zero):
+  """ZeRO inside a stage: under a memory budget that the replicated plan
   exceeds, the stage search counts what splitting a stage's optimizer state
-  over its batch axes saves, and the stage's ILP splits it; the state lives
-  split on the stage's submesh, the plan's memory meets the budget, the
-  summary says so, and the step is jit's. Before, each stage replicated
-  its state over its batch axes and the budget was refused."""
+  (ZeRO-2), and then its parameters (ZeRO-3), over its batch axes saves,
+  and the stage's ILP splits them; they live split on the stage's submesh
+  (ZeRO-3's parameters gathered by each pass, their gradients scattered),
+  the plan's memory meets the budget, the summary says so, and two steps
+  are jit's. Before, each stage replicated its state over its batch axes
+  and the budget was refused."""
   make_state, step, batch = transformer_setup(batch=16, d=64, layers=4, tx=SGD)
   mesh = mesh24()
 
@@ -635,16 +685,20 @@ def test_optimizer_state_split_in_a_stage_under_a_budget():
 
   free = autopar.parallelize(step, method=method(None), donate_argnums=())
   replicated = free.get_executable(make_state(), batch).plan
-  assert not any(st.zero_state for st in replicated.stages)
-  budget = int(0.9 * replicated.memory_per_device)
-  pf = autopar.parallelize(step, method=method(budget), donate_argnums=())
-  state, loss = pf(make_state(), batch)
-  ref, ref_loss = single_device(step)(make_state(), batch)
-  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert not any(st.zero_state or st.zero_params for st in replicated.stages)
+  budget = int(fraction * replicated.memory_per_device)
+  pf = autopar.parallelize(step, method=method(budget))   # (state donated: kept in its specs)
+  state, ref = make_state(), make_state()
+  for _ in range(2):
+    state, loss = pf(state, batch)
+    ref, ref_loss = single_device(step)(ref, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   assert_trees_close(state.params, ref.params)
   plan = pf.get_executable(make_state(), batch).plan
   assert plan.memory_per_device <= budget
-  split = [st.index for st in plan.stages if st.zero_state]
-  assert split and "ZeRO-2" in plan.summary()
-  traces = jax.tree.leaves(state.opt_state)
-  assert any("model" in str(x.sharding.spec) and x.ndim == 2 for x in traces)
+  assert zero in plan.summary()
+  split = lambda tree: any("model" in str(x.sharding.spec) and x.ndim == 2
+                           for x in jax.tree.leaves(tree))
+  assert split(state.opt_state)
+  assert any(st.zero_params for st in plan.stages) == (zero == "ZeRO-3")
+  assert split(state.params) == (zero == "ZeRO-3")

@@ -30,6 +30,7 @@ partial sums, its residuals) leave the manual region stacked on a leading
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Sequence
 
@@ -42,8 +43,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from autopar.frontend.evaluate import DEBUG_CALLBACKS, Rules, eval_jaxpr
 from autopar.frontend.retype import primitive_names
 from autopar.frontend.hints import hint_rule
-from autopar.backend.gradients import (add_partial, make_entry, manual_spec, reduce_manual,
-                               stacked_spec)
+from autopar.backend.gradients import (add_partial, entry_axes, gather_manual, make_entry,
+                                       manual_spec, reduce_manual, stacked_spec)
 from autopar.method import accumulation_dtype
 from autopar.frontend.stages import StageFunctions, StageProgram
 from autopar.costs.strategies import batch_spec
@@ -193,10 +194,30 @@ def build_stage(st: StageProgram, fns: StageFunctions, layout: StageLayout, *,
     return jax.shard_map(f, mesh=L.mesh, in_specs=in_specs, out_specs=out_specs_,
                          axis_names=set(manual), check_vma=False)
 
+  # Parameters split over the batch axes (ZeRO-3) come as a device's
+  # shard; each equation that reads one gathers it (``evaluate._gathered``),
+  # in the forward pass and again in the backward pass.
+  input_specs = [PartitionSpec(), *L.root_specs,
+                 *[PartitionSpec()] * len(st.acts_in),
+                 *[PartitionSpec() if b else s_ for b, s_ in zip(L.batch_leaf, L.leaf_specs,
+                                                                 strict=True)]]
+  split_inputs = {k: s_ for k, s_ in enumerate(input_specs)
+                  if any(a in manual for e in s_ for a in entry_axes(e))}
+
+  def gathers_of(invars: dict) -> dict:
+    """Rules.gathers for the pass whose invar ``v`` is input ``invars[v]``."""
+    return {v: functools.partial(gather_manual, spec=split_inputs[k], manual=manual)
+            for v, k in invars.items() if k in split_inputs}
+  fwd_gathers = gathers_of({v: k for k, v in enumerate(fj.jaxpr.invars)})
+  bwd_gathers = gathers_of({v: k for (kind, k), v in zip(fns.residuals.sources,
+                                                         bj.jaxpr.invars)
+                            if kind == "input"})
+
   def fwd_body(i, roots, acts, leaves, quiet=False):
     ins = local_inputs(i, roots, acts, leaves)
     outs = eval_jaxpr(fj.jaxpr, (), ins, Rules(pins=fwd_pins, pin=pin, hint=hint,
-                                                once_axes=once, quiet=quiet),
+                                                once_axes=once, quiet=quiet,
+                                                gathers=fwd_gathers),
                        constvals=fj.consts)
     main = [x if r is not None else _stack(x) for x, r in zip(outs[:n_out], out_rows)]
     return main, [_stack(x) for x in outs[n_out:]]
@@ -241,7 +262,8 @@ def build_stage(st: StageProgram, fns: StageFunctions, layout: StageLayout, *,
       else:
         ct_all.append(jnp.broadcast_to(next(seed_iter), v.aval.shape).astype(v.aval.dtype))
     r = eval_jaxpr(bj.jaxpr, (), [*res, *ct_all], Rules(pins=bwd_pins, pin=pin, hint=hint,
-                                                         once_axes=once),
+                                                         once_axes=once,
+                                                         gathers=bwd_gathers),
                     constvals=bj.consts)
     grads, ct_in = r[:nr], r[nr:]
     acc = [add_partial(a, g[None], t) for a, g, t in zip(acc, grads, acc_dtypes, strict=True)]

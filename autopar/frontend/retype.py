@@ -187,6 +187,11 @@ class Instantiator(_Retyper):
           if new_params is None:
             new_params = dict(params)
           new_params[k] = q
+      if new_params is not None and eqn.primitive.name == "custom_jvp_call":
+        # The rule is a thunk that traces it at the symbolic types: its
+        # jaxpr is written out at these sizes too, when it is traced.
+        new_params["jvp_jaxpr_fun"] = jc.mapped_jvp_rule(
+            params["jvp_jaxpr_fun"], Instantiator(self.env).jaxpr)
       changed = new_params is not None
       invars = []
       for v in eqn.invars:

@@ -331,10 +331,9 @@ def forward_backward(stage: StageProgram, g: Jaxpr, draws: dict, *,
       raise
     raise InputError(
         "PipeshardParallel: the loss function differentiates a custom_partitioning "
-        "op other than through a jax.custom_vjp rule (bare, or under a "
-        "jax.custom_jvp, whose rule a pipeline traced at a symbolic batch size "
-        "inlines), and custom_partitioning has no derivative of its own. Fix: put "
-        "the op under a jax.custom_vjp (as jax.nn.dot_product_attention does), "
+        "op other than through a jax.custom_vjp or jax.custom_jvp rule, and "
+        "custom_partitioning has no derivative of its own. Fix: put the op under "
+        "a jax.custom_vjp (as jax.nn.dot_product_attention does), "
         "use ShardParallel or DataParallel, or a version of the op "
         "without custom_partitioning (implementation='xla' for attention).") from e
   fj = closed.jaxpr

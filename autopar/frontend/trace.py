@@ -693,16 +693,24 @@ def inline_calls(closed: ClosedJaxpr, *, fn_name: str) -> ClosedJaxpr:
   return _inline_marked_calls(closed, fn_name=fn_name)
 
 
+# A pipeline traced at a symbolic size keeps a custom_jvp's rule (the
+# Instantiator writes its jaxpr out at each size) but not a custom_vjp's,
+# whose backward is a Python function: such a step is traced at concrete
+# sizes instead (``loss_has_vjp_rules``).
+_VJP_CALLS = tuple(c for c in INLINED_CALLS if c != "custom_jvp_call")
+
+
 def inline_loss_rules(closed: ClosedJaxpr, *, fn_name: str) -> ClosedJaxpr:
-  """``closed`` with the custom derivative calls inside its loss function's
-  forward call inlined too, for a pipeline: it differentiates each stage's
-  share of the loss function on its own, from its primal equations (the
-  Instantiator cannot write a rule's Python closure out at a size)."""
+  """``closed`` with the ``custom_vjp`` calls inside its loss function's
+  forward call inlined too, for a pipeline traced at a symbolic size: it
+  differentiates each stage's share of the loss function on its own, from
+  its primal equations and custom_jvp rules. Only autopar's own custom_vjp
+  is left at that point, whose backward is its primal's derivative."""
   eqns = []
   for eqn in closed.jaxpr.eqns:
     if eqn.primitive is forward_p:
       f = eqn.params["jaxpr"]
-      jaxpr, consts = _inline(f.jaxpr, list(f.consts), fn_name)
+      jaxpr, consts = _inline(f.jaxpr, list(f.consts), fn_name, _VJP_CALLS)
       eqn = eqn.replace(params={**eqn.params, "jaxpr": ClosedJaxpr(jaxpr, consts)})
     eqns.append(eqn)
   return ClosedJaxpr(closed.jaxpr.replace(eqns=eqns), closed.consts)

@@ -82,13 +82,14 @@ def _plan_of(pre: Prepared, method, mesh, cut_, choices) -> Plan:
   for s, (st, ch) in enumerate(zip(cut_.stages, choices, strict=True)):
     values = []
     params = []
-    zero = False
+    zero = zero_params = False
     for leaf, spec, kind in stage_specs(ctx, st, ch):
       info = leaves[leaf]
       if kind == "root":
         params.append(ctx.leaf_names[leaf])
-      if kind == "update" and {a for e in spec for a in entry_axes(e)} & set(ch.batch_axes):
-        zero = True
+      if {a for e in spec for a in entry_axes(e)} & set(ch.batch_axes):
+        zero = zero or kind == "update"
+        zero_params = zero_params or kind == "root"
       values.append(ValuePlan(ctx.leaf_names[leaf], tuple(info.shape),
                               dtype_name(info.dtype), spec))
     stage_plans.append(StagePlan(
@@ -98,7 +99,7 @@ def _plan_of(pre: Prepared, method, mesh, cut_, choices) -> Plan:
         time_per_step=float(ch.time_per_step), memory_per_device=int(ch.memory),
         in_flight=in_flight[s], bytes_to_next=int(ch.send_bytes),
         send_seconds=float(ch.send_seconds), first_pass_seconds=float(first[s]),
-        zero_state=zero))
+        zero_state=zero, zero_params=zero_params))
   inputs = tuple(ValuePlan(l.path, tuple(l.shape), dtype_name(l.dtype),
                            home_spec.get(k, PartitionSpec())) for k, l in enumerate(leaves))
   grads, grad_inputs = [], []

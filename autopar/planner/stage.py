@@ -36,6 +36,7 @@ from autopar.costs.devices import platform_of
 from autopar.errors import InputError, PlanError
 from autopar.frontend.hints import check_pins, entry_axes
 from autopar.frontend.cut import Cut, stage_functions
+from autopar.frontend.evaluate import gather_sites
 from autopar.frontend.pipeline import Context
 from autopar.frontend.program import Analysis, Program
 from autopar.frontend.stages import StageFunctions, StageProgram
@@ -379,7 +380,8 @@ def solve_stage(ctx: Context, cut_: Cut, s: int, sizes: dict[str, int],
   read = set()
   for e in joint.eqns:
     read.update(a for a in e.invars if isinstance(a, Var))
-  read_by = {k for k, v in enumerate(joint.invars[num_consts:]) if v in read}
+  read_by = _gather_sites(fns, {k for k, v in enumerate(joint.invars[num_consts:])
+                                if v in read}, 1 + nr + na + nl)
   pins = {}
   if option.pins:
     leaves_for_pins = [_PinLeaf(io.names[k], tuple(a.shape)) for k, a in
@@ -411,7 +413,7 @@ def solve_stage(ctx: Context, cut_: Cut, s: int, sizes: dict[str, int],
       allow_all_gather=option.allow_all_gather, allow_all_to_all=option.allow_all_to_all,
       memory_budget=budget, read_by_compute=read_by,
       share_layers=option.share_layers, pins=pins, accumulate=ctx.accumulate,
-      leaf_names=list(io.names), zero3=False)
+      leaf_names=list(io.names))
   problem.build()
   objective = problem.solve()
   parts = problem.cost_by_part()
@@ -428,6 +430,20 @@ def solve_stage(ctx: Context, cut_: Cut, s: int, sizes: dict[str, int],
       io=io, fns=fns, problem=problem, joint=ClosedJaxpr(joint, joint_consts),
       update=ClosedJaxpr(update, ()), num_forward_eqns=num_fwd,
       segments=tuple(segments), segment_offsets=tuple(offsets))
+
+
+def _gather_sites(fns: StageFunctions, read: set[int], n_main: int) -> dict[int, int]:
+  """Per ILP leaf the stage's passes read, how many all-gathers each
+  micro-batch makes of it where it is split over the batch axes (ZeRO-3):
+  the forward's and the backward's (``evaluate.gather_sites``; two
+  executables, so the two passes gather apart). Leaves ``[0, n_main)`` are
+  the forward's first inputs (first row, roots, activations, leaves)."""
+  fj, bj = fns.forward.jaxpr, fns.backward.jaxpr
+  fwd = gather_sites(fj, fj.invars[:n_main])
+  bwd_of = {k: v for (kind, k), v in zip(fns.residuals.sources, bj.invars) if kind == "input"}
+  bwd = gather_sites(bj, list(bwd_of.values()))
+  return {k: max(1, fwd.get(fj.invars[k], 0) + bwd.get(bwd_of.get(k), 0))
+          if k < n_main else 1 for k in read}
 
 
 def _local_aval(v):

@@ -140,9 +140,10 @@ def _send(ctx, position: int) -> float:
 
 
 def _solve_layers(ctx, groups, shapes, names, progress=None):
-  """costs[(g, shape, axes)] = (t, u, state, residual bytes, peak, and what
-  ZeRO-2 would save and cost: ``_zero_state``) per DP layer group ``g``
-  (layers ``groups[g]..groups[g+1]``)."""
+  """costs[(g, shape, axes)] = (t, u, state, residual bytes, peak, what
+  ZeRO-2 would save and cost: ``_zero_state``, and what ZeRO-3 would save
+  besides and cost per micro-batch: ``_zero_params``) per DP layer group
+  ``g`` (layers ``groups[g]..groups[g+1]``)."""
   L = ctx.num_layers
   bounds = [*groups, L]
   memo: dict = {}
@@ -161,7 +162,8 @@ def _solve_layers(ctx, groups, shapes, names, progress=None):
         if key not in memo:
           sol = solve_stage(ctx, c, s, sizes, axes)
           memo[key] = (sol.per_micro_batch, sol.per_step, sol.state_bytes,
-                       sol.residual_bytes, sol.peak_bytes, *_zero_state(sol, sizes, axes))
+                       sol.residual_bytes, sol.peak_bytes, *_zero_state(sol, sizes, axes),
+                       *_zero_params(sol, sizes, axes))
         out[(g, shape, axes)] = memo[key]
   return out, len(memo)
 
@@ -184,6 +186,29 @@ def _zero_state(sol, sizes, axes) -> tuple[float, float]:
       saved += b * (1 - 1 / d)
       gather += problem.cost.all_gather(b / d, axes)
   return saved, gather
+
+
+def _zero_params(sol, sizes, axes) -> tuple[float, float]:
+  """What splitting the layer's parameters (and the other leaves its passes
+  read) over the batch axes ``axes`` as well (ZeRO-3) would save of its
+  bytes per device, and cost per micro-batch in gathering them for each
+  reader in the forward and the backward pass. A reader's gathered copy
+  takes memory while it runs: the largest is taken off what it saves."""
+  d = math.prod(sizes[a] for a in axes)
+  if d == 1:
+    return 0.0, 0.0
+  problem, solution = sol.problem, sol.problem.solution()
+  saved = gather = largest = 0.0
+  for k in [*sol.io.index("root"), *sol.io.index("leaf")]:
+    aval, spec = problem.leaf_avals[k], solution.leaf_specs[k]
+    sites = problem.gathers_of.get(k, 0)
+    if sites and not problem.batch_leaves[k] and \
+        divisible_dim(aval.shape, spec, d, sizes) is not None:
+      b = local_bytes(aval, spec, sizes)
+      saved += b * (1 - 1 / d)
+      largest = max(largest, b)
+      gather += sites * problem.cost.all_gather(b / d, axes)
+  return max(0.0, saved - largest), gather
 
 
 def search(pre, method, mesh):
@@ -230,7 +255,7 @@ def search(pre, method, mesh):
   for shape in shapes:
     for axes in stage_batch_axes(ctx, dict(zip(names, shape))):
       rows = np.array([costs[(g, shape, axes)] for g in range(G)])
-      prefix[(shape, axes)] = (np.vstack([np.zeros(7), np.cumsum(rows, axis=0)]), rows)
+      prefix[(shape, axes)] = (np.vstack([np.zeros(9), np.cumsum(rows, axis=0)]), rows)
 
   @functools.lru_cache(maxsize=None)
   def stage(a: int, b: int, offset: int, shape, held: int):
@@ -243,7 +268,7 @@ def search(pre, method, mesh):
     for axes in axes_of[shape]:
       cum, rows = prefix[(shape, axes)]
       t, u, state, resid = (cum[b, :4] - cum[a, :4])
-      zero_saved, zero_gather = (cum[b, 5:7] - cum[a, 5:7])
+      zero_saved, zero_gather, params_saved, params_gather = cum[b, 5:9] - cum[a, 5:9]
       peak = rows[a:b, 4].max()
       sb = send_bytes[b] if b < G else 0.0
       sec = 0.0
@@ -252,10 +277,15 @@ def search(pre, method, mesh):
                beta.get(axis, DEFAULT_BETA) * sb / devices)
       mem = state + held * resid + peak
       if budget is not None and mem > budget:
-        # The optimizer state split over the batch axes (ZeRO-2) may fit.
-        if mem - zero_saved > budget:
+        # The optimizer state split over the batch axes (ZeRO-2) may fit,
+        # or that and the parameters (ZeRO-3, gathered in every pass).
+        if mem - zero_saved <= budget:
+          mem, u = mem - zero_saved, u + zero_gather
+        elif mem - zero_saved - params_saved <= budget:
+          mem, u = mem - zero_saved - params_saved, u + zero_gather
+          t = t + params_gather
+        else:
           continue
-        mem, u = mem - zero_saved, u + zero_gather
       cand = Candidate(layers=(a, b), offset=offset, shape=shape, batch_axes=axes,
                        t=t + 2 * sec, u=u, memory=mem, send_bytes=sb, send_seconds=sec)
       if best is None or cand.t + cand.u / max(n, 1) < best.t + best.u / max(n, 1):
@@ -385,7 +415,8 @@ def _within_budget(ctx, c, s, sizes, axes, in_flight: int, budget):
   own peak, and may take the budget's room the micro-batches in flight
   need. Each try lowers the ILP's budget to leave that room as the last
   plan's residuals take it (then the ILP splits the optimizer state over
-  the batch axes, ZeRO-2, as the search assumed where that was needed);
+  the batch axes, ZeRO-2, or the parameters too, ZeRO-3, as the search
+  assumed where that was needed);
   at most six tries, then a PlanError."""
   tighter, mem = 0.0, None
   for _ in range(6):
@@ -429,14 +460,26 @@ def _collectives(ctx, s: int, sol, solution) -> tuple[CollectivePlan, ...]:
          for k, b in merged.items()]
   batch = tuple(a for a in sol.batch_axes if sizes[a] > 1)
   if batch and solution.grad_specs:
+    # Gradients of parameters split over the batch axes (ZeRO-3) are
+    # scattered to them, the others summed whole.
     grads = sol.problem.compute.jaxpr.outvars[:len(solution.grad_specs)]
-    nbytes = sum(local_bytes(jax.ShapeDtypeStruct(v.aval.shape, accumulation_dtype(
-        v.aval.dtype, ctx.accumulate)), spec, sizes)
-        for v, spec in zip(grads, solution.grad_specs, strict=True))
-    out.append(CollectivePlan(stage=f"stage {s} gradient sync", kind="all-reduce",
-                              axes=batch, bytes=int(nbytes), per_step=1,
-                              what="gradients", submesh=shape))
+    by_kind: dict[str, float] = {}
+    for v, spec, k in zip(grads, solution.grad_specs, sol.io.index("root"), strict=True):
+      kind = "reduce-scatter" if _scattered(solution, spec, k) else "all-reduce"
+      by_kind[kind] = by_kind.get(kind, 0.0) + local_bytes(jax.ShapeDtypeStruct(
+          v.aval.shape, accumulation_dtype(v.aval.dtype, ctx.accumulate)), spec, sizes)
+    out += [CollectivePlan(stage=f"stage {s} gradient sync", kind=kind, axes=batch,
+                           bytes=int(nbytes), per_step=1, what="gradients", submesh=shape)
+            for kind, nbytes in by_kind.items()]
   return tuple(out)
+
+
+def _scattered(solution, grad_spec, k: int) -> bool:
+  """Whether the gradient of the stage's root (ILP leaf ``k``) is scattered
+  over the batch axes as its sync sums it: the root is split over them
+  (ZeRO-3) and the gradient is planned as the root is."""
+  return solution.leaf_batch_dims[k] is not None and \
+      tuple(grad_spec) == tuple(solution.leaf_specs[k])
 
 
 def _layer_note(method) -> str:
@@ -449,7 +492,12 @@ def _choice(ctx, c, s, cand, sol, layers, in_flight):
   """A StageChoice from the stage's ILP solution."""
   io = sol.io
   solution = sol.problem.solution()
-  specs = [to_partition_spec(x) for x in solution.leaf_specs]
+  # A parameter (or another leaf the passes read) the ILP split over the
+  # batch axes too is ZeRO-3: gathered where each pass reads it, its
+  # gradient summed and scattered to it (``stage_executables``).
+  dims = solution.leaf_batch_dims
+  specs = [with_batch_dim(x, dims[k], cand.batch_axes)
+           for k, x in enumerate(solution.leaf_specs)]
   root_specs = tuple(specs[k] for k in io.index("root"))
   leaf_specs = tuple(specs[k] for k in io.index("leaf"))
   # A solution may be shared by stages that compute alike: take this stage's
@@ -460,7 +508,9 @@ def _choice(ctx, c, s, cand, sol, layers, in_flight):
   update_specs = {v: with_batch_dim(solution.leaf_specs[k], solution.leaf_batch_dims[k],
                                     cand.batch_axes)
                   for v, k in zip(own, io.index("update"), strict=True)}
-  grad_specs = tuple(to_partition_spec(x) for x in solution.grad_specs)
+  grad_specs = tuple(with_batch_dim(g, dims[k], cand.batch_axes)
+                     if _scattered(solution, g, k) else to_partition_spec(g)
+                     for g, k in zip(solution.grad_specs, io.index("root"), strict=True))
   fwd_pins, bwd_pins = {}, {}
   nf = sol.num_forward_eqns
   for path, outs in solution.compute_specs.items():
