@@ -206,7 +206,7 @@ class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
                share_layers: bool = True, pins: Mapping[int, Spec] | None = None,
                leaf_names: Sequence[str] = (), accumulate: str | None = "float32",
                keep: tuple[Sequence[str], Mapping[str, tuple]] | None = None,
-               zero3: bool = True):
+               zero3: bool = True, held: Sequence[tuple] = ()):
     super().__init__(compute=compute, apply=apply, num_consts=num_consts,
                      leaf_avals=leaf_avals, batch_leaves=batch_leaves,
                      num_micro_batches=num_micro_batches, batch_axes=batch_axes,
@@ -220,6 +220,9 @@ class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
     self.allow_all_gather = allow_all_gather
     self.allow_all_to_all = allow_all_to_all
     self.memory_budget = memory_budget
+    # (pass value, times): values held beyond the pass against the budget
+    # (a pipeline stage's residuals of the other micro-batches in flight).
+    self.held = tuple(held)
     self.accumulate = accumulate
     self.share_layers = share_layers
     self.prob = lp.problem("autopar_sharding")

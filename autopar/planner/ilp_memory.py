@@ -125,6 +125,10 @@ class MemoryModel:
       state = [(self.leaf_nodes[k], 0, aval, 1) for k, aval in enumerate(self.leaf_avals)]
       state += self._gradient_items()
       val = self._values
+      # Held values count with the state against the budget, last.
+      held = [(*val[v], v.aval, f) for v, f in getattr(self, "held", ()) if v in val]
+      state += held
+      self._num_held = len(held)
       def smallest(v):
         ref = val.get(v)
         return 0 if ref is None else min(self._bytes_per_choice(*ref, v.aval))
@@ -488,6 +492,7 @@ class MemoryModel:
     """(state and gradient bytes, activation bytes at the peak) per device,
     the peak found under the chosen specs."""
     state, _ = self._memory_items()
+    state = state[:len(state) - getattr(self, "_num_held", 0)]   # (not the held values)
     return float(self._total(state)), float(self._total(self._peak_at_solution()))
 
   def _total(self, items) -> float:

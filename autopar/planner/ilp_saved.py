@@ -171,6 +171,7 @@ class SavedGraph:
         "gathers_of": [[k, g] for k, g in self.gathers_of.items()],
         "donation": [[o, k] for o, k in self.donation.items()],
         "sync_latency": self.sync_latency,
+        "num_held": getattr(self, "_num_held", 0),
         "kinds": kinds,
         "nodes": {"names": [n.name for n in self.nodes], "kinds": node_kinds,
                   "mults": [n.mult for n in self.nodes],
@@ -272,6 +273,7 @@ class SavedGraph:
       return (node, pos, r.aval(aval), factor)
     self._mem_items = ([item(it) for it in d["state"]],
                        [[item(it) for it in peak] for peak in d["peaks"]])
+    self._num_held = d.get("num_held", 0)
     # (a cached property's value, set as the planner's problem finds it)
     self._own_liveness = _liveness_from_data(d["liveness"], item, r)
     self._memory()

@@ -389,9 +389,12 @@ def solve_stage(ctx: Context, cut_: Cut, s: int, sizes: dict[str, int],
     wanted = {p: spec for p, spec in option.pin_map.items() if p in io.names}
     pins = {k: tuple(entry_axes(e) for e in spec) for k, spec in
             check_pins(wanted, leaves_for_pins, sizes).items()}
-  # The ILP's own peak holds one micro-batch's residuals; the schedule's
-  # others in flight take the room ``tighter`` leaves (``stage_search``
-  # tightens until the stage fits as it counts).
+  # Against a budget, the residuals of the micro-batches in flight count
+  # with the state, in the specs the plan gives them (as the search counts
+  # a stage: state + in flight x residuals + the pass's peak); ``tighter``
+  # leaves room besides where the ILP's peaks differ from that count
+  # (``stage_search._within_budget``).
+  stored = [v for v in fns.forward.jaxpr.outvars[fns.num_outputs:] if isinstance(v, Var)]
   budget = option.memory_budget_per_device
   if budget is not None:
     budget = budget - tighter
@@ -413,15 +416,15 @@ def solve_stage(ctx: Context, cut_: Cut, s: int, sizes: dict[str, int],
       allow_all_gather=option.allow_all_gather, allow_all_to_all=option.allow_all_to_all,
       memory_budget=budget, read_by_compute=read_by,
       share_layers=option.share_layers, pins=pins, accumulate=ctx.accumulate,
-      leaf_names=list(io.names))
+      leaf_names=list(io.names),
+      held=[(v, in_flight) for v in stored] if budget is not None else ())
   problem.build()
   objective = problem.solve()
   parts = problem.cost_by_part()
   state, peak = problem.memory_at_solution()
   # What the schedule keeps of a micro-batch for its backward pass, in the
-  # specs the plan gives it (the budget above took it whole).
-  kept = sum(problem.bytes_at_solution(v)
-             for v in fns.forward.jaxpr.outvars[fns.num_outputs:] if isinstance(v, Var))
+  # specs the plan gives it.
+  kept = sum(problem.bytes_at_solution(v) for v in stored)
   return StageSolution(
       batch_axes=tuple(batch_axes), rows=rows, objective=objective,
       per_micro_batch=parts["compute"] / ctx.n,

@@ -257,6 +257,8 @@ def search(pre, method, mesh):
       rows = np.array([costs[(g, shape, axes)] for g in range(G)])
       prefix[(shape, axes)] = (np.vstack([np.zeros(9), np.cumsum(rows, axis=0)]), rows)
 
+  refused: set = set()     # (a, b, offset, shape, batch axes) no plan fits
+
   @functools.lru_cache(maxsize=None)
   def stage(a: int, b: int, offset: int, shape, held: int):
     """The best candidate for layers [a, b) on the block of ``shape`` at
@@ -266,6 +268,8 @@ def search(pre, method, mesh):
     end = offset + devices
     axis = link_axis(mesh_shape, names, end) if b < G else None
     for axes in axes_of[shape]:
+      if (a, b, offset, shape, axes) in refused:
+        continue
       cum, rows = prefix[(shape, axes)]
       t, u, state, resid = (cum[b, :4] - cum[a, :4])
       zero_saved, zero_gather, params_saved, params_gather = cum[b, 5:9] - cum[a, 5:9]
@@ -357,6 +361,89 @@ def search(pre, method, mesh):
   sends = max((send_bytes[g] for g in range(G)), default=0.0)
   slack = max(alpha.values(), default=DEFAULT_ALPHA) * 2 + \
       max(beta.values(), default=DEFAULT_BETA) * 2 * sends
+  plans: dict = {}
+
+  def plans_of(c, s, cand, held):
+    """Stage ``s`` of cut ``c`` planned whole (stages that compute alike
+    once); a PlanError under the budget is a :class:`_Refused`."""
+    st = c.stages[s]
+    # The number of micro-batches held matters only against a memory budget.
+    key = (st.signature(), cand.shape, cand.batch_axes,
+           held if budget is not None else None,
+           "|".join(str(seg.jaxpr) for seg in c.apply.of_stage(s)))
+    sol = plans.get(key)
+    if sol is None:
+      try:
+        sol = plans[key] = _within_budget(ctx, c, s, dict(zip(names, cand.shape)),
+                                          cand.batch_axes, held, budget)
+      except PlanError as e:
+        raise _Refused(s, e) from None
+    return sol
+
+  # A stage the search takes that its whole plan cannot fit in the budget
+  # (the layers' costs add up to less than the stage's plan needs) is
+  # refused, and the search runs again without it, a few times at most.
+  refusal = None
+  for attempt in range(_REPLANS + 1):
+    by_S = _by_num_stages(solve_dp, step_time, grid, slack, fixed_S)
+    if not by_S:
+      if refusal is not None:
+        raise refusal
+      raise PlanError(
+          f"{ctx.program.fn_name}: no pipeline of "
+          f"{fixed_S if fixed_S else 'any number of'} stage(s) fits "
+          f"memory_budget_per_device={budget} on the mesh {mesh_shape} with "
+          f"{n} micro-batch(es) under {method.schedule}. Fix: raise the budget, use "
+          f"more stages or more micro-batches with 1F1B, or remat.")
+    S_best = min(by_S, key=lambda S: by_S[S][0])
+    T, cands = by_S[S_best]
+    layers = [(bounds[c.layers[0]], bounds[c.layers[1]]) for c in cands]
+    c = cut(ctx, layers)
+    in_flight = [min(n, len(cands) - s) if method.schedule == "1f1b" else n
+                 for s in range(len(cands))]
+    try:
+      sols = [plans_of(c, s, cand, in_flight[s]) for s, cand in enumerate(cands)]
+      break
+    except _Refused as e:
+      refusal = e.error
+      if budget is None or attempt == _REPLANS:
+        raise refusal from None
+      cand = cands[e.stage]
+      refused.add((*cand.layers, cand.offset, cand.shape, cand.batch_axes))
+      stage.cache_clear()
+  if 1 < S_best and n < S_best:
+    warnings.warn(
+        f"autopar: {ctx.program.fn_name}: {n} micro-batch(es) through {S_best} "
+        f"pipeline stages: at most {n} stage(s) work at a time, and "
+        f"{(S_best - 1) / (n + S_best - 1):.0%} of the stages' time is bubble "
+        f"((S - 1) / (n + S - 1)). Use num_micro_batches >= {S_best} (4 x stages "
+        f"or more keeps the bubble small).", stacklevel=2)
+  result = SearchResult(stages=tuple(cands), step_time=T, by_num_stages=by_S,
+                        seconds=time.perf_counter() - t0)
+  choices = []
+  missing: collections.Counter = collections.Counter()   # over the stages
+  for s, (cand, sol) in enumerate(zip(cands, sols, strict=True)):
+    choices.append(_choice(ctx, c, s, cand, sol, layers[s], in_flight[s]))
+    missing.update(missing_rules(sol.joint, sol.update))
+  warn_missing_rules(missing, f"{ctx.program.fn_name}'s pipeline stages")
+  return c, choices, result
+
+
+# How many times the search runs again without a stage its plan cannot fit.
+_REPLANS = 3
+
+
+class _Refused(Exception):
+  """Stage ``stage`` of the search's choice has no plan within the budget."""
+
+  def __init__(self, stage: int, error: PlanError):
+    super().__init__(str(error))
+    self.stage, self.error = stage, error
+
+
+def _by_num_stages(solve_dp, step_time, grid, slack, fixed_S) -> dict:
+  """Per number of stages, the best (step time, candidates) over the grid
+  of stage-time limits."""
   by_S: dict[int, tuple[float, tuple]] = {}
   for t_max in grid:
     r = solve_dp(t_max + slack, fixed_S)
@@ -367,45 +454,7 @@ def search(pre, method, mesh):
     S = len(cands)
     if S not in by_S or T < by_S[S][0]:
       by_S[S] = (T, cands)
-  if not by_S:
-    raise PlanError(
-        f"{ctx.program.fn_name}: no pipeline of "
-        f"{fixed_S if fixed_S else 'any number of'} stage(s) fits "
-        f"memory_budget_per_device={budget} on the mesh {mesh_shape} with "
-        f"{n} micro-batch(es) under {method.schedule}. Fix: raise the budget, use "
-        f"more stages or more micro-batches with 1F1B, or remat.")
-  S_best = min(by_S, key=lambda S: by_S[S][0])
-  T, cands = by_S[S_best]
-  if 1 < S_best and n < S_best:
-    warnings.warn(
-        f"autopar: {ctx.program.fn_name}: {n} micro-batch(es) through {S_best} "
-        f"pipeline stages: at most {n} stage(s) work at a time, and "
-        f"{(S_best - 1) / (n + S_best - 1):.0%} of the stages' time is bubble "
-        f"((S - 1) / (n + S - 1)). Use num_micro_batches >= {S_best} (4 x stages "
-        f"or more keeps the bubble small).", stacklevel=2)
-  result = SearchResult(stages=tuple(cands), step_time=T, by_num_stages=by_S,
-                        seconds=time.perf_counter() - t0)
-  layers = [(bounds[c.layers[0]], bounds[c.layers[1]]) for c in cands]
-  c = cut(ctx, layers)
-  choices = []
-  in_flight = [min(n, len(cands) - s) if method.schedule == "1f1b" else n
-               for s in range(len(cands))]
-  plans: dict = {}
-  missing: collections.Counter = collections.Counter()   # over the stages
-  for s, (st, cand) in enumerate(zip(c.stages, cands, strict=True)):
-    sizes_s = dict(zip(names, cand.shape))
-    # The number of micro-batches held matters only against a memory budget.
-    key = (st.signature(), cand.shape, cand.batch_axes,
-           in_flight[s] if budget is not None else None,
-           "|".join(str(seg.jaxpr) for seg in c.apply.of_stage(s)))
-    sol = plans.get(key)
-    if sol is None:
-      sol = plans[key] = _within_budget(ctx, c, s, sizes_s, cand.batch_axes,
-                                        in_flight[s], budget)
-    choices.append(_choice(ctx, c, s, cand, sol, layers[s], in_flight[s]))
-    missing.update(missing_rules(sol.joint, sol.update))
-  warn_missing_rules(missing, f"{ctx.program.fn_name}'s pipeline stages")
-  return c, choices, result
+  return by_S
 
 
 def _within_budget(ctx, c, s, sizes, axes, in_flight: int, budget):
