@@ -345,8 +345,8 @@ def solve_stage(ctx: Context, cut_: Cut, s: int, sizes: dict[str, int],
                 cost: MeshCost | None = None, tighter: float = 0.0) -> StageSolution:
   """Plans stage ``s`` of ``cut_`` on a submesh of ``sizes`` with the batch
   split over ``batch_axes``; ``in_flight``: how many micro-batches'
-  residuals the schedule keeps (they count against the memory budget);
-  ``tighter``: bytes to plan under the budget besides."""
+  residuals the schedule keeps (they count against the memory budget; 0:
+  the caller counts them); ``tighter``: bytes to plan under the budget besides."""
   st = cut_.stages[s]
   d = math.prod(sizes[a] for a in batch_axes)
   rows = ctx.micro // d
@@ -417,7 +417,7 @@ def solve_stage(ctx: Context, cut_: Cut, s: int, sizes: dict[str, int],
       memory_budget=budget, read_by_compute=read_by,
       share_layers=option.share_layers, pins=pins, accumulate=ctx.accumulate,
       leaf_names=list(io.names),
-      held=[(v, in_flight) for v in stored] if budget is not None else ())
+      held=[(v, in_flight) for v in stored] if budget is not None and in_flight else ())
   problem.build()
   objective = problem.solve()
   parts = problem.cost_by_part()

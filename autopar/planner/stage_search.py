@@ -142,8 +142,9 @@ def _send(ctx, position: int) -> float:
 def _solve_layers(ctx, groups, shapes, names, progress=None):
   """costs[(g, shape, axes)] = (t, u, state, residual bytes, peak, what
   ZeRO-2 would save and cost: ``_zero_state``, and what ZeRO-3 would save
-  besides and cost per micro-batch: ``_zero_params``) per DP layer group
-  ``g`` (layers ``groups[g]..groups[g+1]``)."""
+  besides and cost per micro-batch: ``_zero_params``, and 1 where the layer
+  alone has no plan within the budget on that submesh, else 0) per DP layer
+  group ``g`` (layers ``groups[g]..groups[g+1]``)."""
   L = ctx.num_layers
   bounds = [*groups, L]
   memo: dict = {}
@@ -160,10 +161,16 @@ def _solve_layers(ctx, groups, shapes, names, progress=None):
       for axes in stage_batch_axes(ctx, sizes):
         key = (key_prog, shape, axes)
         if key not in memo:
-          sol = solve_stage(ctx, c, s, sizes, axes)
-          memo[key] = (sol.per_micro_batch, sol.per_step, sol.state_bytes,
-                       sol.residual_bytes, sol.peak_bytes, *_zero_state(sol, sizes, axes),
-                       *_zero_params(sol, sizes, axes))
+          try:      # (the micro-batches in flight are counted by the search)
+            sol = solve_stage(ctx, c, s, sizes, axes, in_flight=0)
+          except PlanError:
+            if ctx.option.memory_budget_per_device is None:
+              raise
+            memo[key] = (0.0,) * 9 + (1.0,)
+          else:
+            memo[key] = (sol.per_micro_batch, sol.per_step, sol.state_bytes,
+                         sol.residual_bytes, sol.peak_bytes, *_zero_state(sol, sizes, axes),
+                         *_zero_params(sol, sizes, axes), 0.0)
         out[(g, shape, axes)] = memo[key]
   return out, len(memo)
 
@@ -255,7 +262,7 @@ def search(pre, method, mesh):
   for shape in shapes:
     for axes in stage_batch_axes(ctx, dict(zip(names, shape))):
       rows = np.array([costs[(g, shape, axes)] for g in range(G)])
-      prefix[(shape, axes)] = (np.vstack([np.zeros(9), np.cumsum(rows, axis=0)]), rows)
+      prefix[(shape, axes)] = (np.vstack([np.zeros(10), np.cumsum(rows, axis=0)]), rows)
 
   refused: set = set()     # (a, b, offset, shape, batch axes) no plan fits
 
@@ -271,6 +278,8 @@ def search(pre, method, mesh):
       if (a, b, offset, shape, axes) in refused:
         continue
       cum, rows = prefix[(shape, axes)]
+      if cum[b, 9] > cum[a, 9]:          # a layer alone has no plan in the budget
+        continue
       t, u, state, resid = (cum[b, :4] - cum[a, :4])
       zero_saved, zero_gather, params_saved, params_gather = cum[b, 5:9] - cum[a, 5:9]
       peak = rows[a:b, 4].max()
