@@ -138,7 +138,7 @@ METHODS = {
     "Pipeshard 1f1b": lambda: autopar.PipeshardParallel(
         mesh=mesh24(), num_micro_batches=2, num_stages=2, schedule="1f1b"),
     "Pipeshard gpipe": lambda: autopar.PipeshardParallel(
-        mesh=mesh24(), num_micro_batches=2, num_stages=2, schedule="gpipe"),
+        mesh=mesh24(), num_micro_batches=4, num_stages=3, schedule="gpipe"),  # (3 stages)
 }
 
 
