@@ -276,12 +276,15 @@ def partitioned(f):
   return op
 
 
-def moe_setup(E=4, V=16, D=16, T=6, B=16, aux=0.1, factor=True):
+def moe_setup(E=4, V=16, D=16, T=6, B=16, aux=0.1, factor=True, counted=False):
   """A token mean plus a Switch load-balancing loss ``E · Σ_e f_e · P_e``
   (each a mean over the valid tokens; ``aux=0``: none), with dropout drawn
   on the expert's output, and the whole loss scaled by a factor of the
   parameters (``factor=False``: not). Returns ``(step, params, optimizer
-  state, batch)``; ``step(params, opt, batch) -> (params, opt, loss)``."""
+  state, batch)``; ``step(params, opt, batch) -> (params, opt, loss)``
+  (``counted``: ``step(params, opt, batch, count)``, the dropout's key
+  folded with the step's ``count`` and dropout also drawn on the router's
+  input, so that the sums read the draw)."""
   k = jax.random.split(jax.random.PRNGKey(0), 8)
   n = lambda key, shape, s: jax.random.normal(key, shape) * s
   params = {"embed": n(k[0], (V, D), 1.0), "w0": n(k[1], (D, D), 0.4),
@@ -289,13 +292,16 @@ def moe_setup(E=4, V=16, D=16, T=6, B=16, aux=0.1, factor=True):
             "w1": n(k[4], (D, D), 0.4), "head": n(k[5], (D, V), 0.4),
             "temperature": jnp.float32(0.3)}
 
-  def loss_fn(p, b):
+  def loss_fn(p, b, key):
     h = p["embed"][b["tokens"][:, :-1]]
     h = h + jnp.tanh(h @ p["w0"])
+    if counted:
+      h = jnp.where(jax.random.bernoulli(jax.random.fold_in(key, 1), 0.9, h.shape),
+                    h / 0.9, 0)
     probs = jax.nn.softmax(h @ p["router"], axis=-1)
     top = jax.nn.one_hot(jnp.argmax(probs, -1), E)
     expert = jnp.tanh(jnp.einsum("btd,edf,bte->btf", h, p["experts"], top))
-    keep = jax.random.bernoulli(jax.random.key(7), 0.8, expert.shape)
+    keep = jax.random.bernoulli(key, 0.8, expert.shape)
     h = h + jnp.sum(probs * top, -1, keepdims=True) * jnp.where(keep, expert / 0.8, 0)
     h = h + jnp.tanh(h @ p["w1"])
     nll = optax.softmax_cross_entropy_with_integer_labels(h @ p["head"],
@@ -310,8 +316,10 @@ def moe_setup(E=4, V=16, D=16, T=6, B=16, aux=0.1, factor=True):
 
   tx = optax.adam(1e-2)
 
-  def step(params, opt, b):
-    loss, g = autopar.value_and_grad(lambda p: loss_fn(p, b))(params)
+  def step(params, opt, b, count=None):
+    key = jax.random.key(7) if count is None else jax.random.fold_in(jax.random.key(7),
+                                                                     count)
+    loss, g = autopar.value_and_grad(lambda p: loss_fn(p, b, key))(params)
     updates, opt = tx.update(g, opt, params)
     return optax.apply_updates(params, updates), opt, loss
 

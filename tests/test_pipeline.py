@@ -456,6 +456,25 @@ def test_random_draws_in_the_first_pass():
     pf(w, batch)
 
 
+def test_draws_in_the_sums_with_a_key_from_the_inputs():
+  """Dropout before a MoE router, its key folded with the step's counter (an
+  argument): the load-balancing sums read the draw, which the first pass
+  and the schedule's forward passes draw alike at each row; two steps
+  (two counts) are jit's."""
+  step, params, opt, batch = moe_setup(counted=True)
+  pf = autopar.parallelize(step, method=autopar.PipeshardParallel(
+      mesh=mesh24(), num_micro_batches=2, num_stages=2), batch_argnums=(2,))
+  ref = (params, opt)
+  got = jax.tree.map(jnp.copy, ref)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")        # (the first pass)
+    for count in range(2):
+      *got, loss = pf(*got, batch, jnp.int32(count))
+      *ref, ref_loss = single_device(step)(*ref, batch, jnp.int32(count))
+      np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(got[0], ref[0])
+
+
 @pytest.mark.parametrize("stages,n,schedule", [(2, 2, "1f1b"), (4, 4, "gpipe")])
 def test_parameter_dependent_sums_take_a_first_pass_through_the_stages(stages, n, schedule):
   """The load-balancing loss's cotangents read sums over the batch that
@@ -572,8 +591,8 @@ def test_custom_vjp_rules_in_the_loss_are_kept():
   assert float(jnp.max(jnp.abs(got_w[0] - w[0]))) > 0     # through the estimator
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_custom_jvp_rules_in_the_loss_are_kept(schedule):
+@pytest.mark.parametrize("schedule,sized", [("1f1b", False), ("gpipe", True)])
+def test_custom_jvp_rules_in_the_loss_are_kept(schedule, sized):
   """A pipeline traced at a symbolic batch size keeps the loss function's
   jax.custom_jvp rules (each is written out at a stage's rows when the
   stage is differentiated), as jax.jit does: jax.nn.relu's at exactly 0
@@ -581,13 +600,18 @@ def test_custom_jvp_rules_in_the_loss_are_kept(schedule):
   whose primal derivative is zero, and a custom_partitioning op whose rule
   gives its derivative. Before, each stage differentiated the primal
   equations: relu' (0) = 0.5, zero gradients through the rounding, and
-  JAX's NotImplementedError for the op."""
+  JAX's NotImplementedError for the op. A rule whose Python compares the
+  batch size (``sized``) sends the step to be traced at concrete sizes."""
   scaled_tanh = partitioned(lambda x: jnp.tanh(x) * 1.5)
 
   @jax.custom_jvp
   def act(x):
     return scaled_tanh(x)
-  act.defjvp(lambda p, t: (act(p[0]), t[0] * 1.5 * (1 - jnp.tanh(p[0]) ** 2)))
+
+  @act.defjvp
+  def _(p, t):
+    c = (1.5 if p[0].shape[0] < 1000 else 0.0) if sized else 1.5
+    return act(p[0]), t[0] * c * (1 - jnp.tanh(p[0]) ** 2)
 
   @jax.custom_jvp
   def ste(x):

@@ -30,7 +30,8 @@ from autopar.frontend.rows import RowOracle
 from autopar.frontend.split import (BY_DEVICE, OutputKind, SplitStep, apply_at, disagreement,
                                     scale_at, split_step)
 from autopar.frontend.trace import (TracedStep, check_batch_leaves, eqns_by_path,
-                                    loss_has_vjp_rules, trace_step, trace_step_any_batch)
+                                    loss_has_vjp_rules, loss_jvp_rules_trace, trace_step,
+                                    trace_step_any_batch)
 
 __all__ = ["FinalInfo", "Context", "Prepared", "PipelineTrace", "trace_pipelined"]
 
@@ -191,8 +192,10 @@ def trace_pipelined(fun, args, prep, *, n: int, mesh, axis_sizes: dict[str, int]
                                   mesh=mesh, names=prep.names)
   # A custom_vjp in the loss function (cuDNN's attention, a straight-through
   # estimator): its gradient is its rule's, which only a trace at a concrete
-  # size keeps (the Instantiator cannot write the rule's Python out).
-  symbolic = traced is not None and not loss_has_vjp_rules(traced.jaxpr)
+  # size keeps (the Instantiator cannot write the rule's Python out); so
+  # does a custom_jvp rule that cannot be traced at a symbolic size.
+  symbolic = traced is not None and not loss_has_vjp_rules(traced.jaxpr) and \
+      loss_jvp_rules_trace(traced.jaxpr)
   if symbolic:
     split = split_of(traced, None)
   else:

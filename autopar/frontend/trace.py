@@ -735,6 +735,33 @@ def loss_has_vjp_rules(closed: ClosedJaxpr) -> bool:
              for e in closed.jaxpr.eqns)
 
 
+def loss_jvp_rules_trace(closed: ClosedJaxpr) -> bool:
+  """Whether every ``jax.custom_jvp`` rule in the loss function's forward
+  call in ``closed`` (a step traced at a symbolic size) can be traced at
+  that size, as a pipeline's stages trace them (:func:`inline_loss_rules`
+  keeps them): a rule whose Python compares the batch size cannot, and the
+  step is then traced at concrete sizes. Each rule is traced here once (JAX
+  keeps the trace for the stages)."""
+  def rules(jaxpr):
+    for e in jaxpr.eqns:
+      if e.primitive.name == "custom_jvp_call" and any(
+          any(jc.is_symbolic_dim(d) for d in getattr(v.aval, "shape", ()))
+          for v in (*e.invars, *e.outvars)):
+        yield e
+      for sub in jaxprs_in(e):
+        yield from rules(sub)
+  for call in closed.jaxpr.eqns:
+    if call.primitive is not forward_p:
+      continue
+    for e in rules(call.params["jaxpr"].jaxpr):
+      try:
+        e.params["jvp_jaxpr_fun"].call_wrapped(
+            *[False] * (len(e.invars) - e.params["num_consts"]))
+      except Exception:    # (whatever the rule's Python raises at a symbolic size)
+        return False
+  return True
+
+
 def _has_calls(jaxpr, inlinable=INLINED_CALLS) -> bool:
   return any(e.primitive.name in inlinable or
              any(_has_calls(s, _PLAIN_CALLS if e.primitive in _LOSS_CALLS else inlinable)
