@@ -41,10 +41,11 @@ between stages, and the stage search's choice against one-mesh plans.
 
 8. ZeRO inside stages. A 24-layer GPT (d=256, Adam) on an abstract
    4 hosts x 8 devices mesh, 4 stages x 8 micro-batches: per stage, its
-   modelled memory per device with its optimizer state replicated over its
-   batch axes (no budget) and under budgets of 90 % and 80 % of that plan's
-   largest stage, where the search may split the state (ZeRO-2), with the
-   modelled step time of each plan.
+   modelled memory per device with its state replicated over its batch
+   axes (no budget) and under budgets of 90 % down to 60 % of that plan's
+   largest stage, where the search may split the optimizer state (ZeRO-2)
+   and the parameters too (ZeRO-3), with the modelled step time of each
+   plan and which stages split what.
 
     python benchmark/pipeline.py --host    # section 6 alone
     python benchmark/pipeline.py --first   # section 7 alone
@@ -293,8 +294,7 @@ def zero_in_stage_table():
       continue
     mem = ", ".join(f"{st.memory_per_device / 2**20:.2f}" for st in p.stages)
     zero = lambda flag: ",".join(str(st.index) for st in p.stages if flag(st)) or "-"
-    which = (f"{zero(lambda st: st.zero_state and not st.zero_params)} / "
-             f"{zero(lambda st: st.zero_params)}")
+    which = f"{zero(lambda st: st.zero_state)} / {zero(lambda st: st.zero_params)}"
     print(f"   {label:<22}{mem:<40}{which:<18}{p.objective * 1e3:>9.3f} ms"
           f"   (planned in {secs:.1f} s)")
 

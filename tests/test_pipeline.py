@@ -640,6 +640,43 @@ def test_custom_jvp_rules_in_the_loss_are_kept(schedule, sized):
       mesh=mesh24(), num_micro_batches=4, num_stages=2, schedule=schedule))
 
 
+def test_stages_whose_rules_differ_are_planned_apart():
+  """Four layers alike but for their custom_jvp rules (each scales its
+  gradient by its own constant, which JAX's printed jaxpr does not show):
+  the middle stages of a 4-stage pipeline are not taken to compute alike,
+  and each layer's gradient is its own rule's, as under jit."""
+  def scaled(c):
+    @jax.custom_jvp
+    def f(x):
+      return x
+
+    f.defjvp(lambda p, t: (p[0], t[0] * c))
+    return f
+  scales = [scaled(c) for c in (1.0, 0.5, 2.0, 3.0)]
+
+  def step(w, x):
+    def loss_fn(w):
+      h = x
+      for k in range(4):
+        if k:
+          autopar.mark_pipeline_boundary()
+        h = scales[k](jnp.tanh(h @ w[k]))
+      return jnp.mean(h ** 2)
+    loss, g = autopar.value_and_grad(loss_fn)(w)
+    return [a - 0.1 * b for a, b in zip(w, g)], loss
+
+  rng = np.random.RandomState(2)
+  w = [jnp.asarray(rng.randn(8, 8) / 2, jnp.float32) for _ in range(4)]
+  x = rng.randn(16, 8).astype(np.float32)
+  ref_w, ref_loss = single_device(step)(w, x)
+  pf = autopar.parallelize(step, method=autopar.PipeshardParallel(
+      mesh=mesh24(), num_micro_batches=4, num_stages=4, layers="manual"),
+      donate_argnums=())
+  got_w, loss = pf(w, x)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(got_w, ref_w)
+
+
 def test_a_step_that_needs_its_batch_size_is_traced_at_each_size():
   """A step whose Python compares its batch size (``rows < 1000``) cannot
   be traced at a symbolic size: the pipeline traces it at a micro-batch's

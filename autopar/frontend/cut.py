@@ -111,7 +111,7 @@ def _leaf_of(apply_jaxpr, v, nc: int, nl: int) -> int | None:
 def stage_functions(ctx: Context, st: StageProgram, rows: int) -> StageFunctions:
   """The stage's forward and backward passes as jaxprs at ``rows`` rows per
   micro-batch (``stages.StageFunctions``; cached in ``ctx``)."""
-  key = ("functions", st.signature(), rows, _remat_key(ctx.remat))
+  key = ("functions", st.signature, rows, _remat_key(ctx.remat))
   if key not in ctx.cache:
     if ctx.program_at is None:
       g, draws, _ = instantiate_stage(st, rows)

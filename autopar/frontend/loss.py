@@ -315,7 +315,7 @@ def find_head(view: ClosedJaxpr, call: LossCall, *, batch: set, oracle: RowOracl
     rowed = [a for a in eqn.invars if isinstance(a, Var) and a in on_batch and oracle.dims(a)]
     if rowed and jaxprs_in(eqn):
       why = (f"it is reduced over the rows inside a '{eqn.primitive.name}' "
-             f"({where(eqn)}): a jax.checkpoint, custom_vjp, cond or loop around the "
+             f"({where(eqn)}): a jax.checkpoint, custom_jvp, custom_vjp, cond or loop around the "
              f"loss's reduction, which autopar does not look into for the loss's "
              f"sums. (Fix: return the per-example or per-token values from it and "
              f"reduce them after it)")

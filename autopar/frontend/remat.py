@@ -89,7 +89,7 @@ from autopar.errors import InputError, PlanError
 from autopar.frontend.pytrees import leaf_mask
 
 __all__ = ["remat_mode", "check_remat", "maybe_roll", "rolled_eval", "find_layers", "Stack",
-           "NoLayersWarning", "layer_loop"]
+           "NoLayersWarning", "layer_loop", "CUSTOM_DERIVATIVES", "derivative_key"]
 
 _MODE: contextvars.ContextVar = contextvars.ContextVar("autopar_remat",
                                                       default=("none", "scan"))
@@ -783,8 +783,8 @@ def _signatures(eqns) -> np.ndarray:
   memo: dict = {}
   out = np.empty(len(eqns), np.int64)
   for i, eqn in enumerate(eqns):
-    if eqn.primitive.name in _CUSTOM_DERIVATIVES:
-      params = (("rules", _derivative_key(eqn)),)
+    if eqn.primitive.name in CUSTOM_DERIVATIVES:
+      params = (("rules", derivative_key(eqn)),)
     else:
       params = tuple((k, _param_key(p, memo)) for k, p in sorted(eqn.params.items()))
     key = (eqn.primitive.name,
@@ -796,10 +796,10 @@ def _signatures(eqns) -> np.ndarray:
 
 
 # Calls whose derivative is a rule of the user's (jax.nn.relu, softmax, ...).
-_CUSTOM_DERIVATIVES = ("custom_jvp_call", "custom_vjp_call")
+CUSTOM_DERIVATIVES = ("custom_jvp_call", "custom_vjp_call")
 
 
-def _derivative_key(eqn) -> tuple:
+def derivative_key(eqn) -> tuple:
   """What a custom-derivative call computes, its rules included: the jaxpr
   of its VJP (primal and backward pass), with the values of the constants it
   closes over.

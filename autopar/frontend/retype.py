@@ -191,7 +191,8 @@ class Instantiator(_Retyper):
         # The rule is a thunk that traces it at the symbolic types: its
         # jaxpr is written out at these sizes too, when it is traced.
         new_params["jvp_jaxpr_fun"] = jc.mapped_jvp_rule(
-            params["jvp_jaxpr_fun"], Instantiator(self.env).jaxpr)
+            params["jvp_jaxpr_fun"],
+            lambda j, env=self.env: Instantiator(env).jaxpr(_meshless_jaxpr(j)))
       changed = new_params is not None
       invars = []
       for v in eqn.invars:
@@ -260,6 +261,15 @@ def without_meshes(closed: ClosedJaxpr, *, in_context: bool = False) -> ClosedJa
           or has_hints(j)):
     return closed
   return ClosedJaxpr(_MeshStripper().jaxpr(j), closed.consts)
+
+
+def _meshless_jaxpr(jaxpr: Jaxpr) -> Jaxpr:
+  """``jaxpr`` with no mesh in its types but the user's hints (a custom_jvp
+  rule traced from types a mesh context gave: :func:`without_meshes`)."""
+  if not (any(_mesh_of(v.aval) is not None for v in (*jaxpr.constvars, *jaxpr.invars))
+          or has_hints(jaxpr)):
+    return jaxpr
+  return _MeshStripper().jaxpr(jaxpr)
 
 
 def has_hints(jaxpr) -> bool:

@@ -29,6 +29,7 @@ given those values again (``Residuals``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -39,6 +40,7 @@ from autopar.errors import InputError, PlanError
 from autopar.frontend.hints import HINT_PRIMITIVES, find_hints
 from autopar.frontend.evaluate import Rules, eval_jaxpr
 from autopar.frontend.program import Analysis, Program, matching
+from autopar.frontend.remat import CUSTOM_DERIVATIVES, derivative_key
 from autopar.frontend.retype import Instantiator
 from autopar.frontend.rng import DRAW_PRIMITIVES, find_draws
 from autopar.frontend.rows import ROWS_NAME, RowOracle
@@ -96,12 +98,17 @@ class StageProgram:
   def seeded_finals(self) -> tuple[int, ...]:
     return tuple(j for j in self.finals if j < self.num_seeded)
 
+  @functools.cached_property
   def signature(self) -> str:
     """Equal for stages that compute alike on inputs alike (one of them is
-    planned for all)."""
+    planned for all). A custom derivative's rules print as their function's
+    name alone: they are keyed by what they compute (two layers whose rules
+    close over other constants differ)."""
+    rules = [derivative_key(e) for _, e in eqns_by_path(self.jaxpr)
+             if e.primitive.name in CUSTOM_DERIVATIVES]
     return str(self.jaxpr) + repr((self.input_groups, self.tangent_in,
                                    self.tangent_out, self.row_in, self.row_out,
-                                   [j < self.num_seeded for j in self.finals]))
+                                   [j < self.num_seeded for j in self.finals], rules))
 
 
 def _owner_stage(program: Program, analysis: Analysis, j: int, ranges) -> int:

@@ -193,6 +193,10 @@ class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
       solution split its values over those axes and chooses only over the
       others (a node whose choices at this size meet none keeps them all).
       The problem is then about as small as the solved one's.
+    held: ``(value of the pass, times)``: values held beyond the pass that
+      count with the state against the memory budget, in the specs the plan
+      gives them (a pipeline stage's residuals, once per micro-batch in
+      flight); ``memory_at_solution`` leaves them out of the state.
   """
 
   def __init__(self, *, compute, apply, num_consts: int, leaf_avals: Sequence,

@@ -85,8 +85,8 @@ class ChoiceGraph:
     leaf_names: leaves' pytree paths, for errors.
     keep: see :class:`autopar.planner.ilp.ShardingProblem`.
     zero3: whether leaves ``compute_grad`` reads may be split over the batch
-      axes too (ZeRO-3; a pipeline stage's may not: only its update-only
-      state, ZeRO-2).
+      axes too (ZeRO-3), gathered for each reader (``read_by_compute``'s
+      counts); else only the update-only state may be (ZeRO-2).
   """
 
   def __init__(self, *, compute, apply, num_consts: int, leaf_avals: Sequence,

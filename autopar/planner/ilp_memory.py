@@ -2,8 +2,10 @@
 device, as terms of the choice variables for the budget's constraints and
 as bytes at a solution.
 
-* the state: every leaf in its chosen spec, and the gradients held
-  besides one micro-batch's pass (``_gradient_items``);
+* the state: every leaf in its chosen spec, the gradients held
+  besides one micro-batch's pass (``_gradient_items``), and the values of
+  the pass held beyond it (``ShardingProblem``'s ``held``: a pipeline
+  stage's residuals of the micro-batches in flight), counted last;
 * the pass: the values live at its points (``autopar.costs.liveness``),
   each in its chosen spec; the budget's constraints take the points where
   what is held is not a part of what another holds (``_memory_items``),

@@ -443,9 +443,12 @@ def _gather_sites(fns: StageFunctions, read: set[int], n_main: int) -> dict[int,
   the forward's first inputs (first row, roots, activations, leaves)."""
   fj, bj = fns.forward.jaxpr, fns.backward.jaxpr
   fwd = gather_sites(fj, fj.invars[:n_main])
-  bwd_of = {k: v for (kind, k), v in zip(fns.residuals.sources, bj.invars) if kind == "input"}
-  bwd = gather_sites(bj, list(bwd_of.values()))
-  return {k: max(1, fwd.get(fj.invars[k], 0) + bwd.get(bwd_of.get(k), 0))
+  bwd_of: dict[int, list] = {}
+  for (kind, k), v in zip(fns.residuals.sources, bj.invars):
+    if kind == "input":
+      bwd_of.setdefault(k, []).append(v)
+  bwd = gather_sites(bj, [v for vs in bwd_of.values() for v in vs])
+  return {k: max(1, fwd.get(fj.invars[k], 0) + sum(bwd.get(v, 0) for v in bwd_of.get(k, ())))
           if k < n_main else 1 for k in read}
 
 

@@ -155,7 +155,7 @@ def _solve_layers(ctx, groups, shapes, names, progress=None):
     s = ranges.index((a, b))
     c = cut(ctx, ranges)
     st = c.stages[s]
-    key_prog = st.signature() + "|" + "|".join(str(seg.jaxpr) for seg in c.apply.of_stage(s))
+    key_prog = st.signature + "|" + "|".join(str(seg.jaxpr) for seg in c.apply.of_stage(s))
     for shape in shapes:
       sizes = dict(zip(names, shape))
       for axes in stage_batch_axes(ctx, sizes):
@@ -188,7 +188,8 @@ def _zero_state(sol, sizes, axes) -> tuple[float, float]:
   saved = gather = 0.0
   for k in sol.io.index("update"):
     aval, spec = problem.leaf_avals[k], solution.leaf_specs[k]
-    if divisible_dim(aval.shape, spec, d, sizes) is not None:
+    if _may_split(problem, solution, k) and \
+        divisible_dim(aval.shape, spec, d, sizes) is not None:
       b = local_bytes(aval, spec, sizes)
       saved += b * (1 - 1 / d)
       gather += problem.cost.all_gather(b / d, axes)
@@ -209,13 +210,19 @@ def _zero_params(sol, sizes, axes) -> tuple[float, float]:
   for k in [*sol.io.index("root"), *sol.io.index("leaf")]:
     aval, spec = problem.leaf_avals[k], solution.leaf_specs[k]
     sites = problem.gathers_of.get(k, 0)
-    if sites and not problem.batch_leaves[k] and \
+    if sites and not problem.batch_leaves[k] and _may_split(problem, solution, k) and \
         divisible_dim(aval.shape, spec, d, sizes) is not None:
       b = local_bytes(aval, spec, sizes)
       saved += b * (1 - 1 / d)
       largest = max(largest, b)
       gather += sites * problem.cost.all_gather(b / d, axes)
   return max(0.0, saved - largest), gather
+
+
+def _may_split(problem, solution, k: int) -> bool:
+  """Whether the layer's plan leaves leaf ``k`` whole over the batch axes,
+  where the search may count splitting it: not split already, not pinned."""
+  return solution.leaf_batch_dims[k] is None and k not in problem.pins
 
 
 def search(pre, method, mesh):
@@ -264,7 +271,7 @@ def search(pre, method, mesh):
       rows = np.array([costs[(g, shape, axes)] for g in range(G)])
       prefix[(shape, axes)] = (np.vstack([np.zeros(10), np.cumsum(rows, axis=0)]), rows)
 
-  refused: set = set()     # (a, b, offset, shape, batch axes) no plan fits
+  refused: set = set()     # (a, b, shape, batch axes) no plan fits
 
   @functools.lru_cache(maxsize=None)
   def stage(a: int, b: int, offset: int, shape, held: int):
@@ -275,7 +282,7 @@ def search(pre, method, mesh):
     end = offset + devices
     axis = link_axis(mesh_shape, names, end) if b < G else None
     for axes in axes_of[shape]:
-      if (a, b, offset, shape, axes) in refused:
+      if (a, b, shape, axes) in refused:
         continue
       cum, rows = prefix[(shape, axes)]
       if cum[b, 9] > cum[a, 9]:          # a layer alone has no plan in the budget
@@ -377,17 +384,18 @@ def search(pre, method, mesh):
     once); a PlanError under the budget is a :class:`_Refused`."""
     st = c.stages[s]
     # The number of micro-batches held matters only against a memory budget.
-    key = (st.signature(), cand.shape, cand.batch_axes,
+    key = (st.signature, cand.shape, cand.batch_axes,
            held if budget is not None else None,
            "|".join(str(seg.jaxpr) for seg in c.apply.of_stage(s)))
-    sol = plans.get(key)
-    if sol is None:
+    if key not in plans:
       try:
-        sol = plans[key] = _within_budget(ctx, c, s, dict(zip(names, cand.shape)),
-                                          cand.batch_axes, held, budget)
+        plans[key] = _within_budget(ctx, c, s, dict(zip(names, cand.shape)),
+                                    cand.batch_axes, held, budget)
       except PlanError as e:
-        raise _Refused(s, e) from None
-    return sol
+        plans[key] = e
+    if isinstance(plans[key], PlanError):
+      raise _Refused(s, plans[key])
+    return plans[key]
 
   # A stage the search takes that its whole plan cannot fit in the budget
   # (the layers' costs add up to less than the stage's plan needs) is
@@ -418,7 +426,7 @@ def search(pre, method, mesh):
       if budget is None or attempt == _REPLANS:
         raise refusal from None
       cand = cands[e.stage]
-      refused.add((*cand.layers, cand.offset, cand.shape, cand.batch_axes))
+      refused.add((*cand.layers, cand.shape, cand.batch_axes))
       stage.cache_clear()
   if 1 < S_best and n < S_best:
     warnings.warn(
@@ -469,13 +477,13 @@ def _by_num_stages(solve_dp, step_time, grid, slack, fixed_S) -> dict:
 def _within_budget(ctx, c, s, sizes, axes, in_flight: int, budget):
   """Stage ``s`` planned whole by its ILP; under a budget, planned again
   until its memory as the search counts it (state, the residuals of the
-  micro-batches in flight, the peak) fits: the ILP counts its state and its
-  own peak, and may take the budget's room the micro-batches in flight
-  need. Each try lowers the ILP's budget to leave that room as the last
-  plan's residuals take it (then the ILP splits the optimizer state over
-  the batch axes, ZeRO-2, or the parameters too, ZeRO-3, as the search
-  assumed where that was needed);
-  at most six tries, then a PlanError."""
+  micro-batches in flight, the peak) fits. The ILP counts the same (the
+  residuals it has values for: ``solve_stage``'s ``held``), at its own
+  peaks; where its count and the search's still differ, each try lowers the
+  ILP's budget by the last plan's excess (then the ILP splits the optimizer
+  state over the batch axes, ZeRO-2, or the parameters too, ZeRO-3, as the
+  search assumed where that was needed); at most six tries, then a
+  PlanError."""
   tighter, mem = 0.0, None
   for _ in range(6):
     try:
@@ -484,12 +492,11 @@ def _within_budget(ctx, c, s, sizes, axes, in_flight: int, budget):
       if not tighter:
         raise
       break          # (no plan leaves the room the micro-batches in flight need)
-    own = sol.state_bytes + sol.peak_bytes
-    mem = own + in_flight * sol.residual_bytes
+    mem = sol.state_bytes + sol.peak_bytes + in_flight * sol.residual_bytes
     if budget is None or mem <= budget:
       return sol
     # Next, the ILP's own count must come down by the excess.
-    tighter = max(tighter, budget - (own - (mem - budget)))
+    tighter += mem - budget
   raise PlanError(
       f"{ctx.program.fn_name}: pipeline stage {s} (on a submesh {tuple(sizes.values())}, "
       f"{in_flight} micro-batch(es) in flight) does not fit "

@@ -119,14 +119,15 @@ def stage_lines(plan: "Plan") -> list[str]:
            "micro-batch on its own submesh,",
            "then sums its gradients over its batch axes and updates its parameters"]
   lines += format_rows(stage_rows(plan))
-  zero = [str(st.index) for st in plan.stages if st.zero_state and not st.zero_params]
+  zero = [str(st.index) for st in plan.stages if st.zero_state]
   if zero:
     lines.append(f"stage(s) {', '.join(zero)} keep their optimizer state split over "
-                 f"their batch axes (ZeRO-2; the others replicate it there)")
+                 f"their batch axes (ZeRO-2)")
   zero = [str(st.index) for st in plan.stages if st.zero_params]
   if zero:
     lines.append(f"stage(s) {', '.join(zero)} keep their parameters split over their "
-                 f"batch axes (ZeRO-3: each pass gathers them, for every micro-batch)")
+                 f"batch axes too (ZeRO-3: each pass gathers them, for every "
+                 f"micro-batch)")
   t = [st.time_per_micro_batch for st in plan.stages]
   if t:
     f = [st.first_pass_seconds for st in plan.stages if st.first_pass_seconds]
