@@ -640,6 +640,29 @@ def test_custom_jvp_rules_in_the_loss_are_kept(schedule, sized):
       mesh=mesh24(), num_micro_batches=4, num_stages=2, schedule=schedule))
 
 
+def test_a_draw_inside_a_custom_jvp_is_the_whole_batch_draw():
+  """Noise drawn inside a custom_jvp's primal: each device gets its rows of
+  the whole batch's draw, as jit draws it (the pipeline inlines the loss's
+  custom_jvp calls where their bodies draw, as the draw pass does not look
+  into them). Keeping the call gave each device its own draw."""
+  @jax.custom_jvp
+  def noisy(x):
+    return x + 0.1 * jax.random.normal(jax.random.key(1), x.shape)
+  noisy.defjvp(lambda p, t: (noisy(p[0]), t[0]))
+
+  def step(w, x):
+    def loss_fn(w):
+      h = noisy(jnp.tanh(x @ w[0]))
+      h = jnp.tanh(h @ w[1])
+      return jnp.mean(jnp.tanh(h @ w[2]) ** 2)
+    loss, g = autopar.value_and_grad(loss_fn)(w)
+    return [a - 0.1 * b for a, b in zip(w, g)], loss
+
+  x = np.random.RandomState(3).randn(16, 8).astype(np.float32)
+  _three_layers_equal_jit(step, x, autopar.PipeshardParallel(
+      mesh=mesh24(), num_micro_batches=2, num_stages=2))
+
+
 def test_stages_whose_rules_differ_are_planned_apart():
   """Four layers alike but for their custom_jvp rules (each scales its
   gradient by its own constant, which JAX's printed jaxpr does not show):

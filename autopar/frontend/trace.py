@@ -38,7 +38,7 @@ from autopar.errors import AutoparError, InputError, MarkerError
 from autopar.frontend.marker import grad_marker_p
 from autopar.frontend.capture import backward_p, capture_mode, forward_lin_p, forward_p
 from autopar.frontend.pytrees import Partition, mutable_args, partition, write_back
-from autopar.frontend.retype import Instantiator, jaxprs_in, without_meshes
+from autopar.frontend.retype import Instantiator, jaxprs_in, primitive_names, without_meshes
 
 __all__ = ["ArgFlags", "LeafInfo", "TracedStep", "classify_args", "batch_candidates",
            "state_args",
@@ -700,6 +700,19 @@ def inline_calls(closed: ClosedJaxpr, *, fn_name: str) -> ClosedJaxpr:
 _VJP_CALLS = tuple(c for c in INLINED_CALLS if c != "custom_jvp_call")
 
 
+# rng.DRAW_PRIMITIVES and hints.HINT_PRIMITIVES (both modules import this one).
+_DRAWS_AND_HINTS = frozenset({"random_bits", "random_split", "sharding_constraint", "reshard"})
+
+
+def _jvp_bodies_hold(jaxpr, names) -> bool:
+  """Whether a ``custom_jvp_call`` in ``jaxpr`` (at any depth) holds one of
+  the primitives ``names`` in its body."""
+  return any((e.primitive.name == "custom_jvp_call" and
+              any(primitive_names(sub) & names for sub in jaxprs_in(e))) or
+             any(_jvp_bodies_hold(sub, names) for sub in jaxprs_in(e))
+             for e in jaxpr.eqns)
+
+
 def inline_loss_rules(closed: ClosedJaxpr, *, fn_name: str) -> ClosedJaxpr:
   """``closed`` with the ``custom_vjp`` calls inside its loss function's
   forward call inlined too, for a pipeline traced at a symbolic size: it
@@ -710,7 +723,13 @@ def inline_loss_rules(closed: ClosedJaxpr, *, fn_name: str) -> ClosedJaxpr:
   for eqn in closed.jaxpr.eqns:
     if eqn.primitive is forward_p:
       f = eqn.params["jaxpr"]
-      jaxpr, consts = _inline(f.jaxpr, list(f.consts), fn_name, _VJP_CALLS)
+      # A random draw or a sharding hint inside a custom_jvp's body: the
+      # passes that give draws their rows and hints their stage do not look
+      # into the call, so the loss's custom_jvp calls are inlined (each stage
+      # differentiates their primal equations, as before rules were kept).
+      keep_jvp = not _jvp_bodies_hold(f.jaxpr, _DRAWS_AND_HINTS)
+      jaxpr, consts = _inline(f.jaxpr, list(f.consts), fn_name,
+                              _VJP_CALLS if keep_jvp else INLINED_CALLS)
       eqn = eqn.replace(params={**eqn.params, "jaxpr": ClosedJaxpr(jaxpr, consts)})
     eqns.append(eqn)
   return ClosedJaxpr(closed.jaxpr.replace(eqns=eqns), closed.consts)
