@@ -640,15 +640,22 @@ def test_custom_jvp_rules_in_the_loss_are_kept(schedule, sized):
       mesh=mesh24(), num_micro_batches=4, num_stages=2, schedule=schedule))
 
 
-def test_a_draw_inside_a_custom_jvp_is_the_whole_batch_draw():
+@pytest.mark.parametrize("rule", ["jvp", "vjp"])
+def test_a_draw_inside_a_custom_derivative(rule):
   """Noise drawn inside a custom_jvp's primal: each device gets its rows of
   the whole batch's draw, as jit draws it (the pipeline inlines the loss's
   custom_jvp calls where their bodies draw, as the draw pass does not look
-  into them). Keeping the call gave each device its own draw."""
-  @jax.custom_jvp
-  def noisy(x):
+  into them); keeping the call gave each device its own draw. Inside a
+  custom_vjp, whose rule only a trace at concrete sizes keeps as a call,
+  the draw is refused (it too gave other numbers than jit's)."""
+  def noise(x):
     return x + 0.1 * jax.random.normal(jax.random.key(1), x.shape)
-  noisy.defjvp(lambda p, t: (noisy(p[0]), t[0]))
+  if rule == "jvp":
+    noisy = jax.custom_jvp(noise)
+    noisy.defjvp(lambda p, t: (noisy(p[0]), t[0]))
+  else:
+    noisy = jax.custom_vjp(noise)
+    noisy.defvjp(lambda x: (noisy(x), None), lambda _, g: (g,))
 
   def step(w, x):
     def loss_fn(w):
@@ -659,8 +666,13 @@ def test_a_draw_inside_a_custom_jvp_is_the_whole_batch_draw():
     return [a - 0.1 * b for a, b in zip(w, g)], loss
 
   x = np.random.RandomState(3).randn(16, 8).astype(np.float32)
-  _three_layers_equal_jit(step, x, autopar.PipeshardParallel(
-      mesh=mesh24(), num_micro_batches=2, num_stages=2))
+  method = autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=2, num_stages=2)
+  if rule == "jvp":
+    _three_layers_equal_jit(step, x, method)
+  else:
+    w = [jnp.ones((8, 8), jnp.float32)] * 3
+    with pytest.raises(autopar.InputError, match="draws random numbers inside"):
+      autopar.parallelize(step, method=method, donate_argnums=())(w, x)
 
 
 def test_stages_whose_rules_differ_are_planned_apart():

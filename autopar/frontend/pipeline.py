@@ -30,8 +30,8 @@ from autopar.frontend.rows import RowOracle
 from autopar.frontend.split import (BY_DEVICE, OutputKind, SplitStep, apply_at, disagreement,
                                     scale_at, split_step)
 from autopar.frontend.trace import (TracedStep, check_batch_leaves, eqns_by_path,
-                                    loss_has_vjp_rules, loss_jvp_rules_trace, trace_step,
-                                    trace_step_any_batch)
+                                    loss_has_vjp_rules, loss_jvp_rules_trace, loss_rules_draw,
+                                    trace_step, trace_step_any_batch)
 
 __all__ = ["FinalInfo", "Context", "Prepared", "PipelineTrace", "trace_pipelined"]
 
@@ -203,6 +203,13 @@ def trace_pipelined(fun, args, prep, *, n: int, mesh, axis_sizes: dict[str, int]
     # at another size to tell which dimensions hold rows: the whole batch,
     # whose update and loss scale the step runs with.
     traced = trace_at(micro)
+    if loss_rules_draw(traced.jaxpr):
+      raise InputError(
+          f"{name}: the loss function draws random numbers inside a "
+          f"jax.custom_vjp or jax.custom_jvp whose rule PipeshardParallel keeps "
+          f"(the step is traced at concrete sizes), where it cannot give each "
+          f"device its rows of the whole batch's draw. Fix: draw the numbers "
+          f"outside the custom derivative and pass them in, or use ShardParallel.")
     other_rows = batch if batch != micro else micro // 2 if micro % 2 == 0 else 2 * micro
     other = trace_at(other_rows)
     split, split_other = split_of(traced, other), split_of(other, traced)

@@ -704,13 +704,25 @@ _VJP_CALLS = tuple(c for c in INLINED_CALLS if c != "custom_jvp_call")
 _DRAWS_AND_HINTS = frozenset({"random_bits", "random_split", "sharding_constraint", "reshard"})
 
 
-def _jvp_bodies_hold(jaxpr, names) -> bool:
-  """Whether a ``custom_jvp_call`` in ``jaxpr`` (at any depth) holds one of
+def _bodies_hold(jaxpr, names, calls=("custom_jvp_call",)) -> bool:
+  """Whether a call ``calls`` names in ``jaxpr`` (at any depth) holds one of
   the primitives ``names`` in its body."""
-  return any((e.primitive.name == "custom_jvp_call" and
+  return any((e.primitive.name in calls and
               any(primitive_names(sub) & names for sub in jaxprs_in(e))) or
-             any(_jvp_bodies_hold(sub, names) for sub in jaxprs_in(e))
+             any(_bodies_hold(sub, names, calls) for sub in jaxprs_in(e))
              for e in jaxpr.eqns)
+
+
+def loss_rules_draw(closed: ClosedJaxpr) -> bool:
+  """Whether a custom derivative's body in the loss function's forward call
+  in ``closed`` draws random numbers: kept as a call (a step traced at
+  concrete sizes keeps its rules), the draw would not be given its rows of
+  the whole batch's draw."""
+  names = frozenset({"random_bits", "random_split"})
+  return any(e.primitive is forward_p and _bodies_hold(
+      e.params["jaxpr"].jaxpr, names, ("custom_jvp_call", "custom_vjp_call",
+                                       "custom_vjp_call_jaxpr"))
+      for e in closed.jaxpr.eqns)
 
 
 def inline_loss_rules(closed: ClosedJaxpr, *, fn_name: str) -> ClosedJaxpr:
@@ -727,7 +739,7 @@ def inline_loss_rules(closed: ClosedJaxpr, *, fn_name: str) -> ClosedJaxpr:
       # passes that give draws their rows and hints their stage do not look
       # into the call, so the loss's custom_jvp calls are inlined (each stage
       # differentiates their primal equations, as before rules were kept).
-      keep_jvp = not _jvp_bodies_hold(f.jaxpr, _DRAWS_AND_HINTS)
+      keep_jvp = not _bodies_hold(f.jaxpr, _DRAWS_AND_HINTS)
       jaxpr, consts = _inline(f.jaxpr, list(f.consts), fn_name,
                               _VJP_CALLS if keep_jvp else INLINED_CALLS)
       eqn = eqn.replace(params={**eqn.params, "jaxpr": ClosedJaxpr(jaxpr, consts)})
