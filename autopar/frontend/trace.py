@@ -701,7 +701,8 @@ _VJP_CALLS = tuple(c for c in INLINED_CALLS if c != "custom_jvp_call")
 
 
 # rng.DRAW_PRIMITIVES and hints.HINT_PRIMITIVES (both modules import this one).
-_DRAWS_AND_HINTS = frozenset({"random_bits", "random_split", "sharding_constraint", "reshard"})
+_DRAWS = frozenset({"random_bits", "random_split"})
+_DRAWS_AND_HINTS = _DRAWS | {"sharding_constraint", "reshard"}
 
 
 def _bodies_hold(jaxpr, names, calls=("custom_jvp_call",)) -> bool:
@@ -718,9 +719,8 @@ def loss_rules_draw(closed: ClosedJaxpr) -> bool:
   in ``closed`` draws random numbers: kept as a call (a step traced at
   concrete sizes keeps its rules), the draw would not be given its rows of
   the whole batch's draw."""
-  names = frozenset({"random_bits", "random_split"})
   return any(e.primitive is forward_p and _bodies_hold(
-      e.params["jaxpr"].jaxpr, names, ("custom_jvp_call", "custom_vjp_call",
+      e.params["jaxpr"].jaxpr, _DRAWS, ("custom_jvp_call", "custom_vjp_call",
                                        "custom_vjp_call_jaxpr"))
       for e in closed.jaxpr.eqns)
 
