@@ -30,8 +30,9 @@ directly by the modules that use it.
 
 from __future__ import annotations
 
-import inspect
 import contextlib
+import dis
+import inspect
 import os
 import sys
 import sysconfig
@@ -215,11 +216,27 @@ def _undecided(a, b) -> bool:
 
 def _caller(depth: int):
   """The frame that compared or hashed a dimension: outside shape_poly
-  (``!=`` calls ``==``) and this module (``_eq`` calls JAX's, which hashes)."""
+  (``!=`` calls ``==``), this module (``_eq`` calls JAX's, which hashes) and
+  generated code (a dataclass's ``__eq__`` or ``__hash__``: its caller's)."""
   frame = sys._getframe(depth)
-  while frame is not None and frame.f_code.co_filename in (_shape_poly.__file__, __file__):
+  while frame is not None and (frame.f_code.co_filename in (_shape_poly.__file__, __file__)
+                               or frame.f_code.co_filename.startswith("<")):
     frame = frame.f_back
   return frame
+
+
+# The instructions of a comparison in Python code: ``==``, ``!=`` (also of
+# tuples holding the size) and ``in`` a tuple or list.
+_COMPARING = frozenset(dis.opmap[name] for name in ("COMPARE_OP", "CONTAINS_OP"))
+
+
+def _compares(frame) -> bool:
+  """Whether ``frame`` is running a comparison of its own. Otherwise it is
+  calling into compiled code that compares (a cache of JAX's looking up its
+  key, whose hash table may compare keys of unequal hashes): that is no
+  branch of the step's, and a decided "equal" would hand back another
+  size's cached trace."""
+  return frame.f_code.co_code[frame.f_lasti] in _COMPARING
 
 
 def _eq(self, other):
@@ -232,6 +249,8 @@ def _eq(self, other):
     if equal or not _undecided(self, other):
       return equal
     frame = _caller(2)
+    if frame is None or not _compares(frame):
+      return equal
     for decide in reversed(deciders):
       answer = decide(self, other, frame)
       if answer is not None:
@@ -254,8 +273,6 @@ def _hash(self):
   # own code hashing one cannot be answered, so it is refused.
   if getattr(_deciding, "deciders", None) and not getattr(_deciding, "busy", False):
     frame = _caller(2)
-    while frame is not None and frame.f_code.co_filename.startswith("<"):
-      frame = frame.f_back      # generated code (a dataclass's __hash__): its caller's
     if frame is not None and not frame.f_code.co_filename.startswith(_INSTALLED):
       raise _core.InconclusiveDimensionOperation(
           f"the symbolic dimension '{self}' is hashed at {frame.f_code.co_filename}:"

@@ -83,3 +83,32 @@ def test_undecided_dim_equalities_nest_and_refuse_hashing_outside_jax():
       else:
         raise AssertionError("a set lookup of a symbolic dimension was answered")
   assert hash(n) == hash(n) and not n == 16
+
+
+def test_equalities_compared_by_compiled_code_are_jaxs():
+  """Compiled code comparing a symbolic dimension (a cache of JAX's looking
+  up a key that holds the size: its hash table compares keys of unequal
+  hashes too) is no branch of the step's: it keeps JAX's "unequal", or the
+  lookup would hand back a trace cached at another size. A comparison in
+  Python code, also of a dataclass holding the size, is asked."""
+  import dataclasses
+  import operator
+  from jax import export
+  n, = export.symbolic_shape("n")
+
+  @dataclasses.dataclass(frozen=True)
+  class Axis:
+    size: object
+
+  asked = []
+
+  def decide(a, b, frame):
+    asked.append(frame.f_code.co_filename)
+    return True
+
+  with jax_compat.undecided_dim_equalities(decide):
+    assert not operator.eq(n, 16) and not operator.eq(Axis(n), Axis(16))
+    assert not [Axis(16)].count(Axis(n))
+    assert not asked
+    assert n == 16 and Axis(n) == Axis(16) and Axis(n) in (Axis(16),)
+  assert asked == [__file__] * 3
