@@ -37,12 +37,12 @@ from jax.sharding import PartitionSpec
 
 from autopar import jax_compat as jc
 from autopar.errors import InputError
+from autopar.frontend.trace import HINT_PRIMITIVES
 from autopar.frontend.rows import ROWS_NAME, RowDim
 
 __all__ = ["Hint", "HINT_PRIMITIVES", "find_hints", "model_axes", "check_hints",
            "in_stage", "hint_rule", "check_pins", "entry_axes", "spec_of"]
 
-HINT_PRIMITIVES = ("sharding_constraint", "reshard")
 
 
 def entry_axes(entry) -> tuple[str, ...]:

@@ -257,15 +257,14 @@ def without_meshes(closed: ClosedJaxpr, *, in_context: bool = False) -> ClosedJa
   this runs on every trace of a large step).
   """
   j = closed.jaxpr
-  if not (in_context or any(_mesh_of(v.aval) is not None for v in (*j.constvars, *j.invars))
-          or has_hints(j)):
-    return closed
-  return ClosedJaxpr(_MeshStripper().jaxpr(j), closed.consts)
+  new = _MeshStripper().jaxpr(j) if in_context else _meshless_jaxpr(j)
+  return closed if new is j else ClosedJaxpr(new, closed.consts)
 
 
 def _meshless_jaxpr(jaxpr: Jaxpr) -> Jaxpr:
-  """``jaxpr`` with no mesh in its types but the user's hints (a custom_jvp
-  rule traced from types a mesh context gave: :func:`without_meshes`)."""
+  """``jaxpr`` with no mesh in its types but the user's hints (also a
+  custom_jvp rule traced from types a mesh context gave); itself where its
+  inputs carry no mesh and it holds no hint."""
   if not (any(_mesh_of(v.aval) is not None for v in (*jaxpr.constvars, *jaxpr.invars))
           or has_hints(jaxpr)):
     return jaxpr

@@ -47,12 +47,13 @@ from jax.extend.core import Primitive
 
 from autopar import jax_compat as jc
 from autopar.jax_compat import hlo, ir, mlir
+from autopar.frontend.trace import DRAW_PRIMITIVES
 from autopar.frontend.rows import RowDim
 
 __all__ = ["RowDraw", "DRAW_PRIMITIVES", "find_draws", "cannot_cut", "draw"]
 
-# Primitives whose `shape` param says how many values they draw.
-DRAW_PRIMITIVES = ("random_bits", "random_split")
+# (DRAW_PRIMITIVES, named in trace.py: the primitives whose `shape` param
+# says how many values they draw.)
 
 
 @dataclasses.dataclass(frozen=True)

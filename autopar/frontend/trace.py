@@ -43,7 +43,7 @@ from autopar.frontend.retype import Instantiator, jaxprs_in, primitive_names, wi
 __all__ = ["ArgFlags", "LeafInfo", "TracedStep", "classify_args", "batch_candidates",
            "state_args",
            "abstract_leaves", "trace_step", "check_batch_leaves", "eqns_by_path", "ROWS_NAME",
-           "region_jaxprs"]
+           "region_jaxprs", "DRAW_PRIMITIVES", "HINT_PRIMITIVES"]
 
 
 # -- argument classification --------------------------------------------------
@@ -700,9 +700,13 @@ def inline_calls(closed: ClosedJaxpr, *, fn_name: str) -> ClosedJaxpr:
 _VJP_CALLS = tuple(c for c in INLINED_CALLS if c != "custom_jvp_call")
 
 
-# rng.DRAW_PRIMITIVES and hints.HINT_PRIMITIVES (both modules import this one).
-_DRAWS = frozenset({"random_bits", "random_split"})
-_DRAWS_AND_HINTS = _DRAWS | {"sharding_constraint", "reshard"}
+# The primitives that draw random numbers, their `shape` param saying how many
+# (rng.py), and the user's sharding hints (hints.py): named here, which both
+# modules import (through rows.py).
+DRAW_PRIMITIVES = ("random_bits", "random_split")
+HINT_PRIMITIVES = ("sharding_constraint", "reshard")
+_DRAWS = frozenset(DRAW_PRIMITIVES)
+_DRAWS_AND_HINTS = frozenset(DRAW_PRIMITIVES + HINT_PRIMITIVES)
 
 
 def _bodies_hold(jaxpr, names, calls=("custom_jvp_call",)) -> bool:
