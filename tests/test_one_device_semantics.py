@@ -495,3 +495,33 @@ def test_a_bare_spec_hint_through_a_libraries_shim(monkeypatch):
   p = autopar.parallelize(step, method=autopar.DataParallel(
       mesh=mesh_of((2, 4)), num_micro_batches=2), donate_argnums=())
   assert_trees_close(p(w, x), ref)
+
+
+def test_repeated_layers_differentiated_once_give_each_layer_its_own():
+  """The loss function's repeated layers are differentiated once and the
+  derivative bound per layer (``remat.called_eval``): each layer keeps its
+  own weights, its own literal (the index it folds into its dropout key),
+  its own draws over the rows, and the integer values it hands on."""
+  layers = 4
+
+  def step(params, batch, key):
+    def loss_fn(params):
+      h, steps = batch["x"], jnp.zeros(batch["x"].shape[:1], jnp.int32)
+      for i, w in enumerate(params["layers"]):
+        keep = jax.random.bernoulli(jax.random.fold_in(key, i), 0.8, h.shape)
+        h = jnp.where(keep, jax.nn.relu(h @ w) / 0.8, 0.0) + h * (steps[:, None] + 1)
+        steps = steps + (h[:, 0] > 0)
+      return jnp.mean((h @ params["out"] - batch["y"]) ** 2) + jnp.mean(steps)
+    loss, g = autopar.value_and_grad(loss_fn)(params)
+    return jax.tree.map(lambda p, d: p - 0.01 * d, params, g), loss
+
+  rng = np.random.RandomState(0)
+  params = {"layers": [jnp.asarray(rng.randn(8, 8).astype(np.float32) * 0.3)
+                       for _ in range(layers)],
+            "out": jnp.asarray(rng.randn(8, 2).astype(np.float32))}
+  batch = {"x": rng.randn(16, 8).astype(np.float32), "y": rng.randn(16, 2).astype(np.float32)}
+  key = jax.random.key(1)
+  ref = single_device(step)(params, batch, key)
+  for method in (autopar.DataParallel(mesh=mesh_of((8,)), num_micro_batches=2),
+                 autopar.ShardParallel(mesh=mesh_of((2, 4)), num_micro_batches=2)):
+    assert_trees_close(autopar.parallelize(step, method=method)(params, batch, key), ref)

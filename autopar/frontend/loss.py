@@ -84,7 +84,7 @@ from autopar.jax_compat import mlir
 from autopar.frontend.combine import reduction_of
 from autopar.errors import InputError, MarkerError
 from autopar.frontend.capture import backward_p, forward_p
-from autopar.frontend.remat import rolled_eval
+from autopar.frontend.remat import called_eval, rolled_eval
 from autopar.frontend.retype import jaxprs_in
 from autopar.frontend.rows import RowOracle, depends, row_mixing, where
 
@@ -442,7 +442,7 @@ def _sds(aval) -> jax.ShapeDtypeStruct:
 def _evaluate(fn: Jaxpr, consts, args, remat, remat_loop: str, name: str,
               without: Jaxpr) -> list:
   if remat is None or remat == "none":
-    return jc.eval_jaxpr(fn, consts, *args)
+    return called_eval(fn, consts, args)
   return rolled_eval(fn, consts, args, remat, name, without=without, loop=remat_loop)
 
 

@@ -88,7 +88,8 @@ from autopar import jax_compat as jc
 from autopar.errors import InputError, PlanError
 from autopar.frontend.pytrees import leaf_mask
 
-__all__ = ["remat_mode", "check_remat", "maybe_roll", "rolled_eval", "find_layers", "Stack",
+__all__ = ["remat_mode", "check_remat", "maybe_roll", "rolled_eval", "called_eval",
+           "find_layers", "Stack",
            "NoLayersWarning", "layer_loop", "CUSTOM_DERIVATIVES", "derivative_key"]
 
 _MODE: contextvars.ContextVar = contextvars.ContextVar("autopar_remat",
@@ -256,7 +257,7 @@ def _eval(jaxpr: Jaxpr, consts, args, stacks: list[Stack], policy, loop: str) ->
       vals = [env[v] if not isinstance(v, Literal) else
               literals[id(v)] if literals and id(v) in literals else v.val
               for v in eqn.invars]
-      if literals is None and _is_layer_scan(eqn):
+      if literals is None and policy is not None and _is_layer_scan(eqn):
         ans = _checkpointed_scan(eqn, vals, policy)
       else:
         params = eqn.primitive.get_bind_params(eqn.params)
@@ -271,7 +272,9 @@ def _eval(jaxpr: Jaxpr, consts, args, stacks: list[Stack], policy, loop: str) ->
   pos = 0
   for s in stacks:
     run(jaxpr.eqns[pos:s.start], env)
-    if loop == "unrolled":
+    if policy is None:
+      _run_stack_called(jaxpr, s, env, run)
+    elif loop == "unrolled":
       _run_stack_unrolled(jaxpr, s, env, run, policy)
     else:
       _run_stack_selected(jaxpr, s, env, run, policy)
@@ -510,6 +513,34 @@ def _run_stack_unrolled(jaxpr: Jaxpr, s: Stack, env: dict, run, policy) -> None:
     inputs = [_outer_value(env, per_layer[k]) for per_layer in s.stacked]
     carry = _recomputed_layer(layer, policy)(carry, inputs, inv)
   _set_outputs(jaxpr, s, env, carry)
+
+
+def _run_stack_called(jaxpr: Jaxpr, s: Stack, env: dict, run) -> None:
+  """The stack one layer after another, each layer a call of one jitted
+  function: differentiating the stack then differentiates one layer's
+  equations, once (JAX keeps the derivative of a call's jaxpr), and binds
+  the result per layer. (:func:`called_eval`.)"""
+  body_eqns = jaxpr.eqns[s.start:s.start + s.length]
+  invariant = _invariants(s, body_eqns)
+  inv = [env[v] for v in invariant]
+
+  @jax.jit
+  def layer(carry, inputs, inv):
+    return _run_layer(s, body_eqns, run, dict(zip(invariant, inv, strict=True)),
+                      carry, inputs)
+  carry = _initial_carries(s, body_eqns, env)
+  for k in range(s.count):
+    carry = layer(carry, [_outer_value(env, per_layer[k]) for per_layer in s.stacked], inv)
+  _set_outputs(jaxpr, s, env, carry)
+
+
+def called_eval(jaxpr: Jaxpr, consts, args) -> list:
+  """``jaxpr`` evaluated on ``args`` with each of its repeated layers a call
+  of one jitted function (``jit`` equations, which the caller inlines once
+  it has differentiated them): a program of many equal layers, such as a
+  transformer written as a Python loop, is differentiated in the time of
+  one layer and the rest of the program. The values are ``eval_jaxpr``'s."""
+  return _eval(jaxpr, consts, args, find_layers(jaxpr), None, "called")
 
 
 def _recomputed_layer(layer: Callable, policy) -> Callable:

@@ -811,10 +811,17 @@ def _inline(top: Jaxpr, top_consts: list, fn_name: str,
   constvars, consts = list(top.constvars), list(top_consts)
   eqns: list = []
 
-  def inline(jaxpr, env: dict, fresh: bool):
+  def inline(jaxpr, env: dict, fresh: bool, names=None):
+    # ``names``: the name stack of the calls ``jaxpr`` is inlined from, which
+    # its equations' names continue (as lowering the call would name them:
+    # ``transpose(jvp(...))`` marks a backward pass's operations in XLA's
+    # op names, hlo.entry_schedule).
     def read(a):
       return a if isinstance(a, Literal) else env.get(a, a)
     for eqn in jaxpr.eqns:
+      if names is not None:
+        eqn = eqn.replace(source_info=eqn.source_info.replace(
+            name_stack=names + eqn.source_info.name_stack))
       invars = [read(a) for a in eqn.invars]
       name = eqn.primitive.name
       if name not in inlinable:
@@ -850,7 +857,7 @@ def _inline(top: Jaxpr, top_consts: list, fn_name: str,
       ins = eqn.params.get("in_shardings") or (None,) * len(invars)
       invars = [_hint(eqns, x, s, eqn) for x, s in zip(invars, ins, strict=True)]
       inner.update(zip(sub_jaxpr.invars, invars, strict=True))
-      inline(sub_jaxpr, inner, True)
+      inline(sub_jaxpr, inner, True, eqn.source_info.name_stack)
       outs = eqn.params.get("out_shardings") or (None,) * len(eqn.outvars)
       for v, r, s in zip(eqn.outvars, sub_jaxpr.outvars, outs, strict=True):
         if not isinstance(v, DropVar):
