@@ -75,6 +75,7 @@ import collections
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -273,9 +274,13 @@ def _eval(jaxpr: Jaxpr, consts, args, stacks: list[Stack], policy, loop: str) ->
   for s in stacks:
     run(jaxpr.eqns[pos:s.start], env)
     if policy is None:
-      _run_stack_called(jaxpr, s, env, run)
+      # One jitted function for every layer: differentiating the stack then
+      # differentiates one layer's equations, once (JAX keeps the
+      # derivative of a call's jaxpr), and binds the result per layer.
+      _run_stack_unrolled(jaxpr, s, env, run, functools.cache(jax.jit))
     elif loop == "unrolled":
-      _run_stack_unrolled(jaxpr, s, env, run, policy)
+      _run_stack_unrolled(jaxpr, s, env, run,
+                          lambda layer: _recomputed_layer(layer, policy))
     else:
       _run_stack_selected(jaxpr, s, env, run, policy)
     pos = s.end
@@ -496,11 +501,14 @@ def _invariants(s: Stack, body_eqns) -> list:
       if not isinstance(v, Literal) and v not in made and id(v) not in bound))
 
 
-def _run_stack_unrolled(jaxpr: Jaxpr, s: Stack, env: dict, run, policy) -> None:
-  """The stack one layer after another, each layer a call whose backward
-  pass recomputes it (:func:`_recomputed_layer`): no loop, so each layer
-  reads its own weights where they are, with neither a conditional to pick
-  them nor a stacked copy of them. XLA compiles every layer."""
+def _run_stack_unrolled(jaxpr: Jaxpr, s: Stack, env: dict, run, wrap: Callable) -> None:
+  """The stack one layer after another, each layer run as ``wrap(layer)``
+  (``layer``: carries, per-layer inputs, invariants -> carries): no loop, so
+  each layer reads its own weights where they are, with neither a
+  conditional to pick them nor a stacked copy of them. XLA compiles every
+  layer. Under remat, ``wrap`` makes a call whose backward pass recomputes
+  the layer (:func:`_recomputed_layer`); in :func:`called_eval` it is the
+  one jitted function of the stack."""
   body_eqns = jaxpr.eqns[s.start:s.start + s.length]
   invariant = _invariants(s, body_eqns)
   inv = [env[v] for v in invariant]
@@ -511,26 +519,7 @@ def _run_stack_unrolled(jaxpr: Jaxpr, s: Stack, env: dict, run, policy) -> None:
   carry = _initial_carries(s, body_eqns, env)
   for k in range(s.count):
     inputs = [_outer_value(env, per_layer[k]) for per_layer in s.stacked]
-    carry = _recomputed_layer(layer, policy)(carry, inputs, inv)
-  _set_outputs(jaxpr, s, env, carry)
-
-
-def _run_stack_called(jaxpr: Jaxpr, s: Stack, env: dict, run) -> None:
-  """The stack one layer after another, each layer a call of one jitted
-  function: differentiating the stack then differentiates one layer's
-  equations, once (JAX keeps the derivative of a call's jaxpr), and binds
-  the result per layer. (:func:`called_eval`.)"""
-  body_eqns = jaxpr.eqns[s.start:s.start + s.length]
-  invariant = _invariants(s, body_eqns)
-  inv = [env[v] for v in invariant]
-
-  @jax.jit
-  def layer(carry, inputs, inv):
-    return _run_layer(s, body_eqns, run, dict(zip(invariant, inv, strict=True)),
-                      carry, inputs)
-  carry = _initial_carries(s, body_eqns, env)
-  for k in range(s.count):
-    carry = layer(carry, [_outer_value(env, per_layer[k]) for per_layer in s.stacked], inv)
+    carry = wrap(layer)(carry, inputs, inv)
   _set_outputs(jaxpr, s, env, carry)
 
 
