@@ -469,6 +469,7 @@ class Fusions:
     self.cpu = cpu
     self._sources: dict[Var, list[Var]] = {}
     self._kernel: dict[int, int | None] = {}
+    self._fused: dict[tuple[Var, int], bool] = {}    # (see fused_into)
     # In program order, so that each value's sources are found from its
     # operands' without a deep recursion.
     for i, eqn in enumerate(eqns):
@@ -547,7 +548,15 @@ class Fusions:
     return self._kernel[i]
 
   def fused_into(self, v: Var, i: int) -> bool:
-    """Whether reader ``i`` computes ``v`` itself."""
+    """Whether reader ``i`` computes ``v`` itself (asked for every operand of
+    every equation, several times each: kept once found)."""
+    key = (v, i)
+    got = self._fused.get(key)
+    if got is None:
+      got = self._fused[key] = self._fused_into(v, i)
+    return got
+
+  def _fused_into(self, v: Var, i: int) -> bool:
     p = self.producer.get(v)
     if p is None or v in self.outputs:
       return False

@@ -382,12 +382,20 @@ class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
     for part in traffic:
       for var, b in self._edge_traffic[part].items():
         add(traffic[part], var, b)
-    for node in self.nodes:
+    # Nodes of one class share their variables, choices and flops (equal
+    # keys): each class is charged once, at its nodes' summed multiplicity,
+    # and so is each kind of work on it.
+    weight: dict = {}
+    for idx, node in enumerate(self.nodes):
       if node.flops is not None and node.part is not None:
-        for var, f, st in zip(node.vars, node.flops, node.choices):
-          add(flops[node.part], var, node.mult * f)
-          # A collective reads its operand and writes its result.
-          add(traffic[node.part], var, node.mult * sum(2 * b for _, _, b in st.collectives))
+        key = (self.node_class[idx], node.part)
+        weight[key] = weight.get(key, 0.0) + node.mult
+    for (c, part), mult in weight.items():
+      node = self.nodes[self._class_rep[c]]
+      for var, f, st in zip(node.vars, node.flops, node.choices):
+        add(flops[part], var, mult * f)
+        # A collective reads its operand and writes its result.
+        add(traffic[part], var, mult * sum(2 * b for _, _, b in st.collectives))
     for g, idx in enumerate(self.grad_nodes):
       node = self.nodes[idx]
       if self.S:
@@ -396,20 +404,27 @@ class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
           add(traffic["compute"], var, 2 * local_bytes(aval, spec, self.sizes))
     elementwise = self.ctx.flop_seconds()
     sizes = self.sizes
-    local = {}
+    grouped: dict = {}
     for part, mult, (idx, pos), aval, kind in self.work:
-      node = self.nodes[idx]
-      for c, var in enumerate(node.vars):
-        spec = (node.choices[c].in_specs[pos] if kind == "read" else
-                node.specs[c][pos])
-        key = (tuple(aval.shape), aval.dtype, spec)
+      key = (part, self.node_class[idx], pos, tuple(aval.shape), aval.dtype, kind)
+      if key in grouped:
+        grouped[key][0] += mult
+      else:
+        grouped[key] = [mult, aval]
+    local = {}
+    for (part, c, pos, shape, dtype, kind), (mult, aval) in grouped.items():
+      node = self.nodes[self._class_rep[c]]
+      for ch, var in enumerate(node.vars):
+        spec = (node.choices[ch].in_specs[pos] if kind == "read" else
+                node.specs[ch][pos])
+        key = (shape, dtype, spec)
         b = local.get(key)
         if b is None:
           b = local[key] = local_bytes(aval, spec, sizes)
         if kind != "flops":
           add(traffic[part], var, mult * b)
         else:
-          add(flops[part], var, mult * elementwise * b / max(itemsize(aval.dtype), 1))
+          add(flops[part], var, mult * elementwise * b / max(itemsize(dtype), 1))
     spb = self.seconds_per_byte
     self._flop_terms = flops
     self._memory_terms = {p: {v: spb * b for v, b in t.items()} for p, t in traffic.items()}
@@ -435,15 +450,14 @@ class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
 
   def _roofline_values(self) -> dict[str, tuple[float, float]]:
     """Per stage, (flops seconds, memory seconds) at the current solution."""
-    return {p: (lp.value(lp.linear(self._flop_terms[p])) or 0.0,
-                lp.value(lp.linear(self._memory_terms[p])) or 0.0)
+    return {p: (lp.value_of(self._flop_terms[p]), lp.value_of(self._memory_terms[p]))
             for p in self._flop_terms}
 
   def true_objective(self) -> float:
     """Seconds per step at the current solution: the costs of the choices
     and edges, each stage's roofline ``max(F, B)`` and the gradient sync's
     latency."""
-    base = lp.value(lp.linear(self.objective)) or 0.0
+    base = lp.value_of(self.objective)
     return base + sum(max(f, b) for f, b in self._roofline_values().values()) + \
         self.sync_latency
 

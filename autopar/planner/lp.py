@@ -27,7 +27,7 @@ import pulp
 from autopar.errors import PlanError
 
 __all__ = ["PULP_MAJOR", "Status", "problem", "variable", "set_bounds", "linear", "solve",
-           "resolve", "solver", "value", "moved"]
+           "resolve", "solver", "value", "value_of", "moved"]
 
 PULP_MAJOR = int(pulp.__version__.split(".")[0])
 _OPTIMAL = 1        # LpStatusOptimal in PuLP 3, LpSolveStatus.Optimal in PuLP 4
@@ -125,6 +125,12 @@ def resolve(prob: pulp.LpProblem, model, bounds: Iterable) -> Status | None:
 def value(x) -> float | None:
   """The value of a variable or expression in the last solution."""
   return pulp.value(x)
+
+
+def value_of(terms: Mapping) -> float:
+  """``Σ coef · var`` over ``terms`` (var -> coef) at the last solution (a
+  variable without a value counts 0), without building the expression."""
+  return sum(a * (x.varValue or 0.0) for x, a in terms.items())
 
 
 def solver(*, gap: float, time_limit: float | None = None, relax: bool = False):

@@ -36,7 +36,7 @@ from autopar.planner.ilp import ShardingProblem
 from autopar.method import (ParallelMethod, ShardParallel, axis_names_of,
                             axis_sizes_of, check_axes, split_axes_of)
 from autopar.plan import Plan
-from autopar.frontend.pytrees import ends_with_key
+from autopar.frontend.pytrees import key_parts
 from autopar.frontend.split import (OutputKind, SizedOutputs, SplitStep, leaf_gather_sites,
                                     leaves_read_by_compute,
                                     outputs_at)
@@ -88,17 +88,27 @@ def grad_inputs(split: SplitStep) -> tuple[str, ...]:
   none is found), for a person reading the plan: the leaf whose path ends
   with the gradient's (``grad['params']['w']`` -> ``...['params']['w']``) at
   a key boundary, of its shape, preferring one the gradient computation
-  reads (the parameter, not its optimizer state)."""
+  reads (the parameter, not its optimizer state).
+
+  The leaves are indexed by every tail of their key paths, so each gradient
+  is one lookup (matching every gradient against every leaf is quadratic
+  in the depth: a million comparisons for a 48-layer GPT)."""
   leaves = split.traced.leaves
   read = leaves_read_by_compute(split)
+  names = split.grad_names
+  by_tail: dict[tuple, list[int]] = {}
+  for k, leaf in enumerate(leaves):
+    keys = key_parts(leaf.path)
+    for t in range(1, len(keys) + 1):
+      by_tail.setdefault((tuple(leaf.shape), keys[-t:]), []).append(k)
   out = []
-  for name, aval in zip(split.grad_names, split.grad_avals if split.has_marker else (),
-                        strict=True):
-    suffix = name[len("grad"):] if name.startswith("grad") else name
-    found = [k for k, l in enumerate(leaves)
-             if tuple(l.shape) == tuple(aval.shape) and (
-                 len(split.grad_names) == 1 or ends_with_key(l.path, suffix))]
-    found.sort(key=lambda k: k not in read)
+  for name, aval in zip(names, split.grad_avals if split.has_marker else (), strict=True):
+    if len(names) == 1:
+      found = [k for k, leaf in enumerate(leaves) if tuple(leaf.shape) == tuple(aval.shape)]
+    else:
+      keys = key_parts(name[len("grad"):] if name.startswith("grad") else name)
+      found = by_tail.get((tuple(aval.shape), keys), []) if keys else []
+    found = sorted(found, key=lambda k: k not in read)
     out.append(leaves[found[0]].path if found else "")
   return tuple(out)
 
