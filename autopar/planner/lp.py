@@ -130,7 +130,7 @@ def value(x) -> float | None:
 def value_of(terms: Mapping) -> float:
   """``Σ coef · var`` over ``terms`` (var -> coef) at the last solution (a
   variable without a value counts 0), without building the expression."""
-  return sum(a * (x.varValue or 0.0) for x, a in terms.items())
+  return sum((a * (x.varValue or 0.0) for x, a in terms.items()), 0.0)
 
 
 def solver(*, gap: float, time_limit: float | None = None, relax: bool = False):
