@@ -44,7 +44,6 @@ __all__ = ["Hint", "HINT_PRIMITIVES", "find_hints", "model_axes", "check_hints",
            "in_stage", "hint_rule", "check_pins", "entry_axes", "spec_of"]
 
 
-
 def entry_axes(entry) -> tuple[str, ...]:
   """The mesh axes of one PartitionSpec entry (none for None/UNCONSTRAINED)."""
   if entry is None or entry is PartitionSpec.UNCONSTRAINED:

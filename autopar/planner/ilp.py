@@ -362,6 +362,7 @@ class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
         if cost:
           self._cost(var, weight[c] * cost)
     self._class_rep = rep
+    self._class_weight = weight       # class -> its nodes' summed multiplicity
 
   def _rooflines(self):
     """Each stage's compute as the roofline of all its work: ``max(F, B)``
@@ -382,20 +383,18 @@ class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
     for part in traffic:
       for var, b in self._edge_traffic[part].items():
         add(traffic[part], var, b)
-    # Nodes of one class share their variables, choices and flops (equal
-    # keys): each class is charged once, at its nodes' summed multiplicity,
-    # and so is each kind of work on it.
-    weight: dict = {}
-    for idx, node in enumerate(self.nodes):
-      if node.flops is not None and node.part is not None:
-        key = (self.node_class[idx], node.part)
-        weight[key] = weight.get(key, 0.0) + node.mult
-    for (c, part), mult in weight.items():
-      node = self.nodes[self._class_rep[c]]
+    # Nodes of one class share their variables, choices, flops and part
+    # (equal keys): each class is charged once, at its nodes' summed
+    # multiplicity (:meth:`_variables`), and so is each kind of work on it.
+    for c, idx in self._class_rep.items():
+      node = self.nodes[idx]
+      if node.flops is None or node.part is None:
+        continue
+      mult = self._class_weight[c]
       for var, f, st in zip(node.vars, node.flops, node.choices):
-        add(flops[part], var, mult * f)
+        add(flops[node.part], var, mult * f)
         # A collective reads its operand and writes its result.
-        add(traffic[part], var, mult * sum(2 * b for _, _, b in st.collectives))
+        add(traffic[node.part], var, mult * sum(2 * b for _, _, b in st.collectives))
     for g, idx in enumerate(self.grad_nodes):
       node = self.nodes[idx]
       if self.S:
