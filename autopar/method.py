@@ -31,7 +31,18 @@ from autopar.frontend.remat import check_remat, check_remat_loop
 __all__ = ["AutoShardingOption", "ParallelMethod", "ShardParallel",
            "DataParallel", "Zero2Parallel", "Zero3Parallel", "PipeshardParallel",
            "resolve_mesh",
-           "axis_names_of", "axis_sizes_of", "split_axes_of"]
+           "axis_names_of", "axis_sizes_of", "split_axes_of", "GRAD_SYNCS", "grad_sync_for"]
+
+
+# ParallelMethod.grad_sync's values (None: the platform's, ``grad_sync_for``).
+GRAD_SYNCS = (None, "last", "apart")
+
+
+def grad_sync_for(platform: str) -> str:
+  """The default ``grad_sync`` on ``platform``: ``"apart"`` on CPU, whose
+  collectives run synchronously (nothing to overlap them with), so one
+  gradient module is compiled; ``"last"`` elsewhere."""
+  return "apart" if platform == "cpu" else "last"
 
 
 def _as_items(mapping: Mapping[str, float] | None, what: str, key: str = "mesh axis name"
@@ -288,6 +299,19 @@ class ParallelMethod:
       separate stages (``compute_grad_sync``, ``apply_grad``) to inspect one
       by one. With more micro-batches the stages are separate; True is then
       an error.
+    grad_sync: where, with several micro-batches, the partial sums of the
+      gradients are summed over the batch axes. ``"last"``: in the last
+      micro-batch's gradient stage (``accumulate_grad_sync``), where XLA
+      can overlap the all-reduce with that micro-batch's backward pass;
+      two gradient modules are compiled (``accumulate_grad``, and the
+      last). ``"apart"``: in a small stage of its own after the last
+      micro-batch (``sync_grad``), so that one gradient module is compiled
+      (about half the first step's compile time) and no reduction overlaps
+      the backward pass. None (default): ``"apart"`` on CPU (whose
+      collectives do not overlap computation), ``"last"`` on GPU and TPU.
+      With one micro-batch the gradient stage syncs (``compute_grad_sync``)
+      either way. A pipeline's stages (``PipeshardParallel`` with several)
+      sync their own way and do not read it.
   """
   mesh: Mesh | AbstractMesh | None = None
   num_micro_batches: int | None = None
@@ -296,6 +320,7 @@ class ParallelMethod:
   grad_accumulation_dtype: str | None = dataclasses.field(default="float32",
                                                           kw_only=True)
   one_executable: bool | None = dataclasses.field(default=None, kw_only=True)
+  grad_sync: str | None = dataclasses.field(default=None, kw_only=True)
   # Alpa's name for the mesh: a Mesh, or a sequence of devices (a 1-D
   # "data" mesh over them). Not a field: it sets `mesh`.
   devices: dataclasses.InitVar[Any] = dataclasses.field(default=None, kw_only=True)
@@ -312,6 +337,9 @@ class ParallelMethod:
       raise InputError(f"{type(self).__name__}: grad_accumulation_dtype="
                        f"{self.grad_accumulation_dtype!r}; expected 'float32' or None "
                        f"(sum each gradient in its own dtype).")
+    if self.grad_sync not in GRAD_SYNCS:
+      raise InputError(f"{type(self).__name__}: grad_sync={self.grad_sync!r}; expected "
+                       f"None (the platform's), 'last' or 'apart'.")
     n = self.num_micro_batches
     if n is not None and (not isinstance(n, (int, np.integer)) or isinstance(n, bool)
                           or n < 1):

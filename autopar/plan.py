@@ -25,7 +25,9 @@ from autopar.text import axes_str, format_bytes, format_rows, spec_str
 
 __all__ = ["Plan", "ValuePlan", "CollectivePlan", "SolverStats", "StagePlan",
            "spec_to_json", "spec_from_json", "spec_str", "format_bytes", "PlanReader",
-           "use_reader", "plan_constraints", "grad_stage_names", "SavedILPs"]
+           "use_reader", "plan_constraints", "grad_stage_names", "grad_stage_label",
+           "sync_stage_name",
+           "ZERO_STAGE", "SYNC_STAGE", "SavedILPs"]
 
 
 class PlanReader(Protocol):
@@ -285,6 +287,9 @@ class Plan:
     stages: for a pipeline (``PipeshardParallel``), its stages, each with
       its own submesh and plan; empty otherwise.
     schedule: the pipeline's schedule ("1f1b", "gpipe"), or None.
+    grad_sync: where the gradients are summed over the batch axes with
+      several micro-batches: ``"last"`` (in the last micro-batch's stage) or
+      ``"apart"`` (a stage of its own; ``ParallelMethod.grad_sync``).
     costs: the costs the plan assumed: ``seconds_per_flop``, and per mesh
       axis ``alpha`` (s per collective step) and ``beta`` (s per byte).
     grad_inputs: per gradient, the path of the input it is the gradient of
@@ -311,6 +316,7 @@ class Plan:
   fingerprint: tuple[tuple[str, str], ...] = ()
   stages: tuple[StagePlan, ...] = ()
   schedule: str | None = None
+  grad_sync: str = "last"
   costs: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
   grad_inputs: tuple[str, ...] = dataclasses.field(default=(), compare=False)
   predicted_time: Mapping[str, Any] = dataclasses.field(default_factory=dict,
@@ -427,6 +433,8 @@ class Plan:
     if self.stages:
       d["stages"] = [st.to_json() for st in self.stages]
       d["schedule"] = self.schedule
+    if self.grad_sync != "last":
+      d["grad_sync"] = self.grad_sync
     if self.costs:
       d["costs"] = dict(self.costs)
     if self.grad_inputs:
@@ -489,7 +497,8 @@ class Plan:
         solver=None if d["solver"] is None else SolverStats.from_json(d["solver"]),
         fingerprint=tuple(d["fingerprint"].items()),
         stages=tuple(StagePlan.from_json(st) for st in d.get("stages", ())),
-        schedule=d.get("schedule"), costs=dict(d.get("costs") or {}),
+        schedule=d.get("schedule"), grad_sync=d.get("grad_sync", "last"),
+        costs=dict(d.get("costs") or {}),
         grad_inputs=tuple(d.get("grad_inputs") or ()),
         predicted_time={k: dict(v) for k, v in (d.get("predicted_time") or {}).items()},
         replan=SavedILPs(d["ilp"], {k: spec_from_json(v) for k, v in
@@ -631,18 +640,41 @@ def _table(title: str, values: Sequence[ValuePlan], sizes, stage_of=None) -> lis
   return out
 
 
-def grad_stage_names(n: int) -> list[str]:
-  """Stage run for each of ``n`` micro-batches.
+# The stage that starts a step's partial sums of the gradients at zero (with
+# several micro-batches), and the one that sums them over the batch axes
+# after the last micro-batch (``Plan.grad_sync == "apart"``).
+ZERO_STAGE = "zero_grad"
+SYNC_STAGE = "sync_grad"
 
-  ``compute_grad`` starts fresh partial sums, ``accumulate_grad`` adds to
-  them, and the ``_sync`` variant (last micro-batch only) reduces them across
-  the batch axes.
+
+def grad_stage_names(n: int, grad_sync: str = "last") -> list[str]:
+  """The gradient stage run for each of ``n`` micro-batches.
+
+  With one micro-batch, ``compute_grad_sync`` computes the gradient and sums
+  it over the batch axes. With more, ``accumulate_grad`` adds each
+  micro-batch's gradient to partial sums (``ZERO_STAGE`` starts them at
+  zero), and the last micro-batch's stage, ``accumulate_grad_sync``, also
+  sums them over the batch axes; with ``grad_sync="apart"`` the last is an
+  ``accumulate_grad`` too, and ``SYNC_STAGE`` sums them after it.
   """
-  names = []
-  for i in range(n):
-    name = "compute_grad" if i == 0 else "accumulate_grad"
-    names.append(name + ("_sync" if i == n - 1 else ""))
-  return names
+  if n == 1:
+    return ["compute_grad_sync"]
+  last = "accumulate_grad" if grad_sync == "apart" else "accumulate_grad_sync"
+  return ["accumulate_grad"] * (n - 1) + [last]
+
+
+def grad_stage_label(n: int) -> str:
+  """How a plan names the stage a gradient stage's own collectives run in:
+  every micro-batch's (each ``accumulate_grad``, or the one
+  ``compute_grad_sync``)."""
+  return "accumulate_grad (each micro-batch)" if n > 1 else grad_stage_names(1)[0]
+
+
+def sync_stage_name(n: int, grad_sync: str = "last") -> str:
+  """The stage that sums the gradients over the batch axes."""
+  if n > 1 and grad_sync == "apart":
+    return SYNC_STAGE
+  return grad_stage_names(n, grad_sync)[-1]
 
 
 def plan_constraints(plan: Plan, part: str) -> dict[str, dict]:

@@ -37,7 +37,7 @@ from autopar.frontend.split import (MIXED, OutputKind, SplitStep, apply_at, disa
 from autopar.frontend.trace import check_batch_leaves, trace_step, trace_step_any_batch
 from autopar.method import (ParallelMethod, PipeshardParallel, ShardParallel,
                             Zero2Parallel, Zero3Parallel, auto_mesh, axis_sizes_of,
-                            resolve_mesh)
+                            grad_sync_for, resolve_mesh)
 from autopar.plan import Plan, ValuePlan
 from autopar.planner import cache as plan_cache
 from autopar.planner import pipeline as pipeline_compile
@@ -106,10 +106,13 @@ class Signature:
     hand, rates of the float dtype holding most of these arguments' bytes;
     under remat, the loop its layers run in on the platform it compiles for
     (``remat.layer_loop``: in the plan's fingerprint, and what a Ray
-    cluster's workers are sent)."""
+    cluster's workers are sent); where the gradients are synced, the
+    platform's (``method.grad_sync_for``), likewise."""
     if method.remat != "none" and method.remat_loop is None:
       method = dataclasses.replace(method, remat_loop=layer_loop(
           None, _platform(method), gathers=isinstance(method, Zero3Parallel)))
+    if method.grad_sync is None:
+      method = dataclasses.replace(method, grad_sync=grad_sync_for(_platform(method)))
     option = getattr(method, "option", None)
     if option is None:
       return method
@@ -183,7 +186,8 @@ class Signature:
     for preset in (Zero2Parallel, Zero3Parallel):
       other = preset(mesh=method.mesh, num_micro_batches=method.num_micro_batches,
                      remat=method.remat, remat_loop=method.remat_loop,
-                     grad_accumulation_dtype=method.grad_accumulation_dtype)
+                     grad_accumulation_dtype=method.grad_accumulation_dtype,
+                     grad_sync=method.grad_sync)
       if micro % math.prod(sizes[a] for a in batch_axes_for(other, mesh, split.hints)):
         return plan                    # a batch ZeRO cannot split
       try:
@@ -251,7 +255,8 @@ class Signature:
           mesh=method.mesh, num_micro_batches=method.num_micro_batches,
           remat=method.remat, remat_loop=method.remat_loop,
           grad_accumulation_dtype=method.grad_accumulation_dtype,
-          one_executable=method.one_executable, option=method.option,
+          one_executable=method.one_executable, grad_sync=method.grad_sync,
+          option=method.option,
           plan=method.plan if method.plan is not None and not method.plan.stages
           else None))
     return self._delegate
@@ -689,7 +694,7 @@ class Signature:
                    remat=method.remat if remat is None else remat,
                    remat_loop=None if preset is Zero3Parallel else method.remat_loop,
                    grad_accumulation_dtype=method.grad_accumulation_dtype,
-                   one_executable=method.one_executable)
+                   one_executable=method.one_executable, grad_sync=method.grad_sync)
             for preset in (Zero3Parallel, Zero2Parallel)]
 
 

@@ -2,7 +2,7 @@
 
 Takes: the split step (``autopar.frontend``) and its
 :class:`~autopar.plan.Plan`. Gives: the compiled stages
-(``compute_grad``/``accumulate_grad``, ``apply_grad``) in a partially
+(``accumulate_grad`` and the stages around it, ``apply_grad``) in a partially
 manual ``shard_map`` with donated buffers (``lower.py``), the gradient path
 they share with the pipeline's stages (``gradients.py``: seeding the loss,
 accumulating over micro-batches, reducing over devices, combining

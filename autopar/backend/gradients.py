@@ -31,6 +31,7 @@ import math
 from typing import Any, Callable, Sequence
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
@@ -38,7 +39,7 @@ from autopar import jax_compat as jc
 from autopar.frontend.loss import SHARE, loss_cotangent_p
 
 __all__ = ["entry_axes", "make_entry", "restrict", "manual_spec", "auto_spec",
-           "stacked_spec", "gather_manual", "reduce_manual", "COMBINE", "across",
+           "stacked_spec", "gather_manual", "reduce_manual", "COMBINE", "identity", "across",
            "combine_groups", "seed_loss", "loss_marker", "add_partial", "sums_pass",
            "micro_batch_inputs", "manual_gathers",
            "num_groups"]
@@ -136,6 +137,22 @@ def add_partial(total, g, dtype):
 
 # How values are combined over micro-batches (elementwise).
 COMBINE = {"sum": jnp.add, "mean": jnp.add, "max": jnp.maximum, "min": jnp.minimum}
+
+
+def identity(op: str, dtype):
+  """The value that combining by ``op`` leaves any ``dtype`` value unchanged
+  (0 for a sum; for a max the dtype's least: -inf, its integer minimum, or
+  False), what a step's combinations start from before its first
+  micro-batch."""
+  if op in ("sum", "mean"):
+    return np.zeros((), dtype)
+  dtype = np.dtype(dtype)
+  if dtype == np.bool_:
+    return np.bool_(op == "min")
+  if jnp.issubdtype(dtype, jnp.inexact):
+    return np.array(-np.inf if op == "max" else np.inf, dtype)
+  info = jnp.iinfo(dtype)
+  return np.array(info.min if op == "max" else info.max, dtype)
 
 
 def across(x, op: str, manual: Sequence[str], groups: int):

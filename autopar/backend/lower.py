@@ -13,10 +13,15 @@ own partial sum, and no gradient bytes cross devices. The partial sums are
 stored with a leading stacked axis, one slot per device along the batch axes
 (global shape ``[D, *grad.shape]``, spec ``P(batch_axes, ...)``), which keeps
 them ordinary, honestly typed arrays that can be donated from one micro-batch
-to the next and updated in place. Only the last micro-batch's stage
-(``*_sync``) reduces them: ``psum`` (all-reduce) for replicated gradients,
-``psum_scatter`` (reduce-scatter) for sharded ones. ``docs/design.md`` says
-why this was chosen over JAX's ``unreduced`` shardings.
+to the next and updated in place (``zero_grad`` makes them before the first
+micro-batch). They are reduced once, after the last micro-batch's gradient:
+``psum`` (all-reduce) for replicated gradients, ``psum_scatter``
+(reduce-scatter) for sharded ones, either in that micro-batch's stage
+(``*_sync``, the plan's ``grad_sync="last"``: on GPUs XLA overlaps the
+reduction with its backward pass) or in a small ``sync_grad`` stage of its
+own (``"apart"``, CPUs' default: then one gradient module is compiled, not
+two). ``docs/design.md`` says why this was chosen over JAX's ``unreduced``
+shardings.
 
 Inside a gradient stage, device ``d`` along the batch axes holds rows
 ``[d*n*m, (d+1)*n*m)`` of the batch (``m`` = rows per device per micro-batch)
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import math
 import os
 import warnings
@@ -50,15 +56,15 @@ from autopar.disk import use_compilation_cache
 from autopar.frontend.evaluate import (DEBUG_CALLBACKS, Rules, check_pins, eqn_at, eval_jaxpr,
                                        eval_scan)
 from autopar.backend.lowering_errors import explained
-from autopar.backend.gradients import (COMBINE, add_partial, across, loss_marker, make_entry,
-                               manual_gathers, manual_spec, micro_batch_inputs,
-                               reduce_manual,
-                               seed_loss, stacked_spec, sums_pass)
+from autopar.backend.gradients import (COMBINE, add_partial, across, identity, loss_marker,
+                                       make_entry, manual_gathers, manual_spec,
+                                       micro_batch_inputs, reduce_manual, seed_loss,
+                                       stacked_spec, sums_pass)
 from autopar.frontend.gradstack import GradStack, find_grad_stacks, slots
 from autopar.frontend.hints import hint_rule
 from autopar.method import accumulation_dtype, auto_mesh
 from autopar.costs.strategies import batch_spec
-from autopar.plan import Plan, grad_stage_names, plan_constraints
+from autopar.plan import SYNC_STAGE, ZERO_STAGE, Plan, grad_stage_names, plan_constraints
 from autopar.frontend.trace import eqns_by_path
 from autopar.frontend.split import (BY_DEVICE, OutputKind, SplitStep, dce,
                                     leaves_read_by_compute)
@@ -98,10 +104,12 @@ class LoweredStep:
 
   * ``loss_sums(leaves) -> sums`` (only where the loss's cotangents read
     sums over the whole batch, a token count: the first pass)
-  * ``compute_grad(used, sums) -> acc``
+  * ``zero_grad() -> acc`` (several micro-batches: the partial sums at zero)
   * ``accumulate_grad(used, i, acc, sums) -> acc`` (acc donated)
-  * ``compute_grad_sync(used, sums) -> (grads, micro_outs)``
   * ``accumulate_grad_sync(used, i, acc, sums) -> (grads, micro_outs)``
+  * ``sync_grad(acc) -> (grads, micro_outs)`` (``grad_sync="apart"``: after
+    the last ``accumulate_grad``; acc donated)
+  * ``compute_grad_sync(used, sums) -> (grads, micro_outs)`` (one micro-batch)
   * ``apply_grad(donated, kept, grads) -> apply_outs`` (donated donated)
   * ``step(donated, kept, batch) -> outs`` (a step without a grad marker)
   * ``grad_and_apply(donated, kept, batch) -> (apply_outs, micro_outs)``
@@ -131,8 +139,17 @@ def _manual_axes(plan: Plan) -> tuple[str, ...]:
 
 def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
                 sync: bool, micro_rows: int, accumulate: str | None,
-                stacks: Sequence[GradStack] = (), scale=None):
+                stacks: Sequence[GradStack] = (), scale=None, role: str = "grad",
+                acc_avals=None):
   """A jitted gradient stage (see LoweredStep for its signature).
+
+  ``role``: ``"grad"``, a micro-batch's gradient (``first``: the only one,
+  with no partial sums to add to; ``sync``: summed over the batch axes at
+  the end); ``ZERO_STAGE``, the partial sums before the first micro-batch
+  (each combination's identity; ``acc_avals``: their global shapes, from
+  ``_acc_avals`` of the step at the whole micro-batch); ``SYNC_STAGE``, the
+  partial sums after
+  the last micro-batch summed over the batch axes (``grad_sync="apart"``).
 
   ``stacks``: the gradients that scans make stacked (``gradstack.py``),
   accumulated and reduced inside their scan; the partial sums (and the
@@ -287,13 +304,19 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
         acc_m.append(val)
     if not sync:
       return acc_g, acc_m
+    return synced(totals, acc_g[num_slots:], acc_m)
+
+  def synced(totals, acc_reduced, acc_m):
+    """The gradients and outputs from this device's partial sums (``totals``:
+    per slot, its sum and whether it is reduced already), summed over the
+    batch axes."""
     red_g = []
     for slot, spec, (t, is_reduced) in zip(grad_slots, slot_specs, totals, strict=True):
       g = slot.grads[0] if isinstance(slot, GradStack) else slot
       red_g.append(t if is_reduced else
                    reduce_manual(t, spec, manual).astype(grad_vars[g].aval.dtype))
     red_g += [across(a[0], op, manual, groups)
-              for a, op in zip(acc_g[num_slots:], reduced, strict=True)]
+              for a, op in zip(acc_reduced, reduced, strict=True)]
     red_m = [across(a[0], BY_DEVICE[kind], manual, groups) if kind in BY_DEVICE else a
              for kind, a in zip(kinds, acc_m, strict=True)]
     return red_g, red_m
@@ -362,6 +385,22 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
   else:
     out_shardings = acc_shardings
   sums_shardings = [ns(PartitionSpec())] * num_sums
+  if role == ZERO_STAGE:
+    ops = ["sum"] * num_slots + list(reduced) + [BY_DEVICE.get(k, "sum") for k in kinds]
+    avals = [*acc_avals[0], *acc_avals[1]]
+
+    def zero():
+      flat = [jnp.full(a.shape, identity(op, a.dtype), a.dtype)
+              for a, op in zip(avals, ops, strict=True)]
+      return flat[:len(acc_avals[0])], flat[len(acc_avals[0]):]
+    return _StageFn(zero, (), acc_shardings)
+  if role == SYNC_STAGE:
+    def fn(acc):
+      return manual_over_batch_axes(
+          lambda a: synced([(t[0], False) for t in a[0][:num_slots]], a[0][num_slots:],
+                           a[1]),
+          (acc_specs,))(acc)
+    return _StageFn(fn, (acc_shardings,), out_shardings, donate_argnums=(0,))
   if first:
     return _StageFn(fn, (leaf_shardings, sums_shardings), out_shardings)
   return _StageFn(fn, (leaf_shardings, ns(PartitionSpec()), acc_shardings, sums_shardings),
@@ -669,7 +708,7 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
       schedule = ("step",)
     else:
       rows = split_local.traced.micro_batch_size
-      names = grad_stage_names(n)
+      names = grad_stage_names(n, plan.grad_sync)
       stacks = find_grad_stacks(split_local.compute.jaxpr, split.num_grads,
                                 [g.spec for g in plan.grads], _manual_axes(plan))
       acc_avals = _acc_avals(split, plan, accumulate, stacks)
@@ -682,12 +721,11 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
                       for v in marker.invars[k:k + split_local.loss.num_sums]]
         sums = _sums_stage(split_local, plan, amesh, micro_rows=rows)
       used = grad_stage_leaves(split_local)
-      grad_fns = {}
-      for pos, name in enumerate(names):
-        if name not in grad_fns:
-          grad_fns[name] = _grad_stage(split_local, plan, amesh, out_mesh, first=pos == 0,
-                                       sync=pos == n - 1, micro_rows=rows,
-                                       accumulate=accumulate, stacks=stacks, scale=scale)
+      stage = functools.partial(_grad_stage, split_local, plan, amesh, out_mesh,
+                                micro_rows=rows, accumulate=accumulate, stacks=stacks,
+                                scale=scale)
+      grad_fns = {name: stage(first=n == 1, sync=name.endswith("_sync"))
+                  for name in dict.fromkeys(names)}
       apply = _apply_stage(split, plan, amesh, out_mesh, donated, kept, stacks)
       if one_executable and n == 1:
         (grad,) = grad_fns.values()
@@ -696,18 +734,29 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
         stages[ONE_STAGE] = fn.lower(of(donated), of(kept), of(batch))
         schedule = (ONE_STAGE,)
       else:
+        schedule = ()
         if sums is not None:
           stages[SUMS_STAGE] = sums.jit().lower(leaf_avals)
-        for pos, (name, grad) in enumerate(grad_fns.items()):
-          if pos == 0:
+          schedule += (SUMS_STAGE,)
+        if n > 1:
+          stages[ZERO_STAGE] = stage(first=False, sync=False, role=ZERO_STAGE,
+                                     acc_avals=acc_avals).jit().lower()
+          schedule += (ZERO_STAGE,)
+        for name, grad in grad_fns.items():
+          if n == 1:
             stages[name] = grad.jit().lower(of(used), sums_avals)
           else:
             stages[name] = grad.jit().lower(of(used), _abstract((), np.int32), acc_avals,
                                             sums_avals)
+        schedule += tuple(names)
+        if n > 1 and plan.grad_sync == "apart":
+          stages[SYNC_STAGE] = stage(first=False, sync=True, role=SYNC_STAGE).jit().lower(
+              acc_avals)
+          schedule += (SYNC_STAGE,)
         grad_avals = [_abstract(a.shape, a.dtype)
                       for a in (*_slot_avals(split, stacks), *split.reduced_avals)]
         stages["apply_grad"] = apply.jit().lower(of(donated), of(kept), grad_avals)
-        schedule = ((SUMS_STAGE,) if sums is not None else ()) + (*names, "apply_grad")
+        schedule += ("apply_grad",)
       replicated = NamedSharding(amesh, PartitionSpec())
       index = tuple(jax.device_put(np.int32(i), replicated) for i in range(n))
     stages = compile_all(stages, options)

@@ -33,7 +33,7 @@ from autopar.method import (AutoShardingOption, ParallelMethod, ShardParallel,
                             Zero2Parallel, Zero3Parallel, accumulation_dtype,
                             axis_names_of, axis_sizes_of)
 from autopar.plan import CollectivePlan, Plan, ValuePlan
-from autopar.plan import grad_stage_names
+from autopar.plan import grad_stage_label, sync_stage_name
 from autopar.costs.strategies import batch_spec
 from autopar.planner.shard import (batch_axes_for, candidate_batch_axes, donation_pairs,
                                    grad_inputs, keeps_batch_whole, price_layout,
@@ -132,8 +132,10 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
                                              strict=True))
 
   sites = leaf_gather_sites(split) if split.has_marker else {}
+  grad_sync = method.grad_sync or "last"
   collectives = _preset_collectives(split, inputs, grads, params, batch_axes,
-                                    sizes, n, zero, out_avals, sites)
+                                    sizes, n, sync_stage_name(n, grad_sync), zero,
+                                    out_avals, sites)
   if option is None:
     option = method.option if isinstance(method, ShardParallel) else preset_option(
         mesh, traced.leaves)
@@ -169,7 +171,7 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
               memory_per_device=memory,
               objective=float(objective), costs=assumed_costs(sizes, option),
               grad_inputs=grad_inputs(split), predicted_time=times,
-              in_tree=traced.inputs, mesh=mesh)
+              grad_sync=grad_sync, in_tree=traced.inputs, mesh=mesh)
 
 
 def preset_option(mesh, leaves) -> AutoShardingOption:
@@ -224,12 +226,11 @@ def _priced(local, method, mesh, batch_axes, in_specs, traced, zero, collectives
   return times
 
 
-def _preset_collectives(split, inputs, grads, params, batch_axes, sizes, n, zero,
+def _preset_collectives(split, inputs, grads, params, batch_axes, sizes, n, sync, zero,
                         out_avals, sites):
   if not split.has_marker or not batch_axes or \
       math.prod(sizes[a] for a in batch_axes) == 1:
     return []
-  sync = grad_stage_names(n)[-1]
   grad_bytes = sum(num_bytes(g.shape, g.dtype) for g in grads)
   out = [CollectivePlan(stage=sync,
                         kind="reduce-scatter" if zero else "all-reduce",
@@ -248,7 +249,7 @@ def _preset_collectives(split, inputs, grads, params, batch_axes, sizes, n, zero
   if zero == 3 and sharded_params:
     # (Gathered for each reader: ``evaluate.gather_sites``.)
     b = sum(inputs[k].bytes_per_device(sizes) * sites.get(k, 1) for k in sharded_params)
-    out.append(CollectivePlan(stage="compute_grad", kind="all-gather",
+    out.append(CollectivePlan(stage=grad_stage_label(n), kind="all-gather",
                               axes=batch_axes, bytes=b, per_step=n,
                               what="parameters for the forward/backward pass"))
   if zero == 2:

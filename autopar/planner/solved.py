@@ -50,8 +50,8 @@ from autopar.errors import PlanError
 from autopar.frontend.hints import entry_axes
 from autopar.planner.ilp import ShardingProblem
 from autopar.planner.ilp_saved import Aval, Reader, Writer
-from autopar.plan import (CollectivePlan, Plan, SolverStats, ValuePlan, grad_stage_names,
-                          spec_from_json, spec_to_json)
+from autopar.plan import (CollectivePlan, Plan, SolverStats, ValuePlan, grad_stage_label,
+                          spec_from_json, spec_to_json, sync_stage_name)
 from autopar.version import __version__
 
 __all__ = ["PlanTemplate", "Program", "SolvedProblem", "encode", "decode", "gc_paused",
@@ -163,6 +163,7 @@ class PlanTemplate:
       part's outputs, the dimension its rows are in, the donated leaf it
       replaces or None).
     programs: part -> its :class:`Program`.
+    grad_sync: ``Plan.grad_sync``.
   """
   method: str
   axis_names: tuple[str, ...]
@@ -178,6 +179,7 @@ class PlanTemplate:
   grads: tuple[tuple[str, Aval], ...]
   outputs: tuple[tuple[str, Aval, str, int, int | None, int | None], ...]
   programs: Mapping[str, Program]
+  grad_sync: str = "last"
 
   def plan(self, S: Sequence[str], sol, stats: Mapping[str, int],
            timings: Mapping[str, float], *, in_tree=None, mesh=None) -> Plan:
@@ -250,9 +252,7 @@ class PlanTemplate:
           sol.region_in_specs.get(part, {}))
 
     colls = {}
-    # The gradient stage's collectives run in every micro-batch's stage; with
-    # one micro-batch that is compute_grad_sync alone (grad_stage_names).
-    grad_stage = "accumulate_grad (each micro-batch)" if n > 1 else grad_stage_names(1)[0]
+    grad_stage = grad_stage_label(n)
     for part, kind, axes, b, mult in sol.collectives:
       stage = grad_stage if part == "compute_grad" else part
       key = (stage, kind, axes, mult)
@@ -265,7 +265,7 @@ class PlanTemplate:
       gb = sum(local_bytes(a, s, sizes) for (_, a), s in zip(self.grads, grad_specs))
       scattered = any(dim is not None for dim in grad_dims)
       collectives.append(CollectivePlan(
-          stage=grad_stage_names(n)[-1],
+          stage=sync_stage_name(n, self.grad_sync),
           kind="reduce-scatter" if scattered else "all-reduce", axes=S,
           bytes=int(gb), per_step=1, what="gradients"))
     solver = SolverStats(solver=sol.solver, status=sol.status, seconds=sol.seconds,
@@ -278,8 +278,8 @@ class PlanTemplate:
                 intermediates=tuple(inter), collectives=tuple(collectives),
                 memory_per_device=int(sol.memory), objective=sol.objective,
                 solver=solver, costs=dict(self.costs), grad_inputs=self.grad_inputs,
-                predicted_time=predicted_time(sol.stage_times), in_tree=in_tree,
-                mesh=mesh)
+                predicted_time=predicted_time(sol.stage_times), grad_sync=self.grad_sync,
+                in_tree=in_tree, mesh=mesh)
 
   def to_data(self, w: Writer) -> dict:
     return {
@@ -289,7 +289,7 @@ class PlanTemplate:
             "num_micro_batches": self.num_micro_batches,
             "prefer_reduce_scatter": self.prefer_reduce_scatter,
             "costs": dict(self.costs), "grad_inputs": list(self.grad_inputs),
-            "has_marker": self.has_marker,
+            "has_marker": self.has_marker, "grad_sync": self.grad_sync,
             "leaves": [[p, list(s), d, b] for p, s, d, b in self.leaves],
             "read": sorted(self.read),
             "pins": [[k, spec_to_json(s)] for k, s in self.pins.items()],
@@ -307,6 +307,7 @@ class PlanTemplate:
         num_micro_batches=h["num_micro_batches"],
         prefer_reduce_scatter=h["prefer_reduce_scatter"], costs=h["costs"],
         grad_inputs=tuple(h["grad_inputs"]), has_marker=h["has_marker"],
+        grad_sync=h.get("grad_sync", "last"),
         leaves=tuple((p, tuple(s), dt, b) for p, s, dt, b in h["leaves"]),
         read=frozenset(h["read"]),
         pins={k: spec_from_json(s) for k, s in h["pins"]},

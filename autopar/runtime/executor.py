@@ -3,14 +3,16 @@
 Part of the runtime (``runtime/``). For ``n`` micro-batches one call runs::
 
     sums = loss_sums(leaves)                      # only if the loss needs them
-    acc = compute_grad(used, sums)                # micro-batch 0 (used: the leaves it reads)
-    acc = accumulate_grad(used, i, acc, sums)     # micro-batches 1 .. n-2, in place
+    acc = zero_grad()                             # the partial sums at zero
+    acc = accumulate_grad(used, i, acc, sums)     # micro-batches 0 .. n-2, in place
     grads, outs = accumulate_grad_sync(used, n-1, acc, sums)     # reduce once
     new_state, ... = apply_grad(state, other, grads)       # state donated
 
-(``compute_grad_sync`` when ``n == 1``; there, unless
+(with the plan's ``grad_sync="apart"`` micro-batch ``n-1`` runs
+``accumulate_grad`` too, and ``grads, outs = sync_grad(acc)`` reduces;
+``compute_grad_sync(used, sums)`` alone when ``n == 1``; there, unless
 ``one_executable=False``, one ``grad_and_apply(donated, kept, batch)``
-doing all of it). ``loss_sums`` is the first pass
+doing all of it). ``used``: the leaves the gradient reads. ``loss_sums`` is the first pass
 over the batch for the sums the loss's gradient is scaled by, such as the
 token count of a mean over a padding mask (``loss.py``). Every check that can fail runs
 before the first stage, and the state is donated only to the last stage, so
@@ -27,7 +29,7 @@ import jax
 
 from autopar.errors import InputError
 from autopar.backend.lower import ONE_STAGE, SUMS_STAGE, LoweredStep
-from autopar.plan import Plan
+from autopar.plan import SYNC_STAGE, ZERO_STAGE, Plan
 from autopar.frontend.pytrees import partition
 from autopar.frontend.trace import split_updates
 from autopar.frontend.split import OutputKind, SplitStep
@@ -131,18 +133,22 @@ class Executable:
                               [leaves[k] for k in lw.batch])
     if not placed:
       leaves = self._place_batch(leaves)
-    schedule = lw.schedule
     sums = []
-    if schedule[0] == SUMS_STAGE:
-      sums = stages[SUMS_STAGE](leaves)
-      schedule = schedule[1:]
     acc = None
+    i = 0                                 # the micro-batch
     used = [leaves[k] for k in lw.grad_leaves]
-    for i, name in enumerate(schedule[:-1]):
-      if i == 0:
+    for name in lw.schedule[:-1]:
+      if name == SUMS_STAGE:
+        sums = stages[name](leaves)
+      elif name == ZERO_STAGE:
+        acc = stages[name]()
+      elif name == SYNC_STAGE:
+        acc = stages[name](acc)
+      elif acc is None:                   # compute_grad_sync: one micro-batch
         acc = stages[name](used, sums)
       else:
         acc = stages[name](used, lw.micro_batch_index[i], acc, sums)
+        i += 1
     grads, micro_outs = acc
     del acc
     donated = [leaves[k] for k in lw.donated]
