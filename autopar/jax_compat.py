@@ -40,6 +40,7 @@ import threading
 from typing import Callable, Optional, Sequence
 
 import jax
+from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import dispatch as _dispatch
 from jax._src import linear_util as _lu
@@ -95,7 +96,16 @@ __all__ = [
     "summarize_source", "current_name_stack", "user_context", "eqn_context_without_mesh",
     "evaluate_dim", "key_impl_of", "debug_info", "JAX_VERSION", "backends_are_initialized",
     "undecided_dim_equalities", "JAX_SOURCE_DIR", "mapped_jvp_rule",
+    "persistent_cache_keeps_all",
 ]
+
+
+def persistent_cache_keeps_all():
+  """A context in which (in this thread) JAX's persistent compilation cache
+  keeps every module compiled, however quick its compile: a step's small
+  stages too (by default JAX keeps those taking >= 1 s), so that a second
+  process reads every stage instead of compiling any."""
+  return _config.persistent_cache_min_compile_time_secs(0.0)
 
 
 def _takes_live_inputs(rule) -> bool:

@@ -41,7 +41,7 @@ from autopar.method import (ParallelMethod, PipeshardParallel, ShardParallel,
 from autopar.plan import Plan, ValuePlan
 from autopar.planner import cache as plan_cache
 from autopar.planner import pipeline as pipeline_compile
-from autopar.planner.preset import plan_preset
+from autopar.planner.preset import plan_preset, preset_option
 from autopar.planner.solved import gc_paused
 from autopar.planner.shard import Progress, batch_axes_for, keeps_batch_whole, plan_auto
 
@@ -321,10 +321,23 @@ class Signature:
         if key:
           plan_cache.store(key, plan)
     else:
-      plan = plan_preset(self.split(prep, micro), method, mesh, batch_size=batch_size,
-                         outputs=self.outputs(prep, split, batch_size),
-                         trace_local=lambda rows: self.split(prep, rows))
-      plan = dataclasses.replace(plan, fingerprint=tuple(fingerprint.items()))
+      # A preset's plan is priced with the costs of the mesh's devices
+      # (preset_option), which its fingerprint does not hold: its key does.
+      option = getattr(method, "option", None)
+      key = None
+      if option is None or option.plan_cache:
+        costs = repr(preset_option(mesh, split.traced.leaves))
+        key = plan_cache.plan_key({**fingerprint, "preset costs": costs})
+      cached = plan_cache.load(key) if key else None
+      if cached is not None and dict(cached.fingerprint) == fingerprint:
+        plan = bind_saved_plan(cached, split, mesh, fingerprint, self.name)
+      else:
+        plan = plan_preset(self.split(prep, micro), method, mesh, batch_size=batch_size,
+                           outputs=self.outputs(prep, split, batch_size),
+                           trace_local=lambda rows: self.split(prep, rows))
+        plan = dataclasses.replace(plan, fingerprint=tuple(fingerprint.items()))
+        if key:
+          plan_cache.store(key, plan)
     if not plan.hints and split.hints:
       plan = dataclasses.replace(plan, hints=tuple(
           ValuePlan(f"hint {h.part}/{h.path}", h.shape_at(micro), dtype_name(h.dtype),

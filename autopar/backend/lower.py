@@ -652,13 +652,18 @@ def compile_all(lowered: dict, options=None) -> dict:
   """``lowered`` (name -> a ``jax.stages.Lowered``) compiled, the modules
   side by side on threads: XLA compiles without holding the GIL. Each is
   looked up in JAX's persistent compilation cache first
-  (:func:`autopar.disk.use_compilation_cache`)."""
+  (:func:`autopar.disk.use_compilation_cache`), and kept there however
+  quickly it compiled."""
   use_compilation_cache()
+
+  def compile_one(v):
+    with jc.persistent_cache_keeps_all():
+      return v.compile(options)
   if len(lowered) < 2:
-    return {k: v.compile(options) for k, v in lowered.items()}
+    return {k: compile_one(v) for k, v in lowered.items()}
   workers = min(len(lowered), os.cpu_count() or 1)
   with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-    futures = {k: pool.submit(v.compile, options) for k, v in lowered.items()}
+    futures = {k: pool.submit(compile_one, v) for k, v in lowered.items()}
     return {k: f.result() for k, f in futures.items()}
 
 

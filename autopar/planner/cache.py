@@ -20,6 +20,9 @@ autopar's own sources); nothing is ever invalidated in place. A cache file
 that cannot be read is ignored (and solved again), never an error.
 
 ``AutoShardingOption(plan_cache=False)`` turns the cache off for a step.
+The presets' plans (``plan_preset``) are kept the same way, under a key that
+also holds the costs of the mesh's devices they are priced with
+(``Signature.plan_uncached``).
 """
 
 from __future__ import annotations
