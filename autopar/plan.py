@@ -651,16 +651,18 @@ def grad_stage_names(n: int, grad_sync: str = "last") -> list[str]:
   """The gradient stage run for each of ``n`` micro-batches.
 
   With one micro-batch, ``compute_grad_sync`` computes the gradient and sums
-  it over the batch axes. With more, ``accumulate_grad`` adds each
-  micro-batch's gradient to partial sums (``ZERO_STAGE`` starts them at
-  zero), and the last micro-batch's stage, ``accumulate_grad_sync``, also
-  sums them over the batch axes; with ``grad_sync="apart"`` the last is an
-  ``accumulate_grad`` too, and ``SYNC_STAGE`` sums them after it.
+  it over the batch axes. With more (``grad_sync="last"``),
+  ``compute_grad`` starts this device's partial sums, ``accumulate_grad``
+  adds to them, and the last micro-batch's stage, ``accumulate_grad_sync``,
+  also sums them over the batch axes; with ``grad_sync="apart"`` every
+  micro-batch runs ``accumulate_grad`` on sums ``ZERO_STAGE`` starts at
+  zero, and ``SYNC_STAGE`` sums them after the last.
   """
   if n == 1:
     return ["compute_grad_sync"]
-  last = "accumulate_grad" if grad_sync == "apart" else "accumulate_grad_sync"
-  return ["accumulate_grad"] * (n - 1) + [last]
+  if grad_sync == "apart":
+    return ["accumulate_grad"] * n
+  return ["compute_grad"] + ["accumulate_grad"] * (n - 2) + ["accumulate_grad_sync"]
 
 
 def grad_stage_label(n: int) -> str:

@@ -13,7 +13,8 @@ updated state on the host:
 - jax.jit warm: a second process on the same JAX persistent cache (what a
   user of jax.jit gets on a second run);
 - autopar cold, per method (DataParallel with 2 micro-batches, ShardParallel
-  2 x 4 with 2 micro-batches, PipeshardParallel with 2 stages of 4 devices
+  2 x 4 with 2 micro-batches, DataParallel with ``grad_sync="apart"``
+  (one gradient module), PipeshardParallel with 2 stages of 4 devices
   and 4 micro-batches): empty plan and compilation caches, planning
   included;
 - autopar warm: a second process on the same caches (the plan and the
@@ -66,6 +67,9 @@ def child(mode: str, layers: int) -> None:
   elif mode == "dp":
     step = autopar.parallelize(lm_step, method=autopar.DataParallel(
         mesh=jax.make_mesh((8,), ("data",)), num_micro_batches=2))
+  elif mode == "dpa":
+    step = autopar.parallelize(lm_step, method=autopar.DataParallel(
+        mesh=jax.make_mesh((8,), ("data",)), num_micro_batches=2, grad_sync="apart"))
   elif mode == "sp":
     step = autopar.parallelize(lm_step, method=autopar.ShardParallel(
         mesh=jax.make_mesh((2, 4), ("data", "model")), num_micro_batches=2, option=quiet))
@@ -93,8 +97,8 @@ def run(mode: str, layers: int, cache: str) -> dict:
   return json.loads(out.strip().splitlines()[-1])
 
 
-MODES = (("jit", "jax.jit"), ("dp", "DataParallel"), ("sp", "ShardParallel"),
-         ("pp", "PipeshardParallel"))
+MODES = (("jit", "jax.jit"), ("dp", "DataParallel"), ("dpa", "DataParallel apart"),
+         ("sp", "ShardParallel"), ("pp", "PipeshardParallel"))
 
 
 def main(depths, rounds: int) -> None:

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 import autopar
 from autopar.backend import hlo
 from autopar.planner import ilp
-from autopar.plan import sync_stage_name
+from autopar.plan import grad_stage_names, sync_stage_name
 from models import assert_trees_close, mlp_setup, single_device
 
 SGD = optax.sgd(0.1, momentum=0.9)
@@ -147,7 +147,7 @@ def test_tight_memory_budget_shards_the_parameters():
   exe = p.get_executable(make_state(), batch)
   assert all("data" in str(spec) for spec in kernels(exe.plan))
   assert compiled_peak(exe.plan, exe.stages, exe.schedule) <= smallest * 1.05
-  gathers = [c for c in hlo.collectives(exe.stages["accumulate_grad"])
+  gathers = [c for c in hlo.collectives(exe.stages["compute_grad"])
              if c.kind == "all-gather" and c.operand_bytes >= 64 * 1024 * 4 // 8]
   assert gathers                       # parameters gathered for each micro-batch
   check_numerics(p, make_state, step, batch)
@@ -195,8 +195,8 @@ def test_transformer_layer_gets_the_megatron_layout():
 
 @pytest.mark.parametrize("grad_sync", ["last", "apart"])
 def test_prefer_reduce_scatter_shards_gradients_and_optimizer_state(grad_sync):
-  # Reduced in the last micro-batch's stage (GPUs' default) or in one of
-  # its own (CPUs'): the same reduce-scatter, the same numbers.
+  # Reduced in the last micro-batch's stage or in one of its own: the same
+  # reduce-scatter, the same numbers.
   make_state, step, batch = mlp_setup(batch=256, din=64, hidden=256, dout=64, tx=SGD,
                                       seed=1)
   option = autopar.AutoShardingOption(force_batch_dim_to_mesh_dim="data",
@@ -216,7 +216,8 @@ def test_prefer_reduce_scatter_shards_gradients_and_optimizer_state(grad_sync):
   assert [(c.kind, c.stage) for c in exe.plan.collectives if c.what == "gradients"] == [
       ("reduce-scatter", stage)]
   # No gradient crosses devices before the sync.
-  assert not any(c.operand_bytes > 1024 for c in hlo.collectives(exe.stages["accumulate_grad"]))
+  first = grad_stage_names(2, grad_sync)[0]
+  assert not any(c.operand_bytes > 1024 for c in hlo.collectives(exe.stages[first]))
   check_numerics(p, make_state, step, batch)
 
 

@@ -13,14 +13,15 @@ own partial sum, and no gradient bytes cross devices. The partial sums are
 stored with a leading stacked axis, one slot per device along the batch axes
 (global shape ``[D, *grad.shape]``, spec ``P(batch_axes, ...)``), which keeps
 them ordinary, honestly typed arrays that can be donated from one micro-batch
-to the next and updated in place (``zero_grad`` makes them before the first
-micro-batch). They are reduced once, after the last micro-batch's gradient:
-``psum`` (all-reduce) for replicated gradients, ``psum_scatter``
-(reduce-scatter) for sharded ones, either in that micro-batch's stage
-(``*_sync``, the plan's ``grad_sync="last"``: on GPUs XLA overlaps the
-reduction with its backward pass) or in a small ``sync_grad`` stage of its
-own (``"apart"``, CPUs' default: then one gradient module is compiled, not
-two). ``docs/design.md`` says why this was chosen over JAX's ``unreduced``
+to the next and updated in place. They are reduced once, after the last
+micro-batch's gradient: ``psum`` (all-reduce) for replicated gradients,
+``psum_scatter`` (reduce-scatter) for sharded ones, either in that
+micro-batch's stage (``*_sync``, the plan's ``grad_sync="last"``, the
+default: on GPUs XLA overlaps the reduction with its backward pass) or in a
+small ``sync_grad`` stage of its own (``"apart"``: ``zero_grad`` makes the
+sums before the first micro-batch, so that every micro-batch runs one
+``accumulate_grad`` module and one gradient module is compiled, not two).
+``docs/design.md`` says why this was chosen over JAX's ``unreduced``
 shardings.
 
 Inside a gradient stage, device ``d`` along the batch axes holds rows
@@ -104,12 +105,13 @@ class LoweredStep:
 
   * ``loss_sums(leaves) -> sums`` (only where the loss's cotangents read
     sums over the whole batch, a token count: the first pass)
-  * ``zero_grad() -> acc`` (several micro-batches: the partial sums at zero)
+  * ``compute_grad(used, sums) -> acc``
   * ``accumulate_grad(used, i, acc, sums) -> acc`` (acc donated)
+  * ``compute_grad_sync(used, sums) -> (grads, micro_outs)``
   * ``accumulate_grad_sync(used, i, acc, sums) -> (grads, micro_outs)``
-  * ``sync_grad(acc) -> (grads, micro_outs)`` (``grad_sync="apart"``: after
-    the last ``accumulate_grad``; acc donated)
-  * ``compute_grad_sync(used, sums) -> (grads, micro_outs)`` (one micro-batch)
+  * ``zero_grad() -> acc``, ``sync_grad(acc) -> (grads, micro_outs)`` (acc
+    donated): with ``grad_sync="apart"``, before the first and after the
+    last micro-batch's ``accumulate_grad``
   * ``apply_grad(donated, kept, grads) -> apply_outs`` (donated donated)
   * ``step(donated, kept, batch) -> outs`` (a step without a grad marker)
   * ``grad_and_apply(donated, kept, batch) -> (apply_outs, micro_outs)``
@@ -729,7 +731,8 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
       stage = functools.partial(_grad_stage, split_local, plan, amesh, out_mesh,
                                 micro_rows=rows, accumulate=accumulate, stacks=stacks,
                                 scale=scale)
-      grad_fns = {name: stage(first=n == 1, sync=name.endswith("_sync"))
+      grad_fns = {name: stage(first=name.startswith("compute_grad"),
+                              sync=name.endswith("_sync"))
                   for name in dict.fromkeys(names)}
       apply = _apply_stage(split, plan, amesh, out_mesh, donated, kept, stacks)
       if one_executable and n == 1:
@@ -743,18 +746,19 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
         if sums is not None:
           stages[SUMS_STAGE] = sums.jit().lower(leaf_avals)
           schedule += (SUMS_STAGE,)
-        if n > 1:
+        apart = n > 1 and plan.grad_sync == "apart"
+        if apart:
           stages[ZERO_STAGE] = stage(first=False, sync=False, role=ZERO_STAGE,
                                      acc_avals=acc_avals).jit().lower()
           schedule += (ZERO_STAGE,)
         for name, grad in grad_fns.items():
-          if n == 1:
+          if name.startswith("compute_grad"):
             stages[name] = grad.jit().lower(of(used), sums_avals)
           else:
             stages[name] = grad.jit().lower(of(used), _abstract((), np.int32), acc_avals,
                                             sums_avals)
         schedule += tuple(names)
-        if n > 1 and plan.grad_sync == "apart":
+        if apart:
           stages[SYNC_STAGE] = stage(first=False, sync=True, role=SYNC_STAGE).jit().lower(
               acc_avals)
           schedule += (SYNC_STAGE,)

@@ -3,14 +3,14 @@
 Part of the runtime (``runtime/``). For ``n`` micro-batches one call runs::
 
     sums = loss_sums(leaves)                      # only if the loss needs them
-    acc = zero_grad()                             # the partial sums at zero
-    acc = accumulate_grad(used, i, acc, sums)     # micro-batches 0 .. n-2, in place
+    acc = compute_grad(used, sums)                # micro-batch 0 (used: the leaves it reads)
+    acc = accumulate_grad(used, i, acc, sums)     # micro-batches 1 .. n-2, in place
     grads, outs = accumulate_grad_sync(used, n-1, acc, sums)     # reduce once
     new_state, ... = apply_grad(state, other, grads)       # state donated
 
-(with the plan's ``grad_sync="apart"`` micro-batch ``n-1`` runs
-``accumulate_grad`` too, and ``grads, outs = sync_grad(acc)`` reduces;
-``compute_grad_sync(used, sums)`` alone when ``n == 1``; there, unless
+(with the plan's ``grad_sync="apart"``: ``acc = zero_grad()``, then
+``accumulate_grad`` for every micro-batch, then ``grads, outs =
+sync_grad(acc)``; ``compute_grad_sync`` alone when ``n == 1``; there, unless
 ``one_executable=False``, one ``grad_and_apply(donated, kept, batch)``
 doing all of it). ``used``: the leaves the gradient reads. ``loss_sums`` is the first pass
 over the batch for the sums the loss's gradient is scaled by, such as the
@@ -144,8 +144,9 @@ class Executable:
         acc = stages[name]()
       elif name == SYNC_STAGE:
         acc = stages[name](acc)
-      elif acc is None:                   # compute_grad_sync: one micro-batch
+      elif acc is None:                   # compute_grad(_sync): micro-batch 0
         acc = stages[name](used, sums)
+        i += 1
       else:
         acc = stages[name](used, lw.micro_batch_index[i], acc, sums)
         i += 1
