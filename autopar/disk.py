@@ -25,22 +25,27 @@ def write_atomic(path: Path, text: str) -> None:
   os.replace(tmp, path)
 
 
-def use_compilation_cache() -> None:
+def use_compilation_cache() -> bool:
   """Turns on JAX's persistent compilation cache in ``cache_root() / "xla"``,
   so that a second process reads the step's compiled stages instead of
   compiling them. Left alone where the user chose a directory
   (``jax_compilation_cache_dir``) or turned the cache off
   (``jax_enable_compilation_cache``), and with ``AUTOPAR_XLA_CACHE=0``.
-  JAX keeps what it compiles for at least
+  Returns whether the cache in use is autopar's: then autopar keeps every
+  stage there however quickly it compiled (``lower.compile_all``); JAX
+  keeps what else it compiles for at least
   ``jax_persistent_cache_min_compile_time_secs`` (1 s by default)."""
   import jax
   from jax.experimental.compilation_cache import compilation_cache
 
+  ours = str(cache_root() / "xla")
   if (os.environ.get("AUTOPAR_XLA_CACHE", "1") == "0"
-      or not jax.config.jax_enable_compilation_cache
-      or jax.config.jax_compilation_cache_dir):
-    return
-  compilation_cache.set_cache_dir(str(cache_root() / "xla"))
+      or not jax.config.jax_enable_compilation_cache):
+    return False
+  if jax.config.jax_compilation_cache_dir:
+    return jax.config.jax_compilation_cache_dir == ours
+  compilation_cache.set_cache_dir(ours)
   # JAX decides once per process whether to use the cache, at its first
   # compile (the user's model.init, say): decide again with the directory.
   compilation_cache.reset_cache()
+  return True

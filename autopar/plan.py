@@ -483,6 +483,8 @@ class Plan:
 
   @classmethod
   def _from_dict(cls, d: dict, values) -> "Plan":
+    if d.get("grad_sync", "last") not in ("last", "apart"):
+      raise ValueError(f"grad_sync={d['grad_sync']!r} (expected 'last' or 'apart')")
     return cls(
         method=d["method"], mesh_axis_names=tuple(d["mesh_axis_names"]),
         mesh_shape=tuple(d["mesh_shape"]),

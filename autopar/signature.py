@@ -301,6 +301,12 @@ class Signature:
     saved = method.plan if isinstance(method, ShardParallel) else None
     if saved is not None:
       plan = bind_saved_plan(saved, split, mesh, fingerprint, self.name)
+      if n > 1 and plan.grad_sync != method.grad_sync:
+        raise PlanError(
+            f"{self.name}: the saved plan syncs the gradients with "
+            f"grad_sync={plan.grad_sync!r} (its stages and collectives are named so) "
+            f"but the method has grad_sync={method.grad_sync!r}. Fix: give the method "
+            f"grad_sync={plan.grad_sync!r}, or make the plan again under this method.")
     elif isinstance(method, ShardParallel) and split.has_marker:
       key = plan_cache.plan_key(fingerprint) if method.option.plan_cache else None
       cached = plan_cache.load(key) if key else None

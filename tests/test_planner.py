@@ -221,6 +221,29 @@ def test_prefer_reduce_scatter_shards_gradients_and_optimizer_state(grad_sync):
   check_numerics(p, make_state, step, batch)
 
 
+def test_a_saved_plan_syncs_the_gradients_as_it_was_made():
+  make_state, step, batch = mlp_setup(tx=SGD)
+  mesh = jax.make_mesh((8,), ("data",))
+  method = lambda **kw: autopar.ShardParallel(mesh=mesh, num_micro_batches=2, **kw)
+  plan = autopar.parallelize(step, method=method(grad_sync="apart")).plan(make_state(), batch)
+  assert autopar.Plan.from_json(plan.to_json()).grad_sync == plan.grad_sync == "apart"
+  with pytest.raises(autopar.PlanError, match="grad_sync='apart'"):
+    autopar.parallelize(step, method=method(plan=plan)).plan(make_state(), batch)
+
+
+def test_combinations_start_at_their_identity():
+  """zero_grad's start (grad_sync="apart") for each combination and dtype,
+  a float8 without infinities included."""
+  import jax.numpy as jnp
+  from autopar.backend.gradients import identity
+  for dtype in (jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn, jnp.int8, jnp.uint32, jnp.bool_):
+    x = np.array([0, 1, 2], dtype)
+    for op, f in (("sum", np.add), ("max", np.maximum), ("min", np.minimum)):
+      start = identity(op, dtype)
+      assert start.dtype == np.dtype(dtype), (op, dtype)
+      np.testing.assert_array_equal(f(x, start).astype(np.float32), x.astype(np.float32))
+
+
 def test_convolutions_are_planned_without_fallback(recwarn):
   import flax.linen as nn
   import jax.numpy as jnp

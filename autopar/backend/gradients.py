@@ -141,16 +141,20 @@ COMBINE = {"sum": jnp.add, "mean": jnp.add, "max": jnp.maximum, "min": jnp.minim
 
 def identity(op: str, dtype):
   """The value that combining by ``op`` leaves any ``dtype`` value unchanged
-  (0 for a sum; for a max the dtype's least: -inf, its integer minimum, or
-  False), what a step's combinations start from before its first
-  micro-batch."""
+  (0 for a sum; for a max the dtype's least: -inf, the least finite value
+  of a float8 without infinities, its integer minimum, or False), what a
+  step's combinations start from before its first micro-batch."""
   if op in ("sum", "mean"):
     return np.zeros((), dtype)
   dtype = np.dtype(dtype)
   if dtype == np.bool_:
     return np.bool_(op == "min")
   if jnp.issubdtype(dtype, jnp.inexact):
-    return np.array(-np.inf if op == "max" else np.inf, dtype)
+    value = np.array(-np.inf if op == "max" else np.inf, dtype)
+    if np.isnan(value.astype(np.float32)):       # a float8 without infinities
+      info = jnp.finfo(dtype)
+      value = np.array(info.min if op == "max" else info.max, dtype)
+    return value
   info = jnp.iinfo(dtype)
   return np.array(info.min if op == "max" else info.max, dtype)
 

@@ -655,10 +655,12 @@ def compile_all(lowered: dict, options=None) -> dict:
   side by side on threads: XLA compiles without holding the GIL. Each is
   looked up in JAX's persistent compilation cache first
   (:func:`autopar.disk.use_compilation_cache`), and kept there however
-  quickly it compiled."""
-  use_compilation_cache()
+  quickly it compiled where that cache is autopar's."""
+  keep_all = use_compilation_cache()
 
   def compile_one(v):
+    if not keep_all:
+      return v.compile(options)
     with jc.persistent_cache_keeps_all():
       return v.compile(options)
   if len(lowered) < 2:
