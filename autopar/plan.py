@@ -26,8 +26,7 @@ from autopar.text import axes_str, format_bytes, format_rows, spec_str
 __all__ = ["Plan", "ValuePlan", "CollectivePlan", "SolverStats", "StagePlan",
            "spec_to_json", "spec_from_json", "spec_str", "format_bytes", "PlanReader",
            "use_reader", "plan_constraints", "grad_stage_names", "grad_stage_label",
-           "sync_stage_name",
-           "ZERO_STAGE", "SYNC_STAGE", "SavedILPs"]
+           "sync_stage_name", "ZERO_STAGE", "SYNC_STAGE", "SavedILPs"]
 
 
 class PlanReader(Protocol):

@@ -150,8 +150,8 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
   the end); ``ZERO_STAGE``, the partial sums before the first micro-batch
   (each combination's identity; ``acc_avals``: their global shapes, from
   ``_acc_avals`` of the step at the whole micro-batch); ``SYNC_STAGE``, the
-  partial sums after
-  the last micro-batch summed over the batch axes (``grad_sync="apart"``).
+  partial sums after the last micro-batch summed over the batch axes (both
+  with ``grad_sync="apart"``).
 
   ``stacks``: the gradients that scans make stacked (``gradstack.py``),
   accumulated and reduced inside their scan; the partial sums (and the
