@@ -16,7 +16,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import jax
 from jax.sharding import AbstractMesh
@@ -308,21 +308,15 @@ class Signature:
             f"but the method has grad_sync={method.grad_sync!r}. Fix: give the method "
             f"grad_sync={plan.grad_sync!r}, or make the plan again under this method.")
     elif isinstance(method, ShardParallel) and split.has_marker:
-      key = plan_cache.plan_key(fingerprint) if method.option.plan_cache else None
-      cached = plan_cache.load(key) if key else None
-      if cached is not None and dict(cached.fingerprint) == fingerprint:
-        plan = bind_saved_plan(cached, split, mesh, fingerprint, self.name)
-        progress.add("plan cache hit", 0.0, str(plan_cache.cache_dir() / key))
-      else:
+      def solved() -> Plan:
         plan = plan_auto(split, method, mesh, batch_size=batch_size,
                          trace_local=lambda rows: self.split(prep, rows),
                          outputs=self.outputs(prep, split, batch_size),
                          progress=progress, any_batch=None if self._any_split is _UNSET
                          else self._any_split)
-        plan = self.not_dearer_than_zero(prep, plan, micro, batch_size)
-        plan = dataclasses.replace(plan, fingerprint=tuple(fingerprint.items()))
-        if key:
-          plan_cache.store(key, plan)
+        return self.not_dearer_than_zero(prep, plan, micro, batch_size)
+      key = plan_cache.plan_key(fingerprint) if method.option.plan_cache else None
+      plan = self._cached(key, fingerprint, split, mesh, solved, progress)
     else:
       # A preset's plan is priced with the costs of the mesh's devices
       # (preset_option), which its fingerprint does not hold: its key does.
@@ -331,16 +325,10 @@ class Signature:
       if option is None or option.plan_cache:
         costs = repr(preset_option(mesh, split.traced.leaves))
         key = plan_cache.plan_key({**fingerprint, "preset costs": costs})
-      cached = plan_cache.load(key) if key else None
-      if cached is not None and dict(cached.fingerprint) == fingerprint:
-        plan = bind_saved_plan(cached, split, mesh, fingerprint, self.name)
-      else:
-        plan = plan_preset(self.split(prep, micro), method, mesh, batch_size=batch_size,
-                           outputs=self.outputs(prep, split, batch_size),
-                           trace_local=lambda rows: self.split(prep, rows))
-        plan = dataclasses.replace(plan, fingerprint=tuple(fingerprint.items()))
-        if key:
-          plan_cache.store(key, plan)
+      plan = self._cached(key, fingerprint, split, mesh, lambda: plan_preset(
+          self.split(prep, micro), method, mesh, batch_size=batch_size,
+          outputs=self.outputs(prep, split, batch_size),
+          trace_local=lambda rows: self.split(prep, rows)))
     if not plan.hints and split.hints:
       plan = dataclasses.replace(plan, hints=tuple(
           ValuePlan(f"hint {h.part}/{h.path}", h.shape_at(micro), dtype_name(h.dtype),
@@ -366,6 +354,21 @@ class Signature:
               f"gradient marker, and autopar cannot tell how to combine it over {n} "
               f"micro-batch(es) x {data_size} device(s): {why}.{fix}")
     return plan, micro
+
+  def _cached(self, key: str | None, fingerprint: dict, split: SplitStep, mesh,
+              make: Callable[[], Plan], progress: Progress | None = None) -> Plan:
+    """The plan the plan cache holds under ``key`` where it was made for
+    ``fingerprint``; else ``make()``'s, given the fingerprint and stored
+    there (``key`` None: no cache)."""
+    cached = plan_cache.load(key) if key else None
+    if cached is not None and dict(cached.fingerprint) == fingerprint:
+      if progress is not None:
+        progress.add("plan cache hit", 0.0, str(plan_cache.cache_dir() / key))
+      return bind_saved_plan(cached, split, mesh, fingerprint, self.name)
+    plan = dataclasses.replace(make(), fingerprint=tuple(fingerprint.items()))
+    if key:
+      plan_cache.store(key, plan)
+    return plan
 
   def outputs(self, prep, split: SplitStep, rows: int):
     """The step's outputs and gradients at a batch of ``rows`` rows."""
