@@ -209,8 +209,10 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
 
   def fold(st: GradStack, part):
     """How the scan of ``st`` folds its stacked gradient into this device's
-    partial sums ``part`` (``[L, *shape]``; None in the first stage), as
-    ``evaluate.eval_scan``'s ``folds``, and whether the folded value is reduced."""
+    partial sums ``part`` (``[1, L, *shape]``, as the stage takes them;
+    None in the first stage), as ``evaluate.eval_scan``'s ``folds``, and
+    whether the folded value is reduced (else it is ``[1, L, *shape]``,
+    ``[L, *shape]`` in the first stage)."""
     g = st.grads[0]
     dtype = acc_dtypes[g]
     layer_spec = PartitionSpec(*tuple(grad_specs[g])[st.whole:])
@@ -220,16 +222,20 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
       def reduce_layer(state, k, y):
         total = y.astype(dtype)
         if part is not None:
-          total = total + lax.dynamic_index_in_dim(part, k, 0, keepdims=False)
+          total = total + lax.dynamic_index_in_dim(part[0], k, 0, keepdims=False)
         red = reduce_manual(total, layer_spec, manual)
         return state, red.astype(grad_vars[g].aval.dtype)
       return (st.out, reduce_layer, None), True
     if part is None:
       return (st.out, lambda state, k, y: (state, y.astype(dtype)), None), False
 
+    # The sums are carried at the shape the stage takes them, [1, L, ...]:
+    # carrying the slice part[0] makes XLA copy them into the loop and out
+    # of it (as for the sums added outside scans, ``body``).
     def add_layer(state, k, y):
-      total = lax.dynamic_index_in_dim(state, k, 0, keepdims=False) + y.astype(dtype)
-      return lax.dynamic_update_index_in_dim(state, total, k, 0), None
+      at = (0, k) + (0,) * y.ndim
+      layer = lax.dynamic_slice(state, at, (1, 1, *y.shape))
+      return lax.dynamic_update_slice(state, layer + y.astype(dtype)[None, None], at), None
     return (st.out, add_layer, part), False
 
   marker = loss_marker(compute)
@@ -241,7 +247,7 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
 
     def fold_scan(scan_stacks):
       def run(eqn, args, rules):
-        how = [fold(st, None if first else acc[0][slot_of[st.slot]][0])
+        how = [fold(st, None if first else acc[0][slot_of[st.slot]])
                for st in scan_stacks]
         outs = eval_scan(eqn, args, rules, [h for h, _ in how])
         for st, (_, is_reduced) in zip(scan_stacks, how, strict=True):
@@ -274,20 +280,36 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
     grads, sums, micro = outs[:num_grads], outs[num_grads:num_acc], outs[num_acc:]
     # Per slot: this device's total over its micro-batches so far, and
     # whether its scan reduced it already.
-    totals = []
+    # A stage that carries the sums on adds at their stacked shape,
+    # (1, *shape) per device: adding the slice acc[0][j][0] and stacking the
+    # result again makes XLA copy every donated sum into its output
+    # (measured: a sum's bytes written twice per micro-batch, and a second
+    # sum's buffer at the peak). One that reduces them adds at the
+    # gradient's shape (stacked, the sum was held beside the reduced one).
+    totals, acc_g = [], []
     for j, slot in enumerate(grad_slots):
       st = slot if isinstance(slot, GradStack) else whole.get(slot)
       if st is not None:
-        totals.append(folded[st])
-        continue
-      totals.append((add_partial(None if first else acc[0][j][0], grads[slot],
-                                acc_dtypes[slot]), False))
+        total, is_reduced = folded[st]
+        if not (is_reduced or first):
+          total = total[0]
+        totals.append((total, is_reduced))
+        acc_g.append(None if is_reduced else       # (not read where sync)
+                     total[None] if first else folded[st][0])
+      elif sync:
+        totals.append((add_partial(None if first else acc[0][j][0], grads[slot],
+                                   acc_dtypes[slot]), False))
+      else:
+        stacked = add_partial(None if first else acc[0][j], grads[slot][None],
+                              acc_dtypes[slot])
+        totals.append((stacked[0], False))
+        acc_g.append(stacked)
+    # The loss's and metrics' sums over the batch's rows (combine.py).
     if first:
-      acc_g = [t[None] for t, _ in totals] + [r[None] for r in sums]
+      acc_r = [r[None] for r in sums]
     else:
-      acc_g = [t[None] for t, _ in totals]
-      acc_g += [COMBINE[op](a, r[None]) for a, r, op in
-                zip(acc[0][num_slots:], sums, reduced, strict=True)]
+      acc_r = [COMBINE[op](a, r[None]) for a, r, op in
+               zip(acc[0][num_slots:], sums, reduced, strict=True)]
     acc_m = []
     for j, (kind, val) in enumerate(zip(kinds, micro, strict=True)):
       if kind is OutputKind.CONCAT:
@@ -305,8 +327,8 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
       else:  # OTHER: only possible with one micro-batch on one device
         acc_m.append(val)
     if not sync:
-      return acc_g, acc_m
-    return synced(totals, acc_g[num_slots:], acc_m)
+      return acc_g + acc_r, acc_m
+    return synced(totals, acc_r, acc_m)
 
   def synced(totals, acc_reduced, acc_m):
     """The gradients and outputs from this device's partial sums (``totals``:
@@ -402,7 +424,12 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
           lambda a: synced([(t[0], False) for t in a[0][:num_slots]], a[0][num_slots:],
                            a[1]),
           (acc_specs,))(acc)
-    return _StageFn(fn, (acc_shardings,), out_shardings, donate_argnums=(0,))
+    # The sums are not donated: a reduced gradient the size of this device's
+    # sum would be aliased to it, and XLA:CPU's all-reduce, which does not
+    # write in place, would then copy every gradient into the sum's buffer
+    # (measured: a gradient's bytes read and written once more). The caller
+    # drops the sums once the stage is dispatched.
+    return _StageFn(fn, (acc_shardings,), out_shardings)
   if first:
     return _StageFn(fn, (leaf_shardings, sums_shardings), out_shardings)
   return _StageFn(fn, (leaf_shardings, ns(PartitionSpec()), acc_shardings, sums_shardings),

@@ -67,6 +67,7 @@ from typing import Mapping, Sequence
 from autopar.costs.cost_model import MeshCost, itemsize
 from autopar.planner import lp
 from autopar.errors import PlanError
+from autopar.method import accumulation_dtype
 from autopar.planner.ilp_graph import ChoiceGraph, on_axes
 from autopar.planner.ilp_memory import MemoryModel
 from autopar.planner.ilp_saved import SavedGraph
@@ -210,7 +211,7 @@ class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
                share_layers: bool = True, pins: Mapping[int, Spec] | None = None,
                leaf_names: Sequence[str] = (), accumulate: str | None = "float32",
                keep: tuple[Sequence[str], Mapping[str, tuple]] | None = None,
-               zero3: bool = True, held: Sequence[tuple] = ()):
+               zero3: bool = True, held: Sequence[tuple] = (), grad_sync: str = "last"):
     super().__init__(compute=compute, apply=apply, num_consts=num_consts,
                      leaf_avals=leaf_avals, batch_leaves=batch_leaves,
                      num_micro_batches=num_micro_batches, batch_axes=batch_axes,
@@ -228,6 +229,7 @@ class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
     # (a pipeline stage's residuals of the other micro-batches in flight).
     self.held = tuple(held)
     self.accumulate = accumulate
+    self.grad_sync = grad_sync
     self.share_layers = share_layers
     self.prob = lp.problem("autopar_sharding")
     self._status = None
@@ -397,10 +399,9 @@ class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
         add(traffic[node.part], var, mult * sum(2 * b for _, _, b in st.collectives))
     for g, idx in enumerate(self.grad_nodes):
       node = self.nodes[idx]
-      if self.S:
-        aval = self._grad_avals[g]
-        for var, (spec,) in zip(node.vars, node.specs):
-          add(traffic["compute"], var, 2 * local_bytes(aval, spec, self.sizes))
+      aval = self._grad_avals[g]
+      for var, (spec,) in zip(node.vars, node.specs):
+        add(traffic["compute"], var, self._grad_traffic(aval, spec))
     elementwise = self.ctx.flop_seconds()
     sizes = self.sizes
     grouped: dict = {}
@@ -446,6 +447,48 @@ class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
     self.prob.setObjective(lp.linear(terms))
     # A solver model kept for solve_pinned has the old objective.
     self._relaxed = None
+
+  @property
+  def _apart(self) -> bool:
+    """Whether the gradients are reduced in a stage of their own
+    (``grad_sync="apart"`` with several micro-batches), their sums started
+    by ``zero_grad``."""
+    return self.grad_sync == "apart" and self.n > 1
+
+  def _grad_bytes(self, aval, spec) -> tuple[float, float]:
+    """(the gradient's bytes per device at ``spec``, those of its partial
+    sum, in the accumulation dtype)."""
+    b = local_bytes(aval, spec, self.sizes)
+    acc = accumulation_dtype(aval.dtype, self.accumulate)
+    return b, b * itemsize(acc) / max(itemsize(aval.dtype), 1)
+
+  def _grad_traffic(self, aval, spec) -> float:
+    """Bytes a gradient moves in the gradient stages per step besides the
+    pass's own traffic: under ``"last"``, the all-reduce in the last
+    stage reads and writes it; under ``"apart"`` (the all-reduce is in
+    ``sync_grad``, :meth:`grad_pass_seconds`), the first micro-batch adds
+    it to the sum ``zero_grad`` made (reading both, writing the sum) where
+    ``"last"``'s first pass writes the gradient as the sum.
+
+    The later micro-batches' additions, the same under both, are not
+    counted: ``plan.check`` finds the predictions within its tolerances
+    without them (the pass's own traffic, counted at fusion boundaries,
+    comes out above XLA's). ``"apart"`` is priced by what it adds."""
+    b, a = self._grad_bytes(aval, spec)
+    if self._apart:
+      return 3 * a
+    return 2 * b if self.S else 0.0
+
+  def grad_pass_seconds(self, aval, spec) -> float:
+    """Seconds of a gradient's passes outside the gradient stages under
+    ``grad_sync="apart"`` (0 otherwise): ``zero_grad`` writes its sum,
+    ``sync_grad`` reads it and writes the reduced gradient (the all-reduce,
+    if any, is that read and write). Stages of their own: added to the
+    step's time, not under the gradient stages' roofline."""
+    if not self._apart:
+      return 0.0
+    b, a = self._grad_bytes(aval, spec)
+    return self.seconds_per_byte * (2 * a + b)
 
   def _roofline_values(self) -> dict[str, tuple[float, float]]:
     """Per stage, (flops seconds, memory seconds) at the current solution."""
@@ -644,6 +687,13 @@ class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
     # The gradients' all-reduces are combined (XLA's combiner): one
     # latency a step, a constant of the problem (grad nodes cost bandwidth).
     self.sync_latency = grad_sync_latency(self.S, self.cost) if self.grad_nodes else 0.0
+    # With grad_sync="apart", each gradient's passes in zero_grad and
+    # sync_grad, stages of their own (added to its node's costs, a list
+    # per node: nodes of one key share theirs).
+    for g, idx in enumerate(self.grad_nodes):
+      node = self.nodes[idx]
+      node.costs = [c + self.grad_pass_seconds(self._grad_avals[g], spec)
+                    for c, (spec,) in zip(node.costs, node.specs, strict=True)]
     self.timings["strategies"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     self._variables()
@@ -783,11 +833,13 @@ class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
     """The solution's objective (seconds) split by where it is spent:
     ``"compute"`` (compute_grad, all micro-batches: its roofline and its
     collectives), ``"apply"``, ``"sync"`` (the gradients' reduction over
-    the batch axes) and ``"state"`` (gathering state split over the batch
-    axes, ZeRO). The parts add up to the objective."""
+    the batch axes, and under ``grad_sync="apart"`` the passes of
+    ``zero_grad`` and ``sync_grad`` over their sums) and ``"state"``
+    (gathering state split over the batch axes, ZeRO). The parts add up to
+    the objective."""
     times = self.stage_times()
     out = {"compute": times["compute"]["total"], "apply": times["apply"]["total"],
-           "sync": times["sync"], "state": times["state"]}
+           "sync": times["sync"] + times["passes"], "state": times["state"]}
     return out
 
   def stage_times(self) -> dict:
@@ -795,18 +847,22 @@ class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
     micro-batch's compute_grad together) and ``"apply"``, the seconds of
     its flops, of its memory traffic, its roofline (the larger of the two)
     and its collectives; and the seconds of the gradient sync
-    (``"sync"``) and of gathering state split over the batch axes
-    (``"state"``). Their totals add up to the objective."""
+    (``"sync"``), of gathering state split over the batch axes
+    (``"state"``) and of ``zero_grad``'s and ``sync_grad``'s passes over the
+    gradients' sums (``"passes"``, ``grad_sync="apart"``). Their totals add
+    up to the objective."""
     self._chosen_memo = getattr(self, "_chosen_memo", {})
     out = {part: {"flops": f, "memory": b, "collectives": 0.0}
            for part, (f, b) in self._roofline_values().items()}
-    out["sync"], out["state"] = self.sync_latency, 0.0
-    grads = set(self.grad_nodes)
+    out["sync"], out["state"], out["passes"] = self.sync_latency, 0.0, 0.0
+    grads = {idx: g for g, idx in enumerate(self.grad_nodes)}
     leaves = set(self.leaf_nodes)
     for idx, node in enumerate(self.nodes):
       c = node.costs[self._chosen(idx)] * node.mult
       if idx in grads:
-        out["sync"] += c
+        p = self.grad_pass_seconds(self._grad_avals[grads[idx]], self._spec_at((idx, 0)))
+        out["passes"] += p
+        out["sync"] += c - p
       elif idx in leaves:
         out["state"] += c
       else:

@@ -162,7 +162,8 @@ class SavedGraph:
         "flop_rates": dict(self.ctx.flop_rates), "seconds_per_byte": self.seconds_per_byte,
         "platform": self.platform, "allow_all_gather": self.allow_all_gather,
         "allow_all_to_all": self.allow_all_to_all, "memory_budget": self.memory_budget,
-        "accumulate": self.accumulate, "share_layers": self.share_layers,
+        "accumulate": self.accumulate, "grad_sync": self.grad_sync,
+        "share_layers": self.share_layers,
         "keep": None if self.keep is None else list(self.keep[0]),
         "pins": [[k, [list(e) for e in spec]] for k, spec in self.pins.items()],
         "leaf_names": w.shared(list(self.leaf_names)),
@@ -221,6 +222,7 @@ class SavedGraph:
         memory_budget=d["memory_budget"], share_layers=d["share_layers"],
         pins={k: tuple(tuple(e) for e in spec) for k, spec in d["pins"]},
         leaf_names=r.shared(d["leaf_names"]), accumulate=d["accumulate"],
+        grad_sync=d.get("grad_sync", "last"),
         keep=None if d["keep"] is None else (tuple(d["keep"]), {}))
     problem._restore_graph(d, r)
     problem._restore_problem(d, r)

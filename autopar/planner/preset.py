@@ -222,7 +222,7 @@ def _priced(local, method, mesh, batch_axes, in_specs, traced, zero, collectives
     grad["collectives"] = sum(seconds(c) for c in collectives if c.stage != "apply_grad")
     apply["collectives"] = sum(seconds(c) for c in collectives if c.stage == "apply_grad")
     for t in (grad, apply):
-      t["total"] = t["roofline"] + t["collectives"]
+      t["total"] = t["roofline"] + t["collectives"] + t.get("passes", 0.0)
   return times
 
 

@@ -448,7 +448,7 @@ def sharding_problem(local: SplitStep, method, S, A, sizes, cost: MeshCost, rows
       memory_budget=option.memory_budget_per_device,
       read_by_compute=leaf_gather_sites(local),
       share_layers=option.share_layers, pins=pins or {},
-      accumulate=method.grad_accumulation_dtype,
+      accumulate=method.grad_accumulation_dtype, grad_sync=method.grad_sync,
       leaf_names=[l.path for l in traced.leaves], keep=keep)
 
 

@@ -342,10 +342,13 @@ def predicted_time(times: dict) -> dict:
   gradient stage together, the gradient sync and ZeRO's gathers
   included) and ``"apply"``, each with its ``flops``, ``memory`` (traffic
   over bandwidth), ``roofline`` (the larger) and ``collectives``
-  seconds, and ``total``."""
+  seconds, and ``total``; the gradient's ``passes`` too, the seconds of
+  ``zero_grad`` and ``sync_grad`` (``grad_sync="apart"``), stages of their
+  own added to its total."""
   grad = dict(times["compute"])
   grad["collectives"] += times["sync"] + times["state"]
-  grad["total"] = grad["roofline"] + grad["collectives"]
+  grad["passes"] = times.get("passes", 0.0)
+  grad["total"] = grad["roofline"] + grad["collectives"] + grad["passes"]
   return {"gradient": grad, "apply": dict(times["apply"])}
 
 
