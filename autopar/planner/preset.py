@@ -148,13 +148,17 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
     stacked = {g for s in find_grad_stacks(split.compute.jaxpr, split.num_grads,
                                            grad_specs, batch_axes)
                for g in s.grads}
+  apart = n > 1 and grad_sync == "apart"
   memory = _memory_estimate(inputs, grads, sizes, d, n, method.grad_accumulation_dtype,
-                            stacked)
+                            stacked, apart)
   local = None
   if split.has_marker and trace_local is not None and d > 1:
     local = trace_local(traced.micro_batch_size // d)
   memory += _preset_activation_peak(split, local, params, grads, d, zero, n, batch_axes,
-                                    platform_of(option.device_kind))
+                                    platform_of(option.device_kind), apart)
+  if apart:
+    memory = max(memory, _sync_stage_memory(inputs, grads, sizes,
+                                            method.grad_accumulation_dtype))
   times = {}
   if split.has_marker and trace_local is not None:
     times = _priced(local or trace_local(traced.micro_batch_size // d), method, mesh,
@@ -264,7 +268,8 @@ def _preset_collectives(split, inputs, grads, params, batch_axes, sizes, n, sync
   return out
 
 
-def _memory_estimate(inputs, grads, sizes, d, n, accumulate, stacked=()) -> int:
+def _memory_estimate(inputs, grads, sizes, d, n, accumulate, stacked=(),
+                     apart: bool = False) -> int:
   """Bytes per device the step holds besides one micro-batch's pass: its
   inputs and the gradients held apart from the pass's own (which are
   counted with it, ``_preset_activation_peak``). Over several
@@ -273,22 +278,43 @@ def _memory_estimate(inputs, grads, sizes, d, n, accumulate, stacked=()) -> int:
   cannot take the sums' buffer (scattered over the batch axes, ZeRO, of
   another dtype, or made by their scan, ``stacked``: gradstack.py); over
   one micro-batch split over ``d`` > 1 devices, the reduced gradients;
-  else none."""
+  else none. Under ``grad_sync="apart"`` (``apart``) the sums alone: the
+  reduced gradients are made after the last pass, in ``sync_grad``
+  (:func:`_sync_stage_memory`)."""
   state = sum(v.bytes_per_device(sizes) for v in inputs)
   held = 0
   for i, g in enumerate(grads):
     acc = accumulation_dtype(g.dtype, accumulate)
     if n > 1:
       held += num_bytes(g.shape, acc)
-      if any(g.spec) or acc != np.dtype(g.dtype) or i in stacked:
+      if not apart and (any(g.spec) or acc != np.dtype(g.dtype) or i in stacked):
         held += g.bytes_per_device(sizes)
     elif d > 1:
       held += g.bytes_per_device(sizes)
   return int(state + held)
 
 
+def _sync_stage_memory(inputs, grads, sizes, accumulate) -> int:
+  """Bytes per device while ``sync_grad`` runs (``grad_sync="apart"``):
+  the state, the sums (each gradient whole, in the accumulation dtype) and
+  the reduced gradients; a gradient scattered over the batch axes along
+  a dimension other than its first is reduce-scattered from a copy of its
+  sum laid out with that dimension first (what XLA:CPU compiles; a scanned
+  layer's stacked gradient, whose first dimension is its layers, is
+  scattered so)."""
+  state = sum(v.bytes_per_device(sizes) for v in inputs)
+  total = state
+  for g in grads:
+    acc = num_bytes(g.shape, accumulation_dtype(g.dtype, accumulate))
+    spec = tuple(g.spec)
+    relaid = any(spec[1:]) and not (spec and spec[0])
+    total += acc * (2 if relaid else 1) + g.bytes_per_device(sizes)
+  return int(total)
+
+
 def _preset_activation_peak(split: SplitStep, local: SplitStep | None, params, grads,
-                            d, zero, n, batch_axes=(), platform: str = "cpu") -> int:
+                            d, zero, n, batch_axes=(), platform: str = "cpu",
+                            apart: bool = False) -> int:
   """Bytes per device of the values live at the peak of one device's
   forward/backward pass (its gradients included): read from ``local``, the
   step split at one device's rows, where given; else from ``split`` with
@@ -315,7 +341,7 @@ def _preset_activation_peak(split: SplitStep, local: SplitStep | None, params, g
   # In a step of one micro-batch, a gradient reduce-scattered over the
   # batch axes leaves the pass where it is made.
   released = [v for v, g in zip(jaxpr.outvars, grads) if any(g.spec) or n > 1] \
-      if (n == 1 and d > 1) or (n > 1 and zero == 3) else []
+      if (n == 1 and d > 1) or (n > 1 and (zero == 3 or apart)) else []
   folded = folded_values(jaxpr, find_grad_stacks(jaxpr, split.num_grads,
                                                  [g.spec for g in grads], batch_axes)) \
       if n > 1 or d > 1 else []
