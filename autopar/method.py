@@ -31,11 +31,18 @@ from autopar.frontend.remat import check_remat, check_remat_loop
 __all__ = ["AutoShardingOption", "ParallelMethod", "ShardParallel",
            "DataParallel", "Zero2Parallel", "Zero3Parallel", "PipeshardParallel",
            "resolve_mesh",
-           "axis_names_of", "axis_sizes_of", "split_axes_of", "GRAD_SYNCS"]
+           "axis_names_of", "axis_sizes_of", "split_axes_of", "GRAD_SYNCS", "grad_sync_for"]
 
 
-# ParallelMethod.grad_sync's values.
-GRAD_SYNCS = ("last", "apart")
+# ParallelMethod.grad_sync's values (None: the platform's, ``grad_sync_for``).
+GRAD_SYNCS = (None, "last", "apart")
+
+
+def grad_sync_for(platform: str) -> str:
+  """The default ``grad_sync`` on ``platform``: ``"apart"`` on CPU, whose
+  collectives run synchronously (nothing to overlap them with), so one
+  gradient module is compiled; ``"last"`` elsewhere."""
+  return "apart" if platform == "cpu" else "last"
 
 
 def _as_items(mapping: Mapping[str, float] | None, what: str, key: str = "mesh axis name"
@@ -293,19 +300,20 @@ class ParallelMethod:
       by one. With more micro-batches the stages are separate; True is then
       an error.
     grad_sync: where, with several micro-batches, the partial sums of the
-      gradients are summed over the batch axes. ``"last"`` (default): in the
-      last micro-batch's gradient stage (``accumulate_grad_sync``), where
-      XLA can overlap the all-reduce with that micro-batch's backward pass;
-      the first micro-batch's stage (``compute_grad``) starts the sums, so
-      two or three gradient modules are compiled. ``"apart"``: ``zero_grad``
-      starts the sums at zero, every micro-batch runs one module,
+      gradients are summed over the batch axes. ``"last"``: in the last
+      micro-batch's gradient stage (``accumulate_grad_sync``), where XLA
+      can overlap the all-reduce with that micro-batch's backward pass; the
+      first micro-batch's stage (``compute_grad``) starts the sums, so two
+      or three gradient modules are compiled. ``"apart"``: ``zero_grad``
+      starts the sums, every micro-batch runs one module,
       ``accumulate_grad``, and a small stage of its own after the last,
-      ``sync_grad``, sums them: one gradient module to compile (a cold first
-      step about a third shorter on CPUs, where collectives do not overlap
-      computation anyway). Not yet modeled by the planner: the extra passes
-      over the partial sums (zeroing them, reading them back in the sync
-      stage) and, under ZeRO-3, the first micro-batch's gradient held beside
-      them, which ``plan.check`` shows as time and memory above the plan's.
+      ``sync_grad``, sums them: one gradient module to compile (a cold
+      first step about a third shorter), no reduction overlapping the
+      backward pass, and a few more passes over the sums (zeroing them,
+      adding the first micro-batch's gradient, reading them back), which
+      the planner prices. None (default): a saved plan's
+      (``ShardParallel(plan=...)``), else ``"apart"`` on CPU (whose
+      collectives do not overlap computation), ``"last"`` on GPU and TPU.
       With one micro-batch the gradient stage syncs (``compute_grad_sync``)
       either way. A pipeline's stages (``PipeshardParallel`` with several)
       sync their own way and do not read it.
@@ -317,7 +325,7 @@ class ParallelMethod:
   grad_accumulation_dtype: str | None = dataclasses.field(default="float32",
                                                           kw_only=True)
   one_executable: bool | None = dataclasses.field(default=None, kw_only=True)
-  grad_sync: str = dataclasses.field(default="last", kw_only=True)
+  grad_sync: str | None = dataclasses.field(default=None, kw_only=True)
   # Alpa's name for the mesh: a Mesh, or a sequence of devices (a 1-D
   # "data" mesh over them). Not a field: it sets `mesh`.
   devices: dataclasses.InitVar[Any] = dataclasses.field(default=None, kw_only=True)
@@ -336,7 +344,7 @@ class ParallelMethod:
                        f"(sum each gradient in its own dtype).")
     if self.grad_sync not in GRAD_SYNCS:
       raise InputError(f"{type(self).__name__}: grad_sync={self.grad_sync!r}; expected "
-                       f"'last' or 'apart'.")
+                       f"None (the platform's), 'last' or 'apart'.")
     n = self.num_micro_batches
     if n is not None and (not isinstance(n, (int, np.integer)) or isinstance(n, bool)
                           or n < 1):

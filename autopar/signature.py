@@ -37,7 +37,7 @@ from autopar.frontend.split import (MIXED, OutputKind, SplitStep, apply_at, disa
 from autopar.frontend.trace import check_batch_leaves, trace_step, trace_step_any_batch
 from autopar.method import (ParallelMethod, PipeshardParallel, ShardParallel,
                             Zero2Parallel, Zero3Parallel, auto_mesh, axis_sizes_of,
-                            resolve_mesh)
+                            grad_sync_for, resolve_mesh)
 from autopar.plan import Plan, ValuePlan
 from autopar.planner import cache as plan_cache
 from autopar.planner import pipeline as pipeline_compile
@@ -106,10 +106,15 @@ class Signature:
     hand, rates of the float dtype holding most of these arguments' bytes;
     under remat, the loop its layers run in on the platform it compiles for
     (``remat.layer_loop``: in the plan's fingerprint, and what a Ray
-    cluster's workers are sent)."""
+    cluster's workers are sent); where the gradients are synced, a saved
+    plan's or else the platform's (``method.grad_sync_for``), likewise."""
     if method.remat != "none" and method.remat_loop is None:
       method = dataclasses.replace(method, remat_loop=layer_loop(
           None, _platform(method), gathers=isinstance(method, Zero3Parallel)))
+    if method.grad_sync is None:
+      saved = getattr(method, "plan", None)
+      method = dataclasses.replace(method, grad_sync=getattr(
+          saved, "grad_sync", None) or grad_sync_for(_platform(method)))
     option = getattr(method, "option", None)
     if option is None:
       return method

@@ -13,8 +13,9 @@ updated state on the host:
 - jax.jit warm: a second process on the same JAX persistent cache (what a
   user of jax.jit gets on a second run);
 - autopar cold, per method (DataParallel with 2 micro-batches, ShardParallel
-  2 x 4 with 2 micro-batches, DataParallel with ``grad_sync="apart"``
-  (one gradient module), PipeshardParallel with 2 stages of 4 devices
+  2 x 4 with 2 micro-batches, both at CPUs' default ``grad_sync="apart"``,
+  one gradient module; DataParallel with ``grad_sync="last"``, GPUs'
+  default, two gradient modules; PipeshardParallel with 2 stages of 4 devices
   and 4 micro-batches): empty plan and compilation caches, planning
   included;
 - autopar warm: a second process on the same caches (the plan and the
@@ -67,9 +68,9 @@ def child(mode: str, layers: int) -> None:
   elif mode == "dp":
     step = autopar.parallelize(lm_step, method=autopar.DataParallel(
         mesh=jax.make_mesh((8,), ("data",)), num_micro_batches=2))
-  elif mode == "dpa":
+  elif mode == "dpl":
     step = autopar.parallelize(lm_step, method=autopar.DataParallel(
-        mesh=jax.make_mesh((8,), ("data",)), num_micro_batches=2, grad_sync="apart"))
+        mesh=jax.make_mesh((8,), ("data",)), num_micro_batches=2, grad_sync="last"))
   elif mode == "sp":
     step = autopar.parallelize(lm_step, method=autopar.ShardParallel(
         mesh=jax.make_mesh((2, 4), ("data", "model")), num_micro_batches=2, option=quiet))
@@ -97,7 +98,7 @@ def run(mode: str, layers: int, cache: str) -> dict:
   return json.loads(out.strip().splitlines()[-1])
 
 
-MODES = (("jit", "jax.jit"), ("dp", "DataParallel"), ("dpa", "DataParallel apart"),
+MODES = (("jit", "jax.jit"), ("dp", "DataParallel"), ("dpl", "DataParallel last"),
          ("sp", "ShardParallel"), ("pp", "PipeshardParallel"))
 
 

@@ -152,7 +152,7 @@ def compiled_step(step, state, tokens):
   if isinstance(step, autopar.ParallelizedFunction):
     exe = step.get_executable(state, tokens)
     stages = [exe.stages[name] for name in dict.fromkeys(exe.schedule)
-              if name != "loss_sums"]           # (a mean loss has no sums pass)
+              if name not in ("loss_sums", "zero_grad")]   # (not passes of the model)
     return step, stages[0].memory_analysis().temp_size_in_bytes, sum(
         s.as_text().count(" conditional(") for s in stages)
   compiled = step.lower(state, tokens).compile()

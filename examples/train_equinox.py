@@ -127,7 +127,7 @@ def main(steps=4):
         f"kept: {model.blocks[0].mlp.activation is jax.nn.gelu}")
   assert diff < 1e-4
   exe = step.get_executable(model, opt_state, *data[0])
-  print("layers rolled into loops:", exe.as_text()["compute_grad"].count(" while("),
+  print("layers rolled into loops:", exe.as_text()["accumulate_grad"].count(" while("),
         "(forward and backward)")
 
 

@@ -131,10 +131,10 @@ def mesh24():
 METHODS = {
     "DataParallel n=1": lambda: autopar.DataParallel(mesh=mesh8()),
     "DataParallel n=2": lambda: autopar.DataParallel(mesh=mesh8(), num_micro_batches=2),
-    # (Its sums zeroed by zero_grad and reduced by sync_grad: a bool aux
-    # combined as a min starts at True, as a max at False.)
-    "Zero2Parallel apart": lambda: autopar.Zero2Parallel(mesh=mesh8(), num_micro_batches=2,
-                                                         grad_sync="apart"),
+    # (Synced in the last micro-batch's stage, as on GPUs; the others on
+    # these CPUs in a stage of their own: ParallelMethod.grad_sync.)
+    "Zero2Parallel": lambda: autopar.Zero2Parallel(mesh=mesh8(), num_micro_batches=2,
+                                                   grad_sync="last"),
     "Zero3Parallel": lambda: autopar.Zero3Parallel(mesh=mesh8(), num_micro_batches=2),
     "ShardParallel 2x4 n=2": lambda: autopar.ShardParallel(mesh=mesh24(),
                                                            num_micro_batches=2),

@@ -145,7 +145,7 @@ def test_nnx_remat_layers_rolls_the_blocks(nnx_reference, loop):
   m2, o2 = nnx_make()
   # Scan: one loop over the layers for the forward pass and one for the
   # backward; unrolled: none, and no conditional.
-  text = p.get_executable(m2, o2, tokens()).as_text()["compute_grad"]
+  text = p.get_executable(m2, o2, tokens()).as_text()["accumulate_grad"]
   assert text.count(" while(") == (2 if loop == "scan" else 0)
   assert text.count(" conditional(") == (2 if loop == "scan" else 0)
 
@@ -359,7 +359,7 @@ def test_equinox_transformer_equals_filter_jit(eqx_reference, method):
     if remat == "layers":
       text = p.get_executable(model, opt_state, t[:, :-1], t[:, 1:]).as_text()
       # forward, backward; ZeRO-3 runs its layers unrolled (remat.layer_loop)
-      assert text["compute_grad"].count(" while(") == (0 if method == "zero3" else 2)
+      assert text["accumulate_grad"].count(" while(") == (0 if method == "zero3" else 2)
 
 
 def test_filter_grad_has_equinox_semantics():

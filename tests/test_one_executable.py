@@ -80,7 +80,8 @@ def test_what_one_executable_is_not_for_is_refused():
     autopar.DataParallel(mesh=mesh8(), one_executable="auto")
   # The default: one executable with one micro-batch, the stages apart with more.
   for n, schedule in ((1, ["grad_and_apply"]),
-                      (2, ["compute_grad", "accumulate_grad_sync", "apply_grad"])):
+                      (2, ["zero_grad", "accumulate_grad", "accumulate_grad", "sync_grad",
+                           "apply_grad"])):
     pf = autopar.parallelize(make_step(token_mean), method=autopar.ShardParallel(
         mesh=mesh24(), num_micro_batches=n), batch_argnums=(1,))
     assert pf.get_executable(make_state(), batch_of()).schedule[-len(schedule):] == schedule

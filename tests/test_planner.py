@@ -147,7 +147,8 @@ def test_tight_memory_budget_shards_the_parameters():
   exe = p.get_executable(make_state(), batch)
   assert all("data" in str(spec) for spec in kernels(exe.plan))
   assert compiled_peak(exe.plan, exe.stages, exe.schedule) <= smallest * 1.05
-  gathers = [c for c in hlo.collectives(exe.stages["compute_grad"])
+  first = grad_stage_names(2, exe.plan.grad_sync)[0]     # (the first micro-batch's)
+  gathers = [c for c in hlo.collectives(exe.stages[first])
              if c.kind == "all-gather" and c.operand_bytes >= 64 * 1024 * 4 // 8]
   assert gathers                       # parameters gathered for each micro-batch
   check_numerics(p, make_state, step, batch)
@@ -228,7 +229,13 @@ def test_a_saved_plan_syncs_the_gradients_as_it_was_made():
   plan = autopar.parallelize(step, method=method(grad_sync="apart")).plan(make_state(), batch)
   assert autopar.Plan.from_json(plan.to_json()).grad_sync == plan.grad_sync == "apart"
   with pytest.raises(autopar.PlanError, match="grad_sync='apart'"):
-    autopar.parallelize(step, method=method(plan=plan)).plan(make_state(), batch)
+    autopar.parallelize(step, method=method(plan=plan, grad_sync="last")).plan(
+        make_state(), batch)
+  # Not chosen, the method syncs as the saved plan does (a plan made on a GPU
+  # runs on CPUs, whose default is "apart").
+  last = autopar.parallelize(step, method=method(grad_sync="last")).plan(make_state(), batch)
+  again = autopar.parallelize(step, method=method(plan=last)).plan(make_state(), batch)
+  assert again.grad_sync == "last"
 
 
 def test_combinations_start_at_their_identity():
