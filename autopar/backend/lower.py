@@ -286,24 +286,24 @@ def _grad_stage(split: SplitStep, plan: Plan, amesh, user_mesh, *, first: bool,
     # (measured: a sum's bytes written twice per micro-batch, and a second
     # sum's buffer at the peak). One that reduces them adds at the
     # gradient's shape (stacked, the sum was held beside the reduced one).
+    # (A stage that reduces carries no sums on: acc_g is read where not sync.)
     totals, acc_g = [], []
     for j, slot in enumerate(grad_slots):
       st = slot if isinstance(slot, GradStack) else whole.get(slot)
+      if st is not None and folded[st][1]:      # reduced inside its scan (sync)
+        totals.append(folded[st])
+        continue
       if st is not None:
-        total, is_reduced = folded[st]
-        if not (is_reduced or first):
-          total = total[0]
-        totals.append((total, is_reduced))
-        acc_g.append(None if is_reduced else       # (not read where sync)
-                     total[None] if first else folded[st][0])
+        stacked = folded[st][0][None] if first else folded[st][0]
       elif sync:
         totals.append((add_partial(None if first else acc[0][j][0], grads[slot],
                                    acc_dtypes[slot]), False))
+        continue
       else:
         stacked = add_partial(None if first else acc[0][j], grads[slot][None],
                               acc_dtypes[slot])
-        totals.append((stacked[0], False))
-        acc_g.append(stacked)
+      totals.append((stacked[0], False))
+      acc_g.append(stacked)
     # The loss's and metrics' sums over the batch's rows (combine.py).
     if first:
       acc_r = [r[None] for r in sums]

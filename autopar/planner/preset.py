@@ -132,7 +132,7 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
                                              strict=True))
 
   sites = leaf_gather_sites(split) if split.has_marker else {}
-  grad_sync = method.grad_sync or "last"
+  grad_sync = method.grad_sync
   collectives = _preset_collectives(split, inputs, grads, params, batch_axes,
                                     sizes, n, sync_stage_name(n, grad_sync), zero,
                                     out_avals, sites)

@@ -591,7 +591,7 @@ def plan_template(split: SplitStep, outputs: SizedOutputs, local: SplitStep,
       num_micro_batches=method.micro_batches,
       prefer_reduce_scatter=bool(option.prefer_reduce_scatter),
       costs=assumed_costs(sizes, option), grad_inputs=tuple(grad_paths),
-      has_marker=split.has_marker, grad_sync=method.grad_sync or "last",
+      has_marker=split.has_marker, grad_sync=method.grad_sync,
       leaves=tuple((l.path, tuple(map(int, l.shape)), dtype_name(l.dtype), l.is_batch)
                    for l in traced.leaves),
       read=frozenset(leaves_read_by_compute(local)),
