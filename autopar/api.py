@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 
+from autopar import jax_compat
 from autopar.runtime import base as runtime
 from autopar.runtime import data as runtime_data
 from autopar.errors import InputError
@@ -396,15 +397,16 @@ def _single_device(x) -> bool:
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Direct:
   """A compiled SPMD step called on the flat leaves of its arguments as they
-  come, every leaf traced: its executables check their types and shardings
-  themselves (in JAX's C++, as ``jax.jit`` does), so a steady-state call
-  does no work per leaf in Python beyond picking them by role and the
-  donation check's identities. Arguments an executable does not take make
-  it raise before it runs; the call then takes the full path, which places
-  them, or says what is wrong with them. (With several executables,
-  ``Executable.run`` places the batch once for all of them, and places the
-  update's leaves where the update refuses them after the gradient stages
-  ran.)"""
+  come, every leaf traced: its executables check the leaves themselves (in
+  JAX's C++, as ``jax.jit`` does), so a steady-state call does no work per
+  leaf in Python beyond picking them by role. An executable refuses, before
+  it runs and with nothing donated used up, a leaf of another type or
+  sharding, a deleted array (one donated to an earlier call) and one buffer
+  donated twice or donated and read; the call then takes the full path,
+  which places the leaves, or says what is wrong with them. (With several
+  executables, ``Executable.run`` places the batch once for all of them,
+  and places the update's leaves where the update refuses them after the
+  gradient stages ran.)"""
   exe: Executable
   traced: TracedStep
 
@@ -412,6 +414,14 @@ class _Direct:
   def one_device(self) -> bool:
     return len(self.exe.lowered.in_shardings[0].device_set) == 1 \
         if self.exe.lowered.in_shardings else True
+
+  @functools.cached_property
+  def checks_identities(self) -> bool:
+    """Whether :meth:`run` checks the donated leaves itself: where the
+    executable would crash the process on a buffer donated twice (jaxlib <
+    0.12, ``jax_compat.EXECUTE_REFUSES_REUSED_DONATION``), and on a
+    one-device mesh, where two array objects can hold one buffer."""
+    return self.one_device or not jax_compat.EXECUTE_REFUSES_REUSED_DONATION
 
   def batch_shapes(self, flat: list) -> tuple:
     """The shapes of the batch leaves among ``flat`` (with the structure,
@@ -428,24 +438,25 @@ class _Direct:
     """The flat outputs, or None where the full path must run the call."""
     pick_donated, pick_kept, pick_batch = self.pickers
     donated, kept = pick_donated(flat), pick_kept(flat)
-    # The full path says what is wrong with: one array passed as two donated
-    # leaves, or as a donated and a kept one, or (on a one-device mesh, where
-    # two objects can hold one buffer) any donated single-device array
-    # (check_donation); an array donated before (_check_not_donated: the
-    # executable would crash the process on it).
-    ids = set(map(id, donated))
-    if (len(ids) != len(donated) or not ids.isdisjoint(map(id, kept)) or
-        _any_deleted(flat) or
-        (self.one_device and any(map(_single_device, donated)))):
-      return None
+    if self.checks_identities:
+      # The full path says what is wrong with: one array passed as two
+      # donated leaves, or as a donated and a kept one, any donated
+      # single-device array on a one-device mesh (check_donation), an array
+      # donated before (_check_not_donated).
+      ids = set(map(id, donated))
+      if (len(ids) != len(donated) or not ids.isdisjoint(map(id, kept)) or
+          _any_deleted(flat) or (self.one_device and any(map(_single_device, donated)))):
+        return None
     try:
       if self.exe.one_call:
         return self.exe.run_by_role(donated, kept, pick_batch(flat))
       return self.exe.run(flat, placed=False)
-    except (TypeError, ValueError):
-      # The executable's checks of the leaves' types and shardings, made
-      # before it runs; but a donated leaf used up means it ran: raise.
-      if any(map(_deleted, donated)):
+    except (TypeError, ValueError, RuntimeError) as e:
+      # The executables' refusals, made before they run. But a donated leaf
+      # used up after a TypeError or ValueError means the step ran (an
+      # error of its outputs): raise. (A RuntimeError is also how an
+      # executable refuses a deleted array: the full path says which.)
+      if not isinstance(e, RuntimeError) and any(map(_deleted, donated)):
         raise
       return None
 

@@ -40,6 +40,7 @@ import threading
 from typing import Callable, Optional, Sequence
 
 import jax
+import jaxlib
 from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import dispatch as _dispatch
@@ -57,6 +58,13 @@ from jax._src.xla_bridge import backends_are_initialized
 from jax.interpreters import ad, batching
 
 JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+JAXLIB_VERSION = tuple(int(p) for p in jaxlib.__version__.split(".")[:3] if p.isdigit())
+
+# Whether an executable called with one buffer donated twice, or donated and
+# also read, refuses the call before it runs (INVALID_ARGUMENT, nothing
+# donated used up): jaxlib 0.12. jaxlib 0.10.2 and 0.11.0 crash the process
+# on it (measured), so a caller checks the arguments' identities first.
+EXECUTE_REFUSES_REUSED_DONATION = JAXLIB_VERSION >= (0, 12)
 
 # jaxpr data and evaluation ----------------------------------------------------
 Tracer = _core.Tracer
@@ -96,7 +104,7 @@ __all__ = [
     "summarize_source", "current_name_stack", "user_context", "eqn_context_without_mesh",
     "evaluate_dim", "key_impl_of", "debug_info", "JAX_VERSION", "backends_are_initialized",
     "undecided_dim_equalities", "JAX_SOURCE_DIR", "mapped_jvp_rule",
-    "persistent_cache_keeps_all",
+    "persistent_cache_keeps_all", "JAXLIB_VERSION", "EXECUTE_REFUSES_REUSED_DONATION",
 ]
 
 

@@ -210,6 +210,12 @@ class StagePlan:
       memory budget: it costs a gather of the updated values each step).
     zero_params: its parameters are split over its batch axes too (ZeRO-3),
       gathered by each pass that reads them, for every micro-batch.
+    root_specs, grad_specs: per value the stage's passes read from outside
+      it (its roots: parameters, constants), its spec there and its
+      gradient's (the stage's ILP's); pins: per pass (forward, backward),
+      equation path -> {output number: spec}, the intermediate shardings
+      the ILP chose. The three hold for the program the plan was made for
+      (its ``fingerprint``), and are followed only for that program.
     first_pass_seconds: where the loss's gradient reads sums over the
       batch that depend on the parameters, a first pass runs the forward
       passes alone before the schedule; the predicted time of this stage's
@@ -231,6 +237,9 @@ class StagePlan:
   first_pass_seconds: float = 0.0
   zero_state: bool = False
   zero_params: bool = False
+  root_specs: tuple = ()
+  grad_specs: tuple = ()
+  pins: tuple = ({}, {})
 
   def to_json(self) -> dict:
     d = dataclasses.asdict(self)
@@ -239,6 +248,10 @@ class StagePlan:
     d["submesh_shape"] = list(self.submesh_shape)
     d["batch_axes"] = list(self.batch_axes)
     d["inputs"] = [v.to_json() for v in self.inputs]
+    d["root_specs"] = [spec_to_json(x) for x in self.root_specs]
+    d["grad_specs"] = [spec_to_json(x) for x in self.grad_specs]
+    d["pins"] = [{path: {str(o): spec_to_json(x) for o, x in outs.items()}
+                  for path, outs in table.items()} for table in self.pins]
     return d
 
   @classmethod
@@ -254,7 +267,12 @@ class StagePlan:
                send_seconds=float(d.get("send_seconds", 0.0)),
                first_pass_seconds=float(d.get("first_pass_seconds", 0.0)),
                zero_state=bool(d.get("zero_state", False)),
-               zero_params=bool(d.get("zero_params", False)))
+               zero_params=bool(d.get("zero_params", False)),
+               root_specs=tuple(spec_from_json(x) for x in d.get("root_specs", ())),
+               grad_specs=tuple(spec_from_json(x) for x in d.get("grad_specs", ())),
+               pins=tuple({path: {int(o): spec_from_json(x) for o, x in outs.items()}
+                           for path, outs in table.items()}
+                          for table in d.get("pins", ({}, {}))))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -159,9 +159,31 @@ class Signature:
           pre = pipeline_compile.prepare(self.fun, self.args_for_trace(prep), prep,
                                          method, name=self.name,
                                          output_reductions=self.output_reductions)
-          plan, chosen = pipeline_compile.plan_pipeline(pre, method, mesh)
+          plan, chosen = self._plan_pipeline(pre, method, mesh)
         self._pipeline = (pre, plan, chosen)
       return self._pipeline
+
+  def _plan_pipeline(self, pre, method: PipeshardParallel, mesh):
+    """``plan_pipeline``'s plan and (cut, choices, search result), through
+    the plan cache: a plan found there is run as a saved plan (its stages
+    cut again, nothing searched; no search result). A plan of one stage
+    (the search found pipelining does not pay) holds no stages to cut: the
+    step runs under ShardParallel (``one_stage``)."""
+    if method.plan is not None or not method.option.plan_cache:
+      return pipeline_compile.plan_pipeline(pre, method, mesh)
+    fingerprint = plan_cache.fingerprint(pre.split, method, mesh, pre.batch)
+    key = plan_cache.plan_key(fingerprint)
+    cached = plan_cache.load(key)
+    if cached is not None and dict(cached.fingerprint) == fingerprint:
+      if not cached.stages:
+        return dataclasses.replace(cached, in_tree=pre.split.traced.inputs,
+                                   mesh=mesh), (None, None, None)
+      return pipeline_compile.plan_pipeline(pre, dataclasses.replace(method, plan=cached),
+                                            mesh)
+    plan, chosen = pipeline_compile.plan_pipeline(pre, method, mesh)
+    plan = dataclasses.replace(plan, fingerprint=tuple(fingerprint.items()))
+    plan_cache.store(key, plan)
+    return plan, chosen
 
   def not_dearer_than_zero(self, prep, plan: Plan, micro: int,
                            batch_size: int) -> Plan:

@@ -131,8 +131,10 @@ def search_table():
                                               batch=64, seq=64, vocab=512)
   abstract = jax.eval_shape(lambda: (make_state(), batch))
   mesh = jax.sharding.AbstractMesh((4, 8), ("host", "device"))
+  # (plan_cache off: the stage search's result and its time are printed)
   option = autopar.AutoShardingOption(mesh_beta={"host": 1 / 25e9, "device": 1 / 300e9},
-                                      mesh_alpha={"host": 1e-5, "device": 1e-6})
+                                      mesh_alpha={"host": 1e-5, "device": 1e-6},
+                                      plan_cache=False)
   n = 8
   print("4. modelled step time, GPT (8 layers, d=512) on abstract 4 hosts x 8 devices,")
   print("   host axis 25 GB/s, device axis 300 GB/s, 8 micro-batches")
@@ -177,7 +179,8 @@ def planning_time():
                                               batch=64, seq=32, vocab=256)
   abstract = jax.eval_shape(lambda: (make_state(), batch))
   mesh = jax.sharding.AbstractMesh((8, 8), ("host", "device"))
-  option = autopar.AutoShardingOption(mesh_beta={"host": 1 / 25e9, "device": 1 / 300e9})
+  option = autopar.AutoShardingOption(mesh_beta={"host": 1 / 25e9, "device": 1 / 300e9},
+                                      plan_cache=False)
   pf = autopar.parallelize(step, method=autopar.PipeshardParallel(
       mesh=mesh, num_micro_batches=16, option=option))
   t = time.perf_counter()
@@ -271,7 +274,8 @@ def zero_in_stage_table():
 
   def plan(budget):
     option = autopar.AutoShardingOption(
-        mesh_beta={"host": 1 / 25e9, "device": 1 / 300e9}, memory_budget_per_device=budget)
+        mesh_beta={"host": 1 / 25e9, "device": 1 / 300e9}, memory_budget_per_device=budget,
+        plan_cache=False)
     pf = autopar.parallelize(step, method=autopar.PipeshardParallel(
         mesh=mesh, num_micro_batches=8, num_stages=4, option=option))
     t = time.perf_counter()

@@ -18,7 +18,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from autopar import jax_compat as jc
 from autopar.backend.gradients import sums_pass
 from autopar.backend.stage_executables import StageExecutables, StageLayout, build_stage
-from autopar.disk import use_compilation_cache
 from autopar.errors import InputError
 from autopar.frontend.apply_segments import Segment
 from autopar.frontend.cut import stage_functions
@@ -60,8 +59,8 @@ class SumsPass:
 
 def build_stages(pre: Prepared, mesh, cut_, choices) -> list[StageExecutables]:
   """Each stage of ``cut_`` compiled on its submesh of ``mesh`` as the
-  planner's ``choices`` lay it out."""
-  use_compilation_cache()
+  planner's ``choices`` lay it out (jitted; each compiles at its first
+  call, ``runtime.pipeline``)."""
   ctx = pre.ctx
   program = ctx.program
   exes = []

@@ -25,6 +25,7 @@ from autopar.frontend.pipeline import Context, Prepared, trace_pipelined
 from autopar.frontend.split import OutputKind
 from autopar.method import PipeshardParallel, auto_mesh, axis_sizes_of, resolve_mesh
 from autopar.plan import Plan, StagePlan, ValuePlan
+from autopar.planner.cache import fingerprint
 from autopar.planner.layers import layer_starts
 from autopar.planner.shard import donation_pairs
 from autopar.planner.stage_search import (StageChoice, first_pass_time, forward_seconds,
@@ -99,7 +100,8 @@ def _plan_of(pre: Prepared, method, mesh, cut_, choices) -> Plan:
         time_per_step=float(ch.time_per_step), memory_per_device=int(ch.memory),
         in_flight=in_flight[s], bytes_to_next=int(ch.send_bytes),
         send_seconds=float(ch.send_seconds), first_pass_seconds=float(first[s]),
-        zero_state=zero, zero_params=zero_params))
+        zero_state=zero, zero_params=zero_params, root_specs=tuple(ch.root_specs),
+        grad_specs=tuple(ch.grad_specs), pins=ch.pins))
   inputs = tuple(ValuePlan(l.path, tuple(l.shape), dtype_name(l.dtype),
                            home_spec.get(k, PartitionSpec())) for k, l in enumerate(leaves))
   grads, grad_inputs = [], []
@@ -136,7 +138,13 @@ def plan_pipeline(pre: Prepared, method: PipeshardParallel, mesh) -> tuple[Plan,
   # input_shardings.)
   inputs = pre.split.traced.inputs
   if method.plan is not None:
-    cut_, choices = _saved(pre, method, mesh, method.plan)
+    # The stages' own layout (their roots', gradients' and intermediates'
+    # specs) is followed where the plan was made for this very program;
+    # else the stages are laid out from their inputs' specs alone.
+    was = dict(method.plan.fingerprint)
+    now = fingerprint(pre.split, method, mesh, pre.batch)
+    exact = all(was.get(k) == now[k] for k in ("autopar", "program", "arguments", "mesh"))
+    cut_, choices = _saved(pre, method, mesh, method.plan, exact)
     plan = dataclasses.replace(method.plan, in_tree=inputs, mesh=mesh)
     return plan, (cut_, choices, None)
   cut_, choices, result = search(pre, method, mesh)
@@ -145,8 +153,10 @@ def plan_pipeline(pre: Prepared, method: PipeshardParallel, mesh) -> tuple[Plan,
   return plan, (cut_, choices, result)
 
 
-def _saved(pre: Prepared, method, mesh, plan: Plan):
-  """The stages of a saved pipeline plan, for this step."""
+def _saved(pre: Prepared, method, mesh, plan: Plan, exact: bool):
+  """The stages of a saved pipeline plan, for this step; ``exact``: the
+  plan was made for this step's program, and its stages' own layout
+  (``StagePlan.root_specs``, ``grad_specs``, ``pins``) is followed."""
   ctx = pre.ctx
   name = ctx.program.fn_name
   sizes = axis_sizes_of(mesh)
@@ -186,10 +196,13 @@ def _saved(pre: Prepared, method, mesh, plan: Plan):
     update = {aj.invars[ctx.num_consts + k]: spec[ctx.leaf_names[k]]
               for k in range(len(ctx.program.leaves))
               if ctx.leaf_names[k] in spec and k not in st.leaves}
+    own = exact and len(sp.root_specs) == len(st.roots)
     choices.append(StageChoice(
         layers=layers[s], offset=sp.submesh_offset, shape=tuple(sp.submesh_shape),
-        batch_axes=tuple(sp.batch_axes), root_specs=root_specs,
+        batch_axes=tuple(sp.batch_axes),
+        root_specs=tuple(sp.root_specs) if own else root_specs,
         leaf_specs=tuple(spec[ctx.leaf_names[k]] for k in st.leaves),
+        grad_specs=tuple(sp.grad_specs) if own else (), pins=sp.pins if own else ({}, {}),
         update_specs=update, time_per_micro_batch=sp.time_per_micro_batch,
         time_per_step=sp.time_per_step, memory=sp.memory_per_device,
         send_bytes=sp.bytes_to_next, send_seconds=sp.send_seconds))

@@ -49,6 +49,7 @@ from autopar.backend.pipeline_build import (ApplySegment, SumsPass, apply_segmen
                                             build_stages, inputs_pass, sums_pass_of)
 from autopar.backend.stage_executables import StageExecutables
 from autopar.costs.submesh import tile
+from autopar.disk import use_compilation_cache
 from autopar.errors import PlanError
 from autopar.frontend.cut import home_specs
 from autopar.frontend.loss import SHARE
@@ -182,6 +183,10 @@ class PipelineStep:
   recording: bool = False
   timing: bool = False
   stats: dict = dataclasses.field(default_factory=dict)
+  # Whether JAX's persistent compilation cache is autopar's: then each stage
+  # function compiled is kept there however quickly it compiled, so that a
+  # second process reads every one (disk.use_compilation_cache).
+  keep_compiles: bool = False
   _calls: dict = dataclasses.field(default_factory=dict)
   # Made on the first call and kept (see the module docstring): shardings per
   # (stage, spec), the routes of activations between stages, constant zeros.
@@ -342,7 +347,15 @@ class PipelineStep:
     return out
 
   def run(self, leaves: Sequence[Any]) -> list[Any]:
-    """Runs one step; returns the flat outputs (as ``Executable.run``)."""
+    """Runs one step; returns the flat outputs (as ``Executable.run``). The
+    first call compiles the stage functions as it reaches them, each kept
+    in JAX's persistent cache where that is autopar's (``keep_compiles``)."""
+    if self._calls or not self.keep_compiles:
+      return self._run_step(leaves)
+    with jc.persistent_cache_keeps_all():
+      return self._run_step(leaves)
+
+  def _run_step(self, leaves: Sequence[Any]) -> list[Any]:
     program, S, n = self.program, self.num_stages, self.n
     per_stage, home = self.place(leaves)
     seeds = self.seeds.values(self, leaves, per_stage)
@@ -505,6 +518,7 @@ def compile_pipeline(pre: Prepared, method: PipeshardParallel, mesh, cut_,
     for t, b in enumerate(meshes[s + 1:], s + 1):
       check_movable(a.devices.flat, b.devices.flat,
                     what=f"a value of stage {s} (to or from stage {t})")
+  keep_compiles = use_compilation_cache()
   exes = build_stages(pre, mesh, cut_, choices)
   homes = home_specs(ctx, cut_, choices)
   segments = apply_segments(pre, cut_, exes, homes)
@@ -516,7 +530,7 @@ def compile_pipeline(pre: Prepared, method: PipeshardParallel, mesh, cut_,
       micro=ctx.micro, root_home=dict(cut_.root_home),
       final_stage=dict(cut_.final_stage), finals=pre.finals,
       apply_consts=tuple(ctx.consts), leaf_home=dict(cut_.leaf_home),
-      home_specs=homes)
+      home_specs=homes, keep_compiles=keep_compiles)
 
 
 def _loss_seeds(pre: Prepared, cut_, exes) -> LossSeeds:
