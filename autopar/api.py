@@ -452,11 +452,12 @@ class _Direct:
         return self.exe.run_by_role(donated, kept, pick_batch(flat))
       return self.exe.run(flat, placed=False)
     except (TypeError, ValueError, RuntimeError) as e:
-      # The executables' refusals, made before they run. But a donated leaf
-      # used up after a TypeError or ValueError means the step ran (an
-      # error of its outputs): raise. (A RuntimeError is also how an
-      # executable refuses a deleted array: the full path says which.)
-      if not isinstance(e, RuntimeError) and any(map(_deleted, donated)):
+      # The executables' refusals, made before they run: the full path says
+      # what is wrong. But a donated leaf deleted after any other error
+      # means the step ran (an error of its run or of its outputs): raise.
+      # (A deleted array passed in, one donated to an earlier call, is
+      # refused as "... has been deleted": the full path names it.)
+      if "has been deleted" not in str(e) and any(map(_deleted, donated)):
         raise
       return None
 
