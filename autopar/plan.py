@@ -214,8 +214,9 @@ class StagePlan:
       it (its roots: parameters, constants), its spec there and its
       gradient's (the stage's ILP's); pins: per pass (forward, backward),
       equation path -> {output number: spec}, the intermediate shardings
-      the ILP chose. The three hold for the program the plan was made for
-      (its ``fingerprint``), and are followed only for that program.
+      the ILP chose. The three hold for the step the plan was made for
+      (its ``fingerprint``: program, arguments, mesh, the method's
+      settings), and are followed only for that step.
     first_pass_seconds: where the loss's gradient reads sums over the
       batch that depend on the parameters, a first pass runs the forward
       passes alone before the schedule; the predicted time of this stage's

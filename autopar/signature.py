@@ -169,11 +169,13 @@ class Signature:
     cut again, nothing searched; no search result). A plan of one stage
     (the search found pipelining does not pay) holds no stages to cut: the
     step runs under ShardParallel (``one_stage``)."""
-    if method.plan is not None or not method.option.plan_cache:
+    if method.plan is not None:
       return pipeline_compile.plan_pipeline(pre, method, mesh)
+    # (The fingerprint is the plan's, cached or not: a plan saved from it
+    # is followed exactly by the same step.)
     fingerprint = plan_cache.fingerprint(pre.split, method, mesh, pre.batch)
-    key = plan_cache.plan_key(fingerprint)
-    cached = plan_cache.load(key)
+    key = plan_cache.plan_key(fingerprint) if method.option.plan_cache else None
+    cached = plan_cache.load(key) if key else None
     if cached is not None and dict(cached.fingerprint) == fingerprint:
       if not cached.stages:
         return dataclasses.replace(cached, in_tree=pre.split.traced.inputs,
@@ -182,7 +184,8 @@ class Signature:
                                             mesh)
     plan, chosen = pipeline_compile.plan_pipeline(pre, method, mesh)
     plan = dataclasses.replace(plan, fingerprint=tuple(fingerprint.items()))
-    plan_cache.store(key, plan)
+    if key:
+      plan_cache.store(key, plan)
     return plan, chosen
 
   def not_dearer_than_zero(self, prep, plan: Plan, micro: int,

@@ -139,11 +139,11 @@ def plan_pipeline(pre: Prepared, method: PipeshardParallel, mesh) -> tuple[Plan,
   inputs = pre.split.traced.inputs
   if method.plan is not None:
     # The stages' own layout (their roots', gradients' and intermediates'
-    # specs) is followed where the plan was made for this very program;
-    # else the stages are laid out from their inputs' specs alone.
-    was = dict(method.plan.fingerprint)
-    now = fingerprint(pre.split, method, mesh, pre.batch)
-    exact = all(was.get(k) == now[k] for k in ("autopar", "program", "arguments", "mesh"))
+    # specs) is followed where the plan was made for this very step: its
+    # program, arguments, mesh and the method's settings (remat and the
+    # layers shape the stages' passes too); else the stages are laid out
+    # from their inputs' specs alone.
+    exact = dict(method.plan.fingerprint) == fingerprint(pre.split, method, mesh, pre.batch)
     cut_, choices = _saved(pre, method, mesh, method.plan, exact)
     plan = dataclasses.replace(method.plan, in_tree=inputs, mesh=mesh)
     return plan, (cut_, choices, None)
