@@ -181,7 +181,7 @@ class Signature:
         return dataclasses.replace(cached, in_tree=pre.split.traced.inputs,
                                    mesh=mesh), (None, None, None)
       return pipeline_compile.plan_pipeline(pre, dataclasses.replace(method, plan=cached),
-                                            mesh)
+                                            mesh, now=fingerprint)
     plan, chosen = pipeline_compile.plan_pipeline(pre, method, mesh)
     plan = dataclasses.replace(plan, fingerprint=tuple(fingerprint.items()))
     if key:

@@ -130,7 +130,8 @@ def _in_flight(schedule: str, S: int, n: int) -> list[int]:
   return [min(n, S - s) if schedule == "1f1b" else n for s in range(S)]
 
 
-def plan_pipeline(pre: Prepared, method: PipeshardParallel, mesh) -> tuple[Plan, Any]:
+def plan_pipeline(pre: Prepared, method: PipeshardParallel, mesh,
+                  now: dict | None = None) -> tuple[Plan, Any]:
   """The pipeline's plan, and the cut, choices and search result it was
   made from (``stage_search.py``); with ``method.plan``, the saved plan's stages,
   without solving."""
@@ -143,7 +144,9 @@ def plan_pipeline(pre: Prepared, method: PipeshardParallel, mesh) -> tuple[Plan,
     # program, arguments, mesh and the method's settings (remat and the
     # layers shape the stages' passes too); else the stages are laid out
     # from their inputs' specs alone.
-    exact = dict(method.plan.fingerprint) == fingerprint(pre.split, method, mesh, pre.batch)
+    # (``now``: this step's fingerprint, where the caller has it.)
+    now = now or fingerprint(pre.split, method, mesh, pre.batch)
+    exact = dict(method.plan.fingerprint) == now
     cut_, choices = _saved(pre, method, mesh, method.plan, exact)
     plan = dataclasses.replace(method.plan, in_tree=inputs, mesh=mesh)
     return plan, (cut_, choices, None)
@@ -155,7 +158,7 @@ def plan_pipeline(pre: Prepared, method: PipeshardParallel, mesh) -> tuple[Plan,
 
 def _saved(pre: Prepared, method, mesh, plan: Plan, exact: bool):
   """The stages of a saved pipeline plan, for this step; ``exact``: the
-  plan was made for this step's program, and its stages' own layout
+  plan was made for this step and method, and its stages' own layout
   (``StagePlan.root_specs``, ``grad_specs``, ``pins``) is followed."""
   ctx = pre.ctx
   name = ctx.program.fn_name
