@@ -21,6 +21,7 @@ from typing import Any, Callable
 import jax
 from jax.sharding import AbstractMesh
 
+from autopar.gc_pause import gc_paused
 from autopar import jax_compat as jc
 from autopar.backend.hlo import compiled_peak
 from autopar.backend.lower import lower_step
@@ -42,7 +43,6 @@ from autopar.plan import Plan, ValuePlan
 from autopar.planner import cache as plan_cache
 from autopar.planner import pipeline as pipeline_compile
 from autopar.planner.preset import plan_preset, preset_option
-from autopar.planner.solved import gc_paused
 from autopar.planner.shard import Progress, batch_axes_for, keeps_batch_whole, plan_auto
 
 from autopar.runtime.base import active as active_runtime
@@ -221,14 +221,16 @@ class Signature:
         candidate = plan_preset(split, other, mesh,
                                 batch_size=batch_size, outputs=outputs,
                                 trace_local=lambda rows: self.split(prep, rows),
-                                option=option, price_cache=prices)
+                                option=option, price_cache=prices,
+                                cheaper_than=best.objective * (1 - 1e-3))
       except (InputError, PlanError):
         continue                       # the preset cannot split this batch
+      if candidate is None:
+        continue                       # not cheaper
       budget = option.memory_budget_per_device
       if budget is not None and candidate.memory_per_device > budget:
         continue
-      if candidate.objective < best.objective * (1 - 1e-3):
-        best, taken = candidate, other.name
+      best, taken = candidate, other.name
     if taken is None:
       return plan
     s = plan.solver
@@ -515,7 +517,10 @@ class Signature:
     """The step compiled for these arguments (once)."""
     with self.lock:
       if self._executable is None:
-        self._executable = self.build(prep)
+        # (The stages' traces and lowering make as many long-lived objects
+        # as planning does: gc_paused says why.)
+        with gc_paused():
+          self._executable = self.build(prep)
       return self._executable
 
   def build(self, prep) -> Executable:

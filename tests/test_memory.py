@@ -716,7 +716,10 @@ def test_memory_budget_holds_on_compiled_memory(model):
       state, batch)
   full = compiled_peak(dp.plan, dp.stages, dp.schedule)
   outcomes = []
-  for frac in (0.75, 0.5):
+  # (The GPT at 75 % fits, by a hair, after the ILP's memory-bound solves
+  # of 10 s each on this 2-layer model: its 50 % alone is taken, which
+  # falls back to ZeRO-3's layout under remat.)
+  for frac in (0.75, 0.5) if model == "mlp" else (0.5,):
     budget = int(frac * full)
     option = autopar.AutoShardingOption(memory_budget_per_device=budget,
                                         plan_cache=False)

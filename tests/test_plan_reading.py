@@ -383,8 +383,26 @@ def _cli(*args, cwd, cache=None):
                         env=_env(cache), capture_output=True, text=True, timeout=300)
 
 
-def test_every_cli_verb_runs(dp_and_megatron, tmp_path):
+def _cli_here(*args, cwd, monkeypatch, capsys):
+  """``_cli`` in this process (``tools.cli.main``, as ``python -m autopar``
+  calls it): a second process for each verb would cost its imports again."""
+  from autopar.tools.cli import main
+  monkeypatch.chdir(cwd)
+  monkeypatch.setattr(sys, "path", list(sys.path))   # (--step imports from cwd)
+  capsys.readouterr()
+  try:
+    code = main(list(args))
+  except SystemExit as e:                             # (argparse's --help)
+    code = e.code
+  out = capsys.readouterr()
+  return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
+def test_every_cli_verb_runs(dp_and_megatron, tmp_path, monkeypatch, capsys):
+  """The command itself (a process of its own: a plan solved, and a reader
+  that goes away), and every verb and error through its entry point."""
   dp, mt = dp_and_megatron
+  here = functools.partial(_cli_here, monkeypatch=monkeypatch, capsys=capsys)
   (tmp_path / "a.json").write_text(dp.to_json())
   (tmp_path / "b.json").write_text(mt.to_json())
   (tmp_path / "mystep.py").write_text(STEP)
@@ -396,11 +414,11 @@ def test_every_cli_verb_runs(dp_and_megatron, tmp_path):
   for args in (["show", "a.json"], ["show", "p.json", "--full"], ["diff", "a.json", "b.json"],
                ["report", "b.json", "-o", "b.html"], ["explain", "b.json", "*kernel"],
                ["--help"], ["plan", "--help"]):
-    r = _cli(*args, cwd=tmp_path)
+    r = here(*args, cwd=tmp_path)
     assert r.returncode == 0, (args, r.stderr)
-  assert "autopar plan: DataParallel" in _cli("show", "a.json", cwd=tmp_path).stdout
+  assert "autopar plan: DataParallel" in here("show", "a.json", cwd=tmp_path).stdout
   assert (tmp_path / "b.html").read_text().startswith("<!DOCTYPE html>")
-  r = _cli("explain", "p.json", "params/w", "--step", "mystep:step", "--args",
+  r = here("explain", "p.json", "params/w", "--step", "mystep:step", "--args",
            "mystep:make_args", cwd=tmp_path)
   assert r.returncode == 0, r.stderr
   assert "decided by:" in r.stdout and "params['w']" in r.stdout
@@ -410,21 +428,22 @@ def test_every_cli_verb_runs(dp_and_megatron, tmp_path):
                      (["diff", "a.json", "bad.json"], "bad.json"),
                      (["report", "bad.json"], "bad.json"),
                      (["plan", "nomodule:step", "--mesh", "8", "--args", "x:y"], "nomodule")):
-    r = _cli(*args, cwd=tmp_path)
+    r = here(*args, cwd=tmp_path)
     assert r.returncode == 2, (args, r.stdout, r.stderr)
     assert name in r.stderr and "Traceback" not in r.stderr, r.stderr
   # autopar's own errors whole, with their fix; the traceback on request.
   args = ["plan", "mystep:step", "--mesh", "4", "--args", "mystep:make_args",
           "--method", "DataParallel", "--num-micro-batches", "3"]    # 32 rows
-  r = _cli(*args, cwd=tmp_path)
+  r = here(*args, cwd=tmp_path)
   assert r.returncode == 2 and "Fix:" in r.stderr and "Traceback" not in r.stderr, r.stderr
-  r = _cli(*args, "--traceback", cwd=tmp_path)
+  r = here(*args, "--traceback", cwd=tmp_path)
   assert r.returncode == 2 and "Traceback" in r.stderr and "Fix:" in r.stderr, r.stderr
   # A reader that goes away (`| head`) ends the output quietly.
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   r = subprocess.run(f"{sys.executable} -m autopar show --full b.json | true", shell=True,
                      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
   assert r.stderr == "", r.stderr
+  sys.modules.pop("mystep", None)     # (imported here by --step)
 
 
 @pytest.mark.parametrize("tx", ["sgd", "adamw", "chain"])

@@ -142,6 +142,7 @@ class ChoiceGraph:
     self.body_val: dict[str, dict[Var, tuple[int, int]]] = {"compute": {}, "apply": {}}
     self._strategy_cache: dict = {}
     self._kept_choices: dict = {}    # (see _add_node)
+    self._kept_index: dict = {}
     # (part, multiplicity, (node, position), aval, kind): memory traffic and
     # merged element-wise work, charged at the node's choice: "bytes" (a
     # value at the spec of output ``position``), "read" (an operand at the
@@ -154,7 +155,12 @@ class ChoiceGraph:
                 flops=None, part=None) -> int:
     if self.keep is not None and name in self.keep[1]:
       axes, kept = self.keep[0], self.keep[1][name]
-      idx = [c for c, sp in enumerate(specs) if on_axes(sp, axes) == kept]
+      # (The layers' nodes share ``specs`` and mostly keep alike: found once.)
+      at = (id(specs), kept)
+      idx = self._kept_index.get(at)
+      if idx is None:
+        idx = self._kept_index[at] = [c for c, sp in enumerate(specs)
+                                      if on_axes(sp, axes) == kept]
       if idx and len(idx) < len(choices):
         # Nodes of one kind keeping the same choices share the lists, as
         # unfiltered ones do (the layers' nodes: memory, and a saved

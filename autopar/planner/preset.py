@@ -47,7 +47,8 @@ __all__ = ["plan_preset"]
 
 def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
                 batch_size: int, outputs: SizedOutputs | None = None,
-                trace_local=None, option=None, price_cache: dict | None = None) -> Plan:
+                trace_local=None, option=None, price_cache: dict | None = None,
+                cheaper_than: float | None = None) -> Plan | None:
   """The plan of a preset method (see the module docstring).
 
   ``outputs``: the step's outputs at the whole batch (default: ``split``'s).
@@ -58,6 +59,8 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
   ShardParallel would take on ``mesh``: :func:`preset_option`).
   ``price_cache``: a dict shared by calls that price the same step with the
   same option (ZeRO-2's and ZeRO-3's prices solve one problem).
+  ``cheaper_than``: None where the plan's objective is not below this (its
+  memory, a liveness analysis of the whole step, is then not estimated).
   """
   traced = split.traced
   sizes = axis_sizes_of(mesh)
@@ -154,11 +157,6 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
   local = None
   if split.has_marker and trace_local is not None and d > 1:
     local = trace_local(traced.micro_batch_size // d)
-  memory += _preset_activation_peak(split, local, params, grads, d, zero, n, batch_axes,
-                                    platform_of(option.device_kind), apart)
-  if apart:
-    memory = max(memory, _sync_stage_memory(inputs, grads, sizes,
-                                            method.grad_accumulation_dtype))
   times = {}
   if split.has_marker and trace_local is not None:
     times = _priced(local or trace_local(traced.micro_batch_size // d), method, mesh,
@@ -168,6 +166,13 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
                                    and not traced.leaves[k].is_batch),
                     cost_option=option, cache=price_cache)
     objective = times["gradient"]["total"] + times["apply"]["total"]
+  if cheaper_than is not None and not objective < cheaper_than:
+    return None
+  memory += _preset_activation_peak(split, local, params, grads, d, zero, n, batch_axes,
+                                    platform_of(option.device_kind), apart)
+  if apart:
+    memory = max(memory, _sync_stage_memory(inputs, grads, sizes,
+                                            method.grad_accumulation_dtype))
   return Plan(method=method.name, mesh_axis_names=axis_names_of(mesh),
               mesh_shape=tuple(sizes.values()), num_micro_batches=n,
               batch_axes=batch_axes, inputs=inputs, grads=grads,

@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import dataclasses
-import gc
 import json
 import math
 import threading
@@ -44,6 +42,7 @@ except ImportError:          # a Python built without liblzma: zlib instead
 
 from jax.sharding import PartitionSpec
 
+from autopar.gc_pause import gc_paused
 from autopar.costs.strategies import (batch_spec, local_bytes, to_partition_spec,
                                       without_unit_axes)
 from autopar.errors import PlanError
@@ -54,7 +53,7 @@ from autopar.plan import (CollectivePlan, Plan, SolverStats, ValuePlan, grad_sta
                           spec_from_json, spec_to_json, sync_stage_name)
 from autopar.version import __version__
 
-__all__ = ["PlanTemplate", "Program", "SolvedProblem", "encode", "decode", "gc_paused",
+__all__ = ["PlanTemplate", "Program", "SolvedProblem", "encode", "decode",
            "predicted_time", "spec_axes", "with_batch_dim", "divisible_dim", "ILP_FORMAT",
            "READ_FIX"]
 
@@ -499,25 +498,3 @@ def decode(text: str, source: str) -> tuple[SolvedProblem, ...]:
   except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
     raise PlanError(f"the plan's saved ILPs are incomplete or corrupt "
                     f"({type(e).__name__}: {e}). {fix}") from None
-
-
-@contextlib.contextmanager
-def gc_paused():
-  """Pauses CPython's cyclic garbage collector while a step is planned
-  (``signature.py``) and while a plan's problems are written or read here.
-
-  Tracing and planning a large model make millions of objects that live
-  until planning ends, and saved problems are hundreds of thousands of small
-  lists and tuples, all kept; the collector would walk them again and again
-  (about a quarter of the planning time of a 96-layer model; longer than
-  writing the problems). Nothing is lost: the collector runs as usual once
-  it is back on.
-  """
-  if not gc.isenabled():
-    yield
-    return
-  gc.disable()
-  try:
-    yield
-  finally:
-    gc.enable()

@@ -42,6 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jax.sharding import AbstractMesh
 
+from autopar.gc_pause import gc_paused
 from autopar import jax_compat as jc
 from autopar.backend.gradients import combine_groups
 from autopar.backend.lowering_errors import explained
@@ -349,11 +350,15 @@ class PipelineStep:
   def run(self, leaves: Sequence[Any]) -> list[Any]:
     """Runs one step; returns the flat outputs (as ``Executable.run``). The
     first call compiles the stage functions as it reaches them, each kept
-    in JAX's persistent cache where that is autopar's (``keep_compiles``)."""
-    if self._calls or not self.keep_compiles:
+    in JAX's persistent cache where that is autopar's (``keep_compiles``),
+    with the garbage collector paused as while planning (``gc_paused``)."""
+    if self._calls:
       return self._run_step(leaves)
-    with jc.persistent_cache_keeps_all():
-      return self._run_step(leaves)
+    with gc_paused():
+      if not self.keep_compiles:
+        return self._run_step(leaves)
+      with jc.persistent_cache_keeps_all():
+        return self._run_step(leaves)
 
   def _run_step(self, leaves: Sequence[Any]) -> list[Any]:
     program, S, n = self.program, self.num_stages, self.n
