@@ -32,7 +32,7 @@ def use_compilation_cache() -> bool:
   (``jax_compilation_cache_dir``) or turned the cache off
   (``jax_enable_compilation_cache``), and with ``AUTOPAR_XLA_CACHE=0``.
   Returns whether the cache in use is autopar's: then autopar keeps every
-  stage there however quickly it compiled (``lower.compile_all``); JAX
+  stage there however quickly it compiled (``lower.StageCompiler``); JAX
   keeps what else it compiles for at least
   ``jax_persistent_cache_min_compile_time_secs`` (1 s by default)."""
   import jax

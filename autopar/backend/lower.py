@@ -70,7 +70,7 @@ from autopar.frontend.trace import eqns_by_path
 from autopar.frontend.split import (BY_DEVICE, OutputKind, SplitStep, dce,
                                     leaves_read_by_compute)
 
-__all__ = ["LoweredStep", "lower_step", "SUMS_STAGE", "ONE_STAGE", "grad_stage_leaves"]
+__all__ = ["LoweredStep", "StageCompiler", "lower_step", "SUMS_STAGE", "ONE_STAGE", "grad_stage_leaves"]
 
 # The first pass over the batch, for the sums the loss's cotangents read.
 SUMS_STAGE = "loss_sums"
@@ -677,25 +677,40 @@ def _known_option(name: str, value: Any, device) -> bool:
   return _KNOWN[key]
 
 
-def compile_all(lowered: dict, options=None) -> dict:
-  """``lowered`` (name -> a ``jax.stages.Lowered``) compiled, the modules
-  side by side on threads: XLA compiles without holding the GIL. Each is
-  looked up in JAX's persistent compilation cache first
-  (:func:`autopar.disk.use_compilation_cache`), and kept there however
-  quickly it compiled where that cache is autopar's."""
-  keep_all = use_compilation_cache()
+class StageCompiler:
+  """Compiles each stage as it is lowered (``compiler[name] = lowered``),
+  on threads: XLA compiles, and reads a module from JAX's persistent cache,
+  without holding the GIL, so one stage compiles while the next is traced
+  and lowered. Each is looked up in JAX's persistent compilation cache
+  first (:func:`autopar.disk.use_compilation_cache`), and kept there
+  however quickly it compiled where that cache is autopar's. Used as a
+  context manager: ``results()`` inside it waits for every compile."""
 
-  def compile_one(v):
-    if not keep_all:
-      return v.compile(options)
+  def __init__(self, options=None):
+    self.options = options
+    self.keep_all = use_compilation_cache()
+    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
+    self._futures: dict[str, concurrent.futures.Future] = {}
+
+  def _compile(self, lowered):
+    if not self.keep_all:
+      return lowered.compile(self.options)
     with jc.persistent_cache_keeps_all():
-      return v.compile(options)
-  if len(lowered) < 2:
-    return {k: compile_one(v) for k, v in lowered.items()}
-  workers = min(len(lowered), os.cpu_count() or 1)
-  with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-    futures = {k: pool.submit(compile_one, v) for k, v in lowered.items()}
-    return {k: f.result() for k, f in futures.items()}
+      return lowered.compile(self.options)
+
+  def __setitem__(self, name: str, lowered) -> None:
+    self._futures[name] = self._pool.submit(self._compile, lowered)
+
+  def results(self) -> dict:
+    """name -> compiled stage, in the order the stages were lowered."""
+    return {k: f.result() for k, f in self._futures.items()}
+
+  def __enter__(self) -> "StageCompiler":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    # (On an error, the compiles already started are not waited for.)
+    self._pool.shutdown(wait=exc[0] is None, cancel_futures=exc[0] is not None)
 
 
 def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
@@ -726,15 +741,14 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
   leaf_avals = [l.abstract() for l in leaves]
   of = lambda idx: [leaf_avals[k] for k in idx]   # noqa: E731
   n = plan.num_micro_batches
-  stages: dict[str, Any] = {}
   index = ()
   options = compiler_options(mesh) or None
 
   # (An op that JAX cannot lower where the stages put it is said with its
-  # fix: lowering_errors.py.)
+  # fix: lowering_errors.py.) Each stage compiles as soon as it is lowered.
   with explained(split.traced.jaxpr.jaxpr, where="the step's stages",
                  batch_axes=plan.batch_axes, mesh_axes=mesh.axis_names), \
-       warnings.catch_warnings():
+       warnings.catch_warnings(), StageCompiler(options) as stages:
     # The last gradient stage donates its partial sums although the reduced
     # gradients have another shape: the buffers are freed, not reused.
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
@@ -797,8 +811,8 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
         schedule += ("apply_grad",)
       replicated = NamedSharding(amesh, PartitionSpec())
       index = tuple(jax.device_put(np.int32(i), replicated) for i in range(n))
-    stages = compile_all(stages, options)
-  return LoweredStep(stages=stages, schedule=schedule, in_shardings=in_shardings,
+    compiled = stages.results()
+  return LoweredStep(stages=compiled, schedule=schedule, in_shardings=in_shardings,
                      micro_batch_index=index, donated=donated, kept=kept, batch=batch,
                      grad_leaves=grad_stage_leaves(split_local) if split.has_marker else ())
 
