@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 
 __all__ = ["gc_paused"]
 
@@ -12,7 +13,8 @@ __all__ = ["gc_paused"]
 @contextlib.contextmanager
 def gc_paused():
   """Pauses CPython's cyclic garbage collector while a step is planned
-  (``signature.py``), while its stages are traced, lowered and first run,
+  (``signature.py``), while its stages are traced, lowered and compiled
+  (each try of a memory budget apart) and a pipeline's first step runs,
   and while a plan's problems are written or read (``planner/solved.py``).
 
   Tracing and planning a large model make millions of objects that live
@@ -22,11 +24,24 @@ def gc_paused():
   writing the problems). Nothing is lost: the collector runs as usual once
   it is back on.
   """
-  if not gc.isenabled():
-    yield
-    return
-  gc.disable()
+  global _depth, _was_enabled
+  with _lock:
+    if _depth == 0:
+      _was_enabled = gc.isenabled()
+      gc.disable()
+    _depth += 1
   try:
     yield
   finally:
-    gc.enable()
+    with _lock:
+      _depth -= 1
+      if _depth == 0 and _was_enabled:
+        gc.enable()
+
+
+# Pauses may nest and overlap across threads (two steps compiled at once):
+# the collector is back on when the last one ends, if it was on before the
+# first began.
+_lock = threading.Lock()
+_depth = 0
+_was_enabled = False

@@ -517,10 +517,7 @@ class Signature:
     """The step compiled for these arguments (once)."""
     with self.lock:
       if self._executable is None:
-        # (The stages' traces and lowering make as many long-lived objects
-        # as planning does: gc_paused says why.)
-        with gc_paused():
-          self._executable = self.build(prep)
+        self._executable = self.build(prep)
       return self._executable
 
   def build(self, prep) -> Executable:
@@ -531,7 +528,7 @@ class Signature:
       if one is not None:
         return one.signature_of(prep).executable(prep)
       pre, plan, (cut, choices, _) = self.pipeline(prep)
-      with jax.set_mesh(None):
+      with jax.set_mesh(None), gc_paused():
         step = compile_pipeline(pre, self.method, resolve_mesh(self.method), cut,
                                 choices)
       return PipelineExecutable(plan=plan, step=step, static_argnums=prep.flags.static)
@@ -545,10 +542,15 @@ class Signature:
     return self.within_budget(prep, exe)
 
   def compile(self, prep) -> Executable:
-    """The step planned and compiled under ``self.method`` (SPMD methods)."""
-    plan, micro = self.plan(prep)
+    """The step planned and compiled under ``self.method`` (SPMD methods).
+    (Its stages' traces and lowering make as many long-lived objects as
+    planning does: ``gc_paused`` says why.)"""
     with gc_paused():
-      split = self.split(prep, micro)
+      return self._compile(prep)
+
+  def _compile(self, prep) -> Executable:
+    plan, micro = self.plan(prep)
+    split = self.split(prep, micro)
     mesh = resolve_mesh(self.method)
     if isinstance(mesh, AbstractMesh):
       raise PlanError(

@@ -398,10 +398,11 @@ def _cli_here(*args, cwd, monkeypatch, capsys):
   return subprocess.CompletedProcess(args, code, out.out, out.err)
 
 
-def test_every_cli_verb_runs(dp_and_megatron, tmp_path, monkeypatch, capsys):
+def test_every_cli_verb_runs(dp_and_megatron, tmp_path, monkeypatch, capsys, request):
   """The command itself (a process of its own: a plan solved, and a reader
   that goes away), and every verb and error through its entry point."""
   dp, mt = dp_and_megatron
+  request.addfinalizer(lambda: sys.modules.pop("mystep", None))  # (--step imports it)
   here = functools.partial(_cli_here, monkeypatch=monkeypatch, capsys=capsys)
   (tmp_path / "a.json").write_text(dp.to_json())
   (tmp_path / "b.json").write_text(mt.to_json())
@@ -443,7 +444,6 @@ def test_every_cli_verb_runs(dp_and_megatron, tmp_path, monkeypatch, capsys):
   r = subprocess.run(f"{sys.executable} -m autopar show --full b.json | true", shell=True,
                      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
   assert r.stderr == "", r.stderr
-  sys.modules.pop("mystep", None)     # (imported here by --step)
 
 
 @pytest.mark.parametrize("tx", ["sgd", "adamw", "chain"])

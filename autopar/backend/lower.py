@@ -709,8 +709,11 @@ class StageCompiler:
     return self
 
   def __exit__(self, *exc) -> None:
-    # (On an error, the compiles already started are not waited for.)
-    self._pool.shutdown(wait=exc[0] is None, cancel_futures=exc[0] is not None)
+    # On an error, the compiles not started are dropped and those running
+    # waited for (they would hold the cores after the error), except on an
+    # interrupt.
+    interrupted = exc[0] is not None and not issubclass(exc[0], Exception)
+    self._pool.shutdown(wait=not interrupted, cancel_futures=exc[0] is not None)
 
 
 def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
