@@ -142,7 +142,6 @@ class ChoiceGraph:
     self.body_val: dict[str, dict[Var, tuple[int, int]]] = {"compute": {}, "apply": {}}
     self._strategy_cache: dict = {}
     self._kept_choices: dict = {}    # (see _add_node)
-    self._kept_index: dict = {}
     # (part, multiplicity, (node, position), aval, kind): memory traffic and
     # merged element-wise work, charged at the node's choice: "bytes" (a
     # value at the spec of output ``position``), "read" (an operand at the
@@ -155,24 +154,20 @@ class ChoiceGraph:
                 flops=None, part=None) -> int:
     if self.keep is not None and name in self.keep[1]:
       axes, kept = self.keep[0], self.keep[1][name]
-      # (The layers' nodes share ``specs`` and mostly keep alike: found once.)
-      at = (id(specs), kept)
-      idx = self._kept_index.get(at)
-      if idx is None:
-        idx = self._kept_index[at] = [c for c, sp in enumerate(specs)
-                                      if on_axes(sp, axes) == kept]
-      if idx and len(idx) < len(choices):
-        # Nodes of one kind keeping the same choices share the lists, as
-        # unfiltered ones do (the layers' nodes: memory, and a saved
-        # problem's size).
-        memo = (id(choices), id(specs), id(costs), id(mem), id(flops), tuple(idx))
-        hit = self._kept_choices.get(memo)
-        if hit is None:
-          hit = self._kept_choices[memo] = (
-              *([l[c] for c in idx] for l in (choices, specs, costs)),
-              None if mem is None else [mem[c] for c in idx],
-              None if flops is None else [flops[c] for c in idx],
-              (choices, specs, costs, mem, flops))     # (kept: the ids stay theirs)
+      # Nodes of one kind keeping the same choices share the lists, as
+      # unfiltered ones do (the layers' nodes: filtered once; memory, and a
+      # saved problem's size). Each choice has one spec on ``axes``, so
+      # equal ``kept``, equal choices kept. None: all of them, or none, kept.
+      memo = (id(choices), id(specs), id(costs), id(mem), id(flops), kept)
+      if memo not in self._kept_choices:
+        idx = [c for c, sp in enumerate(specs) if on_axes(sp, axes) == kept]
+        self._kept_choices[memo] = None if not idx or len(idx) == len(choices) else (
+            *([l[c] for c in idx] for l in (choices, specs, costs)),
+            None if mem is None else [mem[c] for c in idx],
+            None if flops is None else [flops[c] for c in idx],
+            (choices, specs, costs, mem, flops))     # (kept: the ids stay theirs)
+      hit = self._kept_choices[memo]
+      if hit is not None:
         choices, specs, costs, mem, flops, _ = hit
         key = None if key is None else (key, kept)
     node = _Node(name, choices, mult, specs, costs, mem, key, flops, part)
