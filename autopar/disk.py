@@ -4,11 +4,14 @@ compilation cache under that root. A leaf: imports nothing of autopar's."""
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["cache_root", "write_atomic", "use_compilation_cache"]
+__all__ = ["cache_root", "write_atomic", "use_compilation_cache", "source_digest",
+           "write_bytes_atomic"]
 
 
 def cache_root() -> Path:
@@ -18,11 +21,37 @@ def cache_root() -> Path:
 
 def write_atomic(path: Path, text: str) -> None:
   """Writes ``text`` to ``path`` whole or not at all (its directory made)."""
+  write_bytes_atomic(path, text.encode())
+
+
+@functools.cache
+def source_digest() -> str:
+  """A digest of autopar's Python sources (read once per process): what
+  autopar keeps on disk is keyed by it, so that an edited checkout or
+  another version never reads what an older autopar made. Empty where the
+  sources are not readable as files."""
+  h = hashlib.sha256()
+  root = Path(__file__).parent          # the autopar package
+  try:
+    for path in sorted(root.rglob("*.py")):
+      h.update(str(path.relative_to(root)).encode())
+      h.update(path.read_bytes())
+  except OSError:
+    return ""
+  return h.hexdigest()[:16]
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+  """Writes ``data`` to ``path`` whole or not at all (its directory made)."""
   path.parent.mkdir(parents=True, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-  with os.fdopen(fd, "w") as f:
-    f.write(text)
-  os.replace(tmp, path)
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+    os.replace(tmp, path)
+  except BaseException:
+    Path(tmp).unlink(missing_ok=True)
+    raise
 
 
 def use_compilation_cache() -> bool:

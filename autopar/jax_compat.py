@@ -34,6 +34,7 @@ import contextlib
 import dis
 import inspect
 import os
+import pickle
 import sys
 import sysconfig
 import threading
@@ -105,6 +106,7 @@ __all__ = [
     "evaluate_dim", "key_impl_of", "debug_info", "JAX_VERSION", "backends_are_initialized",
     "undecided_dim_equalities", "JAX_SOURCE_DIR", "mapped_jvp_rule",
     "persistent_cache_keeps_all", "JAXLIB_VERSION", "EXECUTE_REFUSES_REUSED_DONATION",
+    "serialize_compiled", "load_compiled", "lowering_context", "persistent_cache_hits",
 ]
 
 
@@ -114,6 +116,72 @@ def persistent_cache_keeps_all():
   stages too (by default JAX keeps those taking >= 1 s), so that a second
   process reads every stage instead of compiling any."""
   return _config.persistent_cache_min_compile_time_secs(0.0)
+
+
+_HITS = threading.local()
+_HITS_HEARD: list = []           # [True] once the listener is registered
+_HITS_LOCK = threading.Lock()
+
+
+def _count_hit(event: str, **_) -> None:
+  if event == "/jax/compilation_cache/cache_hits":
+    _HITS.count = getattr(_HITS, "count", 0) + 1
+
+
+def persistent_cache_hits() -> int:
+  """How many of this thread's compiles JAX's persistent compilation cache
+  has answered (read from it, not compiled), counted from the first call of
+  this function in the process on."""
+  with _HITS_LOCK:
+    if not _HITS_HEARD:
+      jax.monitoring.register_event_listener(_count_hit)
+      _HITS_HEARD.append(True)
+  return getattr(_HITS, "count", 0)
+
+
+def serialize_compiled(compiled) -> tuple | None:
+  """``compiled`` (a ``jax.stages.Compiled``, compiled in this process: one
+  read from JAX's persistent cache serializes without some of its code,
+  measured on jaxlib 0.12's CPUs) as ``(bytes, in_tree, out_tree)`` that
+  :func:`load_compiled` makes an executable of again in another process;
+  None for one that cannot be kept so: one that calls back
+  into this process (a ``pure_callback``, ``debug.print``: its callbacks
+  are this process's objects), has side effects, or closes over constants
+  or mutable arrays passed at each call."""
+  from jax.experimental import serialize_executable
+  unloaded = getattr(getattr(compiled, "_executable", None), "_unloaded_executable", None)
+  if unloaded is None or any(getattr(unloaded, name, None) for name in (
+      "host_callbacks", "keepalive", "ordered_effects", "unordered_effects")):
+    return None
+  params = getattr(compiled, "_params", None)
+  if params is None or getattr(params, "const_args", None):
+    return None
+  try:
+    return serialize_executable.serialize(compiled)
+  except (ValueError, NotImplementedError, TypeError, AttributeError, pickle.PicklingError):
+    return None
+
+
+def load_compiled(saved: tuple, devices: Sequence) -> "jax.stages.Compiled":
+  """The executable :func:`serialize_compiled` kept, loaded onto ``devices``
+  (its mesh's, in the mesh's order)."""
+  from jax.experimental import serialize_executable
+  data, in_tree, out_tree = saved
+  return serialize_executable.deserialize_and_load(
+      data, in_tree, out_tree, backend=devices[0].client, execution_devices=list(devices))
+
+
+def lowering_context() -> str:
+  """What, besides a program and its shardings, decides what JAX lowers and
+  XLA compiles it to in this process: the versions of jax and jaxlib, the
+  backend's, the XLA flags, and JAX's configuration that tracing and
+  lowering read (``jax_default_matmul_precision``, x64, ...)."""
+  import re
+  backend = jax.devices()[0].client
+  context = re.sub(r" at 0x[0-9a-fA-F]+", "", repr(_config.trace_context()))
+  return repr((jax.__version__, jaxlib.__version__, backend.platform,
+               backend.platform_version, os.environ.get("XLA_FLAGS", ""),
+               os.environ.get("LIBTPU_INIT_ARGS", ""), context))
 
 
 def _takes_live_inputs(rule) -> bool:

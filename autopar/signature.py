@@ -24,7 +24,8 @@ from jax.sharding import AbstractMesh
 from autopar.gc_pause import gc_paused
 from autopar import jax_compat as jc
 from autopar.backend.hlo import compiled_peak
-from autopar.backend.lower import lower_step
+from autopar.backend import saved_stages
+from autopar.backend.lower import compiler_options, lower_step
 from autopar.costs.calibrate import measured_option
 from autopar.costs.cost_model import dtype_name
 from autopar.costs.devices import dominant_float_dtype, hardware_option, platform_of
@@ -86,6 +87,7 @@ class Signature:
     self.method = self._resolved(step.method, prep)
     self.lock = threading.RLock()
     self._plan: tuple[Plan, int] | None = None
+    self._fingerprint: dict | None = None     # the plan's (plan_uncached)
     self._pipeline = None
     self._executable: Executable | None = None
     self._splits: dict[int, SplitStep] = {}
@@ -323,7 +325,7 @@ class Signature:
       check_batch_leaves(prep.leaves, num_micro_batches=n, data_axes=batch_axes,
                          data_size=math.prod(sizes[a] for a in batch_axes),
                          fn_name=self.name)
-    fingerprint = plan_cache.fingerprint(split, method, mesh, batch_size)
+    fingerprint = self._fingerprint = plan_cache.fingerprint(split, method, mesh, batch_size)
     if not split.has_marker and n > 1:
       raise MarkerError(
           f"{self.name}: num_micro_batches={n} but the step has no grad marker, "
@@ -591,12 +593,29 @@ class Signature:
     # autopar's stages compute on meshes of their own: a mesh the caller
     # set (jax.set_mesh) applies to the step's own code, not to them.
     with jax.set_mesh(None):
+      one_executable = self.method.one_executable is not False
+      keep = self.stage_key(plan, mesh, whole, data_size, scale is not None,
+                            one_executable)
       lowered = lower_step(dataclasses.replace(split, apply=apply), split_local,
                            plan, mesh, accumulate=self.method.grad_accumulation_dtype,
-                           scale=scale,
-                           one_executable=self.method.one_executable is not False)
+                           scale=scale, one_executable=one_executable, keep=keep)
     return Executable(plan=plan, lowered=lowered, split=split,
                       static_argnums=prep.flags.static)
+
+  def stage_key(self, plan: Plan, mesh, whole: int, data_size: int, scaled: bool,
+                one_executable: bool) -> str | None:
+    """The key the compiled stages are kept on disk under
+    (``saved_stages``), or None where they are not kept: a step traced at
+    concrete batch sizes only (each size's program is its own, and only one
+    is in the plan's fingerprint)."""
+    if self._any_split is _UNSET or self._any_split is None or self._fingerprint is None:
+      return None
+    lowering = (whole, data_size, scaled, one_executable,
+                self.method.grad_accumulation_dtype, self.remat_loop,
+                repr(self.output_reductions), compiler_options(mesh))
+    return saved_stages.stage_key(self._fingerprint, plan, mesh,
+                                  saved_stages.consts_digest(self._any_split.traced.jaxpr),
+                                  lowering)
 
   def budgeted(self) -> bool:
     """Whether the step is a ShardParallel step the planner plans within a

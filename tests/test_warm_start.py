@@ -1,7 +1,10 @@
-"""A second process on the caches the first left compiles nothing: every
-stage of every method, pipeline stages included, is read from JAX's
-persistent compilation cache under $AUTOPAR_CACHE_DIR, however quickly it
-compiled, and the plan from the plan cache (issue 46)."""
+"""A second process on the caches the first left compiles nothing, and
+plans nothing: the plan comes from the plan cache; an SPMD step's stages
+are loaded from the stages autopar kept under $AUTOPAR_CACHE_DIR (nothing
+traced or lowered), a pipeline's read from JAX's persistent compilation
+cache there, however quickly they compiled (issue 46). Stages kept for one
+step are never another's: a step that closes over other values is compiled
+again."""
 
 import json
 import os
@@ -28,6 +31,8 @@ lp.solve = counted
 events = {}
 monitoring.register_event_listener(
     lambda name, **kw: events.__setitem__(name, events.get(name, 0) + 1))
+monitoring.register_event_duration_secs_listener(
+    lambda name, secs, **kw: events.__setitem__(name, events.get(name, 0) + 1))
 make_state, step, batch = mlp_setup(batch=32, din=8, hidden=16, dout=4, layers=4)
 quiet = autopar.AutoShardingOption(verbose=False)
 methods = {
@@ -46,15 +51,17 @@ for name, method in methods.items():
   jax.block_until_ready(new)
   asked = events.get("/jax/compilation_cache/compile_requests_use_cache", 0)
   out[name] = {"compiled": asked - events.get("/jax/compilation_cache/cache_hits", 0),
-               "read": asked, "solves": events.get("solves", 0), "loss": float(loss)}
+               "read": asked, "solves": events.get("solves", 0), "loss": float(loss),
+               "lowered": events.get("/jax/core/compile/jaxpr_to_mlir_module_duration", 0),
+               "traced": events.get("/jax/core/compile/jaxpr_trace_duration", 0)}
 print(json.dumps(out))
 '''
 
 
-def _run(cache) -> dict:
-  env = dict(os.environ, AUTOPAR_CACHE_DIR=str(cache),
+def _run(cache, child=CHILD, **env) -> dict:
+  env = dict(os.environ, AUTOPAR_CACHE_DIR=str(cache), **env,
              PYTHONPATH=os.pathsep.join([ROOT, TESTS, os.environ.get("PYTHONPATH", "")]))
-  r = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,
+  r = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True,
                      text=True, timeout=600)
   assert r.returncode == 0, r.stderr
   return json.loads(r.stdout.splitlines()[-1])
@@ -66,5 +73,52 @@ def test_a_second_process_compiles_nothing(tmp_path):
   for name in cold:
     assert cold[name]["compiled"] > 0, cold
     assert warm[name]["compiled"] == 0 and warm[name]["solves"] == 0, (name, warm)
-    assert warm[name]["read"] >= cold[name]["compiled"], (name, cold, warm)
     assert warm[name]["loss"] == cold[name]["loss"], (name, cold, warm)
+  # The SPMD steps' stages loaded whole: none traced, lowered or compiled.
+  for name in ("dp", "sp"):
+    assert warm[name]["lowered"] == 0 and warm[name]["read"] == 0, (name, warm)
+  assert warm["pp"]["read"] >= cold["pp"]["compiled"], (cold, warm)
+
+
+# A step that closes over an array (the digest of its program counts the
+# array, not its values), under ShardParallel, in bfloat16 summed as such.
+CONSTANT = r'''
+import json, os
+import jax, jax.numpy as jnp, numpy as np
+from jax import monitoring
+import autopar
+
+events = {}
+monitoring.register_event_duration_secs_listener(
+    lambda name, secs, **kw: events.__setitem__(name, events.get(name, 0) + 1))
+weights = np.linspace(0.5, float(os.environ["TOP"]), 6).astype(np.float32)
+
+def step(w, batch):
+  def loss_fn(w):
+    return jnp.sum(weights * jnp.tanh(batch @ w)) / batch.shape[0]
+  loss, g = autopar.value_and_grad(loss_fn)(w)
+  return w - 0.1 * g, loss
+
+w = jnp.asarray(np.random.RandomState(0).randn(4, 6), jnp.bfloat16)
+x = jnp.asarray(np.random.RandomState(1).randn(16, 4), jnp.bfloat16)
+method = autopar.ShardParallel(mesh=jax.make_mesh((4, 2), ("data", "model")),
+                               num_micro_batches=2, grad_accumulation_dtype=None,
+                               option=autopar.AutoShardingOption(verbose=False))
+events.clear()
+new, loss = autopar.parallelize(step, method=method)(w, x)
+print(json.dumps({"loss": float(loss), "w": np.asarray(new, np.float32).tolist(),
+                  "lowered": events.get("/jax/core/compile/jaxpr_to_mlir_module_duration", 0)}))
+'''
+
+
+def test_kept_stages_are_the_steps_own(tmp_path):
+  one = _run(tmp_path / "a", CONSTANT, TOP="1.0")
+  again = _run(tmp_path / "a", CONSTANT, TOP="1.0")
+  other = _run(tmp_path / "a", CONSTANT, TOP="3.0")
+  fresh = _run(tmp_path / "b", CONSTANT, TOP="3.0")
+  assert one["lowered"] > 0 and again["lowered"] == 0, (one, again)
+  assert (again["loss"], again["w"]) == (one["loss"], one["w"])
+  # Other constants: compiled again, as a process on empty caches does.
+  assert other["lowered"] > 0, other
+  assert (other["loss"], other["w"]) == (fresh["loss"], fresh["w"])
+  assert other["loss"] != one["loss"]

@@ -56,6 +56,7 @@ from autopar.frontend import rng
 from autopar.disk import use_compilation_cache
 from autopar.frontend.evaluate import (DEBUG_CALLBACKS, Rules, check_pins, eqn_at, eval_jaxpr,
                                        eval_scan)
+from autopar.backend import saved_stages
 from autopar.backend.lowering_errors import explained
 from autopar.backend.gradients import (COMBINE, add_partial, across, identity, loss_marker,
                                        make_entry, manual_gathers, manual_spec,
@@ -684,7 +685,9 @@ class StageCompiler:
   and lowered. Each is looked up in JAX's persistent compilation cache
   first (:func:`autopar.disk.use_compilation_cache`), and kept there
   however quickly it compiled where that cache is autopar's. Used as a
-  context manager: ``results()`` inside it waits for every compile."""
+  context manager: ``results()`` inside it waits for every compile;
+  ``compiled_here()`` says whether each was compiled, not read from JAX's
+  cache."""
 
   def __init__(self, options=None):
     self.options = options
@@ -693,17 +696,25 @@ class StageCompiler:
     self._futures: dict[str, concurrent.futures.Future] = {}
 
   def _compile(self, lowered):
+    hits = jc.persistent_cache_hits()
     if not self.keep_all:
-      return lowered.compile(self.options)
-    with jc.persistent_cache_keeps_all():
-      return lowered.compile(self.options)
+      compiled = lowered.compile(self.options)
+    else:
+      with jc.persistent_cache_keeps_all():
+        compiled = lowered.compile(self.options)
+    return compiled, jc.persistent_cache_hits() == hits
 
   def __setitem__(self, name: str, lowered) -> None:
     self._futures[name] = self._pool.submit(self._compile, lowered)
 
   def results(self) -> dict:
     """name -> compiled stage, in the order the stages were lowered."""
-    return {k: f.result() for k, f in self._futures.items()}
+    return {k: f.result()[0] for k, f in self._futures.items()}
+
+  def compiled_here(self) -> bool:
+    """Whether every stage was compiled in this process (none read from
+    JAX's persistent cache)."""
+    return all(f.result()[1] for f in self._futures.values())
 
   def __enter__(self) -> "StageCompiler":
     return self
@@ -718,7 +729,7 @@ class StageCompiler:
 
 def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
                accumulate: str | None = "float32", scale=None,
-               one_executable: bool = False) -> LoweredStep:
+               one_executable: bool = False, keep: str | None = None) -> LoweredStep:
   """Compiles every stage of ``split`` under ``plan`` on the concrete ``mesh``.
 
   ``split`` is the step traced at the global micro-batch size; ``split_local``
@@ -728,7 +739,8 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
   cotangents from the sums at the whole batch's size (``split.scale_at``),
   given when the batch is split (over micro-batches or devices).
   ``one_executable``: with one micro-batch, the stages as one executable
-  (``grad_and_apply``).
+  (``grad_and_apply``). ``keep``: the key (``saved_stages.stage_key``) the
+  compiled stages are loaded from, or kept under once compiled.
   """
   amesh = auto_mesh(mesh)
   # Results are handed back on the user's own mesh (its axis types), except
@@ -741,10 +753,35 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
   kept = tuple(k for k, l in enumerate(leaves) if not l.is_donated and not l.is_batch)
   batch = tuple(k for k, l in enumerate(leaves) if l.is_batch)
   in_shardings = tuple(NamedSharding(amesh, v.spec) for v in plan.inputs)
+  n = plan.num_micro_batches
+  loaded = saved_stages.load(keep, mesh) if keep else None
+  if loaded is not None:
+    compiled, schedule = loaded
+  else:
+    compiled, schedule, here = _compile_stages(
+        split, split_local, plan, mesh, amesh, out_mesh, donated, kept, batch,
+        in_shardings, accumulate=accumulate, scale=scale, one_executable=one_executable)
+    # (Stages read from JAX's cache are not kept: serialize_compiled.)
+    if keep and here:
+      saved_stages.store(keep, compiled, schedule)
+  index = ()
+  if split.has_marker:
+    replicated = NamedSharding(amesh, PartitionSpec())
+    index = tuple(jax.device_put(np.int32(i), replicated) for i in range(n))
+  return LoweredStep(stages=compiled, schedule=schedule, in_shardings=in_shardings,
+                     micro_batch_index=index, donated=donated, kept=kept, batch=batch,
+                     grad_leaves=grad_stage_leaves(split_local) if split.has_marker else ())
+
+
+def _compile_stages(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, amesh,
+                    out_mesh, donated, kept, batch, in_shardings, *, accumulate, scale,
+                    one_executable) -> tuple[dict[str, Any], tuple[str, ...], bool]:
+  """``lower_step``'s stages traced, lowered and compiled: (name -> compiled
+  stage, schedule, whether every stage was compiled in this process)."""
+  leaves = split.traced.leaves
   leaf_avals = [l.abstract() for l in leaves]
   of = lambda idx: [leaf_avals[k] for k in idx]   # noqa: E731
   n = plan.num_micro_batches
-  index = ()
   options = compiler_options(mesh) or None
 
   # (An op that JAX cannot lower where the stages put it is said with its
@@ -812,12 +849,7 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
                       for a in (*_slot_avals(split, stacks), *split.reduced_avals)]
         stages["apply_grad"] = apply.jit().lower(of(donated), of(kept), grad_avals)
         schedule += ("apply_grad",)
-      replicated = NamedSharding(amesh, PartitionSpec())
-      index = tuple(jax.device_put(np.int32(i), replicated) for i in range(n))
-    compiled = stages.results()
-  return LoweredStep(stages=compiled, schedule=schedule, in_shardings=in_shardings,
-                     micro_batch_index=index, donated=donated, kept=kept, batch=batch,
-                     grad_leaves=grad_stage_leaves(split_local) if split.has_marker else ())
+    return stages.results(), schedule, stages.compiled_here()
 
 
 def _slot_avals(split: SplitStep, stacks: Sequence[GradStack]) -> list:

@@ -28,13 +28,12 @@ also holds the costs of the mesh's devices they are priced with
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import re
 from pathlib import Path
 from typing import Mapping
 
-from autopar.disk import cache_root, write_atomic
+from autopar.disk import cache_root, source_digest, write_atomic
 from autopar.errors import PlanError
 from autopar.method import ParallelMethod, axis_sizes_of
 from autopar.plan import PLAN_FORMAT, Plan
@@ -121,18 +120,9 @@ def plan_key(fp: Mapping[str, str]) -> str:
   return hashlib.sha256((repr(sorted(fp.items())) + planner_digest()).encode()).hexdigest()
 
 
-@functools.cache
 def planner_digest() -> str:
-  """A digest of autopar's Python sources (read once per process)."""
-  h = hashlib.sha256()
-  root = Path(__file__).parents[1]          # the autopar package
-  try:
-    for path in sorted(root.rglob("*.py")):
-      h.update(str(path.relative_to(root)).encode())
-      h.update(path.read_bytes())
-  except OSError:            # sources not readable as files: the version alone
-    return ""
-  return h.hexdigest()[:16]
+  """A digest of autopar's Python sources (``disk.source_digest``)."""
+  return source_digest()
 
 
 # A Python object's address in its repr (a callback's function): differs
