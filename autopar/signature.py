@@ -551,9 +551,13 @@ class Signature:
       return self._compile(prep)
 
   def _compile(self, prep) -> Executable:
+    mesh = resolve_mesh(self.method)
+    # The stages kept for this step last time start loading while it is
+    # traced and its plan read (used only if its key is theirs).
+    hint = self.hint_key(prep, mesh)
+    prefetched = saved_stages.prefetch(hint, mesh)
     plan, micro = self.plan(prep)
     split = self.split(prep, micro)
-    mesh = resolve_mesh(self.method)
     if isinstance(mesh, AbstractMesh):
       raise PlanError(
           f"{self.name}: the method's mesh is an AbstractMesh, which can be "
@@ -598,7 +602,8 @@ class Signature:
                             one_executable)
       lowered = lower_step(dataclasses.replace(split, apply=apply), split_local,
                            plan, mesh, accumulate=self.method.grad_accumulation_dtype,
-                           scale=scale, one_executable=one_executable, keep=keep)
+                           scale=scale, one_executable=one_executable, keep=keep,
+                           hint=hint, prefetched=prefetched)
     return Executable(plan=plan, lowered=lowered, split=split,
                       static_argnums=prep.flags.static)
 
@@ -616,6 +621,17 @@ class Signature:
     return saved_stages.stage_key(self._fingerprint, plan, mesh,
                                   saved_stages.consts_digest(self._any_split.traced.jaxpr),
                                   lowering)
+
+  def hint_key(self, prep, mesh) -> str | None:
+    """The key of what is known of the step before it is traced (its
+    function's name, arguments, method and mesh): a guess at which kept
+    stages it will load (``saved_stages.prefetch``)."""
+    if isinstance(mesh, AbstractMesh):
+      return None
+    fun = getattr(self.fun, "__wrapped__", self.fun)
+    known = (getattr(fun, "__module__", None), getattr(fun, "__qualname__", self.name),
+             repr(prep.key), repr(self.method), repr(self.output_reductions))
+    return saved_stages.hint_key(known, mesh)
 
   def budgeted(self) -> bool:
     """Whether the step is a ShardParallel step the planner plans within a

@@ -10,3 +10,10 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["KERAS_BACKEND"] = "jax"        # Keras 3 (test_model_zoo.py), before it is imported
 os.environ["AUTOPAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-test-cache-")
+
+
+def pytest_sessionfinish(session, exitstatus):
+  """The session's caches (plans, JAX's and autopar's compiled stages: some
+  hundreds of MB) go with it."""
+  import shutil
+  shutil.rmtree(os.environ["AUTOPAR_CACHE_DIR"], ignore_errors=True)

@@ -28,6 +28,14 @@ def counted(*args):
   return solve(*args)
 lp.solve = counted
 
+from autopar.backend import saved_stages
+prefetch = saved_stages.prefetch
+def prefetching(*args):
+  found = prefetch(*args)
+  events["prefetched"] = events.get("prefetched", 0) + (found is not None)
+  return found
+saved_stages.prefetch = prefetching
+
 events = {}
 monitoring.register_event_listener(
     lambda name, **kw: events.__setitem__(name, events.get(name, 0) + 1))
@@ -52,6 +60,7 @@ for name, method in methods.items():
   asked = events.get("/jax/compilation_cache/compile_requests_use_cache", 0)
   out[name] = {"compiled": asked - events.get("/jax/compilation_cache/cache_hits", 0),
                "read": asked, "solves": events.get("solves", 0), "loss": float(loss),
+               "prefetched": events.get("prefetched", 0),
                "lowered": events.get("/jax/core/compile/jaxpr_to_mlir_module_duration", 0),
                "traced": events.get("/jax/core/compile/jaxpr_trace_duration", 0)}
 print(json.dumps(out))
@@ -74,9 +83,11 @@ def test_a_second_process_compiles_nothing(tmp_path):
     assert cold[name]["compiled"] > 0, cold
     assert warm[name]["compiled"] == 0 and warm[name]["solves"] == 0, (name, warm)
     assert warm[name]["loss"] == cold[name]["loss"], (name, cold, warm)
-  # The SPMD steps' stages loaded whole: none traced, lowered or compiled.
+  # The SPMD steps' stages loaded whole, from the hint the first process
+  # left (while the step was traced): none traced, lowered or compiled.
   for name in ("dp", "sp"):
     assert warm[name]["lowered"] == 0 and warm[name]["read"] == 0, (name, warm)
+    assert cold[name]["prefetched"] == 0 and warm[name]["prefetched"] == 1, (name, warm)
   assert warm["pp"]["read"] >= cold["pp"]["compiled"], (cold, warm)
 
 

@@ -729,7 +729,9 @@ class StageCompiler:
 
 def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
                accumulate: str | None = "float32", scale=None,
-               one_executable: bool = False, keep: str | None = None) -> LoweredStep:
+               one_executable: bool = False, keep: str | None = None,
+               hint: str | None = None,
+               prefetched: saved_stages.Prefetched | None = None) -> LoweredStep:
   """Compiles every stage of ``split`` under ``plan`` on the concrete ``mesh``.
 
   ``split`` is the step traced at the global micro-batch size; ``split_local``
@@ -740,7 +742,8 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
   given when the batch is split (over micro-batches or devices).
   ``one_executable``: with one micro-batch, the stages as one executable
   (``grad_and_apply``). ``keep``: the key (``saved_stages.stage_key``) the
-  compiled stages are loaded from, or kept under once compiled.
+  compiled stages are loaded from (from ``prefetched`` where it loads
+  them), or kept under once compiled, with ``hint`` naming it.
   """
   amesh = auto_mesh(mesh)
   # Results are handed back on the user's own mesh (its axis types), except
@@ -754,7 +757,7 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
   batch = tuple(k for k, l in enumerate(leaves) if l.is_batch)
   in_shardings = tuple(NamedSharding(amesh, v.spec) for v in plan.inputs)
   n = plan.num_micro_batches
-  loaded = saved_stages.load(keep, mesh) if keep else None
+  loaded = saved_stages.load(keep, mesh, prefetched) if keep else None
   if loaded is not None:
     compiled, schedule = loaded
   else:
@@ -763,7 +766,7 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
         in_shardings, accumulate=accumulate, scale=scale, one_executable=one_executable)
     # (Stages read from JAX's cache are not kept: serialize_compiled.)
     if keep and here:
-      saved_stages.store(keep, compiled, schedule)
+      saved_stages.store(keep, compiled, schedule, hint)
   index = ()
   if split.has_marker:
     replicated = NamedSharding(amesh, PartitionSpec())

@@ -21,6 +21,15 @@ a key of everything they were made from (:func:`stage_key`):
   flags and JAX's configuration that lowering reads
   (``jax_compat.lowering_context``).
 
+Loading is most of a warm start, so it starts before the key is known:
+each kept step also leaves a *hint*, the key under what a process knows
+before it traces anything (the step's name, its arguments' shapes, the
+method, the devices: ``Signature.hint_key``), and :func:`prefetch` loads
+the stages the hint names on threads while the step is traced and its
+plan read. They are used only where the key computed then is the one they
+were kept under; a guess that was wrong (the model's code changed) cost
+the threads' time and nothing else.
+
 A stage that cannot be kept so (it calls back into the process, has side
 effects, or takes constants at each call: ``jax_compat.serialize_compiled``),
 or that JAX's cache answered instead of XLA compiling it (it would be kept
@@ -38,6 +47,7 @@ import concurrent.futures
 import hashlib
 import os
 import pickle
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -47,7 +57,7 @@ import numpy as np
 from autopar import jax_compat as jc
 from autopar.disk import cache_root, source_digest, use_compilation_cache, write_bytes_atomic
 
-__all__ = ["stage_key", "load", "store", "consts_digest"]
+__all__ = ["stage_key", "load", "store", "consts_digest", "hint_key", "prefetch", "Prefetched"]
 
 # Bumped when what a file holds changes.
 _FORMAT = 1
@@ -57,6 +67,31 @@ def _dir() -> Path:
   return cache_root() / "stages"
 
 
+def _kept() -> bool:
+  return jax.process_count() == 1 and use_compilation_cache()
+
+
+def _digest(text: str) -> str:
+  return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _devices(mesh) -> list:
+  return [(d.id, d.platform, d.device_kind) for d in np.asarray(mesh.devices).flat]
+
+
+def hint_key(known: Any, mesh) -> str | None:
+  """The key of the hint for a step whose ``known`` (what is known of it
+  before it is traced, as a repr-able value) runs on ``mesh``; None where
+  nothing is kept."""
+  if not _kept():
+    return None
+  # (Without the addresses in reprs, a process's own: a function's that a
+  # pytree holds as static data, say.)
+  text = repr(("hint", _FORMAT, known, _devices(mesh), tuple(mesh.axis_names),
+               source_digest(), jc.lowering_context()))
+  return _digest(re.sub(r" at 0x[0-9a-fA-F]+", "", text))
+
+
 def stage_key(fingerprint: Any, plan: Any, mesh, consts: str, lowering: Any) -> str | None:
   """The key of a step's stages (module docstring), or None where they are
   not kept: JAX's cache is not autopar's, or the step spans processes.
@@ -64,16 +99,16 @@ def stage_key(fingerprint: Any, plan: Any, mesh, consts: str, lowering: Any) -> 
   ``fingerprint``: the plan's fingerprint entries; ``consts``:
   :func:`consts_digest` of the program; ``lowering``: the rest the stages
   are lowered with (options, sizes), as a repr-able value."""
-  if jax.process_count() > 1 or not use_compilation_cache():
+  if not _kept():
     return None
-  devices = [(d.id, d.platform, d.device_kind) for d in np.asarray(mesh.devices).flat]
+  devices = _devices(mesh)
   specs = [(v.name, repr(v.spec)) for group in (plan.inputs, plan.grads, plan.outputs,
                                                 plan.intermediates) for v in group]
   text = repr((_FORMAT, sorted(dict(fingerprint).items()), tuple(plan.batch_axes),
                plan.grad_sync, plan.num_micro_batches, specs, tuple(mesh.axis_names),
                tuple(mesh.axis_types), devices, consts, lowering, source_digest(),
                jc.lowering_context()))
-  return hashlib.sha256(text.encode()).hexdigest()
+  return _digest(text)
 
 
 def consts_digest(closed) -> str:
@@ -114,28 +149,63 @@ def consts_digest(closed) -> str:
   return h.hexdigest()[:32]
 
 
-def load(key: str, mesh) -> tuple[dict[str, Any], tuple[str, ...]] | None:
-  """(stage name -> loaded executable, schedule) kept under ``key``, or None."""
+class Prefetched:
+  """The stages kept under ``key``, loading on threads (XLA loads an
+  executable without holding the GIL); :meth:`result` waits for them.
+  Raises OSError or an unpickling error where the file cannot be read."""
+
+  def __init__(self, key: str, mesh):
+    self.key = key
+    kept = pickle.loads((_dir() / key).read_bytes())
+    devices = list(np.asarray(mesh.devices).flat)
+    self._names = [name for name, _ in kept["stages"]]
+    self._schedule = tuple(kept["schedule"])
+    pool = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1)
+    self._loads = [pool.submit(jc.load_compiled, saved, devices)
+                   for _, saved in kept["stages"]]
+    pool.shutdown(wait=False)             # (its threads end with the loads)
+
+  def result(self) -> tuple[dict[str, Any], tuple[str, ...]] | None:
+    """(stage name -> loaded executable, schedule), or None where a stage
+    could not be loaded (the step is then compiled)."""
+    try:
+      loaded = [f.result() for f in self._loads]
+    except Exception:  # noqa: BLE001 - a file this jaxlib cannot load: compiled again
+      return None
+    return dict(zip(self._names, loaded, strict=True)), self._schedule
+
+
+def _prefetched(key: str, mesh) -> Prefetched | None:
   try:
-    data = (_dir() / key).read_bytes()
+    return Prefetched(key, mesh)
+  except Exception:  # noqa: BLE001 - a file cut short or of another format: compiled again
+    return None
+
+
+def prefetch(hint: str | None, mesh) -> Prefetched | None:
+  """Starts loading the stages the hint ``hint`` names (``Prefetched``), or
+  None where there is no such hint."""
+  if hint is None:
+    return None
+  try:
+    key = (_dir() / "hints" / hint).read_text().strip()
   except OSError:
     return None
-  try:
-    kept = pickle.loads(data)
-    devices = list(np.asarray(mesh.devices).flat)
-    # (XLA loads an executable without holding the GIL: side by side.)
-    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-      loaded = pool.map(lambda saved: jc.load_compiled(saved, devices),
-                        [saved for _, saved in kept["stages"]])
-      stages = dict(zip([name for name, _ in kept["stages"]], loaded, strict=True))
-    return stages, tuple(kept["schedule"])
-  except Exception:  # noqa: BLE001 - a file this jaxlib cannot read: compiled again
-    return None
+  return _prefetched(key, mesh)
 
 
-def store(key: str, stages: dict[str, Any], schedule: Sequence[str]) -> bool:
-  """Keeps ``stages`` under ``key``; False (nothing kept) where a stage
-  cannot be serialized."""
+def load(key: str, mesh, prefetched: Prefetched | None = None):
+  """(stage name -> loaded executable, schedule) kept under ``key``, or
+  None; from ``prefetched`` where it loaded this key's."""
+  if prefetched is None or prefetched.key != key:
+    prefetched = _prefetched(key, mesh)
+  return None if prefetched is None else prefetched.result()
+
+
+def store(key: str, stages: dict[str, Any], schedule: Sequence[str],
+          hint: str | None = None) -> bool:
+  """Keeps ``stages`` under ``key`` (and ``hint`` naming it); False
+  (nothing kept) where a stage cannot be serialized."""
   saved = []
   for name, compiled in stages.items():
     s = jc.serialize_compiled(compiled)
@@ -145,6 +215,8 @@ def store(key: str, stages: dict[str, Any], schedule: Sequence[str]) -> bool:
   try:
     write_bytes_atomic(_dir() / key, pickle.dumps({"stages": saved,
                                                    "schedule": tuple(schedule)}))
+    if hint is not None:
+      write_bytes_atomic(_dir() / "hints" / hint, key.encode())
   except OSError:         # a full or read-only disk: the next process compiles
     return False
   return True
