@@ -19,7 +19,8 @@ updated state on the host:
   and 4 micro-batches): empty plan and compilation caches, planning
   included;
 - autopar warm: a second process on the same caches (the plan and the
-  compiled stages are read from $AUTOPAR_CACHE_DIR).
+  compiled stages are read from $AUTOPAR_CACHE_DIR: an SPMD step's stages
+  loaded whole, a pipeline's read from JAX's cache).
 
 The processes of a round run one after the other, rounds take turns, and
 each figure is the median over ``--rounds`` rounds. Printed per depth:
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -115,6 +117,7 @@ def main(depths, rounds: int) -> None:
           times.setdefault((mode, kind), []).append(got["seconds"])
           loss.setdefault(mode, got["loss"])
           leaves = got["leaves"]
+        shutil.rmtree(cache, ignore_errors=True)
     for mode, name in MODES[1:]:
       assert abs(loss[mode] - loss["jit"]) < 1e-4 * abs(loss["jit"]), (name, loss)
     med = {k: statistics.median(v) for k, v in times.items()}

@@ -48,6 +48,7 @@ import hashlib
 import os
 import pickle
 import re
+import zlib
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -59,8 +60,8 @@ from autopar.disk import cache_root, source_digest, use_compilation_cache, write
 
 __all__ = ["stage_key", "load", "store", "consts_digest", "hint_key", "prefetch", "Prefetched"]
 
-# Bumped when what a file holds changes.
-_FORMAT = 1
+# Bumped when what a file holds changes (2: zlib-compressed).
+_FORMAT = 2
 
 
 def _dir() -> Path:
@@ -156,7 +157,7 @@ class Prefetched:
 
   def __init__(self, key: str, mesh):
     self.key = key
-    kept = pickle.loads((_dir() / key).read_bytes())
+    kept = pickle.loads(zlib.decompress((_dir() / key).read_bytes()))
     devices = list(np.asarray(mesh.devices).flat)
     self._names = [name for name, _ in kept["stages"]]
     self._schedule = tuple(kept["schedule"])
@@ -213,8 +214,9 @@ def store(key: str, stages: dict[str, Any], schedule: Sequence[str],
       return False
     saved.append((name, s))
   try:
-    write_bytes_atomic(_dir() / key, pickle.dumps({"stages": saved,
-                                                   "schedule": tuple(schedule)}))
+    # (zlib's fastest level: a fifth of the bytes, for 0.05 s per 7 MB.)
+    data = pickle.dumps({"stages": saved, "schedule": tuple(schedule)})
+    write_bytes_atomic(_dir() / key, zlib.compress(data, 1))
     if hint is not None:
       write_bytes_atomic(_dir() / "hints" / hint, key.encode())
   except OSError:         # a full or read-only disk: the next process compiles
