@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import contextlib
 import dis
+import functools
 import inspect
 import os
-import pickle
 import sys
 import sysconfig
 import threading
@@ -107,6 +107,7 @@ __all__ = [
     "undecided_dim_equalities", "JAX_SOURCE_DIR", "mapped_jvp_rule",
     "persistent_cache_keeps_all", "JAXLIB_VERSION", "EXECUTE_REFUSES_REUSED_DONATION",
     "serialize_compiled", "load_compiled", "lowering_context", "persistent_cache_hits",
+    "lowered_by_jax",
 ]
 
 
@@ -158,7 +159,7 @@ def serialize_compiled(compiled) -> tuple | None:
     return None
   try:
     return serialize_executable.serialize(compiled)
-  except (ValueError, NotImplementedError, TypeError, AttributeError, pickle.PicklingError):
+  except Exception:  # noqa: BLE001 - a backend that cannot serialize: not kept
     return None
 
 
@@ -174,14 +175,74 @@ def load_compiled(saved: tuple, devices: Sequence) -> "jax.stages.Compiled":
 def lowering_context() -> str:
   """What, besides a program and its shardings, decides what JAX lowers and
   XLA compiles it to in this process: the versions of jax and jaxlib, the
-  backend's, the XLA flags, and JAX's configuration that tracing and
-  lowering read (``jax_default_matmul_precision``, x64, ...)."""
+  backend's, the XLA flags, and JAX's configuration: the part tracing and
+  lowering read (``jax_default_matmul_precision``, x64, ...) and every
+  option besides (``jax_disable_most_optimizations``,
+  ``jax_optimization_level``, ...; some change nothing compiled, and a
+  change of one only compiles again)."""
   import re
   backend = jax.devices()[0].client
-  context = re.sub(r" at 0x[0-9a-fA-F]+", "", repr(_config.trace_context()))
+  context = repr((_config.trace_context(), sorted(jax.config.values.items())))
   return repr((jax.__version__, jaxlib.__version__, backend.platform,
                backend.platform_version, os.environ.get("XLA_FLAGS", ""),
-               os.environ.get("LIBTPU_INIT_ARGS", ""), context))
+               os.environ.get("LIBTPU_INIT_ARGS", ""),
+               re.sub(r" at 0x[0-9a-fA-F]+", "", context)))
+
+
+def lowered_by_jax(closed, owners=("jax", "jaxlib", "autopar")) -> bool:
+  """Whether every primitive of ``closed`` (a ClosedJaxpr, its sub-programs
+  included) lowers by a rule of JAX's or autopar's own: a rule from
+  elsewhere (a Triton kernel's, a custom op's) is Python that lowering runs,
+  which may make another module from the same program."""
+  from jax._src.interpreters import mlir as _mlir
+  from jax.extend.core import ClosedJaxpr, Jaxpr
+  platform_rules = [rules for rules in _mlir._platform_specific_lowerings.values()]
+  seen: set = set()
+
+  plain = ("numpy", "builtins", "functools", "operator", "math", "itertools")
+
+  def owner_ok(rule, depth: int = 0) -> bool:
+    # The rule, and the functions it holds (a partial's, a closure's: JAX's
+    # mlir.lower_fun wraps the function it lowers), are JAX's or autopar's.
+    if isinstance(rule, functools.partial):
+      return all(owner_ok(x, depth) for x in (rule.func, *rule.args,
+                                               *rule.keywords.values()))
+    if not callable(rule) or isinstance(rule, type):
+      return True
+    module = (getattr(rule, "__module__", None) or "").split(".")[0]
+    if module in plain:
+      return True
+    if module not in owners:
+      return False
+    cells = getattr(rule, "__closure__", None) or ()
+    return depth >= 4 or all(owner_ok(c.cell_contents, depth + 1) for c in cells
+                             if _has_contents(c))
+
+  def walk(j) -> bool:
+    for eqn in j.eqns:
+      prim = eqn.primitive
+      if prim not in seen:
+        seen.add(prim)
+        entries = [r[prim] for r in (_mlir._lowerings, *platform_rules) if prim in r]
+        if not entries or not all(owner_ok(e.rule) for e in entries):
+          return False
+      for p in eqn.params.values():
+        for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+          if isinstance(sub, ClosedJaxpr) and not walk(sub.jaxpr):
+            return False
+          if isinstance(sub, Jaxpr) and not walk(sub):
+            return False
+    return True
+
+  return walk(closed.jaxpr)
+
+
+def _has_contents(cell) -> bool:
+  try:
+    cell.cell_contents
+  except ValueError:               # (a cell not yet filled)
+    return False
+  return True
 
 
 def _takes_live_inputs(rule) -> bool:

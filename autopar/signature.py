@@ -612,8 +612,10 @@ class Signature:
     """The key the compiled stages are kept on disk under
     (``saved_stages``), or None where they are not kept: a step traced at
     concrete batch sizes only (each size's program is its own, and only one
-    is in the plan's fingerprint)."""
-    if self._any_split is _UNSET or self._any_split is None or self._fingerprint is None:
+    is in the plan's fingerprint), or one holding a primitive lowered by a
+    rule that is not JAX's or autopar's (Python the key does not read)."""
+    if (self._any_split is _UNSET or self._any_split is None or self._fingerprint is None
+        or not saved_stages.keeps() or not jc.lowered_by_jax(self._any_split.traced.jaxpr)):
       return None
     lowering = (whole, data_size, scaled, one_executable,
                 self.method.grad_accumulation_dtype, self.remat_loop,

@@ -112,3 +112,19 @@ def test_equalities_compared_by_compiled_code_are_jaxs():
     assert not asked
     assert n == 16 and Axis(n) == Axis(16) and Axis(n) in (Axis(16),)
   assert asked == [__file__] * 3
+
+
+def test_a_primitive_lowered_outside_jax_keeps_a_step_out_of_the_stage_store():
+  """A lowering rule of another package's is Python the stage store's key
+  does not read (a kernel edited under the same name): such a step is
+  compiled each time, not loaded (saved_stages)."""
+  from jax.extend.core import Primitive
+  from jax.interpreters import mlir
+
+  double = Primitive("test_double")
+  double.def_abstract_eval(lambda x: x)
+  mlir.register_lowering(double, mlir.lower_fun(lambda x: x * 2, multiple_results=False))
+  plain = jax.make_jaxpr(lambda x: jnp.sin(x) @ x.T)(jnp.ones((3, 3)))
+  assert jax_compat.lowered_by_jax(plain)
+  inner = jax.make_jaxpr(jax.jit(lambda x: double.bind(jnp.cos(x))))(jnp.ones(3))
+  assert not jax_compat.lowered_by_jax(inner)

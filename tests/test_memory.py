@@ -13,6 +13,7 @@ from flax.training import train_state
 import autopar
 from autopar.backend import hlo
 from autopar.backend import lower
+from autopar.backend import saved_stages
 from autopar.frontend import gradstack
 from autopar.frontend import remat
 from autopar.backend.lower import GPU_OVERLAP_OPTIONS, compiler_options
@@ -323,6 +324,8 @@ def test_stacked_gradients_accumulated_in_their_scan(method, mesh_shape, scanned
     found.append(gradstack.find_grad_stacks(*args))
     return found[-1]
   monkeypatch.setattr(lower, "find_grad_stacks", spy)
+  # (Compiled here, not loaded from stages an earlier test kept.)
+  monkeypatch.setattr(saved_stages, "keeps", lambda: False)
   setup = (lm_setup(ScanTransformer(layers=3), batch=24) if scanned else
            transformer_setup(layers=3, batch=24))
   make_state, step, batch = setup

@@ -17,6 +17,7 @@ TESTS = os.path.join(ROOT, "tests")
 CHILD = r'''
 import json
 import jax
+import numpy as np
 from jax import monitoring
 import autopar
 from autopar.planner import lp
@@ -60,6 +61,7 @@ for name, method in methods.items():
   asked = events.get("/jax/compilation_cache/compile_requests_use_cache", 0)
   out[name] = {"compiled": asked - events.get("/jax/compilation_cache/cache_hits", 0),
                "read": asked, "solves": events.get("solves", 0), "loss": float(loss),
+               "state": [np.asarray(x).tolist() for x in jax.tree.leaves(new)],
                "prefetched": events.get("prefetched", 0),
                "lowered": events.get("/jax/core/compile/jaxpr_to_mlir_module_duration", 0),
                "traced": events.get("/jax/core/compile/jaxpr_trace_duration", 0)}
@@ -83,6 +85,7 @@ def test_a_second_process_compiles_nothing(tmp_path):
     assert cold[name]["compiled"] > 0, cold
     assert warm[name]["compiled"] == 0 and warm[name]["solves"] == 0, (name, warm)
     assert warm[name]["loss"] == cold[name]["loss"], (name, cold, warm)
+    assert warm[name]["state"] == cold[name]["state"], name
   # The SPMD steps' stages loaded whole, from the hint the first process
   # left (while the step was traced): none traced, lowered or compiled.
   for name in ("dp", "sp"):

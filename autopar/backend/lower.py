@@ -757,7 +757,7 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
   batch = tuple(k for k, l in enumerate(leaves) if l.is_batch)
   in_shardings = tuple(NamedSharding(amesh, v.spec) for v in plan.inputs)
   n = plan.num_micro_batches
-  loaded = saved_stages.load(keep, mesh, prefetched) if keep else None
+  loaded = saved_stages.load(keep, mesh, prefetched, hint) if keep else None
   if loaded is not None:
     compiled, schedule = loaded
   else:

@@ -18,8 +18,13 @@ a key of everything they were made from (:func:`stage_key`):
   (ids, kinds), the lowering's own options (accumulation dtype, one
   executable, the loss's scale), the compiler options;
 * autopar's sources, jax's and jaxlib's versions, the backend's, the XLA
-  flags and JAX's configuration that lowering reads
+  flags and every option of JAX's configuration
   (``jax_compat.lowering_context``).
+
+What the key cannot read keeps a step out: a primitive lowered by a rule
+that is not JAX's or autopar's (another package's Python, run at lowering:
+``jax_compat.lowered_by_jax``), and a step traced at concrete batch sizes
+only (``Signature.stage_key``).
 
 Loading is most of a warm start, so it starts before the key is known:
 each kept step also leaves a *hint*, the key under what a process knows
@@ -28,7 +33,8 @@ method, the devices: ``Signature.hint_key``), and :func:`prefetch` loads
 the stages the hint names on threads while the step is traced and its
 plan read. They are used only where the key computed then is the one they
 were kept under; a guess that was wrong (the model's code changed) cost
-the threads' time and nothing else.
+reading the file, the threads' time and the loaded executables' memory
+until the step is compiled, and the hint then names the new stages.
 
 A stage that cannot be kept so (it calls back into the process, has side
 effects, or takes constants at each call: ``jax_compat.serialize_compiled``),
@@ -58,7 +64,7 @@ import numpy as np
 from autopar import jax_compat as jc
 from autopar.disk import cache_root, source_digest, use_compilation_cache, write_bytes_atomic
 
-__all__ = ["stage_key", "load", "store", "consts_digest", "hint_key", "prefetch", "Prefetched"]
+__all__ = ["keeps", "stage_key", "load", "store", "consts_digest", "hint_key", "prefetch", "Prefetched"]
 
 # Bumped when what a file holds changes (2: zlib-compressed).
 _FORMAT = 2
@@ -68,8 +74,11 @@ def _dir() -> Path:
   return cache_root() / "stages"
 
 
-def _kept() -> bool:
-  return jax.process_count() == 1 and use_compilation_cache()
+def keeps() -> bool:
+  """Whether stages are kept here: JAX's cache is autopar's, the step runs
+  in one process, and autopar's sources are readable (their digest is in
+  the key: without it two builds of one version would share stages)."""
+  return jax.process_count() == 1 and use_compilation_cache() and bool(source_digest())
 
 
 def _digest(text: str) -> str:
@@ -84,7 +93,7 @@ def hint_key(known: Any, mesh) -> str | None:
   """The key of the hint for a step whose ``known`` (what is known of it
   before it is traced, as a repr-able value) runs on ``mesh``; None where
   nothing is kept."""
-  if not _kept():
+  if not keeps():
     return None
   # (Without the addresses in reprs, a process's own: a function's that a
   # pytree holds as static data, say.)
@@ -100,7 +109,7 @@ def stage_key(fingerprint: Any, plan: Any, mesh, consts: str, lowering: Any) -> 
   ``fingerprint``: the plan's fingerprint entries; ``consts``:
   :func:`consts_digest` of the program; ``lowering``: the rest the stages
   are lowered with (options, sizes), as a repr-able value."""
-  if not _kept():
+  if not keeps():
     return None
   devices = _devices(mesh)
   specs = [(v.name, repr(v.spec)) for group in (plan.inputs, plan.grads, plan.outputs,
@@ -166,6 +175,11 @@ class Prefetched:
                    for _, saved in kept["stages"]]
     pool.shutdown(wait=False)             # (its threads end with the loads)
 
+  def cancel(self) -> None:
+    """Drops the loads not started (the key was another's)."""
+    for f in self._loads:
+      f.cancel()
+
   def result(self) -> tuple[dict[str, Any], tuple[str, ...]] | None:
     """(stage name -> loaded executable, schedule), or None where a stage
     could not be loaded (the step is then compiled)."""
@@ -190,17 +204,30 @@ def prefetch(hint: str | None, mesh) -> Prefetched | None:
     return None
   try:
     key = (_dir() / "hints" / hint).read_text().strip()
-  except OSError:
+  except (OSError, ValueError):
+    return None
+  if not re.fullmatch(r"[0-9a-f]{64}", key):
     return None
   return _prefetched(key, mesh)
 
 
-def load(key: str, mesh, prefetched: Prefetched | None = None):
+def load(key: str, mesh, prefetched: Prefetched | None = None, hint: str | None = None):
   """(stage name -> loaded executable, schedule) kept under ``key``, or
-  None; from ``prefetched`` where it loaded this key's."""
-  if prefetched is None or prefetched.key != key:
-    prefetched = _prefetched(key, mesh)
-  return None if prefetched is None else prefetched.result()
+  None; from ``prefetched`` where it loaded this key's. Where the hint
+  ``hint`` named other stages (or none) and these load, it names these
+  from now on."""
+  if prefetched is not None and prefetched.key == key:
+    return prefetched.result()
+  if prefetched is not None:
+    prefetched.cancel()
+  found = _prefetched(key, mesh)
+  loaded = None if found is None else found.result()
+  if loaded is not None and hint is not None:
+    try:
+      write_bytes_atomic(_dir() / "hints" / hint, key.encode())
+    except OSError:
+      pass
+  return loaded
 
 
 def store(key: str, stages: dict[str, Any], schedule: Sequence[str],
@@ -219,6 +246,6 @@ def store(key: str, stages: dict[str, Any], schedule: Sequence[str],
     write_bytes_atomic(_dir() / key, zlib.compress(data, 1))
     if hint is not None:
       write_bytes_atomic(_dir() / "hints" / hint, key.encode())
-  except OSError:         # a full or read-only disk: the next process compiles
-    return False
+  except (OSError, pickle.PicklingError, TypeError):
+    return False          # (a full or read-only disk: the next process compiles)
   return True
