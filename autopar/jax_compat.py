@@ -179,14 +179,13 @@ def lowering_context() -> str:
   lowering read (``jax_default_matmul_precision``, x64, ...) and every
   option besides (``jax_disable_most_optimizations``,
   ``jax_optimization_level``, ...; some change nothing compiled, and a
-  change of one only compiles again)."""
-  import re
+  change of one only compiles again). Its reprs hold this process's object
+  addresses (``text.without_addresses`` leaves them out)."""
   backend = jax.devices()[0].client
-  context = repr((_config.trace_context(), sorted(jax.config.values.items())))
   return repr((jax.__version__, jaxlib.__version__, backend.platform,
                backend.platform_version, os.environ.get("XLA_FLAGS", ""),
-               os.environ.get("LIBTPU_INIT_ARGS", ""),
-               re.sub(r" at 0x[0-9a-fA-F]+", "", context)))
+               os.environ.get("LIBTPU_INIT_ARGS", ""), _config.trace_context(),
+               sorted(jax.config.values.items())))
 
 
 def lowered_by_jax(closed, owners=("jax", "jaxlib", "autopar")) -> bool:

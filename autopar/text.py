@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 from jax.sharding import PartitionSpec
 
 __all__ = ["format_bytes", "spec_str", "same_spec", "canonical_str", "axes_str",
-           "format_rows"]
+           "format_rows", "without_addresses"]
+
+# A Python object's address in its repr (a function's): differs from
+# process to process.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def without_addresses(text: str) -> str:
+  """``text`` with the object addresses in its reprs left out: what a
+  digest kept from one process to the next may hold."""
+  return _ADDRESS.sub("", text) if " at 0x" in text else text
 
 
 def format_bytes(n: float) -> str:

@@ -63,6 +63,7 @@ import numpy as np
 
 from autopar import jax_compat as jc
 from autopar.disk import cache_root, source_digest, use_compilation_cache, write_bytes_atomic
+from autopar.text import without_addresses
 
 __all__ = ["keeps", "stage_key", "load", "store", "consts_digest", "hint_key", "prefetch", "Prefetched"]
 
@@ -82,7 +83,9 @@ def keeps() -> bool:
 
 
 def _digest(text: str) -> str:
-  return hashlib.sha256(text.encode()).hexdigest()
+  """A key of ``text``, its object addresses (a process's own: a
+  function's that a pytree holds as static data, say) left out."""
+  return hashlib.sha256(without_addresses(text).encode()).hexdigest()
 
 
 def _devices(mesh) -> list:
@@ -95,11 +98,8 @@ def hint_key(known: Any, mesh) -> str | None:
   nothing is kept."""
   if not keeps():
     return None
-  # (Without the addresses in reprs, a process's own: a function's that a
-  # pytree holds as static data, say.)
-  text = repr(("hint", _FORMAT, known, _devices(mesh), tuple(mesh.axis_names),
-               source_digest(), jc.lowering_context()))
-  return _digest(re.sub(r" at 0x[0-9a-fA-F]+", "", text))
+  return _digest(repr(("hint", _FORMAT, known, _devices(mesh), tuple(mesh.axis_names),
+                       source_digest(), jc.lowering_context())))
 
 
 def stage_key(fingerprint: Any, plan: Any, mesh, consts: str, lowering: Any) -> str | None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import re
 from pathlib import Path
 from typing import Mapping
 
@@ -37,6 +36,7 @@ from autopar.disk import cache_root, source_digest, write_atomic
 from autopar.errors import PlanError
 from autopar.method import ParallelMethod, axis_sizes_of
 from autopar.plan import PLAN_FORMAT, Plan
+from autopar.text import without_addresses
 from autopar.version import __version__
 
 __all__ = ["cache_dir", "fingerprint", "check_fingerprint", "plan_key", "planner_digest",
@@ -125,11 +125,6 @@ def planner_digest() -> str:
   return source_digest()
 
 
-# A Python object's address in its repr (a callback's function): differs
-# from process to process, so left out of digests.
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-
-
 def program_digest(closed, h) -> None:
   """Feeds ``closed`` (a ClosedJaxpr) into the hash ``h``: every equation's
   primitive, parameters, operands and results with their shapes and dtypes,
@@ -168,8 +163,7 @@ def program_digest(closed, h) -> None:
     if isinstance(value, (tuple, list)) and any(
         isinstance(x, (ClosedJaxpr, Jaxpr)) for x in value):
       return "(" + ",".join(param(x) for x in value) + ")"
-    text = repr(value)
-    return _ADDRESS.sub("", text) if " at 0x" in text else text
+    return without_addresses(repr(value))
 
   def jaxpr(j) -> None:
     h.update(("{" + " ".join([name(v) for v in (*j.constvars, *j.invars)]) + ";").encode())
