@@ -10,7 +10,7 @@ from autopar.api import ParallelizedFunction, parallelize
 from autopar.costs.calibrate import calibrate
 from autopar.runtime.host_errors import ClusterError
 from autopar.runtime.cluster import RemoteArray, global_mesh, init, shutdown
-from autopar.errors import (AutoparError, InputError, MarkerError, MeshError,
+from autopar.errors import (AutoparError, InputError, KeptStagesError, MarkerError, MeshError,
                             PlanError)
 from autopar.runtime.executor import Executable
 from autopar.frontend.marker import filter_grad, filter_value_and_grad, grad, value_and_grad
@@ -31,7 +31,7 @@ __all__ = [
     "ShardParallel", "DataParallel", "Zero2Parallel", "Zero3Parallel",
     "PipeshardParallel", "mark_pipeline_boundary",
     "AutoShardingOption", "Plan", "AutoparError", "InputError", "MarkerError",
-    "MeshError", "PlanError", "ClusterError", "init", "shutdown", "global_mesh",
+    "MeshError", "PlanError", "KeptStagesError", "ClusterError", "init", "shutdown", "global_mesh",
     "RemoteArray", "DataSource", "HostShard", "save_checkpoint", "restore_checkpoint",
     "diff", "calibrate", "nn",
     "__version__",

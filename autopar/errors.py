@@ -26,3 +26,8 @@ class MeshError(AutoparError, ValueError):
 
 class PlanError(AutoparError):
   """A plan cannot be made, loaded or applied to the given step."""
+
+
+class KeptStagesError(AutoparError, RuntimeError):
+  """The compiled stages autopar loaded from its cache failed on their first
+  run, after using up the arrays the step donates."""

@@ -11,6 +11,7 @@ first use under the signature's lock; a step's calls look it up by key.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import threading
 import time
@@ -600,12 +601,18 @@ class Signature:
       one_executable = self.method.one_executable is not False
       keep = self.stage_key(plan, mesh, whole, data_size, scale is not None,
                             one_executable)
-      lowered = lower_step(dataclasses.replace(split, apply=apply), split_local,
-                           plan, mesh, accumulate=self.method.grad_accumulation_dtype,
-                           scale=scale, one_executable=one_executable, keep=keep,
-                           hint=hint, prefetched=prefetched)
+      lower = functools.partial(
+          lower_step, dataclasses.replace(split, apply=apply), split_local, plan, mesh,
+          accumulate=self.method.grad_accumulation_dtype, scale=scale,
+          one_executable=one_executable)
+      lowered = lower(keep=keep, hint=hint, prefetched=prefetched)
+
+    def recompile():
+      # (Loaded stages that failed to run: compiled here, not kept again.)
+      with jax.set_mesh(None), gc_paused():
+        return lower()
     return Executable(plan=plan, lowered=lowered, split=split,
-                      static_argnums=prep.flags.static)
+                      static_argnums=prep.flags.static, recompile=recompile)
 
   def stage_key(self, plan: Plan, mesh, whole: int, data_size: int, scaled: bool,
                 one_executable: bool) -> str | None:

@@ -136,3 +136,64 @@ def test_kept_stages_are_the_steps_own(tmp_path):
   assert other["lowered"] > 0, other
   assert (other["loss"], other["w"]) == (fresh["loss"], fresh["w"])
   assert other["loss"] != one["loss"]
+
+
+# Stages kept broken (here: read from JAX's cache, which the store's check
+# is made not to see; reloaded, such an executable lacks some of its code
+# and fails once its outputs are read).
+BROKEN = r'''
+import json, warnings
+from unittest import mock
+import jax, numpy as np
+import autopar
+from autopar.backend import lower, saved_stages
+from models import mlp_setup
+
+make_state, step, batch = mlp_setup(batch=32, din=8, hidden=16, dout=4, layers=2)
+method = autopar.DataParallel(mesh=jax.make_mesh((8,), ("data",)), num_micro_batches=2)
+run = lambda donate: autopar.parallelize(step, method=method, donate_argnums=donate)
+flat = lambda tree: [np.asarray(x).tolist() for x in jax.tree.leaves(tree)]
+out = {}
+with mock.patch.object(saved_stages, "keeps", lambda: False):
+  new, loss = run("auto")(make_state(), batch)             # in JAX's cache only
+  out["expected"] = [float(loss), flat(new)]
+
+def broken(donate):
+  with mock.patch.object(lower.StageCompiler, "compiled_here", lambda self: True):
+    run(donate)(make_state(), batch)                        # kept from JAX's cache
+  return len([f for f in saved_stages._dir().iterdir() if f.is_file()])
+
+out["kept"] = broken(())
+step_ = run(())
+with warnings.catch_warnings(record=True) as caught:
+  warnings.simplefilter("always")
+  new, loss = step_(make_state(), batch)                    # nothing donated: run again
+  out["again"] = [float(loss), flat(new)]
+out["warned"] = [str(w.message) for w in caught if "failed on their first run" in str(w.message)]
+out["removed"] = sorted(f.suffix for f in saved_stages._dir().iterdir() if f.is_file())
+new, loss = step_(make_state(), batch)
+out["second"] = [float(loss), flat(new)]
+
+broken("auto")
+step_, state = run("auto"), make_state()
+try:
+  step_(state, batch)
+  out["raised"] = None
+except autopar.KeptStagesError as e:
+  out["raised"] = str(e)
+new, loss = step_(make_state(), batch)                      # the stages compiled since
+out["after"] = [float(loss), flat(new)]
+print(json.dumps(out))
+'''
+
+
+def test_kept_stages_that_fail_to_run_are_compiled_again(tmp_path):
+  out = _run(tmp_path, BROKEN)
+  assert out["kept"] == 1, out
+  assert out["warned"] and out["again"] == out["expected"], out
+  # The file is gone, and marked so that its key is not kept again.
+  assert out["removed"] == [".failed"], out
+  assert out["second"] == out["expected"]
+  # Where the failed run used up the donated state, the error says so.
+  assert out["raised"] and "used up the arrays the step donates" in out["raised"], out
+  assert out["after"] == out["expected"]

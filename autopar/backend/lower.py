@@ -130,6 +130,9 @@ class LoweredStep:
   kept: tuple[int, ...]
   batch: tuple[int, ...]
   grad_leaves: tuple[int, ...] = ()
+  # The key the stages were loaded under (``saved_stages``), None where
+  # they were compiled in this process.
+  loaded_from: str | None = None
 
 
 def _manual_axes(plan: Plan) -> tuple[str, ...]:
@@ -773,7 +776,8 @@ def lower_step(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, *,
     index = tuple(jax.device_put(np.int32(i), replicated) for i in range(n))
   return LoweredStep(stages=compiled, schedule=schedule, in_shardings=in_shardings,
                      micro_batch_index=index, donated=donated, kept=kept, batch=batch,
-                     grad_leaves=grad_stage_leaves(split_local) if split.has_marker else ())
+                     grad_leaves=grad_stage_leaves(split_local) if split.has_marker else (),
+                     loaded_from=keep if loaded is not None else None)
 
 
 def _compile_stages(split: SplitStep, split_local: SplitStep, plan: Plan, mesh, amesh,

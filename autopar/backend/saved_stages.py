@@ -43,7 +43,9 @@ without some of its code), keeps the whole step out: its next process reads
 JAX's cache as before. Kept where JAX's cache is autopar's (``disk.use_compilation_cache``:
 ``AUTOPAR_XLA_CACHE=0`` turns both off), in ``cache_root() / "stages"``,
 one file per key; a file that cannot be read or loaded is ignored (the step
-is compiled again), never an error. Single-process steps only: a
+is compiled again), never an error. Stages that load but fail on their
+first run (``Executable._first_run`` waits for it) are removed, compiled
+again, and not kept under that key again (``forget``). Single-process steps only: a
 multi-process one's executables span other processes' devices.
 """
 
@@ -65,7 +67,8 @@ from autopar import jax_compat as jc
 from autopar.disk import cache_root, source_digest, use_compilation_cache, write_bytes_atomic
 from autopar.text import without_addresses
 
-__all__ = ["keeps", "stage_key", "load", "store", "consts_digest", "hint_key", "prefetch", "Prefetched"]
+__all__ = ["keeps", "stage_key", "load", "store", "forget", "path", "consts_digest", "hint_key",
+           "prefetch", "Prefetched"]
 
 # Bumped when what a file holds changes (2: zlib-compressed).
 _FORMAT = 2
@@ -230,10 +233,30 @@ def load(key: str, mesh, prefetched: Prefetched | None = None, hint: str | None 
   return loaded
 
 
+def path(key: str) -> Path:
+  """The file the stages kept under ``key`` are in."""
+  return _dir() / key
+
+
+def forget(key: str) -> None:
+  """Removes the stages kept under ``key``, ones that failed to run, and
+  keeps none under it again (a file ``<key>.failed`` says so): the step's
+  later processes compile it. (Its hint is left, naming a key no file is
+  under: nothing is prefetched.)"""
+  try:
+    (_dir() / key).unlink(missing_ok=True)
+    write_bytes_atomic(_dir() / f"{key}.failed", b"")
+  except OSError:
+    pass
+
+
 def store(key: str, stages: dict[str, Any], schedule: Sequence[str],
           hint: str | None = None) -> bool:
   """Keeps ``stages`` under ``key`` (and ``hint`` naming it); False
-  (nothing kept) where a stage cannot be serialized."""
+  (nothing kept) where a stage cannot be serialized, or stages kept under
+  ``key`` before failed to run (``forget``)."""
+  if (_dir() / f"{key}.failed").exists():
+    return False
   saved = []
   for name, compiled in stages.items():
     s = jc.serialize_compiled(compiled)

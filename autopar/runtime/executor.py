@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
 
-from autopar.errors import InputError
+from autopar.errors import InputError, KeptStagesError
+from autopar.backend import saved_stages
 from autopar.backend.lower import ONE_STAGE, SUMS_STAGE, LoweredStep
 from autopar.plan import SYNC_STAGE, ZERO_STAGE, Plan
 from autopar.frontend.pytrees import partition
@@ -45,17 +47,29 @@ class Executable:
     plan: the :class:`autopar.Plan` it was compiled from.
     stages: stage name -> ``jax.stages.Compiled``.
     schedule: the stage names one call runs, in order.
+
+  ``recompile``: where the stages were loaded from disk
+  (``lowered.loaded_from``), what compiles them instead should they fail
+  on their first run (:meth:`_first_run`).
   """
   plan: Plan
   lowered: LoweredStep
   split: SplitStep
   static_argnums: tuple[int, ...]
+  recompile: dataclasses.InitVar[Callable[[], LoweredStep] | None] = None
   # (id of an array's sharding, leaf position) -> (that sharding, whether it
   # is the leaf's planned one): the outputs of one step share a few sharding
   # objects, so a steady-state call compares each once.
   _placed: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
   # number of the update's outputs -> picker of the step's outputs (_outputs)
   _out_pickers: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+  # [recompile] until the first run of stages loaded from disk has ended
+  _unproven: list = dataclasses.field(default_factory=list, repr=False, compare=False)
+
+  def __post_init__(self, recompile) -> None:
+    if self.lowered.loaded_from is not None:
+      assert recompile is not None
+      self._unproven.append(recompile)
 
   @property
   def stages(self) -> dict[str, jax.stages.Compiled]:
@@ -126,6 +140,38 @@ class Executable:
     gradient stages have run, are then placed and the update called again,
     so that the gradient is not computed twice.
     """
+    if self._unproven:
+      return self._first_run(leaves, placed)
+    return self._run(leaves, placed)
+
+  def _first_run(self, leaves: Sequence[Any], placed: bool) -> list[Any]:
+    """The first run of stages loaded from disk, waited for: an executable
+    XLA cannot run (kept without some of its code: ``saved_stages``) fails
+    only once its outputs are read. Its file is then removed, and the
+    stages compiled and run again where the arrays the step donates are
+    still there; where the failed run used them up, ``KeptStagesError``."""
+    try:
+      outs = self._run(leaves, placed)
+      jax.block_until_ready(outs)
+    except jax.errors.JaxRuntimeError as e:
+      key = self.lowered.loaded_from
+      where = saved_stages.path(key)
+      saved_stages.forget(key)
+      object.__setattr__(self, "lowered", self._unproven.pop()())
+      what = (f"autopar: the step's compiled stages that autopar loaded from its cache "
+              f"({where}) failed on their first run ({type(e).__name__}: {e}); the file "
+              f"is removed and the stages compiled again")
+      if any(deleted(leaves[k]) for k in self.lowered.donated):
+        raise KeptStagesError(
+            f"{what}. The failed run used up the arrays the step donates (the state "
+            f"passed in). Fix: restore the state (from a checkpoint, or make it again) "
+            f"and call the step again: it runs on the stages compiled now.") from e
+      warnings.warn(f"{what} and run.", stacklevel=6)
+      return self._run(leaves, placed)
+    self._unproven.clear()
+    return outs
+
+  def _run(self, leaves: Sequence[Any], placed: bool) -> list[Any]:
     lw = self.lowered
     stages = lw.stages
     if self.one_call:
