@@ -165,10 +165,10 @@ class ParallelizedFunction:
     # preparation without the values, and where the traced leaves are among
     # the flat leaves: a steady-state call flattens its arguments once.
     self._prepared: dict[Any, tuple[_Prepared, tuple[int, ...]]] = {}
-    # (Tree structure of a call's arguments, its batch leaves' shapes) -> the
-    # compiled SPMD step it ran, called on the next such call's leaves as
-    # they come (_Direct).
-    self._direct: dict[Any, _Direct] = {}
+    # Tree structure of a call's arguments -> (the first _Direct of that
+    # structure, its batch leaves' shapes -> the compiled SPMD step it ran),
+    # called on the next such call's leaves as they come (_Direct).
+    self._direct: dict[Any, tuple[_Direct, dict[tuple, _Direct]]] = {}
     self._lock = threading.Lock()
     functools.update_wrapper(self, fun)
 
@@ -207,9 +207,13 @@ class ParallelizedFunction:
     the traced step that says how to write them back
     (``trace.split_updates``)."""
     flat, treedef = jax.tree_util.tree_flatten(tuple(args))
-    direct = self._direct.get(treedef)
-    if direct is not None:
-      direct = self._direct.get((treedef, direct.batch_shapes(flat)))
+    # (One lookup by the structure, whose hash and comparison walk its
+    # nodes, then one by the batch's shapes.)
+    entry = self._direct.get(treedef)
+    direct = None
+    if entry is not None:
+      first, by_shape = entry
+      direct = by_shape.get(first.batch_shapes(flat))
     if direct is not None:
       outs = direct.run(flat)
       if outs is not None:
@@ -225,8 +229,12 @@ class ParallelizedFunction:
       with self._lock:
         if len(self._direct) >= _PREPARED_BOUND:
           self._direct.clear()
-        # (by structure: where its batch leaves are, the same for every shape)
-        self._direct[treedef] = self._direct[treedef, direct.batch_shapes(flat)] = direct
+        # (The first step of a structure picks the batch leaves of every
+        # call of that structure: where they are is the same at every shape.)
+        first, by_shape = self._direct.get(treedef, (direct, {}))
+        if len(by_shape) >= _PREPARED_BOUND:
+          by_shape = {}
+        self._direct[treedef] = (first, {**by_shape, direct.batch_shapes(flat): direct})
     return traced.outputs.merge(outs), traced
 
   def check_donation(self, args: Sequence[Any]) -> None:
