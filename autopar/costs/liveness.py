@@ -63,6 +63,8 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
+import threading
+import weakref
 from typing import Any, Callable, Hashable, Iterable
 
 import jax.numpy as jnp
@@ -257,7 +259,7 @@ def liveness(jaxpr, *, gathered: Iterable[Var] = (), released: Iterable[Var] = (
   eqns = jaxpr.eqns
   end = len(eqns)
   cpu = platform == "cpu"
-  fusions = Fusions.of(jaxpr, platform)
+  fusions = _fusions(jaxpr, platform)
   producer, outputs = fusions.producer, fusions.outputs
 
   # Where each buffer is read: the equations that run (not fused into their
@@ -432,7 +434,25 @@ def fusions(jaxpr, platform: str = "cpu") -> "Fusions":
   """Which of ``jaxpr``'s values XLA computes inside their readers (see
   :class:`Fusions`; XLA:CPU's YNNPACK kernels only on "cpu"); the ILP
   counts memory traffic with it."""
-  return Fusions.of(jaxpr, platform)
+  return _fusions(jaxpr, platform)
+
+
+# jaxpr -> platform -> its Fusions, while the jaxpr lives: the planner's
+# problems over one program (its traffic, a price of a preset's layout on
+# the same rows, the chosen plan's liveness) each read them, and each
+# reading is a walk of the whole unrolled program.
+_SEEN: "weakref.WeakKeyDictionary[Any, dict[str, Fusions]]" = weakref.WeakKeyDictionary()
+_SEEN_LOCK = threading.Lock()
+
+
+def _fusions(jaxpr, platform: str) -> "Fusions":
+  with _SEEN_LOCK:
+    found = _SEEN.get(jaxpr, {}).get(platform)
+  if found is None:
+    found = Fusions.of(jaxpr, platform)
+    with _SEEN_LOCK:
+      _SEEN.setdefault(jaxpr, {})[platform] = found
+  return found
 
 
 class Fusions:
