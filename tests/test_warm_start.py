@@ -197,3 +197,45 @@ def test_kept_stages_that_fail_to_run_are_compiled_again(tmp_path):
   # Where the failed run used up the donated state, the error says so.
   assert out["raised"] and "used up the arrays the step donates" in out["raised"], out
   assert out["after"] == out["expected"]
+
+
+def test_kept_stages_load_only_for_their_devices_and_configuration():
+  """Within one process too: a second step of the same program on the same
+  mesh loads the stages the first kept; on the mesh's devices in another
+  order, or under another JAX option, it compiles its own."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import autopar
+
+  def step(w, x):
+    def loss_fn(w):
+      return jnp.mean(jnp.sin(x @ w) ** 2)      # (a program no other test has)
+    loss, g = autopar.value_and_grad(loss_fn)(w)
+    return w - 0.5 * g, loss
+
+  w = np.random.RandomState(0).randn(6, 3).astype(np.float32)
+  x = np.random.RandomState(1).randn(16, 6).astype(np.float32)
+  devices = np.asarray(jax.devices()[:8]).reshape(4, 2)
+  mesh = jax.sharding.Mesh(devices, ("data", "model"))
+  flipped = jax.sharding.Mesh(devices[::-1, ::-1], ("data", "model"))
+
+  def run(mesh):
+    f = autopar.parallelize(step, method=autopar.DataParallel(mesh=mesh, num_micro_batches=2))
+    new, loss = f(w, x)
+    return f.get_executable(w, x).lowered.loaded_from, np.asarray(new), float(loss)
+
+  first = run(mesh)
+  again = run(mesh)
+  other_order = run(flipped)
+  # (An option read only when the stages compile: not in the program.)
+  jax.config.update("jax_disable_most_optimizations", True)
+  try:
+    other_option = run(mesh)
+  finally:
+    jax.config.update("jax_disable_most_optimizations", False)
+  assert first[0] is None and again[0] is not None, (first[0], again[0])
+  assert other_order[0] is None and other_option[0] is None
+  for got in (again, other_order, other_option):
+    np.testing.assert_allclose(got[1], first[1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[2], first[2], rtol=1e-5)
