@@ -223,7 +223,7 @@ class ParallelizedFunction:
     check_donation(prep.leaves, prep.values, self.name)
     exe = self.signature_of(prep).executable(prep)
     traced = exe.split.traced
-    outs = exe.run(exe.place(prep.values))
+    outs = exe.run_placing(prep.values)
     if isinstance(exe, Executable) and not prep.flags.static and len(prep.values) == len(flat):
       direct = _Direct(exe, traced)   # (every leaf traced: the flat leaves are its values)
       with self._lock:

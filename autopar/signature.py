@@ -30,6 +30,7 @@ from autopar.backend.lower import compiler_options, lower_step
 from autopar.costs.calibrate import measured_option
 from autopar.costs.cost_model import dtype_name
 from autopar.costs.devices import dominant_float_dtype, hardware_option, platform_of
+from autopar.costs.liveness import fusions_shared
 from autopar.errors import InputError, MarkerError, PlanError
 from autopar.frontend.align import first_difference
 from autopar.frontend.hints import check_hints
@@ -343,6 +344,7 @@ class Signature:
             f"but the method has grad_sync={method.grad_sync!r}. Fix: give the method "
             f"grad_sync={plan.grad_sync!r}, or make the plan again under this method.")
     elif isinstance(method, ShardParallel) and split.has_marker:
+      @fusions_shared()
       def solved() -> Plan:
         plan = plan_auto(split, method, mesh, batch_size=batch_size,
                          trace_local=lambda rows: self.split(prep, rows),
@@ -612,7 +614,8 @@ class Signature:
       with jax.set_mesh(None), gc_paused():
         return lower()
     return Executable(plan=plan, lowered=lowered, split=split,
-                      static_argnums=prep.flags.static, recompile=recompile)
+                      static_argnums=prep.flags.static,
+                      recompile=recompile if lowered.loaded_from is not None else None)
 
   def stage_key(self, plan: Plan, mesh, whole: int, data_size: int, scaled: bool,
                 one_executable: bool) -> str | None:

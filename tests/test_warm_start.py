@@ -203,6 +203,7 @@ def test_kept_stages_load_only_for_their_devices_and_configuration():
   """Within one process too: a second step of the same program on the same
   mesh loads the stages the first kept; on the mesh's devices in another
   order, or under another JAX option, it compiles its own."""
+  import dataclasses
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -226,6 +227,15 @@ def test_kept_stages_load_only_for_their_devices_and_configuration():
     return f.get_executable(w, x).lowered.loaded_from, np.asarray(new), float(loss)
 
   first = run(mesh)
+  # Loaded, and copied with another plan before its first run (as the
+  # memory budget's choice is): the copy's first run is checked too.
+  exe = autopar.parallelize(step, method=autopar.DataParallel(
+      mesh=mesh, num_micro_batches=2)).get_executable(w, x)
+  copy = dataclasses.replace(exe, plan=exe.plan)
+  assert exe.recompile is not None and copy.recompile is not None
+  new, loss = copy(w, x)
+  assert copy.recompile is None
+  np.testing.assert_allclose(np.asarray(new), first[1], rtol=1e-5, atol=1e-6)
   again = run(mesh)
   other_order = run(flipped)
   # (An option read only when the stages compile: not in the program.)

@@ -60,11 +60,11 @@ gradient into the partial sums, or reduce it, one trip's slice at a time
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import heapq
 import math
 import threading
-import weakref
 from typing import Any, Callable, Hashable, Iterable
 
 import jax.numpy as jnp
@@ -75,8 +75,8 @@ from autopar.costs.cost_model import itemsize
 from autopar.costs.strategies.elementwise import is_elementwise
 from autopar.frontend.trace import region_jaxprs
 
-__all__ = ["liveness_peaks", "liveness", "Liveness", "Held", "fusions", "Fusions", "relayouts",
-           "conv_relayouts", "dot_relayouts"]
+__all__ = ["liveness_peaks", "liveness", "Liveness", "Held", "fusions", "fusions_shared",
+           "Fusions", "relayouts", "conv_relayouts", "dot_relayouts"]
 
 # The result is the operand's buffer read another way.
 VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "transpose"})
@@ -437,22 +437,36 @@ def fusions(jaxpr, platform: str = "cpu") -> "Fusions":
   return _fusions(jaxpr, platform)
 
 
-# jaxpr -> platform -> its Fusions, while the jaxpr lives: the planner's
-# problems over one program (its traffic, a price of a preset's layout on
-# the same rows, the chosen plan's liveness) each read them, and each
-# reading is a walk of the whole unrolled program.
-_SEEN: "weakref.WeakKeyDictionary[Any, dict[str, Fusions]]" = weakref.WeakKeyDictionary()
-_SEEN_LOCK = threading.Lock()
+_SHARED = threading.local()
+
+
+@contextlib.contextmanager
+def fusions_shared():
+  """Within it, each jaxpr's :class:`Fusions` are found once on this thread:
+  planning reads them for each problem over one program (its traffic, the
+  price of a preset's layout on the same rows, the chosen plan's
+  liveness), and each finding walks the whole unrolled program. They are
+  let go at its end (the plan keeps its problems, and with them their
+  jaxprs)."""
+  outer = getattr(_SHARED, "seen", None)
+  if outer is None:
+    _SHARED.seen = {}
+  try:
+    yield
+  finally:
+    if outer is None:
+      _SHARED.seen = None
 
 
 def _fusions(jaxpr, platform: str) -> "Fusions":
-  with _SEEN_LOCK:
-    found = _SEEN.get(jaxpr, {}).get(platform)
+  seen = getattr(_SHARED, "seen", None)
+  if seen is None:
+    return Fusions.of(jaxpr, platform)
+  # (The jaxpr is held with its entry: its id is not another's meanwhile.)
+  found = seen.get((id(jaxpr), platform))
   if found is None:
-    found = Fusions.of(jaxpr, platform)
-    with _SEEN_LOCK:
-      _SEEN.setdefault(jaxpr, {})[platform] = found
-  return found
+    found = seen[id(jaxpr), platform] = (jaxpr, Fusions.of(jaxpr, platform))
+  return found[1]
 
 
 class Fusions:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import threading
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -50,26 +51,23 @@ class Executable:
 
   ``recompile``: where the stages were loaded from disk
   (``lowered.loaded_from``), what compiles them instead should they fail
-  on their first run (:meth:`_first_run`).
+  on their first run (:meth:`_first_run`); None once they have run.
   """
   plan: Plan
   lowered: LoweredStep
   split: SplitStep
   static_argnums: tuple[int, ...]
-  recompile: dataclasses.InitVar[Callable[[], LoweredStep] | None] = None
+  recompile: Callable[[], LoweredStep] | None = dataclasses.field(
+      default=None, repr=False, compare=False)
   # (id of an array's sharding, leaf position) -> (that sharding, whether it
   # is the leaf's planned one): the outputs of one step share a few sharding
   # objects, so a steady-state call compares each once.
   _placed: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
   # number of the update's outputs -> picker of the step's outputs (_outputs)
   _out_pickers: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
-  # [recompile] until the first run of stages loaded from disk has ended
-  _unproven: list = dataclasses.field(default_factory=list, repr=False, compare=False)
-
-  def __post_init__(self, recompile) -> None:
-    if self.lowered.loaded_from is not None:
-      assert recompile is not None
-      self._unproven.append(recompile)
+  # held by the first run of loaded stages (_first_run)
+  _first: threading.Lock = dataclasses.field(default_factory=threading.Lock, init=False,
+                                             repr=False, compare=False)
 
   @property
   def stages(self) -> dict[str, jax.stages.Compiled]:
@@ -140,36 +138,61 @@ class Executable:
     gradient stages have run, are then placed and the update called again,
     so that the gradient is not computed twice.
     """
-    if self._unproven:
+    if self.recompile is not None:
       return self._first_run(leaves, placed)
     return self._run(leaves, placed)
 
   def _first_run(self, leaves: Sequence[Any], placed: bool) -> list[Any]:
     """The first run of stages loaded from disk, waited for: an executable
     XLA cannot run (kept without some of its code: ``saved_stages``) fails
-    only once its outputs are read. Its file is then removed, and the
-    stages compiled and run again where the arrays the step donates are
-    still there; where the failed run used them up, ``KeptStagesError``."""
-    try:
-      outs = self._run(leaves, placed)
-      jax.block_until_ready(outs)
-    except jax.errors.JaxRuntimeError as e:
+    only once its outputs are read. The stages are then compiled again and
+    run where the arrays the step donates are still there, and the file
+    removed once that run succeeds (an error the compiled stages raise as
+    well is the step's, not the file's); where the failed run used the
+    donated arrays up, the file is removed and ``KeptStagesError`` raised.
+    Running out of memory and refused arguments are the step's errors."""
+    with self._first:
+      if self.recompile is None:          # (another thread's first run ended)
+        return self._run(leaves, placed)
       key = self.lowered.loaded_from
-      where = saved_stages.path(key)
-      saved_stages.forget(key)
-      object.__setattr__(self, "lowered", self._unproven.pop()())
-      what = (f"autopar: the step's compiled stages that autopar loaded from its cache "
-              f"({where}) failed on their first run ({type(e).__name__}: {e}); the file "
-              f"is removed and the stages compiled again")
-      if any(deleted(leaves[k]) for k in self.lowered.donated):
-        raise KeptStagesError(
-            f"{what}. The failed run used up the arrays the step donates (the state "
-            f"passed in). Fix: restore the state (from a checkpoint, or make it again) "
-            f"and call the step again: it runs on the stages compiled now.") from e
-      warnings.warn(f"{what} and run.", stacklevel=6)
-      return self._run(leaves, placed)
-    self._unproven.clear()
-    return outs
+      try:
+        outs = self._run(leaves, placed)
+        jax.block_until_ready(outs)
+      except jax.errors.JaxRuntimeError as e:
+        if str(e).startswith(("RESOURCE_EXHAUSTED", "INVALID_ARGUMENT")):
+          raise
+        object.__setattr__(self, "lowered", self.recompile())
+        object.__setattr__(self, "recompile", None)
+        what = (f"autopar: the step's compiled stages that autopar loaded from its "
+                f"cache ({saved_stages.path(key)}) failed on their first run "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+        if any(deleted(leaves[k]) for k in self.lowered.donated):
+          saved_stages.forget(key)
+          raise KeptStagesError(
+              f"{what}; the file is removed and the stages compiled again. The failed "
+              f"run used up the arrays the step donates (the state passed in). Fix: "
+              f"restore the state (from a checkpoint, or make it again) and call the "
+              f"step again: it runs on the stages compiled now.") from e
+        outs = self._run(leaves, placed)
+        jax.block_until_ready(outs)
+        saved_stages.forget(key)
+        warnings.warn(f"{what}; they were compiled again and ran, and the file is "
+                      f"removed.", stacklevel=6)
+        return outs
+      object.__setattr__(self, "recompile", None)
+      return outs
+
+  def run_placing(self, values: Sequence[Any]) -> list[Any]:
+    """:meth:`run` on ``values`` placed (:meth:`place`). Where stages loaded
+    from disk failed on their first run after using up copies of the
+    donated leaves that placing made, not the caller's own arrays, they are
+    placed again and run on the stages compiled since."""
+    try:
+      return self.run(self.place(values))
+    except KeptStagesError:
+      if any(deleted(values[k]) for k in self.lowered.donated):
+        raise
+      return self.run(self.place(values))
 
   def _run(self, leaves: Sequence[Any], placed: bool) -> list[Any]:
     lw = self.lowered
@@ -245,7 +268,7 @@ class Executable:
           "Executable: these arguments have another structure or other static "
           "leaves than the ones it was compiled for. Fix: call the parallelized "
           "step itself (it compiles once per signature), or get_executable(*args).")
-    return self.results(self.run(self.place(leaves)), args)
+    return self.results(self.run_placing(leaves), args)
 
 
 def deleted(x) -> bool:

@@ -606,3 +606,6 @@ class PipelineExecutable:
 
   def run(self, leaves: Sequence[Any]) -> list[Any]:
     return self.step.run(leaves)
+
+  def run_placing(self, values: Sequence[Any]) -> list[Any]:
+    return self.run(self.place(values))
