@@ -199,53 +199,57 @@ def test_kept_stages_that_fail_to_run_are_compiled_again(tmp_path):
   assert out["after"] == out["expected"]
 
 
-def test_kept_stages_load_only_for_their_devices_and_configuration():
-  """Within one process too: a second step of the same program on the same
-  mesh loads the stages the first kept; on the mesh's devices in another
-  order, or under another JAX option, it compiles its own."""
-  import dataclasses
-  import jax
-  import jax.numpy as jnp
+# Within one process: a second step of the same program on the same mesh
+# loads the stages the first kept; on the mesh's devices in another order,
+# or under a JAX option read only when the stages compile, it compiles its
+# own. (A process of its own: stages loaded onto the wrong devices abort it.)
+DEVICES = r'''
+import dataclasses, json
+import jax, jax.numpy as jnp, numpy as np
+import autopar
+
+def step(w, x):
+  def loss_fn(w):
+    return jnp.mean(jnp.sin(x @ w) ** 2)
+  loss, g = autopar.value_and_grad(loss_fn)(w)
+  return w - 0.5 * g, loss
+
+w = np.random.RandomState(0).randn(6, 3).astype(np.float32)
+x = np.random.RandomState(1).randn(16, 6).astype(np.float32)
+devices = np.asarray(jax.devices()[:8]).reshape(4, 2)
+mesh = jax.sharding.Mesh(devices, ("data", "model"))
+flipped = jax.sharding.Mesh(devices[::-1, ::-1], ("data", "model"))
+make = lambda mesh: autopar.parallelize(
+    step, method=autopar.DataParallel(mesh=mesh, num_micro_batches=2))
+
+def run(mesh):
+  f = make(mesh)
+  new, loss = f(w, x)
+  return [f.get_executable(w, x).lowered.loaded_from is not None,
+          np.asarray(new).tolist(), float(loss)]
+
+out = {"first": run(mesh)}
+# Loaded, and copied with another plan before its first run (as the memory
+# budget's choice is): the copy's first run is checked too.
+exe = make(mesh).get_executable(w, x)
+copy = dataclasses.replace(exe, plan=exe.plan)
+checked = [exe.recompile is not None, copy.recompile is not None]
+new, loss = copy(w, x)
+out["copy"] = [checked + [copy.recompile is None], np.asarray(new).tolist(), float(loss)]
+out["again"] = run(mesh)
+out["other order"] = run(flipped)
+jax.config.update("jax_disable_most_optimizations", True)
+out["other option"] = run(mesh)
+print(json.dumps(out))
+'''
+
+
+def test_kept_stages_load_only_for_their_devices_and_configuration(tmp_path):
   import numpy as np
-  import autopar
-
-  def step(w, x):
-    def loss_fn(w):
-      return jnp.mean(jnp.sin(x @ w) ** 2)      # (a program no other test has)
-    loss, g = autopar.value_and_grad(loss_fn)(w)
-    return w - 0.5 * g, loss
-
-  w = np.random.RandomState(0).randn(6, 3).astype(np.float32)
-  x = np.random.RandomState(1).randn(16, 6).astype(np.float32)
-  devices = np.asarray(jax.devices()[:8]).reshape(4, 2)
-  mesh = jax.sharding.Mesh(devices, ("data", "model"))
-  flipped = jax.sharding.Mesh(devices[::-1, ::-1], ("data", "model"))
-
-  def run(mesh):
-    f = autopar.parallelize(step, method=autopar.DataParallel(mesh=mesh, num_micro_batches=2))
-    new, loss = f(w, x)
-    return f.get_executable(w, x).lowered.loaded_from, np.asarray(new), float(loss)
-
-  first = run(mesh)
-  # Loaded, and copied with another plan before its first run (as the
-  # memory budget's choice is): the copy's first run is checked too.
-  exe = autopar.parallelize(step, method=autopar.DataParallel(
-      mesh=mesh, num_micro_batches=2)).get_executable(w, x)
-  copy = dataclasses.replace(exe, plan=exe.plan)
-  assert exe.recompile is not None and copy.recompile is not None
-  new, loss = copy(w, x)
-  assert copy.recompile is None
-  np.testing.assert_allclose(np.asarray(new), first[1], rtol=1e-5, atol=1e-6)
-  again = run(mesh)
-  other_order = run(flipped)
-  # (An option read only when the stages compile: not in the program.)
-  jax.config.update("jax_disable_most_optimizations", True)
-  try:
-    other_option = run(mesh)
-  finally:
-    jax.config.update("jax_disable_most_optimizations", False)
-  assert first[0] is None and again[0] is not None, (first[0], again[0])
-  assert other_order[0] is None and other_option[0] is None
-  for got in (again, other_order, other_option):
-    np.testing.assert_allclose(got[1], first[1], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(got[2], first[2], rtol=1e-5)
+  out = _run(tmp_path, DEVICES)
+  assert not out["first"][0] and out["again"][0], out
+  assert out["copy"][0] == [True, True, True], out
+  assert not out["other order"][0] and not out["other option"][0], out
+  for name in ("copy", "again", "other order", "other option"):
+    np.testing.assert_allclose(out[name][1], out["first"][1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out[name][2], out["first"][2], rtol=1e-5)
