@@ -78,6 +78,21 @@ def _dir() -> Path:
   return cache_root() / "stages"
 
 
+def path(key: str) -> Path:
+  """The file the stages kept under ``key`` are in."""
+  return _dir() / key
+
+
+def _failed(key: str) -> Path:
+  """The file that says stages kept under ``key`` failed to run (``forget``)."""
+  return _dir() / f"{key}.failed"
+
+
+def _hint(hint: str) -> Path:
+  """The file of the hint ``hint``: the key of the stages it names."""
+  return _dir() / "hints" / hint
+
+
 def keeps() -> bool:
   """Whether stages are kept here: JAX's cache is autopar's, the step runs
   in one process, and autopar's sources are readable (their digest is in
@@ -169,7 +184,7 @@ class Prefetched:
 
   def __init__(self, key: str, mesh):
     self.key = key
-    kept = pickle.loads(zlib.decompress((_dir() / key).read_bytes()))
+    kept = pickle.loads(zlib.decompress(path(key).read_bytes()))
     devices = list(np.asarray(mesh.devices).flat)
     self._names = [name for name, _ in kept["stages"]]
     self._schedule = tuple(kept["schedule"])
@@ -206,7 +221,7 @@ def prefetch(hint: str | None, mesh) -> Prefetched | None:
   if hint is None:
     return None
   try:
-    key = (_dir() / "hints" / hint).read_text().strip()
+    key = _hint(hint).read_text().strip()
   except (OSError, ValueError):
     return None
   if not re.fullmatch(r"[0-9a-f]{64}", key):
@@ -227,15 +242,10 @@ def load(key: str, mesh, prefetched: Prefetched | None = None, hint: str | None 
   loaded = None if found is None else found.result()
   if loaded is not None and hint is not None:
     try:
-      write_bytes_atomic(_dir() / "hints" / hint, key.encode())
+      write_bytes_atomic(_hint(hint), key.encode())
     except OSError:
       pass
   return loaded
-
-
-def path(key: str) -> Path:
-  """The file the stages kept under ``key`` are in."""
-  return _dir() / key
 
 
 def forget(key: str) -> None:
@@ -244,8 +254,8 @@ def forget(key: str) -> None:
   later processes compile it. (Its hint is left, naming a key no file is
   under: nothing is prefetched.)"""
   try:
-    (_dir() / key).unlink(missing_ok=True)
-    write_bytes_atomic(_dir() / f"{key}.failed", b"")
+    path(key).unlink(missing_ok=True)
+    write_bytes_atomic(_failed(key), b"")
   except OSError:
     pass
 
@@ -255,7 +265,7 @@ def store(key: str, stages: dict[str, Any], schedule: Sequence[str],
   """Keeps ``stages`` under ``key`` (and ``hint`` naming it); False
   (nothing kept) where a stage cannot be serialized, or stages kept under
   ``key`` before failed to run (``forget``)."""
-  if (_dir() / f"{key}.failed").exists():
+  if _failed(key).exists():
     return False
   saved = []
   for name, compiled in stages.items():
@@ -266,9 +276,9 @@ def store(key: str, stages: dict[str, Any], schedule: Sequence[str],
   try:
     # (zlib's fastest level: a fifth of the bytes, for 0.05 s per 7 MB.)
     data = pickle.dumps({"stages": saved, "schedule": tuple(schedule)})
-    write_bytes_atomic(_dir() / key, zlib.compress(data, 1))
+    write_bytes_atomic(path(key), zlib.compress(data, 1))
     if hint is not None:
-      write_bytes_atomic(_dir() / "hints" / hint, key.encode())
+      write_bytes_atomic(_hint(hint), key.encode())
   except (OSError, pickle.PicklingError, TypeError):
     return False          # (a full or read-only disk: the next process compiles)
   return True
