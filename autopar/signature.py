@@ -46,7 +46,8 @@ from autopar.plan import Plan, ValuePlan
 from autopar.planner import cache as plan_cache
 from autopar.planner import pipeline as pipeline_compile
 from autopar.planner.preset import plan_preset, preset_option
-from autopar.planner.shard import Progress, batch_axes_for, keeps_batch_whole, plan_auto
+from autopar.planner.shard import (LayoutPrices, Progress, batch_axes_for, keeps_batch_whole,
+                                   plan_auto)
 
 from autopar.runtime.base import active as active_runtime
 from autopar.runtime.executor import Executable
@@ -213,7 +214,10 @@ class Signature:
       return plan                      # a batch ZeRO cannot split
     sizes = axis_sizes_of(mesh)
     outputs = self.outputs(prep, split, batch_size)
-    best, taken, prices = plan, None, {}
+    # (Priced on the ILP's problem over every axis where planning built one.)
+    prices = LayoutPrices(p.problem for p in plan.replan.problems) \
+        if plan.replan is not None else LayoutPrices()
+    best, taken = plan, None
     for preset in (Zero2Parallel, Zero3Parallel):
       other = preset(mesh=method.mesh, num_micro_batches=method.num_micro_batches,
                      remat=method.remat, remat_loop=method.remat_loop,

@@ -1008,6 +1008,21 @@ class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
       PlanError: a pin that no choice of its leaf meets, two pins of one
         class that disagree, or no solution with the pins.
     """
+    return self.solution() if self._solve_held(pins, time_limit, above) else None
+
+  def price_pinned(self, pins: Mapping[int, Spec], time_limit: float = 60.0
+                   ) -> tuple[float, dict]:
+    """(objective, :meth:`stage_times`) of this problem solved with the
+    leaves held to ``pins`` as :meth:`solve_pinned` holds them, the rest of
+    the solution not read: a preset's layout priced on the problem planning
+    built over the same program (``shard.price_layout``)."""
+    self._solve_held(pins, time_limit)
+    return self.true_objective(), self.stage_times()
+
+  def _solve_held(self, pins: Mapping[int, Spec], time_limit: float,
+                  above: float | None = None) -> bool:
+    """Solves with the pins (:meth:`solve_pinned`); False where ``above``
+    bounds the relaxation and nothing was solved."""
     held: dict[int, tuple[list, set[int]]] = {}
     for k, spec in pins.items():
       name = self.leaf_names[k] if k < len(self.leaf_names) else f"leaf {k}"
@@ -1041,10 +1056,10 @@ class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
                    for p, (f, b) in self._roofline_values().items())
         if self._integral() and held:
           self._solved = (status.name, "HiGHS", time.perf_counter() - t0)
-          return self.solution()
+          return True
         if above is not None and (lp.value(self.prob.objective) or 0.0) + \
             self.sync_latency >= above:
-          return None
+          return False
     try:
       for x, low, _ in fixed:
         lp.set_bounds(x, low, 0)
@@ -1055,7 +1070,7 @@ class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
                           f"leaf {k}" for k in pins)
         raise PlanError(f"autopar: no plan of this problem holds {names} to the "
                         f"spec(s) pinned: {e}") from None
-      return self.solution()
+      return True
     finally:
       for x, low, up in fixed:
         lp.set_bounds(x, low, up)

@@ -36,7 +36,7 @@ from autopar.plan import CollectivePlan, Plan, ValuePlan
 from autopar.plan import grad_stage_label, sync_stage_name
 from autopar.costs.strategies import batch_spec
 from autopar.planner.shard import (batch_axes_for, candidate_batch_axes, donation_pairs,
-                                   grad_inputs, keeps_batch_whole, price_layout,
+                                   grad_inputs, keeps_batch_whole, LayoutPrices,
                                    shard_first_divisible)
 from autopar.planner.solved import predicted_time, spec_axes
 from autopar.frontend.split import (OutputKind, SizedOutputs, SplitStep, depends_on,
@@ -47,7 +47,8 @@ __all__ = ["plan_preset"]
 
 def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
                 batch_size: int, outputs: SizedOutputs | None = None,
-                trace_local=None, option=None, price_cache: dict | None = None,
+                trace_local=None, option=None,
+                price_cache: LayoutPrices | None = None,
                 cheaper_than: float | None = None) -> Plan | None:
   """The plan of a preset method (see the module docstring).
 
@@ -57,8 +58,9 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
   value that depends on the batch divided over the batch axes).
   ``option``: the costs to price it with (default: the method's, or those
   ShardParallel would take on ``mesh``: :func:`preset_option`).
-  ``price_cache``: a dict shared by calls that price the same step with the
-  same option (ZeRO-2's and ZeRO-3's prices solve one problem).
+  ``price_cache``: the prices shared by calls that price the same step
+  with the same option (ZeRO-2's and ZeRO-3's prices solve one problem;
+  :class:`~autopar.planner.shard.LayoutPrices`).
   ``cheaper_than``: None where the plan's objective is not below this (its
   memory, a liveness analysis of the whole step, is then not estimated).
   """
@@ -194,7 +196,7 @@ def preset_option(mesh, leaves) -> AutoShardingOption:
 
 def _priced(local, method, mesh, batch_axes, in_specs, traced, zero, collectives,
             cost: MeshCost, d: int, num_grads: int = 1, num_params: int = 1,
-            cost_option=None, cache: dict | None = None) -> dict:
+            cost_option=None, cache: LayoutPrices | None = None) -> dict:
   """The preset plan's predicted time by stage, by the model ShardParallel's
   ILP minimises (``shard.price_layout``), so that objectives compare
   across methods. ZeRO updates each device's shard of the state, which
@@ -206,13 +208,8 @@ def _priced(local, method, mesh, batch_axes, in_specs, traced, zero, collectives
   rows = traced.micro_batch_size // d
   layout = [PartitionSpec(*s) if l.is_batch or not zero else PartitionSpec()
             for l, s in zip(traced.leaves, in_specs)]
-  key = (tuple(batch_axes), tuple(map(str, layout)), rows, method.micro_batches)
-  stage_times = None if cache is None else cache.get(key)
-  if stage_times is None:
-    _, stage_times = price_layout(local, method, mesh, batch_axes, layout, rows,
-                                  option=cost_option)
-    if cache is not None:
-      cache[key] = stage_times
+  stage_times = (cache or LayoutPrices()).stage_times(local, method, mesh, batch_axes,
+                                                      layout, rows, option=cost_option)
   times = predicted_time(stage_times)
   if zero:
     grad, apply = times["gradient"], times["apply"]

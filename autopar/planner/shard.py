@@ -48,7 +48,7 @@ from autopar.planner.replan import Replanner
 from autopar.planner.solved import PlanTemplate, Program, SolvedProblem, spec_axes
 from autopar.frontend.trace import TracedStep, eqns_by_path
 
-__all__ = ["plan_auto", "plan_template", "sharding_problem", "price_layout",
+__all__ = ["plan_auto", "plan_template", "sharding_problem", "price_layout", "LayoutPrices",
            "donation_pairs", "grad_inputs",
            "batch_axes_for", "shard_first_divisible",
            "candidate_batch_axes", "keeps_batch_whole"]
@@ -432,7 +432,7 @@ def sharding_problem(local: SplitStep, method, S, A, sizes, cost: MeshCost, rows
   from autopar.method import AutoShardingOption
   option = option or getattr(method, "option", None) or AutoShardingOption()
   traced = local.traced
-  return ShardingProblem(
+  arguments = dict(
       compute=local.compute, apply=local.apply, num_consts=len(local.consts),
       leaf_avals=[l.abstract((rows, *l.shape[1:]) if l.is_batch else None)
                   for l in traced.leaves],
@@ -450,14 +450,36 @@ def sharding_problem(local: SplitStep, method, S, A, sizes, cost: MeshCost, rows
       share_layers=option.share_layers, pins=pins or {},
       accumulate=method.grad_accumulation_dtype, grad_sync=method.grad_sync,
       leaf_names=[l.path for l in traced.leaves], keep=keep)
+  problem = ShardingProblem(**arguments)
+  problem.arguments = arguments
+  return problem
+
+
+def _same_but_pins(built: ShardingProblem, problem: ShardingProblem) -> bool:
+  """Whether ``built``, a problem planning built and solved, is
+  ``problem`` but for its pins: made by :func:`sharding_problem` from the
+  same program (the same jaxpr objects) with equal arguments, with no pins,
+  memory budget or kept decisions of its own."""
+  a, b = getattr(built, "arguments", None), getattr(problem, "arguments", None)
+  if a is None or b is None or a.keys() != b.keys() or built.pins or \
+      built.memory_budget is not None or built.keep is not None:
+    return False
+  return all(a[k] is b[k] if k in ("compute", "apply") else a[k] == b[k]
+             for k in a if k not in ("pins", "memory_budget"))
 
 
 def price_layout(local: SplitStep, method, mesh, batch_axes, in_specs,
-                 rows: int, option=None) -> tuple[float, dict]:
+                 rows: int, option=None, built: Sequence[ShardingProblem] = ()
+                 ) -> tuple[float, dict]:
   """(objective, stage times) of the plan that splits the batch over
   ``batch_axes`` and gives each leaf its spec in ``in_specs``, under the
   model the ILP minimises: a preset's plan priced as ShardParallel's is,
-  so that objectives compare across methods (``autopar.diff``)."""
+  so that objectives compare across methods (``autopar.diff``).
+
+  ``built``: problems planning built and solved; one that is this layout's
+  but for the pins (the same program, batch axes and planned axes) prices
+  it solved again with the pins (``ShardingProblem.price_pinned``) instead
+  of a problem built anew, a pass over the whole program."""
   sizes = axis_sizes_of(mesh)
   option = option or getattr(method, "option", None)
   cost = MeshCost(sizes, option.alpha if option else {}, option.beta if option else {})
@@ -467,9 +489,31 @@ def price_layout(local: SplitStep, method, mesh, batch_axes, in_specs,
             enumerate(zip(local.traced.leaves, in_specs)) if not l.is_batch})
   if problem.memory_budget is not None:
     problem.memory_budget = None       # priced, not planned: the budget is not its
+  same = next((p for p in built if _same_but_pins(p, problem)), None)
+  if same is not None:
+    return same.price_pinned(problem.pins)
   problem.build()
   objective = problem.solve()
   return objective, problem.stage_times()
+
+
+class LayoutPrices:
+  """Layouts' stage times (:func:`price_layout`) shared by the calls that
+  price one step with one option: ZeRO-2's and ZeRO-3's layouts are one
+  problem, priced once; and priced on ``problems`` (those planning built
+  and solved) where one is the layout's but for its pins."""
+
+  def __init__(self, problems: Sequence[ShardingProblem] = ()):
+    self.problems = tuple(problems)
+    self._times: dict = {}
+
+  def stage_times(self, local: SplitStep, method, mesh, batch_axes, in_specs,
+                  rows: int, option=None) -> dict:
+    key = (tuple(batch_axes), tuple(map(str, in_specs)), rows, method.micro_batches)
+    if key not in self._times:
+      self._times[key] = price_layout(local, method, mesh, batch_axes, in_specs, rows,
+                                      option=option, built=self.problems)[1]
+    return self._times[key]
 
 
 def _cheaper(a: float, b: float) -> bool:
