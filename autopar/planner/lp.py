@@ -95,16 +95,13 @@ def resolve(prob: pulp.LpProblem, model, bounds: Iterable) -> Status | None:
   None where there is no such model (CBC, PuLP 4): the caller then solves
   ``prob`` anew (:func:`solve`, the bounds set on the variables).
   """
-  if model is None or not hasattr(model, "changeColBounds"):
-    return None
+  variables = prob.variables()
+  if model is None or not hasattr(model, "changeColBounds") or \
+      any(getattr(x, "index", None) is None for x in variables):
+    return None           # (PuLP 4's HiGHS model does not number the variables)
   import highspy          # (there is a HiGHS model: PuLP found highspy)
   inf = highspy.kHighsInf
-  changed = []
-  for x, low, up in bounds:
-    i = getattr(x, "index", None)
-    if i is None:
-      return None
-    changed.append((i, x.lowBound, x.upBound, low, up))
+  changed = [(x.index, x.lowBound, x.upBound, low, up) for x, low, up in bounds]
   bound = lambda b, default: default if b is None else float(b)
   try:
     for i, _, _, low, up in changed:
@@ -113,7 +110,7 @@ def resolve(prob: pulp.LpProblem, model, bounds: Iterable) -> Status | None:
     status = model.getModelStatus()
     if status == highspy.HighsModelStatus.kOptimal:
       values = model.getSolution().col_value
-      for x in prob.variables():
+      for x in variables:
         x.varValue = values[x.index]
       return Status(_OPTIMAL, "Optimal")
     return Status(0, model.modelStatusToString(status))
