@@ -33,7 +33,7 @@ setup(
         # Ray's dashboard, which `ray job submit` talks to (docs/ray.md);
         # `make demo` and `make test` install it.
         "ray": [f"ray[default]{RAY}"],
-        "test": ["pytest", "hypothesis", "flax", "optax", "orbax-checkpoint", "equinox",
+        "test": ["pytest", "pytest-xdist", "hypothesis", "flax", "optax", "orbax-checkpoint", "equinox",
                  "import-linter", "ruff"],
         "dev": ["pytest", "hypothesis", "flax", "optax", "orbax-checkpoint", "equinox"],
     },

@@ -17,3 +17,20 @@ def pytest_sessionfinish(session, exitstatus):
   hundreds of MB) go with it."""
   import shutil
   shutil.rmtree(os.environ["AUTOPAR_CACHE_DIR"], ignore_errors=True)
+
+
+def pytest_configure(config):
+  # (pytest-xdist registers it; a run without it knows the mark too.)
+  config.addinivalue_line("markers", "xdist_group(name): run with the group's tests")
+
+
+def pytest_collection_modifyitems(config, items):
+  """For pytest-xdist's ``--dist loadgroup`` (``make test`` runs two
+  workers): each file's tests run on one worker, one after another, so a
+  module's fixtures are made once; the Ray files' tests all on one worker,
+  so that no two tests run Ray clusters at once."""
+  import pytest
+  for item in items:
+    path = item.nodeid.split("::")[0]
+    group = "ray" if os.path.basename(path).startswith("test_ray_") else path
+    item.add_marker(pytest.mark.xdist_group(group))
