@@ -5,6 +5,8 @@ from the user's ~/.cache, is read)."""
 import os
 import tempfile
 
+import pytest
+
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -19,18 +21,18 @@ def pytest_sessionfinish(session, exitstatus):
   shutil.rmtree(os.environ["AUTOPAR_CACHE_DIR"], ignore_errors=True)
 
 
-def pytest_configure(config):
-  # (pytest-xdist registers it; a run without it knows the mark too.)
-  config.addinivalue_line("markers", "xdist_group(name): run with the group's tests")
+@pytest.hookimpl(optionalhook=True)      # (pytest-xdist's hook)
+def pytest_xdist_make_scheduler(config, log):
+  """With pytest-xdist (``make test`` runs two processes): each file's
+  tests on one process, one after another, so that a module's fixtures are
+  made once; the Ray files' tests all on one process, so that no two tests
+  run Ray clusters at once. (A scheduler of its own: xdist's
+  ``--dist loadgroup`` marks are not read by pytest 9.2.)"""
+  from xdist.scheduler import LoadScopeScheduling
 
+  class ByFile(LoadScopeScheduling):
+    def _split_scope(self, nodeid):
+      path = nodeid.split("::")[0]
+      return "ray" if os.path.basename(path).startswith("test_ray_") else path
 
-def pytest_collection_modifyitems(config, items):
-  """For pytest-xdist's ``--dist loadgroup`` (``make test`` runs two
-  workers): each file's tests run on one worker, one after another, so a
-  module's fixtures are made once; the Ray files' tests all on one worker,
-  so that no two tests run Ray clusters at once."""
-  import pytest
-  for item in items:
-    path = item.nodeid.split("::")[0]
-    group = "ray" if os.path.basename(path).startswith("test_ray_") else path
-    item.add_marker(pytest.mark.xdist_group(group))
+  return ByFile(config, log)

@@ -208,8 +208,9 @@ def _priced(local, method, mesh, batch_axes, in_specs, traced, zero, collectives
   rows = traced.micro_batch_size // d
   layout = [PartitionSpec(*s) if l.is_batch or not zero else PartitionSpec()
             for l, s in zip(traced.leaves, in_specs)]
-  stage_times = (cache or LayoutPrices()).stage_times(local, method, mesh, batch_axes,
-                                                      layout, rows, option=cost_option)
+  prices = cache if cache is not None else LayoutPrices()
+  stage_times = prices.stage_times(local, method, mesh, batch_axes, layout, rows,
+                                   option=cost_option)
   times = predicted_time(stage_times)
   if zero:
     grad, apply = times["gradient"], times["apply"]

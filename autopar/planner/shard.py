@@ -509,6 +509,7 @@ class LayoutPrices:
 
   def stage_times(self, local: SplitStep, method, mesh, batch_axes, in_specs,
                   rows: int, option=None) -> dict:
+    """The stage times of :func:`price_layout` (its arguments), priced once."""
     key = (tuple(batch_axes), tuple(map(str, in_specs)), rows, method.micro_batches)
     if key not in self._times:
       self._times[key] = price_layout(local, method, mesh, batch_axes, in_specs, rows,
