@@ -997,9 +997,9 @@ class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
     pins alone. Its last solution is the pinned one:
     :meth:`solution` reads that. Nothing is built again: without a memory
     budget the LP relaxation is solved first, from the basis of the last
-    one (HiGHS's dual simplex, a few iterations), and where it is integral
-    it is the solution; else, and with a budget, the problem is solved as
-    :meth:`solve` does. A leaf's variables are its class's
+    one (HiGHS's dual simplex, a few iterations; PuLP 3, ``lp.RESOLVES``),
+    and where it is integral it is the solution; else, with a budget, and
+    under PuLP 4, the problem is solved as :meth:`solve` does. A leaf's variables are its class's
     (:meth:`sharing`): the pin holds every leaf of the class. The memory
     budget's peaks added while solving stay (each holds for any plan
     within the budget).
@@ -1047,7 +1047,7 @@ class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
              for c, x in enumerate(xs) if c not in allowed]
     regime = dict(self._regime)
     t0 = time.perf_counter()
-    relaxed = self._relaxation() if self.memory_budget is None else None
+    relaxed = self._relaxation() if self.memory_budget is None and lp.RESOLVES else None
     if relaxed is not None:
       status = lp.resolve(self.prob, relaxed, [(x, low, 0) for x, low, _ in fixed])
       if status is not None and status.optimal:

@@ -26,10 +26,13 @@ import pulp
 
 from autopar.errors import PlanError
 
-__all__ = ["PULP_MAJOR", "Status", "problem", "variable", "set_bounds", "linear", "solve",
+__all__ = ["PULP_MAJOR", "RESOLVES", "Status", "problem", "variable", "set_bounds", "linear", "solve",
            "resolve", "solver", "value", "value_of", "moved"]
 
 PULP_MAJOR = int(pulp.__version__.split(".")[0])
+# Whether :func:`resolve` can solve a problem again in the HiGHS model an
+# earlier solve left: PuLP 4's model does not number the variables.
+RESOLVES = PULP_MAJOR < 4
 _OPTIMAL = 1        # LpStatusOptimal in PuLP 3, LpSolveStatus.Optimal in PuLP 4
 
 
