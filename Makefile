@@ -21,8 +21,8 @@ STAMP := $(VENV)/.autopar-installed-$(call version,$(PYTHON))
 OLDEST_STAMP := $(OLDEST_VENV)/.autopar-installed-$(call version,$(OLDEST_PYTHON))
 # Two test processes (pytest-xdist; tests/conftest.py keeps each file's
 # tests on one process, and the Ray files' together): on this project's
-# 2-core machine the newest job took 21 minutes, against 31 in one process
-# (2026-11-29, 484 tests, fresh clones).
+# 2-core machine the newest job took 21 minutes from a fresh clone, against
+# 31 in one process in the working copy (2026-11-29, 484 tests).
 TEST_WORKERS ?= 2
 PYTEST := pytest -q -n $(TEST_WORKERS)
 # The oldest job: what depends most on JAX's and PuLP's internals, every
