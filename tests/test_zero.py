@@ -75,3 +75,37 @@ def test_shard_parallel_takes_zero2_where_it_is_cheaper(monkeypatch):
   # few weights by up to lr x 1e-3.
   expected, _ = jax.jit(step)(make_state(), batch)
   assert_trees_close(state.params, expected.params, rtol=1e-3, atol=2e-5)
+
+
+def test_pricing_zero_on_the_ilps_problem_changes_no_answer_about_the_plan(monkeypatch):
+  """ZeRO's layouts are priced by solving the ILP's problem over every axis
+  again with pins, on the problem the plan keeps for explain and cost_if:
+  what they answer, and the problems Plan.to_json saves, are those of a plan
+  whose ZeRO prices were built apart."""
+  import json
+  from autopar.planner import shard
+  make_state, step, batch = mlp_setup(batch=64, din=32, hidden=128, dout=8, layers=2)
+  args = jax.eval_shape(make_state), jax.eval_shape(lambda: batch)
+  mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
+  leaf = "*Dense_0*kernel"
+
+  def answers():
+    option = autopar.AutoShardingOption(plan_cache=False)
+    pf = autopar.parallelize(step, method=autopar.ShardParallel(mesh=mesh, option=option))
+    plan = pf.plan(*args)
+    e = plan.explain(leaf)
+    return (plan.objective, str(e.chosen),
+            sorted((str(c.spec), c.objective) for c in e.candidates),
+            plan.cost_if({leaf: P()}).after,
+            json.loads(plan.to_json())["ilp"])
+
+  pinned = []
+  price = ShardingProblem.price_pinned
+  monkeypatch.setattr(ShardingProblem, "price_pinned",
+                      lambda self, *a: pinned.append(self) or price(self, *a))
+  priced_on_it = answers()
+  assert pinned and priced_on_it[-1]          # (priced so; problems saved)
+  init = shard.LayoutPrices.__init__
+  monkeypatch.setattr(shard.LayoutPrices, "__init__",
+                      lambda self, problems=(): init(self))    # (built apart)
+  assert answers() == priced_on_it
