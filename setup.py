@@ -33,8 +33,8 @@ setup(
         # Ray's dashboard, which `ray job submit` talks to (docs/ray.md);
         # `make demo` and `make test` install it.
         "ray": [f"ray[default]{RAY}"],
-        "test": ["pytest", "pytest-xdist", "hypothesis", "flax", "optax", "orbax-checkpoint", "equinox",
-                 "import-linter", "ruff"],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "flax", "optax", "orbax-checkpoint",
+                 "equinox", "import-linter", "ruff"],
         "dev": ["pytest", "hypothesis", "flax", "optax", "orbax-checkpoint", "equinox"],
     },
 )

@@ -200,6 +200,11 @@ class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
       flight); ``memory_at_solution`` leaves them out of the state.
   """
 
+  # The keyword arguments ``shard.sharding_problem`` made it with (None for
+  # a problem made otherwise, or read back from a plan's JSON): what tells a
+  # problem that differs from another only in its pins (``shard.price_layout``).
+  arguments: dict | None = None
+
   def __init__(self, *, compute, apply, num_consts: int, leaf_avals: Sequence,
                batch_leaves: Sequence[bool], donation: Mapping[int, int],
                num_micro_batches: int, batch_axes: Sequence[str],
@@ -999,10 +1004,10 @@ class ShardingProblem(ChoiceGraph, MemoryModel, SavedGraph):
     budget the LP relaxation is solved first, from the basis of the last
     one (HiGHS's dual simplex, a few iterations; PuLP 3, ``lp.RESOLVES``),
     and where it is integral it is the solution; else, with a budget, and
-    under PuLP 4, the problem is solved as :meth:`solve` does. A leaf's variables are its class's
-    (:meth:`sharing`): the pin holds every leaf of the class. The memory
-    budget's peaks added while solving stay (each holds for any plan
-    within the budget).
+    under PuLP 4, the problem is solved as :meth:`solve` does. A leaf's
+    variables are its class's (:meth:`sharing`): the pin holds every leaf
+    of the class. The memory budget's peaks added while solving stay (each
+    holds for any plan within the budget).
 
     Raises:
       PlanError: a pin that no choice of its leaf meets, two pins of one

@@ -26,8 +26,8 @@ import pulp
 
 from autopar.errors import PlanError
 
-__all__ = ["PULP_MAJOR", "RESOLVES", "Status", "problem", "variable", "set_bounds", "linear", "solve",
-           "resolve", "solver", "value", "value_of", "moved"]
+__all__ = ["PULP_MAJOR", "RESOLVES", "Status", "problem", "variable", "set_bounds", "linear",
+           "solve", "resolve", "solver", "value", "value_of", "moved"]
 
 PULP_MAJOR = int(pulp.__version__.split(".")[0])
 # Whether :func:`resolve` can solve a problem again in the HiGHS model an

@@ -460,7 +460,7 @@ def _same_but_pins(built: ShardingProblem, problem: ShardingProblem) -> bool:
   ``problem`` but for its pins: made by :func:`sharding_problem` from the
   same program (the same jaxpr objects) with equal arguments, with no pins,
   memory budget or kept decisions of its own."""
-  a, b = getattr(built, "arguments", None), getattr(problem, "arguments", None)
+  a, b = built.arguments, problem.arguments
   if a is None or b is None or a.keys() != b.keys() or built.pins or \
       built.memory_budget is not None or built.keep is not None:
     return False
