@@ -77,6 +77,41 @@ def test_shard_parallel_takes_zero2_where_it_is_cheaper(monkeypatch):
   assert_trees_close(state.params, expected.params, rtol=1e-3, atol=2e-5)
 
 
+@pytest.mark.parametrize("setup", ["mlp", "transformer"])
+@pytest.mark.parametrize("n,grad_sync", [(1, "last"), (2, "apart"), (4, "last")])
+def test_zero_collectives_alone_never_cost_more_than_its_priced_layout(monkeypatch, setup,
+                                                                        n, grad_sync):
+  """ShardParallel prices ZeRO's layouts only where their collectives alone
+  (reduce-scatter, gathers, sums) cost less than its plan: that must be a
+  lower bound on the price, compute and a latency per leaf's collective
+  added (else a cheaper ZeRO layout could be passed over)."""
+  from autopar.planner import preset
+  from models import transformer_setup
+  make_state, step, batch = {
+      "mlp": lambda: mlp_setup(batch=256, din=64, hidden=256, dout=64, layers=3),
+      "transformer": lambda: transformer_setup(batch=32, d=64, heads=4)}[setup]()
+  args = jax.eval_shape(make_state), jax.eval_shape(lambda: batch)
+  mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
+  seen = []
+  priced = preset._priced
+
+  def record(local, method, mesh, batch_axes, in_specs, traced, zero, collectives, cost,
+             *rest, **kwargs):
+    alone = sum(cost.collective(c.kind, c.bytes, c.axes) * c.per_step for c in collectives)
+    times = priced(local, method, mesh, batch_axes, in_specs, traced, zero, collectives,
+                   cost, *rest, **kwargs)
+    seen.append((alone, times["gradient"]["total"] + times["apply"]["total"]))
+    return times
+
+  monkeypatch.setattr(preset, "_priced", record)
+  for method in (autopar.Zero2Parallel, autopar.Zero3Parallel):
+    plan = autopar.parallelize(step, method=method(
+        mesh=mesh, num_micro_batches=n, grad_sync=grad_sync)).plan(*args)
+    alone, price = seen[-1]
+    assert price == pytest.approx(plan.objective, rel=1e-12)
+    assert 0 < alone <= price, (method.__name__, alone, price)
+
+
 def test_pricing_zero_on_the_ilps_problem_changes_no_answer_about_the_plan(monkeypatch):
   """ZeRO's layouts are priced by solving the ILP's problem over every axis
   again with pins, on the problem the plan keeps for explain and cost_if:
@@ -84,7 +119,10 @@ def test_pricing_zero_on_the_ilps_problem_changes_no_answer_about_the_plan(monke
   whose ZeRO prices were built apart."""
   import json
   from autopar.planner import shard
-  make_state, step, batch = mlp_setup(batch=64, din=32, hidden=128, dout=8, layers=2)
+  # (Wide enough that ZeRO's collectives alone do not outprice the ILP's
+  # plan, which skips pricing its layout: plan_preset's cheaper_than.)
+  make_state, step, batch = mlp_setup(batch=1024, din=256, hidden=256, dout=256,
+                                      layers=2)
   args = jax.eval_shape(make_state), jax.eval_shape(lambda: batch)
   mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
   leaf = "*Dense_0*kernel"

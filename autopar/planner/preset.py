@@ -147,6 +147,11 @@ def plan_preset(split: SplitStep, method: ParallelMethod, mesh, *,
   cost = MeshCost(sizes, option.alpha, option.beta)
   objective = sum(cost.collective(c.kind, c.bytes, c.axes) * c.per_step
                   for c in collectives)
+  if zero and cheaper_than is not None and not objective < cheaper_than:
+    # ZeRO's collectives alone cost no less; its priced time (``_priced``)
+    # adds its compute and a latency per leaf's collective: not cheaper,
+    # and its layout is not priced (a problem over every axis built).
+    return None
   d = math.prod(sizes[a] for a in batch_axes)
   stacked = set()
   if split.has_marker:

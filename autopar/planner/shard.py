@@ -271,8 +271,17 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
   extending = (option.extend_model_axes and not option.force_data_parallel
                and option.forced_batch_axes(mesh) is None)
 
+  # The order in which choices are told apart: a choice's plan is kept over
+  # an earlier one's only where it is cheaper (by more than the model can
+  # tell apart, ``_cheaper``); the larger batch splits come first, then the
+  # extended plans in the order they were tried. Choices are solved in
+  # another order (the most promising first), but the plan kept is the one
+  # this order keeps among those solved.
+  order: dict[tuple, int] = {}
+
   def settle():
-    """Waits for the solves in flight and keeps the best (the first of equals)."""
+    """Waits for the solves in flight and keeps the best (the first of equals
+    in ``order``)."""
     nonlocal best
     for S, local, problem, future in pending:
       try:
@@ -283,12 +292,21 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
       finally:
         progress.add("solve", getattr(problem, "solve_seconds", 0.0),
                      f"batch over {S or 'no axes'}: {problem.num_variables} variables")
-      if best is None or _cheaper(objective, best[1]):
-        best = (S, objective, local, problem)
+      order.setdefault(S, len(order))
       others.append((objective, S, local, problem))
       if extending:
         solved.append((objective, S, problem.A, problem.decisions()))
     pending.clear()
+    best = None
+    for objective, S, local, problem in sorted(others, key=lambda o: order[o[1]]):
+      if best is None or _cheaper(objective, best[1]):
+        best = (S, objective, local, problem)
+
+  def could_win(S, bound) -> bool:
+    """Whether a plan of batch axes ``S`` costing at least ``bound`` could be
+    kept over the best plan solved (``order``)."""
+    return best is None or _cheaper(bound, best[1]) or (
+        not _cheaper(best[1], bound) and order[S] < order[best[0]])
 
   def start(S, A, d, keep=None):
     """Builds the problem of batch axes ``S`` (planned axes ``A``, ``d``
@@ -362,18 +380,23 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
     candidates = sorted(candidate_batch_axes(method, mesh, micro, split.hints,
                                              whole=keeps_batch_whole(split, method)),
                         key=lambda S: -math.prod(sizes[a] for a in S))
+    tries = []
     for S in _distinct_up_to_axis_names(candidates, split_axes, sizes, option):
       check_hints(hints, sizes, S, f"the plan with batch axes {S}")
       A = tuple(a for a in split_axes if a not in S)
       d = math.prod(sizes[a] for a in S)
-      bound = _cost_lower_bound(split, matmul_flops, S, A, sizes, cost, option, n,
-                                micro // d)
+      order[S] = len(order)
+      tries.append((_cost_lower_bound(split, matmul_flops, S, A, sizes, cost, option, n,
+                                      micro // d), order[S], S, A, d))
+    # The most promising choice first (the lowest bound), so that its plan
+    # lets the bound skip the choices that cannot beat it.
+    for bound, _, S, A, d in sorted(tries, key=lambda t: t[:2]):
       if bound > 0 and pending:
         # Every plan with these batch axes costs at least ``bound``. Building
         # its problem takes about as long as the solve in flight: wait for
         # that, and skip this choice if a plan already costs no more.
         settle()
-        if best is not None and not _cheaper(bound, best[1]):
+        if not could_win(S, bound):
           progress.add("skipped", 0.0,
                        f"batch over {S}: its gradient sync and matmuls alone cost "
                        f"at least {bound:.3g} s a step, the plan with batch over "
@@ -411,7 +434,8 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
   # with the template its plans are made from (Plan.to_json saves both).
   kept = tuple(SolvedProblem(p, objective, chosen if p is problem else template(loc, p),
                              _stats(loc, p), in_tree=split.traced.inputs, mesh=mesh)
-               for objective, _, loc, p in sorted(others, key=lambda o: o[3] is not problem))
+               for objective, _, loc, p in sorted(
+                   others, key=lambda o: (o[3] is not problem, order[o[1]])))
   return dataclasses.replace(plan, replan=Replanner(problems=kept))
 
 
