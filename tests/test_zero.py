@@ -82,9 +82,12 @@ def test_shard_parallel_takes_zero2_where_it_is_cheaper(monkeypatch):
 def test_zero_collectives_alone_never_cost_more_than_its_priced_layout(monkeypatch, setup,
                                                                         n, grad_sync):
   """ShardParallel prices ZeRO's layouts only where their collectives alone
-  (reduce-scatter, gathers, sums) cost less than its plan: that must be a
-  lower bound on the price, compute and a latency per leaf's collective
-  added (else a cheaper ZeRO layout could be passed over)."""
+  (reduce-scatter, gathers, sums) cost less than its plan
+  (``plan_preset(cheaper_than=)``): that must be a lower bound on the
+  price, compute and a latency per leaf's collective added (else a cheaper
+  ZeRO layout could be passed over); below it nothing is priced, above the
+  price the layout's plan comes back."""
+  from autopar import signature
   from autopar.planner import preset
   from models import transformer_setup
   make_state, step, batch = {
@@ -93,7 +96,7 @@ def test_zero_collectives_alone_never_cost_more_than_its_priced_layout(monkeypat
   args = jax.eval_shape(make_state), jax.eval_shape(lambda: batch)
   mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
   seen = []
-  priced = preset._priced
+  priced, plan_preset = preset._priced, signature.plan_preset
 
   def record(local, method, mesh, batch_axes, in_specs, traced, zero, collectives, cost,
              *rest, **kwargs):
@@ -103,13 +106,25 @@ def test_zero_collectives_alone_never_cost_more_than_its_priced_layout(monkeypat
     seen.append((alone, times["gradient"]["total"] + times["apply"]["total"]))
     return times
 
-  monkeypatch.setattr(preset, "_priced", record)
-  for method in (autopar.Zero2Parallel, autopar.Zero3Parallel):
-    plan = autopar.parallelize(step, method=method(
-        mesh=mesh, num_micro_batches=n, grad_sync=grad_sync)).plan(*args)
+  def priced_against(*args, **kwargs):
+    plan = plan_preset(*args, **kwargs)
     alone, price = seen[-1]
     assert price == pytest.approx(plan.objective, rel=1e-12)
-    assert 0 < alone <= price, (method.__name__, alone, price)
+    assert 0 < alone <= price
+    count = len(seen)
+    assert plan_preset(*args, **kwargs, cheaper_than=alone * (1 - 1e-9)) is None
+    assert len(seen) == count                   # (not priced)
+    again = plan_preset(*args, **kwargs, cheaper_than=price * (1 + 1e-9))
+    assert again.objective == plan.objective
+    return plan
+
+  monkeypatch.setattr(preset, "_priced", record)
+  monkeypatch.setattr(signature, "plan_preset", priced_against)
+  monkeypatch.setattr(signature.plan_cache, "load", lambda key: None)   # (planned here)
+  for method in (autopar.Zero2Parallel, autopar.Zero3Parallel):
+    autopar.parallelize(step, method=method(
+        mesh=mesh, num_micro_batches=n, grad_sync=grad_sync)).plan(*args)
+  assert len(seen) == 4
 
 
 def test_pricing_zero_on_the_ilps_problem_changes_no_answer_about_the_plan(monkeypatch):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import math
 import sys
 import time
@@ -267,23 +268,21 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
   best, errors = None, []
   pending = []
   solved = []         # (objective, S, planned axes, decisions) of each solve
-  others = []         # (objective, S, local, problem) of each solve, for explain
+  others = []         # (objective, S, local, problem, rank) of each solve, for explain
   extending = (option.extend_model_axes and not option.force_data_parallel
                and option.forced_batch_axes(mesh) is None)
-
-  # The order in which choices are told apart: a choice's plan is kept over
-  # an earlier one's only where it is cheaper (by more than the model can
-  # tell apart, ``_cheaper``); the larger batch splits come first, then the
-  # extended plans in the order they were tried. Choices are solved in
-  # another order (the most promising first), but the plan kept is the one
-  # this order keeps among those solved.
-  order: dict[tuple, int] = {}
+  # The plan kept: the cheapest, and of plans that cost the same (within
+  # what the model can tell apart, ``_cheaper``) the one of lowest rank:
+  # the larger batch splits first (their gradients cross devices once a
+  # step, whatever the number of micro-batches), then the extended plans
+  # in the order they were tried. It does not depend on the order in which
+  # choices are solved (the most promising first).
+  ranks = itertools.count()
 
   def settle():
-    """Waits for the solves in flight and keeps the best (the first of equals
-    in ``order``)."""
+    """Waits for the solves in flight and keeps the best."""
     nonlocal best
-    for S, local, problem, future in pending:
+    for S, local, problem, future, r in pending:
       try:
         objective = future.result()
       except PlanError as e:
@@ -292,27 +291,29 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
       finally:
         progress.add("solve", getattr(problem, "solve_seconds", 0.0),
                      f"batch over {S or 'no axes'}: {problem.num_variables} variables")
-      order.setdefault(S, len(order))
-      others.append((objective, S, local, problem))
+      others.append((objective, S, local, problem, r))
       if extending:
         solved.append((objective, S, problem.A, problem.decisions()))
     pending.clear()
-    best = None
-    for objective, S, local, problem in sorted(others, key=lambda o: order[o[1]]):
-      if best is None or _cheaper(objective, best[1]):
-        best = (S, objective, local, problem)
+    if others:
+      least = min(o[0] for o in others)
+      objective, S, local, problem, r = min(
+          (o for o in others if not _cheaper(least, o[0])), key=lambda o: o[4])
+      best = (S, objective, local, problem, r)
 
-  def could_win(S, bound) -> bool:
-    """Whether a plan of batch axes ``S`` costing at least ``bound`` could be
-    kept over the best plan solved (``order``)."""
-    return best is None or _cheaper(bound, best[1]) or (
-        not _cheaper(best[1], bound) and order[S] < order[best[0]])
+  def could_win(bound: float, r: int) -> bool:
+    """Whether a choice of rank ``r`` whose plans cost at least ``bound``
+    could be kept over (or instead of) the plans solved."""
+    if best is None:
+      return True
+    least = min(o[0] for o in others)
+    return bound < least or (not _cheaper(least, bound) and r < best[4])
 
-  def start(S, A, d, keep=None):
+  def start(S, A, d, r, keep=None):
     """Builds the problem of batch axes ``S`` (planned axes ``A``, ``d``
-    devices over ``S``) and hands it to the solver thread (nothing, the
-    error kept, if a pin cannot be met or the step cannot be made at its
-    rows per device)."""
+    devices over ``S``, rank ``r``) and hands it to the solver thread
+    (nothing, the error kept, if a pin cannot be met or the step cannot be
+    made at its rows per device)."""
     t0 = time.perf_counter()
     try:
       local = trace_local(micro // d)
@@ -340,7 +341,7 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
     progress.add("classes", problem.timings["classes"],
                  f"{problem.num_classes} classes")
     progress.add("build", problem.timings["build"])
-    pending.append((S, local, problem, solver.submit(problem.solve)))
+    pending.append((S, local, problem, solver.submit(problem.solve), r))
 
   def extend(full):
     """Tries each solved plan with one of its batch axes planned as well,
@@ -364,9 +365,10 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
           # (No check_hints: S is inside S0, whose check passed.)
           bound = _cost_lower_bound(split, matmul_flops, S, A, sizes, cost, option, n,
                                     micro // d)
-          if not _cheaper(bound, best[1]):
+          r = next(ranks)
+          if not could_win(bound, r):
             continue
-          start(S, A, d, (A0, decisions))
+          start(S, A, d, r, (A0, decisions))
       settle()
 
   # Each problem is solved on a worker thread while the next one is built:
@@ -374,9 +376,7 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
   with concurrent.futures.ThreadPoolExecutor(max_workers=1) as solver:
     hints = {h.path: h for h in split.hints}
     pins = check_pins(option.pin_map, split.traced.leaves, sizes) if option.pins else {}
-    # Larger batch splits first: of plans that cost the same, the one that
-    # splits the batch over more devices wins (its gradients cross devices
-    # once a step, whatever the number of micro-batches).
+    # Ranked larger batch splits first (``ranks``).
     candidates = sorted(candidate_batch_axes(method, mesh, micro, split.hints,
                                              whole=keeps_batch_whole(split, method)),
                         key=lambda S: -math.prod(sizes[a] for a in S))
@@ -385,24 +385,23 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
       check_hints(hints, sizes, S, f"the plan with batch axes {S}")
       A = tuple(a for a in split_axes if a not in S)
       d = math.prod(sizes[a] for a in S)
-      order[S] = len(order)
       tries.append((_cost_lower_bound(split, matmul_flops, S, A, sizes, cost, option, n,
-                                      micro // d), order[S], S, A, d))
+                                      micro // d), next(ranks), S, A, d))
     # The most promising choice first (the lowest bound), so that its plan
     # lets the bound skip the choices that cannot beat it.
-    for bound, _, S, A, d in sorted(tries, key=lambda t: t[:2]):
-      if bound > 0 and pending:
+    for bound, r, S, A, d in sorted(tries, key=lambda t: t[:2]):
+      if bound > 0:
         # Every plan with these batch axes costs at least ``bound``. Building
         # its problem takes about as long as the solve in flight: wait for
-        # that, and skip this choice if a plan already costs no more.
+        # that, and skip this choice if it could not be kept.
         settle()
-        if not could_win(S, bound):
+        if not could_win(bound, r):
           progress.add("skipped", 0.0,
                        f"batch over {S}: its gradient sync and matmuls alone cost "
                        f"at least {bound:.3g} s a step, the plan with batch over "
                        f"{best[0] or 'no axes'} {best[1]:.3g} s")
           continue
-      start(S, A, d)
+      start(S, A, d, r)
     settle()
     if extending and best is not None:
       extend(set(candidates))
@@ -418,7 +417,7 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
         f"of batch axes; the smallest budget that fits is about {need:.0f} bytes. "
         f"Fix: raise memory_budget_per_device to at least {need:.0f}, or use more "
         f"micro-batches or a larger mesh.")
-  S, _, local, problem = best
+  S, _, local, problem, _ = best
   warn_missing_rules(missing_rules(local.compute, local.apply), "ShardParallel's plan")
   sol = problem.solution()
   outputs = outputs or outputs_at(split, batch_size)
@@ -434,8 +433,8 @@ def plan_auto(split: SplitStep, method: ShardParallel, mesh, *, batch_size: int,
   # with the template its plans are made from (Plan.to_json saves both).
   kept = tuple(SolvedProblem(p, objective, chosen if p is problem else template(loc, p),
                              _stats(loc, p), in_tree=split.traced.inputs, mesh=mesh)
-               for objective, _, loc, p in sorted(
-                   others, key=lambda o: (o[3] is not problem, order[o[1]])))
+               for objective, _, loc, p, _ in sorted(
+                   others, key=lambda o: (o[3] is not problem, o[4])))
   return dataclasses.replace(plan, replan=Replanner(problems=kept))
 
 
@@ -543,8 +542,8 @@ class LayoutPrices:
 
 def _cheaper(a: float, b: float) -> bool:
   """Whether cost ``a`` is below ``b`` by more than the model can tell
-  apart (0.1 %): of plans that cost the same, the one tried first (the
-  larger batch split) is kept."""
+  apart (0.1 %): of plans that cost the same, ``plan_auto`` keeps the one
+  of lowest rank (the larger batch split)."""
   return a < b * (1 - 1e-3) - 1e-15
 
 
