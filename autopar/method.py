@@ -37,6 +37,27 @@ __all__ = ["AutoShardingOption", "ParallelMethod", "ShardParallel",
 # ParallelMethod.grad_sync's values (None: the platform's, ``grad_sync_for``).
 GRAD_SYNCS = (None, "last", "apart")
 
+# PipeshardParallel's schedules (``runtime/schedule.py`` orders their tasks).
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zb-h1")
+
+
+def splits_backward(schedule: str) -> bool:
+  """Whether ``schedule`` runs each backward as two tasks: ``B``, the
+  cotangents of the stage's inputs, and ``W``, its parameters' gradient."""
+  return schedule == "zb-h1"
+
+
+def held_at_most(schedule: str, num_stages: int, n: int) -> list[int]:
+  """Per stage, the most micro-batches whose activations ``schedule`` holds
+  at once (from a forward to its backward, or to its ``W``)."""
+  if schedule == "gpipe":
+    return [n] * num_stages
+  if schedule == "zb-h1":
+    return [min(n, num_stages)] * num_stages
+  if schedule == "1f1b":
+    return [min(n, num_stages - s) for s in range(num_stages)]
+  raise ValueError(schedule)
+
 
 def grad_sync_for(platform: str) -> str:
   """The default ``grad_sync`` on ``platform``: ``"apart"`` on CPU, whose
@@ -474,7 +495,11 @@ class PipeshardParallel(ParallelMethod):
       the mesh's rank, e.g. ``[(1, 4), (1, 4)]`` of a ``(2, 4)`` mesh); they
       tile the mesh in row-major order.
     schedule: ``"1f1b"`` (stage ``s`` of ``S`` holds ``S - s`` micro-batches'
-      activations) or ``"gpipe"`` (all forwards, then all backwards).
+      activations), ``"gpipe"`` (all forwards, then all backwards) or
+      ``"zb-h1"`` (zero bubble: each backward split into the cotangents of
+      the stage's inputs and, later, its weights' gradient, which fills
+      the bubble; every stage holds up to ``S`` micro-batches' activations,
+      1F1B's most). See ``docs/pipeline.md``.
     layers: ``"auto"`` (the repeated blocks, else cuts of balanced flops) or
       ``"manual"`` (where the loss function calls
       ``autopar.mark_pipeline_boundary()``).
@@ -505,9 +530,9 @@ class PipeshardParallel(ParallelMethod):
     if k != "auto" and (not isinstance(k, (int, np.integer)) or isinstance(k, bool)
                         or k < 1):
       raise InputError(f"{name}: num_stages={k!r}; expected 'auto' or a positive int.")
-    if self.schedule not in ("1f1b", "gpipe"):
-      raise InputError(f"{name}: schedule={self.schedule!r}; expected '1f1b' or "
-                       f"'gpipe'.")
+    if self.schedule not in PIPELINE_SCHEDULES:
+      raise InputError(f"{name}: schedule={self.schedule!r}; expected one of "
+                       f"{', '.join(map(repr, PIPELINE_SCHEDULES))}.")
     if self.layers not in ("auto", "manual"):
       raise InputError(f"{name}: layers={self.layers!r}; expected 'auto' or 'manual' "
                        f"(boundaries marked with autopar.mark_pipeline_boundary()).")

@@ -142,6 +142,8 @@ METHODS = {
         mesh=mesh24(), num_micro_batches=2, num_stages=2, schedule="1f1b"),
     "Pipeshard gpipe": lambda: autopar.PipeshardParallel(
         mesh=mesh24(), num_micro_batches=4, num_stages=3, schedule="gpipe"),  # (3 stages)
+    "Pipeshard zb-h1": lambda: autopar.PipeshardParallel(
+        mesh=mesh24(), num_micro_batches=4, num_stages=2, schedule="zb-h1"),
 }
 
 

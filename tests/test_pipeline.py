@@ -36,7 +36,8 @@ def run_steps(step, make_state, batch, method, steps=1):
 
 
 @pytest.mark.parametrize("stages,n,schedule", [(2, 1, "1f1b"), (2, 4, "gpipe"),
-                                               (4, 8, "1f1b"), (4, 2, "gpipe")])
+                                               (4, 8, "1f1b"), (4, 2, "gpipe"),
+                                               (4, 8, "zb-h1")])
 def test_mlp_equals_jit(stages, n, schedule):
   make_state, step, batch = mlp_setup(tx=SGD)
   method = autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=n,
@@ -49,7 +50,8 @@ def test_mlp_equals_jit(stages, n, schedule):
   assert len(plan.stages) == stages and plan.schedule == schedule
 
 
-@pytest.mark.parametrize("stages,n,schedule", [(2, 2, "1f1b"), (4, 4, "gpipe")])
+@pytest.mark.parametrize("stages,n,schedule", [(2, 2, "1f1b"), (4, 4, "gpipe"),
+                                               (2, 4, "zb-h1")])
 def test_gpt_equals_jit(stages, n, schedule):
   make_state, step, batch = transformer_setup(tx=SGD, layers=4)
   method = autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=n,
@@ -156,41 +158,85 @@ def test_manual_boundaries(stages, n, schedule):
 
 def test_schedule_order_and_activations_held():
   """From a record of what ran: each micro-batch's forward on stage i before
-  its forward on stage i + 1 and its backward on stage i; under 1F1B stage i
-  holds at most S - i micro-batches, under GPipe all n."""
+  its forward on stage i + 1 and its backward on stage i, its backward on
+  stage i + 1 before that on stage i, and under ZB-H1 its W after its B on
+  the same stage; under 1F1B stage i holds at most S - i micro-batches,
+  under GPipe all n, under ZB-H1 S on every stage (until their W)."""
   make_state, step, batch = boundary_mlp_setup()
-  for schedule in ("1f1b", "gpipe"):
-    method = autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=8,
-                                       num_stages=4, schedule=schedule, layers="manual")
+  S, n = 4, 8
+  for schedule in sched.SCHEDULES:
+    method = autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=n,
+                                       num_stages=S, schedule=schedule, layers="manual")
     pf = autopar.parallelize(step, method=method)
     exe = pf.get_executable(make_state(), batch)
     exe.step.recording = True
     pf(make_state(), batch)
     record = exe.step.record
     when = {t: k for k, (t, _) in enumerate(record)}
-    S, n = 4, 8
-    assert len(record) == 2 * S * n
+    split = sched.splits_backward(schedule)
+    assert len(record) == (3 if split else 2) * S * n
     for i in range(n):
       for s in range(S):
         assert when[sched.Task("F", s, i)] < when[sched.Task("B", s, i)]
+        if split:
+          assert when[sched.Task("B", s, i)] < when[sched.Task("W", s, i)]
         if s + 1 < S:
           assert when[sched.Task("F", s, i)] < when[sched.Task("F", s + 1, i)]
           assert when[sched.Task("B", s + 1, i)] < when[sched.Task("B", s, i)]
     peak = [max(h[s] for _, h in record) for s in range(S)]
-    assert peak == ([S - s for s in range(S)] if schedule == "1f1b" else [n] * S)
+    assert peak == sched.held_at_most(schedule, S, n) == \
+        [st.in_flight for st in exe.plan.stages]
+
+
+def test_backward_split_into_input_and_weight_parts_computes_nothing_twice():
+  """A stage's backward (two layers) split for zero-bubble schedules: the
+  first part gives the input's cotangent, the second the weights'
+  gradients from what the first computed on the way (the cotangent between
+  the layers), so the matmuls are split between them, none run twice, and
+  the two give the whole backward's values."""
+  from autopar import jax_compat as jc
+  from autopar.frontend.stages import split_input_weight
+  rng = np.random.RandomState(0)
+  x, w1, w2, ct = (jnp.asarray(rng.randn(*s).astype(np.float32))
+                   for s in ((8, 4), (4, 6), (6, 3), (8, 3)))
+
+  _, vjp = jax.vjp(lambda w1, w2, x: jnp.tanh(jnp.tanh(x @ w1) @ w2), w1, w2, x)
+  whole = jax.make_jaxpr(vjp)(ct)   # (the forward's values its consts; outputs: the
+  parts = split_input_weight(whole, num_roots=2)   # roots' cotangents, the input's)
+  dots = lambda j: sum(e.primitive.name == "dot_general" for e in j.jaxpr.eqns)
+  assert dots(whole) == 4 and dots(parts.inputs) == 2 and dots(parts.weights) == 2
+  assert parts.num_carried > 0
+  run = lambda cj, args: jc.eval_jaxpr(cj.jaxpr, cj.consts, *args)
+  want = run(whole, [ct])
+  b = run(parts.inputs, [ct])
+  w = run(parts.weights, [[ct][k] for k in parts.reads] + b[1:])
+  for got, ref in zip([*w, b[0]], want, strict=True):
+    np.testing.assert_array_equal(got, ref)
+  # The plan's pins follow their equations into either part.
+  path = next(str(k) for k, e in enumerate(whole.jaxpr.eqns)
+              if e.primitive.name == "dot_general")
+  b_pins, w_pins = parts.pins({path: "spec"})
+  assert len(b_pins) + len(w_pins) == 1
 
 
 @pytest.mark.parametrize("S,n", [(2, 1), (2, 4), (3, 5), (4, 8), (4, 16)])
 def test_schedules_hold_what_they_say(S, n):
   for name in sched.SCHEDULES:
     order = sched.dispatch_order(sched.stage_tasks(name, S, n))
-    assert len(order) == 2 * S * n
-    held = sched.in_flight(order, S)
-    assert held == ([min(n, S - s) for s in range(S)] if name == "1f1b" else [n] * S)
-  # Equal stage times: the bubble is (S - 1) / (n + S - 1).
-  t = sched.simulate(sched.stage_tasks("1f1b", S, n),
-                     lambda task: 1.0 if task.kind == "F" else 2.0)
-  assert t.bubble == pytest.approx((S - 1) / (n + S - 1))
+    split = sched.splits_backward(name)
+    assert len(order) == (3 if split else 2) * S * n
+    assert sched.in_flight(order, S) == sched.held_at_most(name, S, n)
+    # Every stage alike: a forward 1, a backward 2 (B and W 1 each): the
+    # bubble is (S - 1) / (n + S - 1) under 1F1B and GPipe; ZB-H1's
+    # stages wait a third as long, (S - 1) (F + B - W), where n >= S.
+    t = sched.simulate(sched.stage_tasks(name, S, n),
+                       lambda task: 2.0 if task.kind == "B" and not split else 1.0)
+    if not split:
+      assert t.bubble == pytest.approx((S - 1) / (n + S - 1)) == \
+          pytest.approx(sched.bubble(name, S, n))
+    elif n >= S:
+      assert t.bubble == pytest.approx(sched.bubble(name, S, n))
+      assert t.makespan == pytest.approx(3 * n + (S - 1))
 
 
 def test_no_gradient_bytes_before_last_micro_batch():
@@ -484,7 +530,8 @@ def test_draws_in_the_sums_with_a_key_from_the_inputs():
   assert_trees_close(got[0], ref[0])
 
 
-@pytest.mark.parametrize("stages,n,schedule", [(2, 2, "1f1b"), (4, 4, "gpipe")])
+@pytest.mark.parametrize("stages,n,schedule", [(2, 2, "1f1b"), (4, 4, "gpipe"),
+                                               (2, 4, "zb-h1")])
 def test_parameter_dependent_sums_take_a_first_pass_through_the_stages(stages, n, schedule):
   """The load-balancing loss's cotangents read sums over the batch that
   depend on the parameters (``f_e``, ``P_e``), and the loss's factor too:
@@ -767,23 +814,27 @@ def test_a_step_that_needs_its_batch_size_is_traced_at_each_size():
     pf(w, batch)
 
 
-@pytest.mark.parametrize("fraction,zero", [(0.9, "ZeRO-2"), (0.75, "ZeRO-3")])
-def test_state_split_in_a_stage_under_a_budget(fraction, zero):
+@pytest.mark.parametrize("fraction,zero,schedule", [(0.9, "ZeRO-2", "1f1b"),
+                                                    (0.75, "ZeRO-3", "1f1b"),
+                                                    (0.75, "ZeRO-3", "zb-h1")])
+def test_state_split_in_a_stage_under_a_budget(fraction, zero, schedule):
   """ZeRO inside a stage: under a memory budget that the replicated plan
   exceeds, the stage search counts what splitting a stage's optimizer state
   (ZeRO-2), and then its parameters (ZeRO-3), over its batch axes saves,
   and the stage's ILP splits them; they live split on the stage's submesh
   (ZeRO-3's parameters gathered by each pass, their gradients scattered),
   the plan's memory meets the budget, the summary says so, and two steps
-  are jit's. Before, each stage replicated its state over its batch axes
-  and the budget was refused."""
+  are jit's (under ZB-H1 too, whose W gathers the parameters again).
+  Before, each stage replicated its state over its batch axes and the
+  budget was refused."""
   make_state, step, batch = transformer_setup(batch=16, d=64, layers=4, tx=SGD)
   mesh = mesh24()
 
   def method(budget):
     return autopar.PipeshardParallel(
-        mesh=mesh, num_micro_batches=2, num_stages=2, option=autopar.AutoShardingOption(
-            memory_budget_per_device=budget, force_batch_dim_to_mesh_dim=("model",)))
+        mesh=mesh, num_micro_batches=2, num_stages=2, schedule=schedule,
+        option=autopar.AutoShardingOption(memory_budget_per_device=budget,
+                                          force_batch_dim_to_mesh_dim=("model",)))
 
   free = autopar.parallelize(step, method=method(None), donate_argnums=())
   replicated = free.get_executable(make_state(), batch).plan

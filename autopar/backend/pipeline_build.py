@@ -57,10 +57,12 @@ class SumsPass:
   specs: tuple
 
 
-def build_stages(pre: Prepared, mesh, cut_, choices) -> list[StageExecutables]:
+def build_stages(pre: Prepared, mesh, cut_, choices, *,
+                 split_backward: bool = False) -> list[StageExecutables]:
   """Each stage of ``cut_`` compiled on its submesh of ``mesh`` as the
   planner's ``choices`` lay it out (jitted; each compiles at its first
-  call, ``runtime.pipeline``)."""
+  call, ``runtime.pipeline``); ``split_backward``: with the backward also
+  in two (``build_stage``)."""
   ctx = pre.ctx
   program = ctx.program
   exes = []
@@ -75,7 +77,8 @@ def build_stages(pre: Prepared, mesh, cut_, choices) -> list[StageExecutables]:
     fns = stage_functions(ctx, st, layout.rows)
     exes.append(build_stage(
         st, fns, layout, step_consts=[ctx.consts[k] for k in st.step_consts],
-        fn_consts=[program.consts[k] for k in st.fn_consts]))
+        fn_consts=[program.consts[k] for k in st.fn_consts],
+        split_backward=split_backward))
   return exes
 
 

@@ -17,6 +17,14 @@ the other axes under XLA's partitioner pinned to the stage's plan:
   per device, updated in place); no gradient crosses devices. ``seeds``:
   the cotangents of the loss's entries the stage makes, the whole batch's
   (``loss.py``; the runtime gives them per step).
+* ``backward_input(i, roots, acts_in, leaves, outputs, stored, cotangents,
+  seeds) -> (cotangents of the tangent acts_in, carried)`` and
+  ``backward_weight(i, acc, roots, acts_in, leaves, outputs, stored,
+  cotangents, seeds, carried) -> acc``: the backward split in two, for
+  zero-bubble schedules (``stages.split_input_weight``): the first makes
+  what the stage before waits for, the second adds the gradient, reading
+  what the first computed on the way (``carried``, stacked ``[|B|, ...]``)
+  instead of computing it again. Made only where the schedule splits it.
 * ``sync(acc) -> grads``: sums the partial sums over ``B``: the only
   gradient communication of a step, after the last micro-batch. As the
   groups' seeds are the whole batch's, the sum is the whole batch's
@@ -46,7 +54,7 @@ from autopar.frontend.hints import hint_rule
 from autopar.backend.gradients import (add_partial, entry_axes, gather_manual, make_entry,
                                        manual_spec, reduce_manual, stacked_spec)
 from autopar.method import accumulation_dtype
-from autopar.frontend.stages import StageFunctions, StageProgram
+from autopar.frontend.stages import StageFunctions, StageProgram, split_input_weight
 from autopar.costs.strategies import batch_spec
 
 __all__ = ["StageLayout", "StageExecutables", "build_stage"]
@@ -114,6 +122,8 @@ class StageExecutables:
   forward: Any
   first: Any                       # forward's outputs alone (the first pass)
   backward: Any
+  backward_input: Any              # (None where the schedule does not split it)
+  backward_weight: Any
   sync: Any
   init: Any
   out_specs: tuple                 # per forward output
@@ -136,9 +146,12 @@ def _stack(x):
 
 
 def build_stage(st: StageProgram, fns: StageFunctions, layout: StageLayout, *,
-                step_consts: Sequence[Any], fn_consts: Sequence[Any]) -> StageExecutables:
+                step_consts: Sequence[Any], fn_consts: Sequence[Any],
+                split_backward: bool = False) -> StageExecutables:
   """The stage's jitted functions. ``step_consts``/``fn_consts``: the values
-  of the consts the stage reads (``StageProgram.step_consts``/``fn_consts``)."""
+  of the consts the stage reads (``StageProgram.step_consts``/``fn_consts``);
+  ``split_backward``: also the backward in two (``backward_input``,
+  ``backward_weight``)."""
   L = layout
   manual = tuple(L.batch_axes)
   D, m, M = L.devices, L.rows, L.micro
@@ -240,7 +253,8 @@ def build_stage(st: StageProgram, fns: StageFunctions, layout: StageLayout, *,
   ct_specs = [L.rows_spec(len(st.acts_out[k].aval.shape), st.row_out[k])
               for k in ct_from_next]
 
-  def bwd_body(i, acc, roots, acts, leaves, outs, stored, cts, seeds):
+  def bwd_inputs(i, roots, acts, leaves, outs, stored, cts, seeds) -> list:
+    """The backward's inputs: every residual, then every cotangent."""
     ins = local_inputs(i, roots, acts, leaves)
     outs = [x if r is not None else x[0] for x, r in zip(outs, out_rows)]
     stored = [x[0] for x in stored]
@@ -261,13 +275,18 @@ def build_stage(st: StageProgram, fns: StageFunctions, layout: StageLayout, *,
         ct_all.append(next(ct_iter))
       else:
         ct_all.append(jnp.broadcast_to(next(seed_iter), v.aval.shape).astype(v.aval.dtype))
-    r = eval_jaxpr(bj.jaxpr, (), [*res, *ct_all], Rules(pins=bwd_pins, pin=pin, hint=hint,
-                                                         once_axes=once,
-                                                         gathers=bwd_gathers),
-                    constvals=bj.consts)
+    return [*res, *ct_all]
+
+  def accumulate(acc, grads):
+    return [add_partial(a, g[None], t) for a, g, t in zip(acc, grads, acc_dtypes, strict=True)]
+
+  def bwd_body(i, acc, roots, acts, leaves, outs, stored, cts, seeds):
+    r = eval_jaxpr(bj.jaxpr, (), bwd_inputs(i, roots, acts, leaves, outs, stored, cts, seeds),
+                   Rules(pins=bwd_pins, pin=pin, hint=hint, once_axes=once,
+                         gathers=bwd_gathers),
+                   constvals=bj.consts)
     grads, ct_in = r[:nr], r[nr:]
-    acc = [add_partial(a, g[None], t) for a, g, t in zip(acc, grads, acc_dtypes, strict=True)]
-    return acc, ct_in
+    return accumulate(acc, grads), ct_in
 
   acc_local = [PartitionSpec(L.entry)] * nr
 
@@ -278,6 +297,47 @@ def build_stage(st: StageProgram, fns: StageFunctions, layout: StageLayout, *,
         bwd_body, (PartitionSpec(), acc_local, root_in, act_in_specs, leaf_in,
                    out_specs, stored_specs, ct_specs, seed_specs),
         (acc_local, ct_out_specs))(i, acc, roots, acts, leaves, outs, stored, cts, seeds)
+
+  backward_input = backward_weight = None
+  if split_backward:
+    parts = split_input_weight(bj, nr)
+    b_pins, w_pins = parts.pins(bwd_pins)
+    bI, bW = parts.inputs, parts.weights
+    n_ct = len(ct_out_specs)
+    w_gathers = {v: g for v, g in bwd_gathers.items() if v in set(bW.jaxpr.invars)}
+    carried_specs = [PartitionSpec(L.entry)] * parts.num_carried
+
+    def bwd_input_body(i, roots, acts, leaves, outs, stored, cts, seeds):
+      r = eval_jaxpr(bI.jaxpr, (), bwd_inputs(i, roots, acts, leaves, outs, stored, cts,
+                                               seeds),
+                     Rules(pins=b_pins, pin=pin, hint=hint, once_axes=once,
+                           gathers=bwd_gathers),
+                     constvals=bI.consts)
+      return r[:n_ct], [_stack(x) for x in r[n_ct:]]
+
+    def bwd_weight_body(i, acc, roots, acts, leaves, outs, stored, cts, seeds, carried):
+      every = bwd_inputs(i, roots, acts, leaves, outs, stored, cts, seeds)
+      grads = eval_jaxpr(bW.jaxpr, (), [*(every[k] for k in parts.reads),
+                                        *(x[0] for x in carried)],
+                         Rules(pins=w_pins, pin=pin, hint=hint, once_axes=once,
+                               gathers=w_gathers),
+                         constvals=bW.consts)
+      return accumulate(acc, grads)
+
+    pass_specs = (root_in, act_in_specs, leaf_in, out_specs, stored_specs, ct_specs,
+                  seed_specs)
+
+    def backward_input_fn(i, roots, acts, leaves, outs, stored, cts, seeds):
+      return manual_region(bwd_input_body, (PartitionSpec(), *pass_specs),
+                           (ct_out_specs, carried_specs))(
+          i, roots, acts, leaves, outs, stored, cts, seeds)
+
+    def backward_weight_fn(i, acc, roots, acts, leaves, outs, stored, cts, seeds, carried):
+      return manual_region(bwd_weight_body, (PartitionSpec(), acc_local, *pass_specs,
+                                             carried_specs), acc_local)(
+          i, acc, roots, acts, leaves, outs, stored, cts, seeds, carried)
+    backward_input = jax.jit(backward_input_fn)
+    backward_weight = jax.jit(backward_weight_fn, donate_argnums=(1,))
 
   def sync_body(acc):
     return [reduce_manual(a[0], s, manual).astype(v.dtype)
@@ -300,6 +360,7 @@ def build_stage(st: StageProgram, fns: StageFunctions, layout: StageLayout, *,
       forward=jax.jit(forward),
       first=jax.jit(first),
       backward=jax.jit(backward, donate_argnums=(1,)),
+      backward_input=backward_input, backward_weight=backward_weight,
       sync=jax.jit(sync, out_shardings=[ns(s) for s in grad_specs], donate_argnums=(0,)),
       init=jax.jit(init, out_shardings=acc_shardings),
       out_specs=tuple(out_specs), out_rows=tuple(out_rows),

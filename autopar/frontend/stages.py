@@ -48,6 +48,7 @@ from autopar.frontend.split import renumbered
 from autopar.frontend.trace import eqns_by_path
 
 __all__ = ["StageProgram", "stage_program", "stage_at", "Residuals", "forward_backward",
+           "InputWeight", "split_input_weight",
            "StageFunctions"]
 
 
@@ -410,3 +411,76 @@ def _shift(path: str, by: int) -> str:
   """``path`` (``"12.0.5"``) with its top-level index moved by ``by``."""
   head, _, rest = path.partition(".")
   return str(int(head) + by) + ("." + rest if rest else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class InputWeight:
+  """A backward pass split in two (zero-bubble schedules): ``inputs``, what
+  the cotangents of the stage's inputs need, and ``weights``, the rest of
+  what its roots' cotangents (the gradients) need.
+
+  ``inputs.invars``: the backward's; outvars: the cotangents of the tangent
+  ``acts_in``, then the ``carried`` values ``weights`` reads from it.
+  ``weights.invars``: the backward's invars at positions ``reads``, then the
+  carried values; outvars: the cotangents of the roots. ``paths``: per
+  part, equation path of the backward -> its path there (for the plan's
+  pins).
+  """
+  inputs: ClosedJaxpr
+  weights: ClosedJaxpr
+  reads: tuple[int, ...]
+  num_carried: int
+  paths: tuple[dict, dict]
+
+  def pins(self, pins: dict) -> tuple[dict, dict]:
+    """The backward's pins (equation path -> outputs' specs), per part."""
+    out: tuple[dict, dict] = ({}, {})
+    for path, spec in pins.items():
+      head, _, rest = path.partition(".")
+      for part, where in zip(out, self.paths):
+        if head in where:
+          part[where[head] + ("." + rest if rest else "")] = spec
+    return out
+
+
+def split_input_weight(backward: ClosedJaxpr, num_roots: int) -> InputWeight:
+  """``backward`` (outvars: the roots' cotangents, then the inputs') split
+  into the equations the inputs' cotangents need, and those only the roots'
+  need (:class:`InputWeight`). An equation with effects goes with the
+  first part, which runs for every micro-batch as the whole pass would."""
+  j = backward.jaxpr
+  roots_out, inputs_out = j.outvars[:num_roots], j.outvars[num_roots:]
+
+  def needed(outs, skip):
+    want = {v for v in outs if isinstance(v, Var)}
+    keep = [False] * len(j.eqns)
+    for k in reversed(range(len(j.eqns))):
+      e = j.eqns[k]
+      if skip[k]:
+        continue
+      if e.effects or any(o in want for o in e.outvars):
+        keep[k] = True
+        want.update(v for v in e.invars if isinstance(v, Var))
+    return keep
+  in_b = needed(inputs_out, [False] * len(j.eqns))
+  in_w = needed(roots_out, in_b)        # (every equation with effects is in_b)
+  made_b = {o for k, e in enumerate(j.eqns) if in_b[k] for o in e.outvars}
+  w_eqns = [e for k, e in enumerate(j.eqns) if in_w[k]]
+  read_w = dict.fromkeys(
+      [v for e in w_eqns for v in e.invars if isinstance(v, Var)] +
+      [v for v in roots_out if isinstance(v, Var)])
+  carried = [v for v in read_w if v in made_b]
+  pos = {v: k for k, v in enumerate(j.invars)}
+  reads = tuple(sorted(pos[v] for v in read_w if v in pos))
+  b_jaxpr = j.replace(eqns=[e for k, e in enumerate(j.eqns) if in_b[k]],
+                      outvars=[*inputs_out, *carried])
+  w_jaxpr = j.replace(eqns=w_eqns, invars=[j.invars[k] for k in reads] + carried,
+                      outvars=list(roots_out))
+  paths = ({}, {})
+  for part, keep in zip(paths, (in_b, in_w)):
+    for k in range(len(j.eqns)):
+      if keep[k]:
+        part[str(k)] = str(len(part))
+  return InputWeight(inputs=ClosedJaxpr(b_jaxpr, backward.consts),
+                     weights=ClosedJaxpr(w_jaxpr, backward.consts), reads=reads,
+                     num_carried=len(carried), paths=paths)

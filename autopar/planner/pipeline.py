@@ -23,13 +23,14 @@ from autopar.frontend.cut import cut, home_specs, stage_specs
 from autopar.frontend.hints import entry_axes, model_axes
 from autopar.frontend.pipeline import Context, Prepared, trace_pipelined
 from autopar.frontend.split import OutputKind
-from autopar.method import PipeshardParallel, auto_mesh, axis_sizes_of, resolve_mesh
+from autopar.method import (PipeshardParallel, auto_mesh, axis_sizes_of, held_at_most,
+                            resolve_mesh)
 from autopar.plan import Plan, StagePlan, ValuePlan
 from autopar.planner.cache import fingerprint
 from autopar.planner.layers import layer_starts
 from autopar.planner.shard import donation_pairs
 from autopar.planner.stage_search import (StageChoice, first_pass_time, forward_seconds,
-                                          search)
+                                          schedule_seconds, search)
 
 __all__ = ["prepare", "plan_pipeline"]
 
@@ -76,7 +77,7 @@ def _plan_of(pre: Prepared, method, mesh, cut_, choices) -> Plan:
   stage_plans = []
   home_spec = home_specs(ctx, cut_, choices)
   S = cut_.num_stages
-  in_flight = _in_flight(method.schedule, S, ctx.n)
+  in_flight = held_at_most(method.schedule, S, ctx.n)
   first = [forward_seconds(ch.time_per_micro_batch, ch.send_seconds)
            if lo < ctx.first_until else 0.0
            for (lo, _), ch in zip(cut_.ranges, choices, strict=True)]
@@ -113,7 +114,8 @@ def _plan_of(pre: Prepared, method, mesh, cut_, choices) -> Plan:
     grad_inputs.append("" if leaf is None else ctx.leaf_names[leaf])
   grads = tuple(grads)
   t = [c.time_per_micro_batch for c in choices]
-  objective = (sum(t) + (ctx.n - 1) * max(t) + sum(c.send_seconds for c in choices) +
+  objective = (schedule_seconds(method.schedule, t, ctx.n) +
+               sum(c.send_seconds for c in choices) +
                max(c.time_per_step for c in choices) +
                first_pass_time([f for f in first if f], ctx.n))
   return Plan(method="PipeshardParallel", mesh_axis_names=names,
@@ -124,10 +126,6 @@ def _plan_of(pre: Prepared, method, mesh, cut_, choices) -> Plan:
               collectives=tuple(c for ch in choices for c in ch.collectives),
               schedule=method.schedule, costs=assumed_costs(sizes, method.option),
               grad_inputs=tuple(grad_inputs))
-
-
-def _in_flight(schedule: str, S: int, n: int) -> list[int]:
-  return [min(n, S - s) if schedule == "1f1b" else n for s in range(S)]
 
 
 def plan_pipeline(pre: Prepared, method: PipeshardParallel, mesh,

@@ -48,7 +48,7 @@ import numpy as np
 
 from autopar.costs.cost_model import DEFAULT_ALPHA, DEFAULT_BETA
 from autopar.errors import InputError, PlanError
-from autopar.method import accumulation_dtype, axis_sizes_of
+from autopar.method import accumulation_dtype, axis_sizes_of, held_at_most, splits_backward
 from autopar.plan import CollectivePlan
 from autopar.frontend.cut import cut
 from autopar.planner.solved import divisible_dim, with_batch_dim
@@ -60,7 +60,7 @@ from autopar.costs.strategies import (local_bytes, missing_rules, to_partition_s
                                       warn_missing_rules)
 
 __all__ = ["search", "SearchResult", "Candidate", "StageChoice", "forward_seconds",
-           "first_pass_time"]
+           "first_pass_time", "schedule_seconds"]
 
 # A stage's forward pass alone, as a share of its forward and backward
 # passes: the backward's matmuls are twice the forward's (the cotangents of
@@ -74,6 +74,26 @@ def forward_seconds(t: float, send_seconds: float) -> float:
   activations sent and their cotangents received, ``send_seconds`` each):
   :data:`FORWARD_SHARE` of the compute, one send."""
   return (t - 2 * send_seconds) * FORWARD_SHARE + send_seconds
+
+
+# Of a backward pass, the share that is its weights' gradient (``W`` where a
+# schedule splits it from the cotangents of the stage's inputs): the two
+# matmuls of each weight's product take alike.
+WEIGHT_SHARE = 1 / 2
+
+
+def schedule_seconds(schedule: str, times, n: int) -> float:
+  """``n`` micro-batches through stages whose forward and backward take
+  ``times`` each: the busiest stage's ``n`` micro-batches, and the time
+  the others' fill and drain add, all of it under 1F1B and GPipe; under
+  ZB-H1 its share ``(F + B - W) / (F + B + W)`` (a third), the weights'
+  gradients filling the rest (``runtime/schedule.py``)."""
+  if not times:
+    return 0.0
+  fill = sum(times) - max(times)
+  if splits_backward(schedule):
+    fill *= FORWARD_SHARE + (1 - FORWARD_SHARE) * (1 - 2 * WEIGHT_SHARE)
+  return n * max(times) + fill
 
 
 def first_pass_time(times, n: int) -> float:
@@ -313,11 +333,11 @@ def search(pre, method, mesh):
     return best
 
   def held_at(S_total, k) -> int:
-    """Micro-batches stage k holds: 1F1B holds S - k (the number of stages
-    unknown: as many as there are layer groups left, at most n); GPipe n."""
-    if method.schedule == "gpipe":
+    """Micro-batches stage k holds (``held_at_most``); the number of stages
+    unknown, n."""
+    if S_total is None:
       return n
-    return min(n, S_total - k) if S_total is not None else n
+    return held_at_most(method.schedule, S_total, n)[k]
 
   axes_of = {shape: stage_batch_axes(ctx, dict(zip(names, shape))) for shape in shapes}
   fit = {(off, shape): fits(mesh_shape, off, shape) for off in range(total)
@@ -359,7 +379,7 @@ def search(pre, method, mesh):
     ts = [c.t for c in cands]
     first = [forward_seconds(c.t, c.send_seconds) for c in cands
              if ctx.layers[bounds[c.layers[0]]] < ctx.first_until]
-    return sum(ts) + (n - 1) * max(ts) + max(c.u for c in cands) + \
+    return schedule_seconds(method.schedule, ts, n) + max(c.u for c in cands) + \
         first_pass_time(first, n)
 
   # t_max candidates: stage times of single-layer-group stages up to whole ranges.
@@ -416,8 +436,7 @@ def search(pre, method, mesh):
     T, cands = by_S[S_best]
     layers = [(bounds[c.layers[0]], bounds[c.layers[1]]) for c in cands]
     c = cut(ctx, layers)
-    in_flight = [min(n, len(cands) - s) if method.schedule == "1f1b" else n
-                 for s in range(len(cands))]
+    in_flight = held_at_most(method.schedule, len(cands), n)
     try:
       sols = [plans_of(c, s, cand, in_flight[s]) for s, cand in enumerate(cands)]
       break

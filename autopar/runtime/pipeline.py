@@ -10,7 +10,9 @@ One call of :meth:`PipelineStep.run`:
 2. dispatches the schedule's tasks (``schedule.dispatch_order``): a
    forward sends the activations it makes to the stages that read them with
    ``transfer.move`` to their sharding there, a backward sends the
-   cotangents back the same way. Dispatch is asynchronous, so the stages'
+   cotangents back the same way. Where the schedule splits a backward, its
+   ``B`` sends the cotangents and keeps what its ``W`` reads (the
+   activations among it) until that ``W`` adds the gradient. Dispatch is asynchronous, so the stages'
    submeshes work at the same time;
 3. syncs each stage's gradients once (``sync``) and adds the partial
    gradients of parameters that several stages read (tied embeddings) on
@@ -60,7 +62,7 @@ from autopar.frontend.split import OutputKind, SplitStep
 from autopar.frontend.stages import StageProgram
 from autopar.method import PipeshardParallel, axis_sizes_of
 from autopar.plan import submesh
-from autopar.runtime.schedule import Task, dispatch_order, stage_tasks
+from autopar.runtime.schedule import Task, dispatch_order, splits_backward, stage_tasks
 from autopar.runtime.transfer import check_movable, move
 
 __all__ = ["PipelineStep", "LossSeeds", "PipelineExecutable", "compile_pipeline"]
@@ -369,6 +371,7 @@ class PipelineStep:
     acts: dict = {}          # (stage, micro-batch, var) -> array on that stage
     cts: dict = {}           # (stage, micro-batch, var) -> cotangent on that stage
     saved: dict = {}         # (stage, micro-batch) -> (outputs, stored)
+    after_b: dict = {}       # (stage, micro-batch) -> what its W reads besides
     finals: dict[int, list] = {}
     acc = [ex.init() for ex in self.exes]
     held = [0] * S
@@ -396,9 +399,22 @@ class PipelineStep:
         for j, x in zip(st.finals, made, strict=True):
           finals.setdefault(j, []).append(x)
         held[s] += 1
-      else:
+      elif t.kind == "W":
+        # The weights' half of a split backward: what its B kept.
         outs, stored = saved.pop((s, i))
+        ct, seeds_in, carried = after_b.pop((s, i))
         if measuring:
+          held_bytes[s] -= _per_device_bytes((outs, stored, ct, carried))
+        acc[s] = self._call(s, "backward_weight", ex.backward_weight, ex.index[i],
+                            acc[s], roots, a_in, ls, outs, stored, ct, seeds_in,
+                            carried)
+        for v in st.acts_in:
+          acts.pop((s, i, v), None)
+        held[s] -= 1
+      else:
+        split = ex.backward_weight is not None
+        outs, stored = saved[(s, i)] if split else saved.pop((s, i))
+        if measuring and not split:
           held_bytes[s] -= _per_device_bytes((outs, stored))
         ct = []
         for k in ex.ct_from_next:
@@ -410,18 +426,30 @@ class PipelineStep:
             if x is None:
               x = self._zeros[("ct", s, k)] = jnp.zeros_like(like)
           ct.append(x)
-        acc[s], ct_in = self._call(s, "backward", ex.backward, ex.index[i],
-                                   acc[s], roots, a_in, ls, outs, stored, ct,
-                                   [seeds[j] for j in st.seeded_finals])
+        seeds_in = [seeds[j] for j in st.seeded_finals]
+        if split:
+          # Its input cotangents now; its gradient at its W, from what this
+          # keeps (the activations stay held until then).
+          ct_in, carried = self._call(s, "backward_input", ex.backward_input,
+                                      ex.index[i], roots, a_in, ls, outs, stored, ct,
+                                      seeds_in)
+          after_b[(s, i)] = (ct, seeds_in, carried)
+          if measuring:
+            held_bytes[s] += _per_device_bytes((ct, carried))
+            peak_bytes[s] = max(peak_bytes[s], held_bytes[s])
+        else:
+          acc[s], ct_in = self._call(s, "backward", ex.backward, ex.index[i],
+                                     acc[s], roots, a_in, ls, outs, stored, ct, seeds_in)
         for (v, p, spec), x in zip(back[s], ct_in, strict=True):
           x = self._on(p, x, spec)
           if measuring:
             sent[s] += x.nbytes
           key = (p, i, v)
           cts[key] = x if key not in cts else add_arrays(cts[key], x)
-        for v in st.acts_in:
-          acts.pop((s, i, v), None)
-        held[s] -= 1
+        if not split:
+          for v in st.acts_in:
+            acts.pop((s, i, v), None)
+          held[s] -= 1
       if self.timing:
         jax.block_until_ready((acc, acts, cts, saved))
         durations[t] = time.perf_counter() - started
@@ -524,7 +552,8 @@ def compile_pipeline(pre: Prepared, method: PipeshardParallel, mesh, cut_,
       check_movable(a.devices.flat, b.devices.flat,
                     what=f"a value of stage {s} (to or from stage {t})")
   keep_compiles = use_compilation_cache()
-  exes = build_stages(pre, mesh, cut_, choices)
+  exes = build_stages(pre, mesh, cut_, choices,
+                      split_backward=splits_backward(method.schedule))
   homes = home_specs(ctx, cut_, choices)
   segments = apply_segments(pre, cut_, exes, homes)
   order = dispatch_order(stage_tasks(method.schedule, cut_.num_stages, ctx.n))
@@ -580,14 +609,18 @@ class PipelineExecutable:
 
   @property
   def stages(self) -> dict[str, jax.stages.Compiled]:
-    """``"stage<s>/forward"``, ``"stage<s>/backward"``, ``"stage<s>/sync"``,
+    """``"stage<s>/forward"``, ``"stage<s>/backward"`` (or, where the
+    schedule splits it, ``"stage<s>/backward_input"`` and
+    ``"stage<s>/backward_weight"``), ``"stage<s>/sync"``,
     ``"stage<s>/apply<k>"``: compiled as the last call ran them."""
     return self.step.compiled()
 
   @property
   def schedule(self) -> list[str]:
     """The tasks one call dispatches, in order (``F3@1``: micro-batch 3's
-    forward on stage 1; ``first3@1``: its forward alone in the first pass,
+    forward on stage 1, ``B3@1`` its backward, ``W3@1`` its weights'
+    gradient where the schedule splits the backward; ``first3@1``: its
+    forward alone in the first pass,
     before the schedule), then each stage's sync and update."""
     step = self.step
     S = step.num_stages

@@ -13,10 +13,22 @@ the same time).
   warm-up forwards, then alternates one forward and one backward, then
   drains its backwards. It holds at most ``S - s`` micro-batches'
   activations.
+* ``"zb-h1"`` (zero bubble, Qi et al., ICLR 2024): each backward is split
+  into ``B``, the cotangents of the stage's inputs (what the stage before
+  waits for), and ``W``, the gradient of the stage's parameters (which no
+  other stage waits for). Stage ``s`` runs 1F1B's forwards and ``B``s, and
+  each ``W`` ``s`` ``B``s late, the last ``s`` of them after its last ``B``:
+  they fill the time it would wait at the end of the step for the stages
+  before it. A micro-batch's activations are held until its ``W``, so every
+  stage holds at most ``S`` micro-batches: 1F1B's most (stage 0's) on
+  every stage. With ``W`` as long as ``B``, the bubble is a third of
+  1F1B's: ``(S - 1) (F + B - W)`` of each stage's time against
+  ``(S - 1) (F + B + W)``.
 
 :func:`simulate` replays a schedule on task durations (measured or
 modelled) and gives its step time and bubble, the fraction of stage time
-spent idle; for equal stage times the bubble is ``(S - 1) / (n + S - 1)``.
+spent idle; for equal stage times the bubble of 1F1B and GPipe is
+``(S - 1) / (n + S - 1)`` (:func:`bubble`).
 """
 
 from __future__ import annotations
@@ -24,15 +36,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
-__all__ = ["Task", "stage_tasks", "dispatch_order", "in_flight", "simulate",
-           "SCHEDULES"]
+from autopar.method import PIPELINE_SCHEDULES, held_at_most, splits_backward
 
-SCHEDULES = ("1f1b", "gpipe")
+__all__ = ["Task", "stage_tasks", "dispatch_order", "in_flight", "held_at_most",
+           "splits_backward", "simulate", "bubble", "SCHEDULES"]
+
+SCHEDULES = PIPELINE_SCHEDULES
 
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-  """``kind`` ("F" or "B") of ``micro_batch`` on ``stage``."""
+  """``kind`` of ``micro_batch`` on ``stage``: "F" (forward), "B" (backward;
+  under a schedule that splits it, the cotangents of the stage's inputs
+  alone) or "W" (the gradient of the stage's parameters)."""
   kind: str
   stage: int
   micro_batch: int
@@ -50,8 +66,11 @@ def stage_tasks(schedule: str, num_stages: int, n: int) -> list[list[Task]]:
     if schedule == "gpipe":
       out.append(F + B)
       continue
-    if schedule != "1f1b":
+    if schedule not in ("1f1b", "zb-h1"):
       raise ValueError(schedule)
+    # 1F1B: warm-up forwards, then one forward and one backward, then the
+    # backwards left. ZB-H1: the same, each W ``lag`` backwards late.
+    lag = s if schedule == "zb-h1" else None
     warm = min(num_stages - s - 1, n)
     order = F[:warm]
     f, b = warm, 0
@@ -60,7 +79,11 @@ def stage_tasks(schedule: str, num_stages: int, n: int) -> list[list[Task]]:
         order.append(F[f])
         f += 1
       order.append(B[b])
+      if lag is not None and b - lag >= 0:
+        order.append(Task("W", s, b - lag))
       b += 1
+    if lag is not None:
+      order += [Task("W", s, i) for i in range(max(n - lag, 0), n)]
     out.append(order)
   return out
 
@@ -68,6 +91,8 @@ def stage_tasks(schedule: str, num_stages: int, n: int) -> list[list[Task]]:
 def _deps(t: Task, num_stages: int) -> list[Task]:
   if t.kind == "F":
     return [Task("F", t.stage - 1, t.micro_batch)] if t.stage > 0 else []
+  if t.kind == "W":
+    return [Task("B", t.stage, t.micro_batch)]
   deps = [Task("F", t.stage, t.micro_batch)]
   if t.stage < num_stages - 1:
     deps.append(Task("B", t.stage + 1, t.micro_batch))
@@ -77,8 +102,8 @@ def _deps(t: Task, num_stages: int) -> list[Task]:
 def dispatch_order(per_stage: Sequence[Sequence[Task]]) -> list[Task]:
   """One order of all tasks that keeps each stage's order and runs every
   task after those it reads (a micro-batch's forward on the stage before,
-  its backward on the stage after and its own forward). Stages take turns,
-  so work for every stage is queued early."""
+  its backward on the stage after and its own forward; a ``W`` after its
+  ``B``). Stages take turns, so work for every stage is queued early."""
   S = len(per_stage)
   pos = [0] * S
   done: set[Task] = set()
@@ -103,13 +128,34 @@ def dispatch_order(per_stage: Sequence[Sequence[Task]]) -> list[Task]:
 
 def in_flight(order: Sequence[Task], num_stages: int) -> list[int]:
   """Per stage, the most micro-batches whose forward it has run and whose
-  backward it has not (the activations it holds), in ``order``."""
+  backward (its ``W``, where the schedule splits it) it has not: the
+  activations it holds, in ``order``."""
+  release = "W" if any(t.kind == "W" for t in order) else "B"
   held = [0] * num_stages
   peak = [0] * num_stages
   for t in order:
-    held[t.stage] += 1 if t.kind == "F" else -1
+    if t.kind == "F":
+      held[t.stage] += 1
+    elif t.kind == release:
+      held[t.stage] -= 1
     peak[t.stage] = max(peak[t.stage], held[t.stage])
   return peak
+
+
+def bubble(schedule: str, num_stages: int, n: int, forward: float = 1.0,
+           backward: float = 2.0, weight_share: float = 0.5) -> float:
+  """The bubble of ``schedule`` with every stage alike (a forward takes
+  ``forward``, a backward ``backward``, of which ``weight_share`` is its
+  ``W`` where the schedule splits it), in theory: each stage works
+  ``n (F + B + W)`` and waits ``(S - 1) (F + B + W)`` under 1F1B and GPipe,
+  ``(S - 1) (F + B - W)`` under ZB-H1 (at least 0)."""
+  work = n * (forward + backward)
+  if splits_backward(schedule):
+    w = backward * weight_share
+    wait = (num_stages - 1) * max(forward + backward - 2 * w, 0.0)
+  else:
+    wait = (num_stages - 1) * (forward + backward)
+  return wait / (work + wait) if work + wait > 0 else 0.0
 
 
 @dataclasses.dataclass(frozen=True)

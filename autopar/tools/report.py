@@ -16,10 +16,11 @@ import itertools
 import math
 from typing import TYPE_CHECKING, Any, Sequence
 
-from autopar.runtime.schedule import Task, simulate, stage_tasks
+from autopar.runtime.schedule import bubble
 from autopar.tools.groups import collapse, other_rows, param_rows, params_prefix
 from autopar.tools.summary import (batch_split, collective_rows, group_rows, input_sizes,
-                                   memory_by_kind, solver_lines, stage_lines, stage_rows)
+                                   memory_by_kind, solver_lines, stage_lines, stage_rows,
+                                   timeline)
 from autopar.text import canonical_str, format_bytes, spec_str
 
 if TYPE_CHECKING:
@@ -164,22 +165,19 @@ def _stages_svg(plan: "Plan") -> str:
 
 
 def _timeline_svg(plan: "Plan") -> str:
-  """The schedule replayed on the plan's predicted stage times (a forward
-  a third of a micro-batch's time, a backward two thirds)."""
+  """The schedule replayed on the plan's predicted stage times
+  (``summary.timeline``), beside the bubble the schedule has in theory with
+  every stage alike (``schedule.bubble``)."""
   S, n = len(plan.stages), plan.num_micro_batches
-  per_stage = stage_tasks(plan.schedule or "1f1b", S, n)
-
-  def duration(t: Task) -> float:
-    tm = plan.stages[t.stage].time_per_micro_batch or 1.0
-    return tm / 3 if t.kind == "F" else 2 * tm / 3
-  tl = simulate(per_stage, duration)
+  schedule = plan.schedule or "1f1b"
+  _, tl = timeline(plan)
   span = tl.makespan or 1.0
   width, h = 800, 24
   parts = []
   for t in tl.start:
     x = 40 + width * tl.start[t] / span
     w = max(1.0, width * (tl.end[t] - tl.start[t]) / span - 1)
-    colour = "#80b1d3" if t.kind == "F" else "#fdb462"
+    colour = {"F": "#80b1d3", "B": "#fdb462", "W": "#b3de69"}[t.kind]
     parts.append(f"<rect x='{x:.1f}' y='{t.stage * h + 2}' width='{w:.1f}' "
                  f"height='{h - 4}' fill='{colour}' stroke='#555'/>"
                  f"<text x='{x + 2:.1f}' y='{t.stage * h + 16}'>{t.kind}{t.micro_batch}"
@@ -187,7 +185,8 @@ def _timeline_svg(plan: "Plan") -> str:
   for s in range(S):
     parts.append(f"<text x='0' y='{s * h + 16}'>s{s}</text>")
   return (f"<svg width='{width + 60}' height='{S * h}' role='img'>{''.join(parts)}</svg>"
-          f"<p>bubble on these times: {tl.bubble:.1%}</p>")
+          f"<p>{_e(schedule)}: bubble on these times {tl.bubble:.1%}; with every stage "
+          f"alike, in theory, {bubble(schedule, S, n):.1%}</p>")
 
 
 def to_html(plan: "Plan", *, title: str = "autopar plan") -> str:

@@ -14,6 +14,7 @@ import re
 from typing import TYPE_CHECKING, Sequence
 
 from autopar.costs.cost_model import MeshCost
+from autopar.runtime.schedule import Task, Timeline, bubble, simulate, splits_backward, stage_tasks
 from autopar.tools.groups import (Group, collapse, collapsed_name, other_rows, param_rows,
                                   params_prefix)
 from autopar.text import axes_str, canonical_str, format_bytes, format_rows, same_spec
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
   from autopar.plan import Plan
 
 __all__ = ["summary", "solver_lines", "collective_rows", "memory_by_kind", "group_rows",
-           "input_sizes", "batch_split", "stage_rows", "stage_lines"]
+           "input_sizes", "batch_split", "stage_rows", "stage_lines", "timeline"]
 
 
 def summary(plan: "Plan") -> str:
@@ -111,10 +112,28 @@ def _by_pattern(names: Sequence[str]) -> dict[str, list[str]]:
   return out
 
 
+def timeline(plan: "Plan") -> tuple[list[list[Task]], Timeline]:
+  """The pipeline's tasks per stage, in order, and the schedule replayed on
+  the plan's predicted stage times (a forward a third of a micro-batch's
+  time, a backward two thirds; where the schedule splits it, its B and its
+  W a third each, as the stage search prices them)."""
+  schedule = plan.schedule or "1f1b"
+  per_stage = stage_tasks(schedule, len(plan.stages), plan.num_micro_batches)
+  split = splits_backward(schedule)
+
+  def duration(t: Task) -> float:
+    tm = plan.stages[t.stage].time_per_micro_batch or 1.0
+    return tm / 3 if t.kind == "F" or split else 2 * tm / 3
+  return per_stage, simulate(per_stage, duration)
+
+
 def stage_lines(plan: "Plan") -> list[str]:
-  """The stage table as text, with what the step time is made of."""
+  """The stage table as text, with what the step time is made of, and the
+  schedule's tasks per stage."""
   n, S = plan.num_micro_batches, len(plan.stages)
-  lines = [f"pipeline: {S} stage(s), schedule {plan.schedule}, {n} micro-batch(es)",
+  schedule = plan.schedule or "1f1b"
+  split = splits_backward(schedule)
+  lines = [f"pipeline: {S} stage(s), schedule {schedule}, {n} micro-batch(es)",
            "each stage runs its layers' forward and backward passes for every "
            "micro-batch on its own submesh,",
            "then sums its gradients over its batch axes and updates its parameters"]
@@ -131,9 +150,16 @@ def stage_lines(plan: "Plan") -> list[str]:
   t = [st.time_per_micro_batch for st in plan.stages]
   if t:
     f = [st.first_pass_seconds for st in plan.stages if st.first_pass_seconds]
-    lines.append(f"predicted step time: {plan.objective:.6g} s = sum of stage times "
-                 f"{sum(t):.3g} s + ({n} - 1) x slowest {max(t):.3g} s + sends and "
-                 f"updates{' + the first pass' if f else ''}")
+    if split:
+      lines.append(f"predicted step time: {plan.objective:.6g} s = {n} x slowest "
+                   f"{max(t):.3g} s + a third of the other stages' times "
+                   f"{sum(t) - max(t):.3g} s (the weights' gradients fill the rest of "
+                   f"the fill and drain) + sends and updates"
+                   f"{' + the first pass' if f else ''}")
+    else:
+      lines.append(f"predicted step time: {plan.objective:.6g} s = sum of stage times "
+                   f"{sum(t):.3g} s + ({n} - 1) x slowest {max(t):.3g} s + sends and "
+                   f"updates{' + the first pass' if f else ''}")
     if f:
       lines.append(
           f"first pass (the loss's gradient reads sums over the batch that depend on "
@@ -142,6 +168,15 @@ def stage_lines(plan: "Plan") -> list[str]:
           f"{sum(f) + (n - 1) * max(f):.3g} s = {sum(f):.3g} s + ({n} - 1) x slowest "
           f"{max(f):.3g} s (a forward priced at a third of its stage's time per "
           f"micro-batch)")
+  if S:
+    per_stage, tl = timeline(plan)
+    kinds = ("B the cotangents of its inputs, W its weights' gradient" if split
+             else "B backward")
+    lines.append(f"schedule {schedule}, each stage's tasks in order (F forward, {kinds}"
+                 f"; micro-batch number): bubble {tl.bubble:.1%} on the predicted stage "
+                 f"times, {bubble(schedule, S, n):.1%} in theory with every stage alike")
+    for s_, tasks in enumerate(per_stage):
+      lines.append(f"  stage {s_}: " + " ".join(f"{t.kind}{t.micro_batch}" for t in tasks))
   lines.append("")
   return lines
 
