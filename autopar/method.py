@@ -59,6 +59,15 @@ def held_at_most(schedule: str, num_stages: int, n: int) -> list[int]:
   raise ValueError(schedule)
 
 
+def awaiting_weights_at_most(schedule: str, num_stages: int, n: int) -> list[int]:
+  """Per stage, the most micro-batches whose ``B`` has run and whose ``W``
+  has not (what the ``B`` computed for its ``W`` held meanwhile); 0 where
+  the schedule does not split the backward."""
+  if schedule == "zb-h1":
+    return [min(s + 1, n) for s in range(num_stages)]
+  return [0] * num_stages
+
+
 def grad_sync_for(platform: str) -> str:
   """The default ``grad_sync`` on ``platform``: ``"apart"`` on CPU, whose
   collectives run synchronously (nothing to overlap them with), so one

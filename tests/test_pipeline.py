@@ -226,6 +226,7 @@ def test_schedules_hold_what_they_say(S, n):
     split = sched.splits_backward(name)
     assert len(order) == (3 if split else 2) * S * n
     assert sched.in_flight(order, S) == sched.held_at_most(name, S, n)
+    assert sched.awaiting_weights(order, S) == sched.awaiting_weights_at_most(name, S, n)
     # Every stage alike: a forward 1, a backward 2 (B and W 1 each): the
     # bubble is (S - 1) / (n + S - 1) under 1F1B and GPipe; ZB-H1's
     # stages wait a third as long, (S - 1) (F + B - W), where n >= S.
@@ -816,7 +817,7 @@ def test_a_step_that_needs_its_batch_size_is_traced_at_each_size():
 
 @pytest.mark.parametrize("fraction,zero,schedule", [(0.9, "ZeRO-2", "1f1b"),
                                                     (0.75, "ZeRO-3", "1f1b"),
-                                                    (0.75, "ZeRO-3", "zb-h1")])
+                                                    (0.8, "ZeRO-3", "zb-h1")])
 def test_state_split_in_a_stage_under_a_budget(fraction, zero, schedule):
   """ZeRO inside a stage: under a memory budget that the replicated plan
   exceeds, the stage search counts what splitting a stage's optimizer state

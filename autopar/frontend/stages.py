@@ -432,6 +432,12 @@ class InputWeight:
   num_carried: int
   paths: tuple[dict, dict]
 
+  @property
+  def carried(self) -> list:
+    """The values ``inputs`` hands ``weights`` (variables of the backward)."""
+    outs = self.inputs.jaxpr.outvars
+    return list(outs[len(outs) - self.num_carried:])
+
   def pins(self, pins: dict) -> tuple[dict, dict]:
     """The backward's pins (equation path -> outputs' specs), per part."""
     out: tuple[dict, dict] = ({}, {})

@@ -39,7 +39,7 @@ from autopar.frontend.cut import Cut, stage_functions
 from autopar.frontend.evaluate import gather_sites
 from autopar.frontend.pipeline import Context
 from autopar.frontend.program import Analysis, Program
-from autopar.frontend.stages import StageFunctions, StageProgram
+from autopar.frontend.stages import StageFunctions, StageProgram, split_input_weight
 from autopar.planner.ilp import ShardingProblem
 
 __all__ = ["StageIO", "StageSolution", "solve_stage", "stage_batch_axes", "update_inputs",
@@ -87,6 +87,9 @@ class StageSolution:
   num_forward_eqns: int
   segments: tuple                # this stage's update segments (apply.Segment)
   segment_offsets: tuple[int, ...]   # where each starts in `update`
+  # Under a schedule that splits the backward: what its B computes for its W,
+  # held per micro-batch between the two (0 otherwise).
+  carried_bytes: float = 0.0
 
 
 def act_name(program: Program, analysis: Analysis, v) -> str:
@@ -342,11 +345,15 @@ def _aval_of(io: StageIO, kind, ref):
 
 def solve_stage(ctx: Context, cut_: Cut, s: int, sizes: dict[str, int],
                 batch_axes: tuple[str, ...], *, in_flight: int = 1,
-                cost: MeshCost | None = None, tighter: float = 0.0) -> StageSolution:
+                awaiting: int | None = None, cost: MeshCost | None = None,
+                tighter: float = 0.0) -> StageSolution:
   """Plans stage ``s`` of ``cut_`` on a submesh of ``sizes`` with the batch
   split over ``batch_axes``; ``in_flight``: how many micro-batches'
   residuals the schedule keeps (they count against the memory budget; 0:
-  the caller counts them); ``tighter``: bytes to plan under the budget besides."""
+  the caller counts them); ``awaiting``: under a schedule that splits the
+  backward, how many micro-batches' values its B computes for its W the
+  schedule keeps (counted likewise; the solution's ``carried_bytes``);
+  ``tighter``: bytes to plan under the budget besides."""
   st = cut_.stages[s]
   d = math.prod(sizes[a] for a in batch_axes)
   rows = ctx.micro // d
@@ -395,6 +402,10 @@ def solve_stage(ctx: Context, cut_: Cut, s: int, sizes: dict[str, int],
   # leaves room besides where the ILP's peaks differ from that count
   # (``stage_search._within_budget``).
   stored = [v for v in fns.forward.jaxpr.outvars[fns.num_outputs:] if isinstance(v, Var)]
+  # (The backward's equations keep their results' variables in the joint
+  # program: what B hands W is named there as in the backward.)
+  carried = [] if awaiting is None else [
+      v for v in split_input_weight(fns.backward, nr).carried if isinstance(v, Var)]
   budget = option.memory_budget_per_device
   if budget is not None:
     budget = budget - tighter
@@ -417,7 +428,8 @@ def solve_stage(ctx: Context, cut_: Cut, s: int, sizes: dict[str, int],
       memory_budget=budget, read_by_compute=read_by,
       share_layers=option.share_layers, pins=pins, accumulate=ctx.accumulate,
       leaf_names=list(io.names),
-      held=[(v, in_flight) for v in stored] if budget is not None and in_flight else ())
+      held=[*((v, in_flight) for v in stored if in_flight),
+            *((v, awaiting) for v in carried if awaiting)] if budget is not None else ())
   problem.build()
   objective = problem.solve()
   parts = problem.cost_by_part()
@@ -432,7 +444,8 @@ def solve_stage(ctx: Context, cut_: Cut, s: int, sizes: dict[str, int],
       state_bytes=state, peak_bytes=peak, residual_bytes=float(kept),
       io=io, fns=fns, problem=problem, joint=ClosedJaxpr(joint, joint_consts),
       update=ClosedJaxpr(update, ()), num_forward_eqns=num_fwd,
-      segments=tuple(segments), segment_offsets=tuple(offsets))
+      segments=tuple(segments), segment_offsets=tuple(offsets),
+      carried_bytes=float(sum(problem.bytes_at_solution(v) for v in carried)))
 
 
 def _gather_sites(fns: StageFunctions, read: set[int], n_main: int) -> dict[int, int]:

@@ -48,7 +48,8 @@ import numpy as np
 
 from autopar.costs.cost_model import DEFAULT_ALPHA, DEFAULT_BETA
 from autopar.errors import InputError, PlanError
-from autopar.method import accumulation_dtype, axis_sizes_of, held_at_most, splits_backward
+from autopar.method import (accumulation_dtype, awaiting_weights_at_most, axis_sizes_of,
+                            held_at_most, splits_backward)
 from autopar.plan import CollectivePlan
 from autopar.frontend.cut import cut
 from autopar.planner.solved import divisible_dim, with_batch_dim
@@ -399,18 +400,18 @@ def search(pre, method, mesh):
       max(beta.values(), default=DEFAULT_BETA) * 2 * sends
   plans: dict = {}
 
-  def plans_of(c, s, cand, held):
+  def plans_of(c, s, cand, held, awaiting):
     """Stage ``s`` of cut ``c`` planned whole (stages that compute alike
     once); a PlanError under the budget is a :class:`_Refused`."""
     st = c.stages[s]
     # The number of micro-batches held matters only against a memory budget.
     key = (st.signature, cand.shape, cand.batch_axes,
-           held if budget is not None else None,
+           (held, awaiting) if budget is not None else awaiting is None,
            "|".join(str(seg.jaxpr) for seg in c.apply.of_stage(s)))
     if key not in plans:
       try:
         plans[key] = _within_budget(ctx, c, s, dict(zip(names, cand.shape)),
-                                    cand.batch_axes, held, budget)
+                                    cand.batch_axes, held, awaiting, budget)
       except PlanError as e:
         plans[key] = e
     if isinstance(plans[key], PlanError):
@@ -437,8 +438,11 @@ def search(pre, method, mesh):
     layers = [(bounds[c.layers[0]], bounds[c.layers[1]]) for c in cands]
     c = cut(ctx, layers)
     in_flight = held_at_most(method.schedule, len(cands), n)
+    awaiting = (awaiting_weights_at_most(method.schedule, len(cands), n)
+                if splits_backward(method.schedule) else [None] * len(cands))
     try:
-      sols = [plans_of(c, s, cand, in_flight[s]) for s, cand in enumerate(cands)]
+      sols = [plans_of(c, s, cand, in_flight[s], awaiting[s])
+              for s, cand in enumerate(cands)]
       break
     except _Refused as e:
       refusal = e.error
@@ -459,7 +463,7 @@ def search(pre, method, mesh):
   choices = []
   missing: collections.Counter = collections.Counter()   # over the stages
   for s, (cand, sol) in enumerate(zip(cands, sols, strict=True)):
-    choices.append(_choice(ctx, c, s, cand, sol, layers[s], in_flight[s]))
+    choices.append(_choice(ctx, c, s, cand, sol, layers[s], in_flight[s], awaiting[s]))
     missing.update(missing_rules(sol.joint, sol.update))
   warn_missing_rules(missing, f"{ctx.program.fn_name}'s pipeline stages")
   return c, choices, result
@@ -493,12 +497,11 @@ def _by_num_stages(solve_dp, step_time, grid, slack, fixed_S) -> dict:
   return by_S
 
 
-def _within_budget(ctx, c, s, sizes, axes, in_flight: int, budget):
+def _within_budget(ctx, c, s, sizes, axes, in_flight: int, awaiting: int | None, budget):
   """Stage ``s`` planned whole by its ILP; under a budget, planned again
-  until its memory as the search counts it (state, the residuals of the
-  micro-batches in flight, the peak) fits. The ILP counts the same (the
-  residuals it has values for: ``solve_stage``'s ``held``), at its own
-  peaks; where its count and the search's still differ, each try lowers the
+  until its memory as the search counts it (:func:`_stage_memory`) fits.
+  The ILP counts the same (the residuals, and what a B keeps for its W,
+  it has values for: ``solve_stage``'s ``held``), at its own peaks; where its count and the search's still differ, each try lowers the
   ILP's budget by the last plan's excess (then the ILP splits the optimizer
   state over the batch axes, ZeRO-2, or the parameters too, ZeRO-3, as the
   search assumed where that was needed); at most six tries, then a
@@ -506,12 +509,13 @@ def _within_budget(ctx, c, s, sizes, axes, in_flight: int, budget):
   tighter, mem = 0.0, None
   for _ in range(6):
     try:
-      sol = solve_stage(ctx, c, s, sizes, axes, in_flight=in_flight, tighter=tighter)
+      sol = solve_stage(ctx, c, s, sizes, axes, in_flight=in_flight, awaiting=awaiting,
+                        tighter=tighter)
     except PlanError:
       if not tighter:
         raise
       break          # (no plan leaves the room the micro-batches in flight need)
-    mem = sol.state_bytes + sol.peak_bytes + in_flight * sol.residual_bytes
+    mem = _stage_memory(sol, in_flight, awaiting)
     if budget is None or mem <= budget:
       return sol
     # Next, the ILP's own count must come down by the excess.
@@ -572,7 +576,15 @@ def _layer_note(method) -> str:
           "layers found: the repeated blocks, or cuts of balanced flops")
 
 
-def _choice(ctx, c, s, cand, sol, layers, in_flight):
+def _stage_memory(sol, in_flight: int, awaiting: int | None) -> float:
+  """A stage's bytes per device as the search counts them: its state, its
+  pass's peak, the residuals of the micro-batches in flight, and under a
+  schedule that splits the backward what each B awaiting its W keeps."""
+  return (sol.state_bytes + sol.peak_bytes + in_flight * sol.residual_bytes +
+          (awaiting or 0) * sol.carried_bytes)
+
+
+def _choice(ctx, c, s, cand, sol, layers, in_flight, awaiting):
   """A StageChoice from the stage's ILP solution."""
   io = sol.io
   solution = sol.problem.solution()
@@ -603,7 +615,7 @@ def _choice(ctx, c, s, cand, sol, layers, in_flight):
     table, j = (fwd_pins, i) if i < nf else (bwd_pins, i - nf)
     key = str(j) + ("." + rest if rest else "")
     table[key] = {o: to_partition_spec(x) for o, x in enumerate(outs)}
-  mem = sol.state_bytes + in_flight * sol.residual_bytes + sol.peak_bytes
+  mem = _stage_memory(sol, in_flight, awaiting)
   return StageChoice(collectives=_collectives(ctx, s, sol, solution),layers=layers, offset=cand.offset, shape=tuple(cand.shape),
                      batch_axes=tuple(cand.batch_axes), root_specs=root_specs,
                      leaf_specs=leaf_specs, grad_specs=grad_specs,

@@ -36,10 +36,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
-from autopar.method import PIPELINE_SCHEDULES, held_at_most, splits_backward
+from autopar.method import (PIPELINE_SCHEDULES, awaiting_weights_at_most, held_at_most,
+                            splits_backward)
 
 __all__ = ["Task", "stage_tasks", "dispatch_order", "in_flight", "held_at_most",
-           "splits_backward", "simulate", "bubble", "SCHEDULES"]
+           "awaiting_weights", "awaiting_weights_at_most", "splits_backward", "simulate",
+           "bubble", "SCHEDULES"]
 
 SCHEDULES = PIPELINE_SCHEDULES
 
@@ -139,6 +141,22 @@ def in_flight(order: Sequence[Task], num_stages: int) -> list[int]:
     elif t.kind == release:
       held[t.stage] -= 1
     peak[t.stage] = max(peak[t.stage], held[t.stage])
+  return peak
+
+
+def awaiting_weights(order: Sequence[Task], num_stages: int) -> list[int]:
+  """Per stage, the most micro-batches whose ``B`` it has run and whose
+  ``W`` it has not (counted while the ``W`` runs), in ``order``."""
+  held = [0] * num_stages
+  peak = [0] * num_stages
+  if not any(t.kind == "W" for t in order):
+    return peak
+  for t in order:
+    if t.kind == "B":
+      held[t.stage] += 1
+    peak[t.stage] = max(peak[t.stage], held[t.stage])
+    if t.kind == "W":
+      held[t.stage] -= 1
   return peak
 
 
