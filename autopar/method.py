@@ -39,6 +39,9 @@ GRAD_SYNCS = (None, "last", "apart")
 
 # PipeshardParallel's schedules (``runtime/schedule.py`` orders their tasks).
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zb-h1")
+# What ``schedule="auto"`` weighs: GPipe takes as long as 1F1B in the model
+# and holds more, so it never wins.
+AUTO_SCHEDULES = ("1f1b", "zb-h1")
 
 
 def splits_backward(schedule: str) -> bool:
@@ -508,7 +511,10 @@ class PipeshardParallel(ParallelMethod):
       ``"zb-h1"`` (zero bubble: each backward split into the cotangents of
       the stage's inputs and, later, its weights' gradient, which fills
       the bubble; every stage holds up to ``S`` micro-batches' activations,
-      1F1B's most). See ``docs/pipeline.md``.
+      1F1B's most), or ``"auto"``: the stage search plans each of 1F1B and
+      ZB-H1 and keeps the faster in its model that fits the memory budget
+      (``plan.summary()`` says what each would take). See
+      ``docs/pipeline.md``.
     layers: ``"auto"`` (the repeated blocks, else cuts of balanced flops) or
       ``"manual"`` (where the loss function calls
       ``autopar.mark_pipeline_boundary()``).
@@ -539,9 +545,9 @@ class PipeshardParallel(ParallelMethod):
     if k != "auto" and (not isinstance(k, (int, np.integer)) or isinstance(k, bool)
                         or k < 1):
       raise InputError(f"{name}: num_stages={k!r}; expected 'auto' or a positive int.")
-    if self.schedule not in PIPELINE_SCHEDULES:
+    if self.schedule not in (*PIPELINE_SCHEDULES, "auto"):
       raise InputError(f"{name}: schedule={self.schedule!r}; expected one of "
-                       f"{', '.join(map(repr, PIPELINE_SCHEDULES))}.")
+                       f"{', '.join(map(repr, (*PIPELINE_SCHEDULES, 'auto')))}.")
     if self.layers not in ("auto", "manual"):
       raise InputError(f"{name}: layers={self.layers!r}; expected 'auto' or 'manual' "
                        f"(boundaries marked with autopar.mark_pipeline_boundary()).")

@@ -304,7 +304,11 @@ class Plan:
       is used only for a step with the same (see ``autopar/planner/cache.py``).
     stages: for a pipeline (``PipeshardParallel``), its stages, each with
       its own submesh and plan; empty otherwise.
-    schedule: the pipeline's schedule ("1f1b", "gpipe"), or None.
+    schedule: the pipeline's schedule ("1f1b", "gpipe", "zb-h1"), or None.
+    schedule_search: under ``schedule="auto"``, each schedule the search
+      weighed as (schedule, its best plan's modelled step seconds, or None
+      where no plan of it fits, and why), the chosen one among them; empty
+      where the method named the schedule.
     grad_sync: where the gradients are summed over the batch axes with
       several micro-batches: ``"last"`` (in the last micro-batch's stage) or
       ``"apart"`` (a stage of its own; ``ParallelMethod.grad_sync``).
@@ -334,6 +338,7 @@ class Plan:
   fingerprint: tuple[tuple[str, str], ...] = ()
   stages: tuple[StagePlan, ...] = ()
   schedule: str | None = None
+  schedule_search: tuple[tuple[str, float | None, str], ...] = ()
   grad_sync: str = "last"
   costs: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
   grad_inputs: tuple[str, ...] = dataclasses.field(default=(), compare=False)
@@ -451,6 +456,8 @@ class Plan:
     if self.stages:
       d["stages"] = [st.to_json() for st in self.stages]
       d["schedule"] = self.schedule
+      if self.schedule_search:
+        d["schedule_search"] = [list(x) for x in self.schedule_search]
     if self.grad_sync != "last":
       d["grad_sync"] = self.grad_sync
     if self.costs:
@@ -517,7 +524,10 @@ class Plan:
         solver=None if d["solver"] is None else SolverStats.from_json(d["solver"]),
         fingerprint=tuple(d["fingerprint"].items()),
         stages=tuple(StagePlan.from_json(st) for st in d.get("stages", ())),
-        schedule=d.get("schedule"), grad_sync=d.get("grad_sync", "last"),
+        schedule=d.get("schedule"),
+        schedule_search=tuple((str(a), None if t is None else float(t), str(why))
+                              for a, t, why in d.get("schedule_search") or ()),
+        grad_sync=d.get("grad_sync", "last"),
         costs=dict(d.get("costs") or {}),
         grad_inputs=tuple(d.get("grad_inputs") or ()),
         predicted_time={k: dict(v) for k, v in (d.get("predicted_time") or {}).items()},

@@ -539,7 +539,7 @@ class Signature:
       pre, plan, (cut, choices, _) = self.pipeline(prep)
       with jax.set_mesh(None), gc_paused():
         step = compile_pipeline(pre, self.method, resolve_mesh(self.method), cut,
-                                choices)
+                                choices, plan.schedule)
       return PipelineExecutable(plan=plan, step=step, static_argnums=prep.flags.static)
     try:
       exe = self.compile(prep)

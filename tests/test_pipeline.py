@@ -856,3 +856,46 @@ def test_state_split_in_a_stage_under_a_budget(fraction, zero, schedule):
   assert split(state.opt_state)
   assert any(st.zero_params for st in plan.stages) == (zero == "ZeRO-3")
   assert split(state.params) == (zero == "ZeRO-3")
+
+
+def test_auto_schedule_keeps_the_faster_plan_that_fits():
+  """schedule="auto" plans the stages under 1F1B and under ZB-H1 and keeps
+  the one faster in the model: ZB-H1, whose weights' gradients fill most
+  of the bubble, unless what it holds more than 1F1B (every stage up to S
+  micro-batches, and what each B keeps for its W) does not fit the budget;
+  the summary says what each would take, the plan runs as jit, and a saved
+  plan names its schedule."""
+  make_state, step, batch = transformer_setup(tx=SGD, layers=4, batch=32)
+
+  def plan_of(schedule, budget=None):
+    method = autopar.PipeshardParallel(
+        mesh=mesh24(), num_micro_batches=8, stage_mesh_shapes=[(1, 2)] * 4,
+        schedule=schedule, option=autopar.AutoShardingOption(
+            memory_budget_per_device=budget, force_batch_dim_to_mesh_dim=("model",)))
+    pf = autopar.parallelize(step, method=method)
+    return pf, pf.get_executable(make_state(), batch).plan
+  _, one = plan_of("1f1b")
+  _, zb = plan_of("zb-h1")
+  pf, auto = plan_of("auto")
+  assert zb.objective < one.objective
+  assert auto.schedule == "zb-h1" and auto.objective == zb.objective
+  assert [(s, t) for s, t, _ in auto.schedule_search] == [("1f1b", one.objective),
+                                                          ("zb-h1", zb.objective)]
+  text = auto.summary()
+  assert "schedule='auto'" in text and "zb-h1: " in text and "(chosen)" in text
+  assert autopar.Plan.from_json(auto.to_json()).schedule_search == auto.schedule_search
+  ref_fn, ref = single_device(step), make_state()
+  got = pf(make_state(), batch)
+  assert_trees_close(got, ref_fn(ref, batch))
+  assert any(t.startswith("W") for t in pf.get_executable(make_state(), batch).schedule)
+  # A budget 1F1B's plan fits and ZB-H1's does not: 1F1B, and why.
+  assert zb.memory_per_device > one.memory_per_device
+  budget = (zb.memory_per_device + one.memory_per_device) // 2
+  _, tight = plan_of("auto", budget)
+  assert tight.schedule == "1f1b" and tight.memory_per_device <= budget
+  assert tight.schedule_search[1][0] == "zb-h1" and tight.schedule_search[1][1] is None
+  # A saved plan runs under its own schedule; another named one is refused.
+  with pytest.raises(autopar.PlanError, match="the saved plan is for schedule 'zb-h1'"):
+    other = autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=8, num_stages=4,
+                                      schedule="gpipe", plan=auto)
+    autopar.parallelize(step, method=other).get_executable(make_state(), batch)

@@ -23,8 +23,8 @@ from autopar.frontend.cut import cut, home_specs, stage_specs
 from autopar.frontend.hints import entry_axes, model_axes
 from autopar.frontend.pipeline import Context, Prepared, trace_pipelined
 from autopar.frontend.split import OutputKind
-from autopar.method import (PipeshardParallel, auto_mesh, axis_sizes_of, held_at_most,
-                            resolve_mesh)
+from autopar.method import (AUTO_SCHEDULES, PipeshardParallel, auto_mesh, axis_sizes_of,
+                            held_at_most, resolve_mesh)
 from autopar.plan import Plan, StagePlan, ValuePlan
 from autopar.planner.cache import fingerprint
 from autopar.planner.layers import layer_starts
@@ -145,13 +145,53 @@ def plan_pipeline(pre: Prepared, method: PipeshardParallel, mesh,
     # (``now``: this step's fingerprint, where the caller has it.)
     now = now or fingerprint(pre.split, method, mesh, pre.batch)
     exact = dict(method.plan.fingerprint) == now
+    if method.schedule not in ("auto", method.plan.schedule) and method.plan.stages:
+      raise PlanError(
+          f"{pre.ctx.program.fn_name}: the saved plan is for schedule "
+          f"{method.plan.schedule!r}, the method asks for {method.schedule!r} (its "
+          f"stages' memory and times are counted for the plan's). Fix: use "
+          f"schedule={method.plan.schedule!r} or 'auto' with this plan, or plan "
+          f"again (drop plan=).")
     cut_, choices = _saved(pre, method, mesh, method.plan, exact)
     plan = dataclasses.replace(method.plan, in_tree=inputs, mesh=mesh)
     return plan, (cut_, choices, None)
-  cut_, choices, result = search(pre, method, mesh)
-  plan = dataclasses.replace(_plan_of(pre, method, mesh, cut_, choices), in_tree=inputs,
-                             mesh=mesh)
-  return plan, (cut_, choices, result)
+  if method.schedule != "auto":
+    cut_, choices, result = search(pre, method, mesh)
+    plan = _plan_of(pre, method, mesh, cut_, choices)
+  else:
+    plan, (cut_, choices, result) = _auto_schedule(pre, method, mesh)
+  return dataclasses.replace(plan, in_tree=inputs, mesh=mesh), (cut_, choices, result)
+
+
+def _auto_schedule(pre: Prepared, method: PipeshardParallel, mesh):
+  """``schedule="auto"``: the stages searched under each of
+  ``AUTO_SCHEDULES``, and the plan of the one whose plan takes least in the
+  model (the first of equals), with what each would take."""
+  found, weighed, refusals = [], [], []
+  for schedule in AUTO_SCHEDULES:
+    m = dataclasses.replace(method, schedule=schedule)
+    try:
+      cut_, choices, result = search(pre, m, mesh)
+    except PlanError as e:
+      refusals.append(e)
+      weighed.append((schedule, None, str(e).split(". Fix:")[0]))
+      continue
+    plan = _plan_of(pre, m, mesh, cut_, choices)
+    found.append((plan.objective, len(found), plan, (cut_, choices, result)))
+    weighed.append((schedule, plan.objective, ""))
+  if not found:
+    raise refusals[-1]
+  _, _, plan, chosen = min(found, key=lambda f: f[:2])
+  def reason(s, t, refused):
+    if s == plan.schedule:
+      return "chosen"
+    if refused:
+      return refused
+    return (f"slower: {t / plan.objective:.3g}x the chosen plan's step"
+            if t > plan.objective else "as fast: the first of equals is kept")
+  why = {s: reason(s, t, refused) for s, t, refused in weighed}
+  return (dataclasses.replace(plan, schedule_search=tuple(
+      (s, t, why[s]) for s, t, _ in weighed)), chosen)
 
 
 def _saved(pre: Prepared, method, mesh, plan: Plan, exact: bool):

@@ -534,8 +534,9 @@ class PipelineStep:
 # -- building the step -------------------------------------------------------------
 
 def compile_pipeline(pre: Prepared, method: PipeshardParallel, mesh, cut_,
-                     choices) -> PipelineStep:
-  """The runnable pipeline for the stages ``choices`` of ``cut_``."""
+                     choices, schedule: str) -> PipelineStep:
+  """The runnable pipeline for the stages ``choices`` of ``cut_``, run under
+  ``schedule`` (the plan's: the method's may be ``"auto"``)."""
   ctx = pre.ctx
   program = ctx.program
   split = pre.split
@@ -552,11 +553,10 @@ def compile_pipeline(pre: Prepared, method: PipeshardParallel, mesh, cut_,
       check_movable(a.devices.flat, b.devices.flat,
                     what=f"a value of stage {s} (to or from stage {t})")
   keep_compiles = use_compilation_cache()
-  exes = build_stages(pre, mesh, cut_, choices,
-                      split_backward=splits_backward(method.schedule))
+  exes = build_stages(pre, mesh, cut_, choices, split_backward=splits_backward(schedule))
   homes = home_specs(ctx, cut_, choices)
   segments = apply_segments(pre, cut_, exes, homes)
-  order = dispatch_order(stage_tasks(method.schedule, cut_.num_stages, ctx.n))
+  order = dispatch_order(stage_tasks(schedule, cut_.num_stages, ctx.n))
   return PipelineStep(
       seeds=_loss_seeds(pre, cut_, exes),
       split=dataclasses.replace(split, apply=ctx.apply), program=program,

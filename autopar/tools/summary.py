@@ -177,6 +177,12 @@ def stage_lines(plan: "Plan") -> list[str]:
                  f"times, {bubble(schedule, S, n):.1%} in theory with every stage alike")
     for s_, tasks in enumerate(per_stage):
       lines.append(f"  stage {s_}: " + " ".join(f"{t.kind}{t.micro_batch}" for t in tasks))
+  if plan.schedule_search:
+    lines.append("schedule='auto': the stage search planned each schedule; its best plan's "
+                 "predicted step time:")
+    for name, t, why in plan.schedule_search:
+      took = "no plan fits" if t is None else f"{t:.6g} s"
+      lines.append(f"  {name}: {took} ({why})")
   lines.append("")
   return lines
 
