@@ -3,17 +3,21 @@ between stages, and the stage search's choice against one-mesh plans.
 
     python benchmark/pipeline.py            # about two minutes on 2 CPU cores
 
-1. Bubble. A 4-layer MLP (layers marked by hand) pipelined over S = 2, 4
-   stages of the 8 simulated devices with n = 4, 8, 16 micro-batches. Each
-   task (one micro-batch's forward or backward on one stage) is timed alone,
-   and the schedule is replayed on those times (``schedule.simulate``): the
-   bubble is the share of the stages' time spent waiting, printed beside
-   (S - 1) / (n + S - 1). On this machine the 8 "devices" share 2 cores, so
-   the stages cannot really run at once: the replay says what the schedule
-   does with the measured task times.
+1. Bubble. A 4-layer MLP (d = 1024, batch 1024; layers marked by hand)
+   pipelined over S = 4 stages of the 8 simulated devices with n = 8, 16
+   micro-batches, under
+   1F1B, GPipe and ZB-H1. Each task (one micro-batch's forward, backward,
+   or under ZB-H1 its B and W, on one stage) is timed alone, and the
+   schedule is replayed on those times (``schedule.simulate``): the bubble
+   is the share of the stages' time spent waiting, printed beside its
+   theory (``schedule.bubble``), ZB-H1's against 1F1B's (as shares, and as
+   seconds waited). On this machine the 8 "devices" share 2 cores, so the
+   stages cannot really run at once: the replay says what the schedule does
+   with the measured task times.
 2. Activation memory. The most bytes of activations (residuals kept for the
-   backward pass) one device of each stage held during a step, measured
-   from the arrays the runtime kept, under 1F1B and GPipe.
+   backward pass; under ZB-H1 also what each B keeps for its W) one device
+   of each stage held during a step, measured from the arrays the runtime
+   kept.
 3. Bytes between stages: activations sent forward and cotangents sent
    back, per step.
 4. The search. A GPT on an abstract 4-host x 8-device mesh whose host axis
@@ -47,6 +51,7 @@ between stages, and the stage search's choice against one-mesh plans.
    and the parameters too (ZeRO-3), with the modelled step time of each
    plan and which stages split what.
 
+    python benchmark/pipeline.py --bubble  # sections 1-3 alone (schedules)
     python benchmark/pipeline.py --host    # section 6 alone
     python benchmark/pipeline.py --first   # section 7 alone
     python benchmark/pipeline.py --zero    # section 8 alone (ZeRO-2/3 in stages)
@@ -89,14 +94,17 @@ def measured(S, n, schedule, make_state, step, batch):
 
 
 def bubble_table():
-  make_state, step, batch = boundary_mlp_setup(batch=256, d=256, tx=SGD)
-  print("1. bubble: measured task times replayed on the schedule, vs (S-1)/(n+S-1)")
-  print(f"   {'S':>2} {'n':>3} {'1F1B':>7} {'GPipe':>7} {'(S-1)/(n+S-1)':>14}")
+  make_state, step, batch = boundary_mlp_setup(batch=1024, d=1024, tx=SGD)
+  print("1. bubble: measured task times replayed on the schedule, and in theory on")
+  print("   the same times with every stage alike (1F1B, GPipe: (S-1)/(n+S-1);")
+  print("   ZB-H1: stages wait (S-1)(F+B-W) against 1F1B's (S-1)(F+B+W))")
+  print(f"   {'S':>2} {'n':>3} {'1F1B':>7} {'theory':>7} {'GPipe':>7} {'ZB-H1':>7} "
+        f"{'theory':>7} {'ZB/1F1B':>8} {'ZB idle/1F1B idle':>18}")
   memory = {}
-  for S in (2, 4):
-    for n in (4, 8, 16):
-      row = []
-      for schedule in ("1f1b", "gpipe"):
+  for S in (4,):
+    for n in (8, 16):
+      row, idle = {}, {}
+      for schedule in ("1f1b", "gpipe", "zb-h1"):
         exe, stats = measured(S, n, schedule, make_state, step, batch)
         d = stats["durations"]
         # Per stage and kind, the median task time (dispatch noise aside).
@@ -106,23 +114,34 @@ def bubble_table():
         med = {k: float(np.median(v)) for k, v in med.items()}
         tl = sched.simulate(sched.stage_tasks(schedule, S, n),
                             lambda t: med[(t.stage, t.kind)])
-        row.append(tl.bubble)
-        if n == 8:
-          memory[(S, schedule)] = (stats["held_bytes_peak"], stats["sent_bytes"])
-      print(f"   {S:>2} {n:>3} {row[0]:>7.3f} {row[1]:>7.3f} "
-            f"{(S - 1) / (n + S - 1):>14.3f}")
+        row[schedule] = tl.bubble
+        idle[schedule] = tl.makespan * S - sum(tl.busy(s) for s in range(S))
+        mean = lambda kind: float(np.mean([v for (s, k), v in med.items() if k == kind]))
+        if schedule == "zb-h1":
+          f, b, w = mean("F"), mean("B"), mean("W")
+          row["zb theory"] = sched.bubble(schedule, S, n, forward=f, backward=b + w,
+                                          weight_share=w / (b + w))
+        memory[(S, n, schedule)] = (stats["held_bytes_peak"], stats["sent_bytes"])
+      print(f"   {S:>2} {n:>3} {row['1f1b']:>7.3f} {(S - 1) / (n + S - 1):>7.3f} "
+            f"{row['gpipe']:>7.3f} {row['zb-h1']:>7.3f} {row['zb theory']:>7.3f} "
+            f"{row['zb-h1'] / row['1f1b']:>8.2f} {idle['zb-h1'] / idle['1f1b']:>18.2f}")
   print()
-  print("2. activation bytes held per device at the peak, per stage (n = 8)")
-  for S in (2, 4):
-    for schedule in ("1f1b", "gpipe"):
-      peak = memory[(S, schedule)][0]
-      print(f"   S={S} {schedule:>5}: " + ", ".join(f"{b / 2**20:.2f} MiB" for b in peak))
+  print("2. activation bytes held per device at the peak, per stage (ZB-H1: until")
+  print("   each W, with what its B keeps for it)")
+  for S in (4,):
+    for n in (8, 16):
+      for schedule in ("1f1b", "gpipe", "zb-h1"):
+        peak = memory[(S, n, schedule)][0]
+        print(f"   S={S} n={n:>2} {schedule:>5}: " +
+              ", ".join(f"{b / 2**20:.2f} MiB" for b in peak) +
+              f"  (most {max(peak) / 2**20:.2f} MiB)")
   print()
   print("3. bytes sent between stages per step (activations + cotangents), n = 8")
-  for S in (2, 4):
-    sent = memory[(S, "1f1b")][1]
-    print(f"   S={S}: " + ", ".join(f"stage {s}: {b / 2**20:.2f} MiB"
-                                     for s, b in enumerate(sent)))
+  for S in (4,):
+    for schedule in ("1f1b", "zb-h1"):
+      sent = memory[(S, 8, schedule)][1]
+      print(f"   S={S} {schedule:>5}: " + ", ".join(f"stage {s}: {b / 2**20:.2f} MiB"
+                                                  for s, b in enumerate(sent)))
   print()
 
 
@@ -304,6 +323,9 @@ def zero_in_stage_table():
 
 
 if __name__ == "__main__":
+  if "--bubble" in sys.argv:
+    bubble_table()
+    sys.exit()
   if "--host" in sys.argv:
     host_time_per_task()
     sys.exit()
