@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 
 from autopar.errors import InputError, MeshError
+from autopar.costs.schedule import SCHEDULES as PIPELINE_SCHEDULES
 from autopar.costs.submesh import tile
 from autopar.frontend.remat import check_remat, check_remat_loop
 
@@ -36,39 +37,6 @@ __all__ = ["AutoShardingOption", "ParallelMethod", "ShardParallel",
 
 # ParallelMethod.grad_sync's values (None: the platform's, ``grad_sync_for``).
 GRAD_SYNCS = (None, "last", "apart")
-
-# PipeshardParallel's schedules (``runtime/schedule.py`` orders their tasks).
-PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zb-h1")
-# What ``schedule="auto"`` weighs: GPipe takes as long as 1F1B in the model
-# and holds more, so it never wins.
-AUTO_SCHEDULES = ("1f1b", "zb-h1")
-
-
-def splits_backward(schedule: str) -> bool:
-  """Whether ``schedule`` runs each backward as two tasks: ``B``, the
-  cotangents of the stage's inputs, and ``W``, its parameters' gradient."""
-  return schedule == "zb-h1"
-
-
-def held_at_most(schedule: str, num_stages: int, n: int) -> list[int]:
-  """Per stage, the most micro-batches whose activations ``schedule`` holds
-  at once (from a forward to its backward, or to its ``W``)."""
-  if schedule == "gpipe":
-    return [n] * num_stages
-  if schedule == "zb-h1":
-    return [min(n, num_stages)] * num_stages
-  if schedule == "1f1b":
-    return [min(n, num_stages - s) for s in range(num_stages)]
-  raise ValueError(schedule)
-
-
-def awaiting_weights_at_most(schedule: str, num_stages: int, n: int) -> list[int]:
-  """Per stage, the most micro-batches whose ``B`` has run and whose ``W``
-  has not (what the ``B`` computed for its ``W`` held meanwhile); 0 where
-  the schedule does not split the backward."""
-  if schedule == "zb-h1":
-    return [min(s + 1, n) for s in range(num_stages)]
-  return [0] * num_stages
 
 
 def grad_sync_for(platform: str) -> str:
@@ -513,8 +481,13 @@ class PipeshardParallel(ParallelMethod):
       the bubble; every stage holds up to ``S`` micro-batches' activations,
       1F1B's most), or ``"auto"``: the stage search plans each of 1F1B and
       ZB-H1 and keeps the faster in its model that fits the memory budget
-      (``plan.summary()`` says what each would take). See
-      ``docs/pipeline.md``.
+      (``plan.summary()`` says what each would take), or
+      ``"interleaved-1f1b"``: ``num_stages`` submeshes (alike) each running
+      ``virtual_stages`` stages, the bubble divided by ``virtual_stages``
+      for as many times the messages between stages (no memory budget
+      yet). See ``docs/pipeline.md``.
+    virtual_stages: stages per submesh under ``"interleaved-1f1b"`` (1
+      otherwise).
     layers: ``"auto"`` (the repeated blocks, else cuts of balanced flops) or
       ``"manual"`` (where the loss function calls
       ``autopar.mark_pipeline_boundary()``).
@@ -529,6 +502,7 @@ class PipeshardParallel(ParallelMethod):
   num_stages: int | str = dataclasses.field(default="auto", kw_only=True)
   stage_mesh_shapes: Any = dataclasses.field(default="auto", kw_only=True)
   schedule: str = dataclasses.field(default="1f1b", kw_only=True)
+  virtual_stages: int = dataclasses.field(default=1, kw_only=True)
   layers: str = dataclasses.field(default="auto", kw_only=True)
   option: AutoShardingOption = dataclasses.field(
       default_factory=AutoShardingOption, kw_only=True)
@@ -548,6 +522,22 @@ class PipeshardParallel(ParallelMethod):
     if self.schedule not in (*PIPELINE_SCHEDULES, "auto"):
       raise InputError(f"{name}: schedule={self.schedule!r}; expected one of "
                        f"{', '.join(map(repr, (*PIPELINE_SCHEDULES, 'auto')))}.")
+    v = self.virtual_stages
+    if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+      raise InputError(f"{name}: virtual_stages={v!r}; expected a positive int.")
+    if self.schedule == "interleaved-1f1b":
+      if v < 2:
+        raise InputError(f"{name}: schedule='interleaved-1f1b' with virtual_stages={v}; "
+                         f"it runs virtual_stages >= 2 stages on each submesh. Fix: "
+                         f"virtual_stages=2 (or more), or schedule='1f1b'.")
+      if k == "auto" and self.stage_mesh_shapes == "auto":
+        raise InputError(f"{name}: schedule='interleaved-1f1b' needs the number of "
+                         f"submeshes: num_stages (an int) or stage_mesh_shapes. Fix: "
+                         f"give num_stages.")
+    elif v != 1:
+      raise InputError(f"{name}: virtual_stages={v} with schedule={self.schedule!r}; "
+                       f"only 'interleaved-1f1b' runs several stages on a submesh. "
+                       f"Fix: schedule='interleaved-1f1b', or drop virtual_stages.")
     if self.layers not in ("auto", "manual"):
       raise InputError(f"{name}: layers={self.layers!r}; expected 'auto' or 'manual' "
                        f"(boundaries marked with autopar.mark_pipeline_boundary()).")

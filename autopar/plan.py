@@ -309,6 +309,9 @@ class Plan:
       weighed as (schedule, its best plan's modelled step seconds, or None
       where no plan of it fits, and why), the chosen one among them; empty
       where the method named the schedule.
+    virtual_stages: under ``"interleaved-1f1b"``, the stages each submesh
+      runs (``stages`` lists them all, stage ``k`` on submesh ``k % (S /
+      virtual_stages)``); 1 otherwise.
     grad_sync: where the gradients are summed over the batch axes with
       several micro-batches: ``"last"`` (in the last micro-batch's stage) or
       ``"apart"`` (a stage of its own; ``ParallelMethod.grad_sync``).
@@ -339,6 +342,7 @@ class Plan:
   stages: tuple[StagePlan, ...] = ()
   schedule: str | None = None
   schedule_search: tuple[tuple[str, float | None, str], ...] = ()
+  virtual_stages: int = 1
   grad_sync: str = "last"
   costs: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
   grad_inputs: tuple[str, ...] = dataclasses.field(default=(), compare=False)
@@ -458,6 +462,8 @@ class Plan:
       d["schedule"] = self.schedule
       if self.schedule_search:
         d["schedule_search"] = [list(x) for x in self.schedule_search]
+      if self.virtual_stages != 1:
+        d["virtual_stages"] = self.virtual_stages
     if self.grad_sync != "last":
       d["grad_sync"] = self.grad_sync
     if self.costs:
@@ -527,6 +533,7 @@ class Plan:
         schedule=d.get("schedule"),
         schedule_search=tuple((str(a), None if t is None else float(t), str(why))
                               for a, t, why in d.get("schedule_search") or ()),
+        virtual_stages=int(d.get("virtual_stages", 1)),
         grad_sync=d.get("grad_sync", "last"),
         costs=dict(d.get("costs") or {}),
         grad_inputs=tuple(d.get("grad_inputs") or ()),

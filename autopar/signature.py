@@ -539,7 +539,7 @@ class Signature:
       pre, plan, (cut, choices, _) = self.pipeline(prep)
       with jax.set_mesh(None), gc_paused():
         step = compile_pipeline(pre, self.method, resolve_mesh(self.method), cut,
-                                choices, plan.schedule)
+                                choices, plan.schedule, plan.virtual_stages)
       return PipelineExecutable(plan=plan, step=step, static_argnums=prep.flags.static)
     try:
       exe = self.compile(prep)

@@ -73,7 +73,7 @@ import optax                                      # noqa: E402
 
 import autopar                                    # noqa: E402
 from autopar.runtime import pipeline as pipeline_runtime  # noqa: E402
-from autopar.runtime import schedule as sched    # noqa: E402
+from autopar.costs import schedule as sched    # noqa: E402
 from models import boundary_mlp_setup, moe_setup, transformer_setup   # noqa: E402
 
 SGD = optax.sgd(0.1, momentum=0.9)

@@ -1,5 +1,6 @@
 """PipeshardParallel: pipeline stages on submeshes, equal to single-device jit."""
 
+import dataclasses
 import math
 import re
 import warnings
@@ -13,7 +14,7 @@ import pytest
 import autopar
 from autopar.backend import hlo
 from autopar.text import axes_str
-from autopar.runtime import schedule as sched
+from autopar.costs import schedule as sched
 from models import (assert_trees_close, boundary_mlp_setup, mlp_setup, moe_setup,
                     partitioned, single_device, transformer_setup)
 
@@ -165,8 +166,10 @@ def test_schedule_order_and_activations_held():
   make_state, step, batch = boundary_mlp_setup()
   S, n = 4, 8
   for schedule in sched.SCHEDULES:
+    v = 2 if schedule == "interleaved-1f1b" else 1      # (2 submeshes, 2 stages each)
     method = autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=n,
-                                       num_stages=S, schedule=schedule, layers="manual")
+                                       num_stages=S // v, virtual_stages=v,
+                                       schedule=schedule, layers="manual")
     pf = autopar.parallelize(step, method=method)
     exe = pf.get_executable(make_state(), batch)
     exe.step.recording = True
@@ -184,8 +187,13 @@ def test_schedule_order_and_activations_held():
           assert when[sched.Task("F", s, i)] < when[sched.Task("F", s + 1, i)]
           assert when[sched.Task("B", s + 1, i)] < when[sched.Task("B", s, i)]
     peak = [max(h[s] for _, h in record) for s in range(S)]
-    assert peak == sched.held_at_most(schedule, S, n) == \
+    assert peak == sched.held_at_most(schedule, S // v, n, v) == \
         [st.in_flight for st in exe.plan.stages]
+    # Each submesh ran its tasks in the schedule's order.
+    for d, tasks in enumerate(sched.stage_tasks(schedule, S // v, n, v)):
+      mine = {st.index for st in exe.plan.stages
+              if st.submesh_offset == exe.plan.stages[d].submesh_offset}
+      assert [t for t, _ in record if t.stage in mine] == tasks
 
 
 def test_backward_split_into_input_and_weight_parts_computes_nothing_twice():
@@ -222,6 +230,8 @@ def test_backward_split_into_input_and_weight_parts_computes_nothing_twice():
 @pytest.mark.parametrize("S,n", [(2, 1), (2, 4), (3, 5), (4, 8), (4, 16)])
 def test_schedules_hold_what_they_say(S, n):
   for name in sched.SCHEDULES:
+    if name == "interleaved-1f1b":
+      continue                  # (below: it needs n a multiple of S)
     order = sched.dispatch_order(sched.stage_tasks(name, S, n))
     split = sched.splits_backward(name)
     assert len(order) == (3 if split else 2) * S * n
@@ -232,12 +242,73 @@ def test_schedules_hold_what_they_say(S, n):
     # stages wait a third as long, (S - 1) (F + B - W), where n >= S.
     t = sched.simulate(sched.stage_tasks(name, S, n),
                        lambda task: 2.0 if task.kind == "B" and not split else 1.0)
+    if name == "interleaved-1f1b":
+      continue
     if not split:
       assert t.bubble == pytest.approx((S - 1) / (n + S - 1)) == \
           pytest.approx(sched.bubble(name, S, n))
     elif n >= S:
       assert t.bubble == pytest.approx(sched.bubble(name, S, n))
       assert t.makespan == pytest.approx(3 * n + (S - 1))
+
+
+@pytest.mark.parametrize("S,n,v", [(2, 2, 2), (2, 4, 2), (4, 8, 2), (4, 16, 2), (2, 6, 3)])
+def test_interleaved_schedule_divides_the_bubble(S, n, v):
+  """Interleaved 1F1B, S submeshes of v stages each: every task once,
+  micro-batch by micro-batch through the stages in order, and with every
+  stage alike (v times shorter than 1F1B's) the bubble
+  (S - 1) / (v n + S - 1); what each stage holds is what the order holds."""
+  per = sched.stage_tasks("interleaved-1f1b", S, n, v)
+  order = sched.dispatch_order(per)
+  assert len(order) == len(set(order)) == 2 * S * v * n
+  assert all(sched.submesh_of("interleaved-1f1b", S, t.stage) == d
+             for d, tasks in enumerate(per) for t in tasks)
+  t = sched.simulate(per, lambda task: 1.0 if task.kind == "F" else 2.0)
+  assert t.bubble == pytest.approx((S - 1) / (v * n + S - 1)) == \
+      pytest.approx(sched.bubble("interleaved-1f1b", S, n, virtual_stages=v))
+  one = sched.simulate(sched.stage_tasks("1f1b", S, n),
+                       lambda task: v * (1.0 if task.kind == "F" else 2.0))
+  assert t.makespan < one.makespan
+  assert sched.in_flight(order, S * v) == sched.held_at_most("interleaved-1f1b", S, n, v)
+
+
+def test_interleaved_stages_equal_jit():
+  """schedule="interleaved-1f1b": 2 submeshes with 2 stages each (stage k on
+  submesh k % 2), equal to jit, twice, and again from the saved plan; the
+  plan's memory per device is its submeshes' (each the sum of its stages');
+  what it cannot do yet is refused with a fix."""
+  make_state, step, batch = transformer_setup(tx=SGD, layers=4)
+  method = autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=4, num_stages=2,
+                                     schedule="interleaved-1f1b", virtual_stages=2)
+  pf, got, want = run_steps(step, make_state, batch, method, steps=2)
+  assert_trees_close(got, want)
+  plan = pf.get_executable(make_state(), batch).plan
+  assert plan.virtual_stages == 2 and len(plan.stages) == 4
+  assert [st.submesh_offset for st in plan.stages] == [0, 4, 0, 4]
+  assert plan.memory_per_device == max(
+      plan.stages[d].memory_per_device + plan.stages[d + 2].memory_per_device
+      for d in range(2))
+  assert "2 stages on each of 2 submeshes" in plan.summary()
+  saved = autopar.Plan.from_json(plan.to_json())
+  assert saved.virtual_stages == 2
+  again = dataclasses.replace(method, plan=saved)
+  _, got, want = run_steps(step, make_state, batch, again)
+  assert_trees_close(got, want)
+  for bad, match in [
+      (dict(schedule="interleaved-1f1b"), "virtual_stages=2 \\(or more\\)"),
+      (dict(schedule="1f1b", virtual_stages=2), "only 'interleaved-1f1b'"),
+      (dict(schedule="interleaved-1f1b", virtual_stages=2, num_stages="auto"),
+       "needs the number of submeshes")]:
+    with pytest.raises(autopar.InputError, match=match):
+      autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=4,
+                                **{"num_stages": 2, **bad})
+  for kw, match in [(dict(num_micro_batches=1), "not a multiple of it"),
+                    (dict(option=autopar.AutoShardingOption(memory_budget_per_device=10**9)),
+                     "under memory_budget_per_device")]:
+    m = autopar.PipeshardParallel(mesh=mesh24(), num_stages=2, schedule="interleaved-1f1b",
+                                  virtual_stages=2, **{"num_micro_batches": 4, **kw})
+    with pytest.raises(autopar.InputError, match=match):
+      autopar.parallelize(step, method=m).get_executable(make_state(), batch)
 
 
 def test_no_gradient_bytes_before_last_micro_batch():

@@ -23,8 +23,8 @@ from autopar.frontend.cut import cut, home_specs, stage_specs
 from autopar.frontend.hints import entry_axes, model_axes
 from autopar.frontend.pipeline import Context, Prepared, trace_pipelined
 from autopar.frontend.split import OutputKind
-from autopar.method import (AUTO_SCHEDULES, PipeshardParallel, auto_mesh, axis_sizes_of,
-                            held_at_most, resolve_mesh)
+from autopar.costs.schedule import AUTO_SCHEDULES, held_at_most, submesh_of
+from autopar.method import PipeshardParallel, auto_mesh, axis_sizes_of, resolve_mesh
 from autopar.plan import Plan, StagePlan, ValuePlan
 from autopar.planner.cache import fingerprint
 from autopar.planner.layers import layer_starts
@@ -77,7 +77,8 @@ def _plan_of(pre: Prepared, method, mesh, cut_, choices) -> Plan:
   stage_plans = []
   home_spec = home_specs(ctx, cut_, choices)
   S = cut_.num_stages
-  in_flight = held_at_most(method.schedule, S, ctx.n)
+  v = method.virtual_stages
+  in_flight = held_at_most(method.schedule, S // v, ctx.n, v)
   first = [forward_seconds(ch.time_per_micro_batch, ch.send_seconds)
            if lo < ctx.first_until else 0.0
            for (lo, _), ch in zip(cut_.ranges, choices, strict=True)]
@@ -114,14 +115,18 @@ def _plan_of(pre: Prepared, method, mesh, cut_, choices) -> Plan:
     grad_inputs.append("" if leaf is None else ctx.leaf_names[leaf])
   grads = tuple(grads)
   t = [c.time_per_micro_batch for c in choices]
-  objective = (schedule_seconds(method.schedule, t, ctx.n) +
+  objective = (schedule_seconds(method.schedule, t, ctx.n, v) +
                sum(c.send_seconds for c in choices) +
                max(c.time_per_step for c in choices) +
                first_pass_time([f for f in first if f], ctx.n))
   return Plan(method="PipeshardParallel", mesh_axis_names=names,
               mesh_shape=tuple(sizes.values()), num_micro_batches=ctx.n,
               batch_axes=(), inputs=inputs, grads=grads, outputs=(),
-              memory_per_device=int(max(c.memory for c in choices)),
+              memory_per_device=int(max(
+                  sum(c.memory for k, c in enumerate(choices)
+                      if submesh_of(method.schedule, S // v, k) == d)
+                  for d in range(S // v))),
+              virtual_stages=v,
               objective=float(objective), stages=tuple(stage_plans),
               collectives=tuple(c for ch in choices for c in ch.collectives),
               schedule=method.schedule, costs=assumed_costs(sizes, method.option),
@@ -219,7 +224,8 @@ def _saved(pre: Prepared, method, mesh, plan: Plan, exact: bool):
       a[1] != b[0] for a, b in zip(layers, layers[1:])):
     raise PlanError(f"{name}: the saved plan's stages cover layers {layers}, but this "
                     f"step's forward pass has {L} layers. {fix}")
-  tile(tuple(sizes.values()), [st.submesh_shape for st in plan.stages])
+  tile(tuple(sizes.values()), [st.submesh_shape for st in
+                               plan.stages[:len(plan.stages) // plan.virtual_stages]])
   c = cut(ctx, layers)
   choices = []
   for s, (st, sp) in enumerate(zip(c.stages, plan.stages, strict=True)):

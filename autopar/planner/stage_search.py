@@ -48,8 +48,9 @@ import numpy as np
 
 from autopar.costs.cost_model import DEFAULT_ALPHA, DEFAULT_BETA
 from autopar.errors import InputError, PlanError
-from autopar.method import (accumulation_dtype, awaiting_weights_at_most, axis_sizes_of,
-                            held_at_most, splits_backward)
+from autopar.costs.schedule import (awaiting_weights_at_most, held_at_most, splits_backward,
+                                    submesh_of)
+from autopar.method import accumulation_dtype, axis_sizes_of
 from autopar.plan import CollectivePlan
 from autopar.frontend.cut import cut
 from autopar.planner.solved import divisible_dim, with_batch_dim
@@ -83,18 +84,23 @@ def forward_seconds(t: float, send_seconds: float) -> float:
 WEIGHT_SHARE = 1 / 2
 
 
-def schedule_seconds(schedule: str, times, n: int) -> float:
+def schedule_seconds(schedule: str, times, n: int, virtual_stages: int = 1) -> float:
   """``n`` micro-batches through stages whose forward and backward take
-  ``times`` each: the busiest stage's ``n`` micro-batches, and the time
+  ``times`` each: the busiest submesh's ``n`` micro-batches, and the time
   the others' fill and drain add, all of it under 1F1B and GPipe; under
   ZB-H1 its share ``(F + B - W) / (F + B + W)`` (a third), the weights'
-  gradients filling the rest (``runtime/schedule.py``)."""
+  gradients filling the rest; interleaved (each submesh runs
+  ``virtual_stages`` stages, ``submesh_of``), ``1 / virtual_stages`` of it
+  (``costs/schedule.py``)."""
   if not times:
     return 0.0
-  fill = sum(times) - max(times)
+  S = len(times) // virtual_stages
+  busy = [sum(t for k, t in enumerate(times) if submesh_of(schedule, S, k) == d)
+          for d in range(S)]
+  fill = sum(times) - max(busy)
   if splits_backward(schedule):
     fill *= FORWARD_SHARE + (1 - FORWARD_SHARE) * (1 - 2 * WEIGHT_SHARE)
-  return n * max(times) + fill
+  return n * max(busy) + fill / virtual_stages
 
 
 def first_pass_time(times, n: int) -> float:
@@ -265,8 +271,29 @@ def search(pre, method, mesh):
         f"autopar.mark_pipeline_boundary() and layers='manual'.")
   fixed_shapes = None if method.stage_mesh_shapes == "auto" else \
       [tuple(s) for s in method.stage_mesh_shapes]
+  v = method.virtual_stages
+  if v > 1 and ctx.option.memory_budget_per_device is not None:
+    raise InputError(
+        f"{ctx.program.fn_name}: schedule='interleaved-1f1b' under "
+        f"memory_budget_per_device: the search counts each stage's memory alone, not "
+        f"the {v} stages a submesh holds together; not built. Fix: drop the budget, or "
+        f"use schedule='1f1b' or 'zb-h1'.")
+  physical_total = total
+  if v > 1 and fixed_shapes is None:
+    return _each_uniform_shape(pre, method, mesh, fixed_S)
   if fixed_shapes is not None:
     tile(mesh_shape, fixed_shapes)
+    if v > 1:
+      # Interleaved: v stages on each submesh, the mesh tiled v times over
+      # (the search walks a mesh v times as long on its first axis).
+      if ctx.n % len(fixed_shapes):
+        raise InputError(
+            f"{ctx.program.fn_name}: schedule='interleaved-1f1b' runs micro-batches in "
+            f"groups of the number of submeshes ({len(fixed_shapes)}); num_micro_batches="
+            f"{ctx.n} is not a multiple of it. Fix: use a multiple of {len(fixed_shapes)}.")
+      fixed_shapes = fixed_shapes * v
+      mesh_shape = (mesh_shape[0] * v, *mesh_shape[1:])
+      total *= v
     fixed_S = len(fixed_shapes)
     if fixed_S > L:
       raise InputError(
@@ -338,7 +365,7 @@ def search(pre, method, mesh):
     unknown, n."""
     if S_total is None:
       return n
-    return held_at_most(method.schedule, S_total, n)[k]
+    return held_at_most(method.schedule, S_total // v, n, v)[k]
 
   axes_of = {shape: stage_batch_axes(ctx, dict(zip(names, shape))) for shape in shapes}
   fit = {(off, shape): fits(mesh_shape, off, shape) for off in range(total)
@@ -380,7 +407,7 @@ def search(pre, method, mesh):
     ts = [c.t for c in cands]
     first = [forward_seconds(c.t, c.send_seconds) for c in cands
              if ctx.layers[bounds[c.layers[0]]] < ctx.first_until]
-    return schedule_seconds(method.schedule, ts, n) + max(c.u for c in cands) + \
+    return schedule_seconds(method.schedule, ts, n, v) + max(c.u for c in cands) + \
         first_pass_time(first, n)
 
   # t_max candidates: stage times of single-layer-group stages up to whole ranges.
@@ -437,7 +464,7 @@ def search(pre, method, mesh):
     T, cands = by_S[S_best]
     layers = [(bounds[c.layers[0]], bounds[c.layers[1]]) for c in cands]
     c = cut(ctx, layers)
-    in_flight = held_at_most(method.schedule, len(cands), n)
+    in_flight = held_at_most(method.schedule, len(cands) // v, n, v)
     awaiting = (awaiting_weights_at_most(method.schedule, len(cands), n)
                 if splits_backward(method.schedule) else [None] * len(cands))
     try:
@@ -466,7 +493,36 @@ def search(pre, method, mesh):
     choices.append(_choice(ctx, c, s, cand, sol, layers[s], in_flight[s], awaiting[s]))
     missing.update(missing_rules(sol.joint, sol.update))
   warn_missing_rules(missing, f"{ctx.program.fn_name}'s pipeline stages")
+  # (Interleaved: the search's offsets run over the mesh v times.)
+  choices = [dataclasses.replace(ch, offset=ch.offset % physical_total) for ch in choices]
   return c, choices, result
+
+
+def _each_uniform_shape(pre, method, mesh, num_submeshes):
+  """Interleaved stages with ``stage_mesh_shapes="auto"``: the search with
+  the mesh cut into ``num_submeshes`` blocks of each shape that tiles it
+  alike, the fastest in the model."""
+  sizes = axis_sizes_of(mesh)
+  mesh_shape = tuple(sizes.values())
+  total = math.prod(mesh_shape)
+  best = None
+  for shape in block_shapes(mesh_shape):
+    if math.prod(shape) * num_submeshes != total:
+      continue
+    try:
+      tile(mesh_shape, [shape] * num_submeshes)
+    except (InputError, PlanError):
+      continue
+    found = search(pre, dataclasses.replace(
+        method, stage_mesh_shapes=[shape] * num_submeshes), mesh)
+    if best is None or found[2].step_time < best[2].step_time:
+      best = found
+  if best is None:
+    raise InputError(
+        f"{pre.ctx.program.fn_name}: schedule='interleaved-1f1b' with num_stages="
+        f"{num_submeshes}: no block shape cuts the mesh {sizes} into {num_submeshes} "
+        f"alike. Fix: give stage_mesh_shapes, or another num_stages.")
+  return best
 
 
 # How many times the search runs again without a stage its plan cannot fit.

@@ -62,7 +62,7 @@ from autopar.frontend.split import OutputKind, SplitStep
 from autopar.frontend.stages import StageProgram
 from autopar.method import PipeshardParallel, axis_sizes_of
 from autopar.plan import submesh
-from autopar.runtime.schedule import Task, dispatch_order, splits_backward, stage_tasks
+from autopar.costs.schedule import Task, dispatch_order, splits_backward, stage_tasks
 from autopar.runtime.transfer import check_movable, move
 
 __all__ = ["PipelineStep", "LossSeeds", "PipelineExecutable", "compile_pipeline"]
@@ -534,9 +534,10 @@ class PipelineStep:
 # -- building the step -------------------------------------------------------------
 
 def compile_pipeline(pre: Prepared, method: PipeshardParallel, mesh, cut_,
-                     choices, schedule: str) -> PipelineStep:
+                     choices, schedule: str, virtual_stages: int = 1) -> PipelineStep:
   """The runnable pipeline for the stages ``choices`` of ``cut_``, run under
-  ``schedule`` (the plan's: the method's may be ``"auto"``)."""
+  ``schedule`` (the plan's: the method's may be ``"auto"``) with
+  ``virtual_stages`` stages on each submesh."""
   ctx = pre.ctx
   program = ctx.program
   split = pre.split
@@ -544,7 +545,8 @@ def compile_pipeline(pre: Prepared, method: PipeshardParallel, mesh, cut_,
     raise PlanError("PipeshardParallel: the mesh is an AbstractMesh, which can be "
                     "planned for but not run on. Fix: use .plan(*args) to plan, and "
                     "run with a concrete mesh.")
-  tile(tuple(axis_sizes_of(mesh).values()), [c.shape for c in choices])
+  num_submeshes = len(choices) // virtual_stages
+  tile(tuple(axis_sizes_of(mesh).values()), [c.shape for c in choices[:num_submeshes]])
   # Across hosts: stages that may exchange values (any two: activations,
   # shared parameters, their gradients) must be movable between.
   meshes = [submesh(mesh, c.offset, c.shape) for c in choices]
@@ -556,7 +558,7 @@ def compile_pipeline(pre: Prepared, method: PipeshardParallel, mesh, cut_,
   exes = build_stages(pre, mesh, cut_, choices, split_backward=splits_backward(schedule))
   homes = home_specs(ctx, cut_, choices)
   segments = apply_segments(pre, cut_, exes, homes)
-  order = dispatch_order(stage_tasks(schedule, cut_.num_stages, ctx.n))
+  order = dispatch_order(stage_tasks(schedule, num_submeshes, ctx.n, virtual_stages))
   return PipelineStep(
       seeds=_loss_seeds(pre, cut_, exes),
       split=dataclasses.replace(split, apply=ctx.apply), program=program,

@@ -278,9 +278,14 @@ def check_pipeline(plan: "Plan", executable: Any) -> PlanCheck:
                     "runs them: call the step once (step(*args)), then check "
                     "step.get_executable(*args).")
   compiled = pipeline_stage_memory(plan, stages)
+  most = max(b for _, b in compiled)
+  if plan.virtual_stages > 1:
+    # Interleaved: a submesh holds its stages together; the sum of their
+    # peaks bounds its own (their executables do not run at once).
+    D = len(plan.stages) // plan.virtual_stages
+    most = max(sum(b for _, b in compiled[d::D]) for d in range(D))
   return PlanCheck(collectives=(), predicted_memory=int(plan.memory_per_device),
-                   compiled_memory=max(b for _, b in compiled),
-                   stage_memory=compiled)
+                   compiled_memory=most, stage_memory=compiled)
 
 
 def pipeline_stage_memory(plan: "Plan", stages) -> tuple[tuple[str, int], ...]:
@@ -308,7 +313,7 @@ def pipeline_stage_memory(plan: "Plan", stages) -> tuple[tuple[str, int], ...]:
     others = max(st.in_flight - 1, 0) * micro
     peak = 0
     for kind, m in mine.items():
-      passes = kind in ("forward", "backward")
+      passes = kind in ("forward", "backward", "backward_input", "backward_weight")
       held = leaves + sums + (micro + others if passes else 0)
       args = m.argument_size_in_bytes + (others if passes else 0)
       peak = max(peak, max(args, held) + m.output_size_in_bytes

@@ -16,7 +16,7 @@ import itertools
 import math
 from typing import TYPE_CHECKING, Any, Sequence
 
-from autopar.runtime.schedule import bubble
+from autopar.costs.schedule import bubble
 from autopar.tools.groups import collapse, other_rows, param_rows, params_prefix
 from autopar.tools.summary import (batch_split, collective_rows, group_rows, input_sizes,
                                    memory_by_kind, solver_lines, stage_lines, stage_rows,
@@ -168,7 +168,8 @@ def _timeline_svg(plan: "Plan") -> str:
   """The schedule replayed on the plan's predicted stage times
   (``summary.timeline``), beside the bubble the schedule has in theory with
   every stage alike (``schedule.bubble``)."""
-  S, n = len(plan.stages), plan.num_micro_batches
+  v, n = plan.virtual_stages, plan.num_micro_batches
+  D = len(plan.stages) // v                 # submeshes: one row each
   schedule = plan.schedule or "1f1b"
   _, tl = timeline(plan)
   span = tl.makespan or 1.0
@@ -177,16 +178,17 @@ def _timeline_svg(plan: "Plan") -> str:
   for t in tl.start:
     x = 40 + width * tl.start[t] / span
     w = max(1.0, width * (tl.end[t] - tl.start[t]) / span - 1)
+    y = tl.submesh[t.stage] * h
     colour = {"F": "#80b1d3", "B": "#fdb462", "W": "#b3de69"}[t.kind]
-    parts.append(f"<rect x='{x:.1f}' y='{t.stage * h + 2}' width='{w:.1f}' "
+    label = f"{t.kind}{t.micro_batch}" + (f"@{t.stage}" if v > 1 else "")
+    parts.append(f"<rect x='{x:.1f}' y='{y + 2}' width='{w:.1f}' "
                  f"height='{h - 4}' fill='{colour}' stroke='#555'/>"
-                 f"<text x='{x + 2:.1f}' y='{t.stage * h + 16}'>{t.kind}{t.micro_batch}"
-                 f"</text>")
-  for s in range(S):
-    parts.append(f"<text x='0' y='{s * h + 16}'>s{s}</text>")
-  return (f"<svg width='{width + 60}' height='{S * h}' role='img'>{''.join(parts)}</svg>"
+                 f"<text x='{x + 2:.1f}' y='{y + 16}'>{label}</text>")
+  for d in range(D):
+    parts.append(f"<text x='0' y='{d * h + 16}'>{'s' if v == 1 else 'm'}{d}</text>")
+  return (f"<svg width='{width + 60}' height='{D * h}' role='img'>{''.join(parts)}</svg>"
           f"<p>{_e(schedule)}: bubble on these times {tl.bubble:.1%}; with every stage "
-          f"alike, in theory, {bubble(schedule, S, n):.1%}</p>")
+          f"alike, in theory, {bubble(schedule, D, n, virtual_stages=v):.1%}</p>")
 
 
 def to_html(plan: "Plan", *, title: str = "autopar plan") -> str:

@@ -14,7 +14,7 @@ import re
 from typing import TYPE_CHECKING, Sequence
 
 from autopar.costs.cost_model import MeshCost
-from autopar.runtime.schedule import Task, Timeline, bubble, simulate, splits_backward, stage_tasks
+from autopar.costs.schedule import Task, Timeline, bubble, simulate, splits_backward, stage_tasks
 from autopar.tools.groups import (Group, collapse, collapsed_name, other_rows, param_rows,
                                   params_prefix)
 from autopar.text import axes_str, canonical_str, format_bytes, format_rows, same_spec
@@ -118,7 +118,8 @@ def timeline(plan: "Plan") -> tuple[list[list[Task]], Timeline]:
   time, a backward two thirds; where the schedule splits it, its B and its
   W a third each, as the stage search prices them)."""
   schedule = plan.schedule or "1f1b"
-  per_stage = stage_tasks(schedule, len(plan.stages), plan.num_micro_batches)
+  v = plan.virtual_stages
+  per_stage = stage_tasks(schedule, len(plan.stages) // v, plan.num_micro_batches, v)
   split = splits_backward(schedule)
 
   def duration(t: Task) -> float:
@@ -133,9 +134,13 @@ def stage_lines(plan: "Plan") -> list[str]:
   n, S = plan.num_micro_batches, len(plan.stages)
   schedule = plan.schedule or "1f1b"
   split = splits_backward(schedule)
+  v = plan.virtual_stages
   lines = [f"pipeline: {S} stage(s), schedule {schedule}, {n} micro-batch(es)",
            "each stage runs its layers' forward and backward passes for every "
-           "micro-batch on its own submesh,",
+           "micro-batch on its own submesh," if v == 1 else
+           f"each stage runs its layers' forward and backward passes for every "
+           f"micro-batch, {v} stages on each of {S // v} submeshes (stage k on the "
+           f"k % {S // v}-th),",
            "then sums its gradients over its batch axes and updates its parameters"]
   lines += format_rows(stage_rows(plan))
   zero = [str(st.index) for st in plan.stages if st.zero_state]
@@ -156,6 +161,11 @@ def stage_lines(plan: "Plan") -> list[str]:
                    f"{sum(t) - max(t):.3g} s (the weights' gradients fill the rest of "
                    f"the fill and drain) + sends and updates"
                    f"{' + the first pass' if f else ''}")
+    elif v > 1:
+      busy = [sum(t[k::S // v]) for k in range(S // v)]
+      lines.append(f"predicted step time: {plan.objective:.6g} s = {n} x busiest submesh "
+                   f"{max(busy):.3g} s + the other stages' times {sum(t) - max(busy):.3g} "
+                   f"s / {v} + sends and updates{' + the first pass' if f else ''}")
     else:
       lines.append(f"predicted step time: {plan.objective:.6g} s = sum of stage times "
                    f"{sum(t):.3g} s + ({n} - 1) x slowest {max(t):.3g} s + sends and "
@@ -172,11 +182,15 @@ def stage_lines(plan: "Plan") -> list[str]:
     per_stage, tl = timeline(plan)
     kinds = ("B the cotangents of its inputs, W its weights' gradient" if split
              else "B backward")
-    lines.append(f"schedule {schedule}, each stage's tasks in order (F forward, {kinds}"
-                 f"; micro-batch number): bubble {tl.bubble:.1%} on the predicted stage "
-                 f"times, {bubble(schedule, S, n):.1%} in theory with every stage alike")
+    where = "stage" if v == 1 else "submesh"
+    lines.append(f"schedule {schedule}, each {where}'s tasks in order (F forward, {kinds}"
+                 f"; micro-batch number{', @stage' if v > 1 else ''}): bubble "
+                 f"{tl.bubble:.1%} on the predicted stage times, "
+                 f"{bubble(schedule, S // v, n, virtual_stages=v):.1%} in theory with "
+                 f"every stage alike")
     for s_, tasks in enumerate(per_stage):
-      lines.append(f"  stage {s_}: " + " ".join(f"{t.kind}{t.micro_batch}" for t in tasks))
+      lines.append(f"  {where} {s_}: " + " ".join(
+          f"{t.kind}{t.micro_batch}" + (f"@{t.stage}" if v > 1 else "") for t in tasks))
   if plan.schedule_search:
     lines.append("schedule='auto': the stage search planned each schedule; its best plan's "
                  "predicted step time:")
@@ -307,7 +321,12 @@ def memory_by_kind(plan: "Plan", params: Sequence | None = None) -> dict[str, in
   pass's gradients are the step's (one micro-batch, the batch on one
   device) they are counted under "gradients" and the rest is that much
   smaller. For a pipeline, each stage's total (the devices of its submesh
-  hold that stage alone; the stage table says what it holds)."""
+  hold that stage alone; the stage table says what it holds); interleaved,
+  each submesh's, the sum of its stages'."""
+  if plan.stages and plan.virtual_stages > 1:
+    D = len(plan.stages) // plan.virtual_stages
+    return {f"submesh {d} (stages {', '.join(str(st.index) for st in plan.stages[d::D])})":
+            sum(st.memory_per_device for st in plan.stages[d::D]) for d in range(D)}
   if plan.stages:
     return {f"stage {st.index}": st.memory_per_device for st in plan.stages}
   sizes = plan.axis_sizes
