@@ -3,11 +3,12 @@ between stages, and the stage search's choice against one-mesh plans.
 
     python benchmark/pipeline.py            # about two minutes on 2 CPU cores
 
-1. Bubble. A 4-layer MLP (d = 1024, batch 1024; layers marked by hand)
-   pipelined over S = 4 stages of the 8 simulated devices with n = 8, 16
-   micro-batches, under
-   1F1B, GPipe and ZB-H1. Each task (one micro-batch's forward, backward,
-   or under ZB-H1 its B and W, on one stage) is timed alone, and the
+1. Bubble. An 8-layer MLP (d = 1024, batch 1024; layers marked by hand)
+   pipelined over S = 4 submeshes of 2 of the 8 simulated devices with
+   n = 8, 16 micro-batches, under 1F1B, GPipe, ZB-H1 (4 stages of 2
+   layers) and interleaved 1F1B (8 stages of 1 layer, 2 per submesh). Each
+   task (one micro-batch's forward, backward, or under ZB-H1 its B and W,
+   on one stage) is timed alone, and the
    schedule is replayed on those times (``schedule.simulate``): the bubble
    is the share of the stages' time spent waiting, printed beside its
    theory (``schedule.bubble``), ZB-H1's against 1F1B's (as shares, and as
@@ -79,10 +80,11 @@ from models import boundary_mlp_setup, moe_setup, transformer_setup   # noqa: E4
 SGD = optax.sgd(0.1, momentum=0.9)
 
 
-def measured(S, n, schedule, make_state, step, batch):
+def measured(S, n, schedule, make_state, step, batch, virtual_stages=1):
   mesh = jax.make_mesh((2, 4), ("data", "model"))
   method = autopar.PipeshardParallel(mesh=mesh, num_micro_batches=n, num_stages=S,
-                                     schedule=schedule, layers="manual")
+                                     schedule=schedule, layers="manual",
+                                     virtual_stages=virtual_stages)
   pf = autopar.parallelize(step, method=method)
   exe = pf.get_executable(make_state(), batch)
   pf(make_state(), batch)                         # compile
@@ -93,55 +95,59 @@ def measured(S, n, schedule, make_state, step, batch):
   return exe, stats
 
 
+SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("interleaved-1f1b", 2))
+
+
 def bubble_table():
-  make_state, step, batch = boundary_mlp_setup(batch=1024, d=1024, tx=SGD)
+  S = 4
+  make_state, step, batch = boundary_mlp_setup(layers=8, batch=1024, d=1024, tx=SGD)
   print("1. bubble: measured task times replayed on the schedule, and in theory on")
   print("   the same times with every stage alike (1F1B, GPipe: (S-1)/(n+S-1);")
-  print("   ZB-H1: stages wait (S-1)(F+B-W) against 1F1B's (S-1)(F+B+W))")
+  print("   ZB-H1: stages wait (S-1)(F+B-W) against 1F1B's (S-1)(F+B+W);")
+  print("   interleaved, v = 2 stages per submesh: (S-1)/(v n+S-1))")
   print(f"   {'S':>2} {'n':>3} {'1F1B':>7} {'theory':>7} {'GPipe':>7} {'ZB-H1':>7} "
-        f"{'theory':>7} {'ZB/1F1B':>8} {'ZB idle/1F1B idle':>18}")
+        f"{'theory':>7} {'inter.':>7} {'theory':>7} {'ZB/1F1B':>8} {'inter./1F1B':>12}")
   memory = {}
-  for S in (4,):
-    for n in (8, 16):
-      row, idle = {}, {}
-      for schedule in ("1f1b", "gpipe", "zb-h1"):
-        exe, stats = measured(S, n, schedule, make_state, step, batch)
-        d = stats["durations"]
-        # Per stage and kind, the median task time (dispatch noise aside).
-        med = {}
-        for t, sec in d.items():
-          med.setdefault((t.stage, t.kind), []).append(sec)
-        med = {k: float(np.median(v)) for k, v in med.items()}
-        tl = sched.simulate(sched.stage_tasks(schedule, S, n),
-                            lambda t: med[(t.stage, t.kind)])
-        row[schedule] = tl.bubble
-        idle[schedule] = tl.makespan * S - sum(tl.busy(s) for s in range(S))
-        mean = lambda kind: float(np.mean([v for (s, k), v in med.items() if k == kind]))
-        if schedule == "zb-h1":
-          f, b, w = mean("F"), mean("B"), mean("W")
-          row["zb theory"] = sched.bubble(schedule, S, n, forward=f, backward=b + w,
-                                          weight_share=w / (b + w))
-        memory[(S, n, schedule)] = (stats["held_bytes_peak"], stats["sent_bytes"])
-      print(f"   {S:>2} {n:>3} {row['1f1b']:>7.3f} {(S - 1) / (n + S - 1):>7.3f} "
-            f"{row['gpipe']:>7.3f} {row['zb-h1']:>7.3f} {row['zb theory']:>7.3f} "
-            f"{row['zb-h1'] / row['1f1b']:>8.2f} {idle['zb-h1'] / idle['1f1b']:>18.2f}")
+  for n in (8, 16):
+    row = {}
+    for schedule, v in SCHEDULES:
+      exe, stats = measured(S, n, schedule, make_state, step, batch, v)
+      d = stats["durations"]
+      # Per stage and kind, the median task time (dispatch noise aside).
+      med = {}
+      for t, sec in d.items():
+        med.setdefault((t.stage, t.kind), []).append(sec)
+      med = {k: float(np.median(v_)) for k, v_ in med.items()}
+      tl = sched.simulate(sched.stage_tasks(schedule, S, n, v),
+                          lambda t: med[(t.stage, t.kind)])
+      row[schedule] = tl.bubble
+      mean = lambda kind: float(np.mean([x for (s, k), x in med.items() if k == kind]))
+      if schedule == "zb-h1":
+        f, b, w = mean("F"), mean("B"), mean("W")
+        row["zb theory"] = sched.bubble(schedule, S, n, forward=f, backward=b + w,
+                                        weight_share=w / (b + w))
+      memory[(n, schedule)] = (stats["held_bytes_peak"], stats["sent_bytes"],
+                               exe.plan.virtual_stages)
+    print(f"   {S:>2} {n:>3} {row['1f1b']:>7.3f} {(S - 1) / (n + S - 1):>7.3f} "
+          f"{row['gpipe']:>7.3f} {row['zb-h1']:>7.3f} {row['zb theory']:>7.3f} "
+          f"{row['interleaved-1f1b']:>7.3f} {(S - 1) / (2 * n + S - 1):>7.3f} "
+          f"{row['zb-h1'] / row['1f1b']:>8.2f} {row['interleaved-1f1b'] / row['1f1b']:>12.2f}")
   print()
-  print("2. activation bytes held per device at the peak, per stage (ZB-H1: until")
-  print("   each W, with what its B keeps for it)")
-  for S in (4,):
-    for n in (8, 16):
-      for schedule in ("1f1b", "gpipe", "zb-h1"):
-        peak = memory[(S, n, schedule)][0]
-        print(f"   S={S} n={n:>2} {schedule:>5}: " +
-              ", ".join(f"{b / 2**20:.2f} MiB" for b in peak) +
-              f"  (most {max(peak) / 2**20:.2f} MiB)")
+  print("2. activation bytes held per device at the peak, per submesh (ZB-H1: until")
+  print("   each W, with what its B keeps for it; interleaved: its 2 stages' together)")
+  for n in (8, 16):
+    for schedule, v in SCHEDULES:
+      peak, _, v = memory[(n, schedule)]
+      per = [sum(peak[d::S]) for d in range(S)]
+      print(f"   S={S} n={n:>2} {schedule:>16}: " +
+            ", ".join(f"{b / 2**20:.2f} MiB" for b in per) +
+            f"  (most {max(per) / 2**20:.2f} MiB)")
   print()
   print("3. bytes sent between stages per step (activations + cotangents), n = 8")
-  for S in (4,):
-    for schedule in ("1f1b", "zb-h1"):
-      sent = memory[(S, 8, schedule)][1]
-      print(f"   S={S} {schedule:>5}: " + ", ".join(f"stage {s}: {b / 2**20:.2f} MiB"
-                                                  for s, b in enumerate(sent)))
+  for schedule, _ in SCHEDULES:
+    sent, = [memory[(8, schedule)][1]]
+    print(f"   {schedule:>16}: {sum(sent) / 2**20:.2f} MiB in all (" +
+          ", ".join(f"stage {s}: {b / 2**20:.2f}" for s, b in enumerate(sent)) + ")")
   print()
 
 
