@@ -263,7 +263,9 @@ def test_a_loader_that_returns_other_rows_is_named(ray_cluster):
 
 @pytest.mark.parametrize("model,shapes,schedule", [
     ("mlp", [(1, 4), (1, 4)], "1f1b"),
-    ("gpt", [(1, 4), (1, 4)], "gpipe"),
+    ("gpt", [(1, 4), (1, 4)], "zb-h1"),
+    # 4 stages on the 2 hosts' submeshes: each micro-batch crosses hosts 3 times.
+    ("gpt", [(1, 4), (1, 4)], "interleaved-1f1b"),
     # Submeshes of different sizes: values gathered, sent and spread.
     ("gpt", [(1, 4), (1, 2), (1, 2)], "1f1b")])
 def test_pipeline_stages_on_their_hosts_equal_jit(ray_cluster, model, shapes, schedule,
@@ -276,9 +278,9 @@ def test_pipeline_stages_on_their_hosts_equal_jit(ray_cluster, model, shapes, sc
   make_state, step, batch = (mlp_setup(batch=32, tx=SGD) if model == "mlp" else
                              transformer_setup(batch=16, d=32, heads=4, tx=SGD, layers=4))
   mesh = autopar.global_mesh((2, 4), ("host", "model"))
-  method = autopar.PipeshardParallel(mesh=mesh, num_micro_batches=4,
-                                     num_stages=len(shapes), stage_mesh_shapes=shapes,
-                                     schedule=schedule)
+  method = autopar.PipeshardParallel(
+      mesh=mesh, num_micro_batches=4, num_stages=len(shapes), stage_mesh_shapes=shapes,
+      schedule=schedule, virtual_stages=2 if schedule == "interleaved-1f1b" else 1)
   p = autopar.parallelize(step, method=method, donate_argnums=(0,))
   ref_fn = single_device(step)
   state, ref = make_state(), make_state()
