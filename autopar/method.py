@@ -470,7 +470,9 @@ class PipeshardParallel(ParallelMethod):
   Args:
     mesh, num_micro_batches: see :class:`ParallelMethod`.
     num_stages: an int, or ``"auto"``: the stage search picks it (1, the
-      whole mesh as one stage, when pipelining does not pay).
+      whole mesh as one stage, when pipelining does not pay). Under
+      ``"interleaved-1f1b"``, the number of submeshes (an int), each running
+      ``virtual_stages`` stages.
     stage_mesh_shapes: ``"auto"``, or one submesh shape per stage (each of
       the mesh's rank, e.g. ``[(1, 4), (1, 4)]`` of a ``(2, 4)`` mesh); they
       tile the mesh in row-major order.
@@ -525,15 +527,26 @@ class PipeshardParallel(ParallelMethod):
     v = self.virtual_stages
     if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
       raise InputError(f"{name}: virtual_stages={v!r}; expected a positive int.")
+    object.__setattr__(self, "virtual_stages", int(v))
     if self.schedule == "interleaved-1f1b":
       if v < 2:
         raise InputError(f"{name}: schedule='interleaved-1f1b' with virtual_stages={v}; "
                          f"it runs virtual_stages >= 2 stages on each submesh. Fix: "
                          f"virtual_stages=2 (or more), or schedule='1f1b'.")
-      if k == "auto" and self.stage_mesh_shapes == "auto":
+      submeshes = k if self.stage_mesh_shapes == "auto" else len(self.stage_mesh_shapes)
+      if submeshes == "auto":
         raise InputError(f"{name}: schedule='interleaved-1f1b' needs the number of "
                          f"submeshes: num_stages (an int) or stage_mesh_shapes. Fix: "
                          f"give num_stages.")
+      if submeshes < 2:
+        raise InputError(f"{name}: schedule='interleaved-1f1b' on {submeshes} submesh; "
+                         f"it interleaves stages over 2 or more. Fix: num_stages=2 or "
+                         f"more, or ShardParallel.")
+      if self.num_micro_batches is not None and self.num_micro_batches % submeshes:
+        raise InputError(f"{name}: schedule='interleaved-1f1b' runs micro-batches in "
+                         f"groups of the number of submeshes ({submeshes}); "
+                         f"num_micro_batches={self.num_micro_batches} is not a multiple "
+                         f"of it. Fix: use a multiple of {submeshes}.")
     elif v != 1:
       raise InputError(f"{name}: virtual_stages={v} with schedule={self.schedule!r}; "
                        f"only 'interleaved-1f1b' runs several stages on a submesh. "

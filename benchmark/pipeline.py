@@ -134,7 +134,8 @@ def bubble_table():
           f"{row['zb-h1'] / row['1f1b']:>8.2f} {row['interleaved-1f1b'] / row['1f1b']:>12.2f}")
   print()
   print("2. activation bytes held per device at the peak, per submesh (ZB-H1: until")
-  print("   each W, with what its B keeps for it; interleaved: its 2 stages' together)")
+  print("   each W, with what its B keeps for it; interleaved: its 2 stages' peaks")
+  print("   summed, a bound on the submesh's)")
   for n in (8, 16):
     for schedule, v in SCHEDULES:
       peak, _, v = memory[(n, schedule)]

@@ -279,7 +279,8 @@ def test_interleaved_stages_equal_jit():
   what it cannot do yet is refused with a fix."""
   make_state, step, batch = transformer_setup(tx=SGD, layers=4)
   method = autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=4, num_stages=2,
-                                     schedule="interleaved-1f1b", virtual_stages=2)
+                                     schedule="interleaved-1f1b",
+                                     virtual_stages=np.int64(2))   # (saved as an int)
   pf, got, want = run_steps(step, make_state, batch, method, steps=2)
   assert_trees_close(got, want)
   plan = pf.get_executable(make_state(), batch).plan
@@ -289,6 +290,8 @@ def test_interleaved_stages_equal_jit():
       plan.stages[d].memory_per_device + plan.stages[d + 2].memory_per_device
       for d in range(2))
   assert "2 stages on each of 2 submeshes" in plan.summary()
+  html = plan.to_html()
+  assert "predicted step time" in html and ">s0,s2<" in html
   saved = autopar.Plan.from_json(plan.to_json())
   assert saved.virtual_stages == 2
   again = dataclasses.replace(method, plan=saved)
@@ -296,14 +299,16 @@ def test_interleaved_stages_equal_jit():
   assert_trees_close(got, want)
   for bad, match in [
       (dict(schedule="interleaved-1f1b"), "virtual_stages=2 \\(or more\\)"),
+      (dict(schedule="interleaved-1f1b", virtual_stages=2, num_micro_batches=3),
+       "not a multiple of it"),
+      (dict(schedule="interleaved-1f1b", virtual_stages=2, num_stages=1), "on 1 submesh"),
       (dict(schedule="1f1b", virtual_stages=2), "only 'interleaved-1f1b'"),
       (dict(schedule="interleaved-1f1b", virtual_stages=2, num_stages="auto"),
        "needs the number of submeshes")]:
     with pytest.raises(autopar.InputError, match=match):
-      autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=4,
-                                **{"num_stages": 2, **bad})
-  for kw, match in [(dict(num_micro_batches=1), "not a multiple of it"),
-                    (dict(option=autopar.AutoShardingOption(memory_budget_per_device=10**9)),
+      autopar.PipeshardParallel(mesh=mesh24(),
+                                **{"num_stages": 2, "num_micro_batches": 4, **bad})
+  for kw, match in [(dict(option=autopar.AutoShardingOption(memory_budget_per_device=10**9)),
                      "under memory_budget_per_device")]:
     m = autopar.PipeshardParallel(mesh=mesh24(), num_stages=2, schedule="interleaved-1f1b",
                                   virtual_stages=2, **{"num_micro_batches": 4, **kw})

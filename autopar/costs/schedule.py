@@ -273,10 +273,6 @@ class Timeline:
   submesh: dict = dataclasses.field(default_factory=dict)
 
   @property
-  def num_stages(self) -> int:
-    return self.num_submeshes
-
-  @property
   def makespan(self) -> float:
     return max(self.end.values(), default=0.0)
 

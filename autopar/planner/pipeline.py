@@ -150,6 +150,11 @@ def plan_pipeline(pre: Prepared, method: PipeshardParallel, mesh,
     # (``now``: this step's fingerprint, where the caller has it.)
     now = now or fingerprint(pre.split, method, mesh, pre.batch)
     exact = dict(method.plan.fingerprint) == now
+    if method.plan.stages and method.virtual_stages != method.plan.virtual_stages:
+      raise PlanError(
+          f"{pre.ctx.program.fn_name}: the saved plan runs {method.plan.virtual_stages} "
+          f"stage(s) on each submesh, the method asks for virtual_stages="
+          f"{method.virtual_stages}. Fix: use the plan's, or plan again (drop plan=).")
     if method.schedule not in ("auto", method.plan.schedule) and method.plan.stages:
       raise PlanError(
           f"{pre.ctx.program.fn_name}: the saved plan is for schedule "
@@ -185,7 +190,9 @@ def _auto_schedule(pre: Prepared, method: PipeshardParallel, mesh):
     found.append((plan.objective, len(found), plan, (cut_, choices, result)))
     weighed.append((schedule, plan.objective, ""))
   if not found:
-    raise refusals[-1]
+    raise PlanError("; and ".join(f"under {s}: {why}" for s, _, why in weighed) +
+                    ". Fix: raise the budget, use more stages or more micro-batches, "
+                    "or remat.") from refusals[-1]
   _, _, plan, chosen = min(found, key=lambda f: f[:2])
   def reason(s, t, refused):
     if s == plan.schedule:

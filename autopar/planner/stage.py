@@ -370,6 +370,8 @@ def solve_stage(ctx: Context, cut_: Cut, s: int, sizes: dict[str, int],
   update_vars = [Var(_local_aval(v)) for v, _ in extra]
   joint = joint.replace(invars=[*joint.invars[:num_consts], *main, *update_vars, *cts])
   assert len(joint.invars) - num_consts == len(io.kinds), (len(joint.invars), len(io.kinds))
+  # The cotangents from the next stages, kept from a B until its W as well.
+  ct_leaves = [v for v, kind in zip(joint.invars[num_consts:], io.kinds) if kind == "cotangent"]
   if num_consts < ctx.num_consts:
     # The ILP reads as many leading constants in both programs: the update
     # has the step's, the stage's pass may read fewer. Unread stand-ins.
@@ -402,15 +404,19 @@ def solve_stage(ctx: Context, cut_: Cut, s: int, sizes: dict[str, int],
   # leaves room besides where the ILP's peaks differ from that count
   # (``stage_search._within_budget``).
   stored = [v for v in fns.forward.jaxpr.outvars[fns.num_outputs:] if isinstance(v, Var)]
-  # (The backward's equations keep their results' variables in the joint
-  # program: what B hands W is named there as in the backward.)
+  # What a B keeps for its W: the values its equations make that W reads
+  # (the backward's equations keep their results' variables in the joint
+  # program) and the cotangents from the next stages (the runtime keeps
+  # them until the W).
   carried = [] if awaiting is None else [
-      v for v in split_input_weight(fns.backward, nr).carried if isinstance(v, Var)]
+      *(v for v in split_input_weight(fns.backward, nr).carried if isinstance(v, Var)),
+      *ct_leaves]
   budget = option.memory_budget_per_device
   if budget is not None:
     budget = budget - tighter
     if budget <= 0:
       raise PlanError(f"autopar: stage {s} with {in_flight} micro-batches in flight "
+                      f"{f'({awaiting} between their B and W) ' if awaiting else ''}"
                       f"cannot fit memory_budget_per_device="
                       f"{option.memory_budget_per_device}: the activations they keep "
                       f"take it all. Fix: raise the budget, use more stages or more "

@@ -20,6 +20,9 @@ Alpa's two-level search, with the link between stages priced:
 
        T = Σ t_s + (n - 1) × max t_s + max u_s
 
+   (:func:`schedule_seconds`: under ZB-H1 a third of the fill and drain,
+   interleaved over ``v`` stages a submesh ``1 / v`` of it)
+
    picks the best (plus, where the loss's gradient reads sums that depend
    on the parameters, the first pass: the forward passes alone of the
    stages that lead to them, ``Σ f_s + (n - 1) × max f_s``, each priced by
@@ -48,8 +51,8 @@ import numpy as np
 
 from autopar.costs.cost_model import DEFAULT_ALPHA, DEFAULT_BETA
 from autopar.errors import InputError, PlanError
-from autopar.costs.schedule import (awaiting_weights_at_most, held_at_most, splits_backward,
-                                    submesh_of)
+from autopar.costs.schedule import (awaiting_weights_at_most, bubble, held_at_most,
+                                    splits_backward, submesh_of)
 from autopar.method import accumulation_dtype, axis_sizes_of
 from autopar.plan import CollectivePlan
 from autopar.frontend.cut import cut
@@ -295,6 +298,11 @@ def search(pre, method, mesh):
       mesh_shape = (mesh_shape[0] * v, *mesh_shape[1:])
       total *= v
     fixed_S = len(fixed_shapes)
+    if fixed_S > L and v > 1:
+      raise InputError(
+          f"{ctx.program.fn_name}: {fixed_S // v} submeshes x virtual_stages={v} = "
+          f"{fixed_S} stages, but the forward pass has only {L} layer(s) "
+          f"({_layer_note(method)}). Fix: lower num_stages or virtual_stages.")
     if fixed_S > L:
       raise InputError(
           f"{ctx.program.fn_name}: {fixed_S} stage_mesh_shapes but the forward pass "
@@ -478,12 +486,13 @@ def search(pre, method, mesh):
       cand = cands[e.stage]
       refused.add((*cand.layers, cand.shape, cand.batch_axes))
       stage.cache_clear()
-  if 1 < S_best and n < S_best:
+  if 1 < S_best // v and n < S_best // v:
+    S_ = S_best // v
     warnings.warn(
-        f"autopar: {ctx.program.fn_name}: {n} micro-batch(es) through {S_best} "
-        f"pipeline stages: at most {n} stage(s) work at a time, and "
-        f"{(S_best - 1) / (n + S_best - 1):.0%} of the stages' time is bubble "
-        f"((S - 1) / (n + S - 1)). Use num_micro_batches >= {S_best} (4 x stages "
+        f"autopar: {ctx.program.fn_name}: {n} micro-batch(es) through {S_} "
+        f"pipeline submeshes: at most {n} of them work at a time, and "
+        f"{bubble(method.schedule, S_, n, virtual_stages=v):.0%} of their time is "
+        f"bubble under {method.schedule}. Use num_micro_batches >= {S_} (4 x stages "
         f"or more keeps the bubble small).", stacklevel=2)
   result = SearchResult(stages=tuple(cands), step_time=T, by_num_stages=by_S,
                         seconds=time.perf_counter() - t0)

@@ -6,8 +6,8 @@ Gives: the step's outputs, the training state updated in place (donated).
 is the runtime interface, the local runtime and the active one, with
 checkpoints (``checkpoint.py``); ``cluster.py`` and ``host_worker.py`` run
 the same step on every host of a Ray cluster (``shards.py``: which shards
-each host holds). For pipelines: the 1F1B and GPipe schedules
-(``schedule.py``), values moved between submeshes (``transfer.py``), and the
+each host holds). For pipelines (their schedules are ``costs/schedule.py``'s):
+values moved between submeshes (``transfer.py``), and the
 runnable step assembled from the back end's executables, with its run loop
 (``pipeline.py``).
 

@@ -410,6 +410,7 @@ class PipelineStep:
                             carried)
         for v in st.acts_in:
           acts.pop((s, i, v), None)
+        del outs, stored, ct, carried, a_in     # (freed now, not at the next task)
         held[s] -= 1
       else:
         split = ex.backward_weight is not None
@@ -451,7 +452,7 @@ class PipelineStep:
             acts.pop((s, i, v), None)
           held[s] -= 1
       if self.timing:
-        jax.block_until_ready((acc, acts, cts, saved))
+        jax.block_until_ready((acc, acts, cts, saved, after_b))
         durations[t] = time.perf_counter() - started
       if self.recording:
         self.record.append((t, tuple(held)))

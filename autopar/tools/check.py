@@ -40,6 +40,7 @@ import math
 from typing import TYPE_CHECKING, Any, Sequence
 
 from autopar.backend import hlo
+from autopar.costs.schedule import awaiting_weights_at_most
 from autopar.backend.lower import ONE_STAGE
 from autopar.costs.cost_model import MeshCost, dtype_flop_seconds, ring_bytes_sent
 from autopar.errors import PlanError
@@ -298,7 +299,9 @@ def pipeline_stage_memory(plan: "Plan", stages) -> tuple[tuple[str, int], ...]:
   and, beside a forward or backward pass, the micro-batch it makes or
   reads. The other ``in_flight - 1`` micro-batches the schedule keeps for
   their backward passes (each the forward's outputs and the activations
-  the stage before sent) are held beside a forward or backward pass."""
+  the stage before sent), and under ZB-H1 what each B keeps for its W
+  (``backward_input``'s outputs; ``backward_weight`` too runs beside them),
+  are held beside a forward or backward pass."""
   out = []
   for st in plan.stages:
     sizes = dict(zip(plan.mesh_axis_names, st.submesh_shape))
@@ -311,6 +314,13 @@ def pipeline_stage_memory(plan: "Plan", stages) -> tuple[tuple[str, int], ...]:
     arriving = before[0].bytes_to_next / math.prod(st.submesh_shape) if before else 0
     micro = (forward.output_size_in_bytes if forward else 0) + arriving
     others = max(st.in_flight - 1, 0) * micro
+    # Under ZB-H1, what each B keeps for its W, for the micro-batches
+    # between the two (``awaiting_weights_at_most``).
+    b_pass = mine.get("backward_input")
+    if b_pass is not None:
+      S = len(plan.stages)
+      waiting = awaiting_weights_at_most(plan.schedule, S, plan.num_micro_batches)
+      others += waiting[st.index] * b_pass.output_size_in_bytes
     peak = 0
     for kind, m in mine.items():
       passes = kind in ("forward", "backward", "backward_input", "backward_weight")

@@ -148,16 +148,16 @@ def _stages_svg(plan: "Plan") -> str:
   rows = shape[0] if len(shape) > 1 else 1
   total = math.prod(shape)
   cols = total // rows
-  owner = {}
+  owner: dict[int, list[int]] = {}     # (interleaved: several stages a device)
   for st in plan.stages:
     for d in range(st.submesh_offset, st.submesh_offset + math.prod(st.submesh_shape)):
-      owner[d] = st.index
+      owner.setdefault(d, []).append(st.index)
   cells = []
   for d in range(total):
     r, c = divmod(d, cols)
-    s = owner.get(d)
+    s = owner.get(d, [None])[0]
     colour = _COLOURS[s % len(_COLOURS)] if s is not None else "#fff"
-    label = "-" if s is None else f"s{s}"
+    label = "-" if s is None else ",".join(f"s{k}" for k in owner[d])
     cells.append(f"<rect x='{c * 40}' y='{r * 26}' width='38' height='24' fill='{colour}' "
                  f"stroke='#555'/><text x='{c * 40 + 4}' y='{r * 26 + 16}'>{label}</text>")
   return (f"<svg width='{cols * 40}' height='{rows * 26}' role='img'>{''.join(cells)}"
@@ -206,11 +206,12 @@ def to_html(plan: "Plan", *, title: str = "autopar plan") -> str:
   if plan.stages:
     # The text's lines around its table (stage_lines): what a stage does,
     # and what the step time is made of.
-    head, *_, tail, _ = stage_lines(plan)
+    lines = stage_lines(plan)
+    step_time = [line for line in lines if line.startswith("predicted step time")]
     out.append("<h2>Pipeline stages</h2>")
-    out.append(f"<p>{_e(head)}: {_e(' '.join(stage_lines(plan)[1:3]))}</p>")
+    out.append(f"<p>{_e(lines[0])}: {_e(' '.join(lines[1:3]))}</p>")
     out.append(_table(stage_rows(plan)))
-    out.append(f"<p>{_e(tail)}</p>")
+    out.append("".join(f"<p>{_e(line)}</p>" for line in step_time))
     out.append("<h3>Stages on the mesh</h3>" + _stages_svg(plan))
     out.append(f"<h3>Schedule ({_e(plan.schedule)})</h3>" + _timeline_svg(plan))
 

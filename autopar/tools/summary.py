@@ -139,8 +139,8 @@ def stage_lines(plan: "Plan") -> list[str]:
            "each stage runs its layers' forward and backward passes for every "
            "micro-batch on its own submesh," if v == 1 else
            f"each stage runs its layers' forward and backward passes for every "
-           f"micro-batch, {v} stages on each of {S // v} submeshes (stage k on the "
-           f"k % {S // v}-th),",
+           f"micro-batch, {v} stages on each of {S // v} submeshes (stage k on "
+           f"submesh k mod {S // v}),",
            "then sums its gradients over its batch axes and updates its parameters"]
   lines += format_rows(stage_rows(plan))
   zero = [str(st.index) for st in plan.stages if st.zero_state]
@@ -157,9 +157,9 @@ def stage_lines(plan: "Plan") -> list[str]:
     f = [st.first_pass_seconds for st in plan.stages if st.first_pass_seconds]
     if split:
       lines.append(f"predicted step time: {plan.objective:.6g} s = {n} x slowest "
-                   f"{max(t):.3g} s + a third of the other stages' times "
-                   f"{sum(t) - max(t):.3g} s (the weights' gradients fill the rest of "
-                   f"the fill and drain) + sends and updates"
+                   f"{max(t):.3g} s + a third of the other stages' times, "
+                   f"{(sum(t) - max(t)) / 3:.3g} s (the weights' gradients fill the "
+                   f"rest of the fill and drain) + sends and updates"
                    f"{' + the first pass' if f else ''}")
     elif v > 1:
       busy = [sum(t[k::S // v]) for k in range(S // v)]
