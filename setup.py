@@ -27,6 +27,7 @@ setup(
         "pulp>=3.3,<5",
         "highspy",
         "orbax-checkpoint",
+        "tensorstore",      # (a Ray pipeline's checkpoints; orbax writes with it too)
     ],
     entry_points={"console_scripts": ["autopar = autopar.tools.cli:main"]},
     extras_require={

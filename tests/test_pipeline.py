@@ -360,14 +360,20 @@ def test_plan_round_trip_and_saved_plan_runs_without_solving(monkeypatch):
 
 
 def test_checkpoint_restores_onto_the_stages(tmp_path):
-  """plan.input_shardings of a pipeline put each array on its stage's
-  submesh; a checkpoint restored with them trains on as if never saved."""
+  """A pipeline's state is saved from its stages (no array copied over the
+  whole mesh: the test reads the shardings written); plan.input_shardings
+  put each array back on its stage's submesh, and it trains on as if never
+  saved."""
+  import orbax.checkpoint as ocp
   make_state, step, batch = mlp_setup(tx=SGD)
   method = autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=2, num_stages=2)
   pf = autopar.parallelize(step, method=method, donate_argnums=(0,))
   state, _ = pf(make_state(), batch)
   path = str(tmp_path / "ckpt")
   autopar.save_checkpoint(path, state)
+  written = jax.tree.leaves(ocp.StandardCheckpointer().metadata(path).item_metadata.tree)
+  devices = {len(np.asarray(m.sharding.device_mesh.mesh).reshape(-1)) for m in written}
+  assert devices == {4}                      # each on its stage's 2 x 2 submesh
   plan = pf.get_executable(state, batch).plan
   shardings = plan.input_shardings[0]
   restored = autopar.restore_checkpoint(path, jax.eval_shape(make_state), shardings)

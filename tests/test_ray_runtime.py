@@ -273,8 +273,8 @@ def test_pipeline_stages_on_their_hosts_equal_jit(ray_cluster, model, shapes, sc
   """PipeshardParallel on 2 hosts: each stage runs on the workers of the
   host its submesh lies on, activations cross hosts worker to worker (the
   driver sends only the batch), and the result equals single-device jit;
-  the state saved from the stages and restored onto the whole mesh trains
-  on."""
+  the state is saved from the stages (no array copied over the mesh) and,
+  restored onto them, trains on."""
   make_state, step, batch = (
       mlp_setup(batch=32, tx=SGD, layers=6 if model == "mlp6" else 2)
       if model.startswith("mlp") else
@@ -306,13 +306,24 @@ def test_pipeline_stages_on_their_hosts_equal_jit(ray_cluster, model, shapes, sc
   assert hosts[0] == {0} and hosts[-1] == {1}
   if model != "mlp" or schedule != "1f1b":
     return
+  # Saved from the stages: every host writes its own stage's arrays, none is
+  # copied over the whole mesh (the shardings written say where each lay).
   path = str(tmp_path / "ckpt")
   autopar.save_checkpoint(path, state)
+  from autopar.runtime.checkpoint import stage_manifest
+  written = {r["path"]: tuple(r["sharding"]["devices"]) for r in stage_manifest(path)}
+  assert {len(d) for d in written.values()} == {4}       # a stage's 1 x 4 submesh each
+  assert len(set(written.values())) == 2                 # both stages' arrays, each its own
   target = jax.eval_shape(make_state)
-  with pytest.raises(autopar.InputError, match="whole mesh"):
-    autopar.restore_checkpoint(path, target, plan.input_shardings[0])
   whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  state = autopar.restore_checkpoint(path, target, jax.tree.map(lambda _: whole, target))
+  on_whole = autopar.restore_checkpoint(path, target, jax.tree.map(lambda _: whole, target))
+  with pytest.raises(autopar.InputError, match="restored onto the devices it was saved"):
+    autopar.restore_checkpoint(path, target, jax.tree.map(lambda _: jax.sharding.NamedSharding(
+        jax.sharding.AbstractMesh((2, 2), ("host", "model")), jax.sharding.PartitionSpec()),
+        target))
+  # Straight back onto the stages; the next step trains on.
+  state = autopar.restore_checkpoint(path, target, plan.input_shardings[0])
+  assert_trees_close(jax.device_get(state.params), jax.device_get(on_whole.params))
   state, loss = p(state, batch)
   ref, ref_loss = ref_fn(ref, batch)
   np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)

@@ -133,8 +133,10 @@ def save_checkpoint(path: str, state: Any) -> None:
       state = autopar.restore_checkpoint("/ckpt/step_100", state,
                                          exe.plan.input_shardings[0])
 
-  (Under Ray, a pipeline's state is restored onto the whole mesh: see
-  :func:`restore_checkpoint`.)
+  Each array is written with its own sharding (a pipeline's stage arrays
+  from their stages' submeshes; nothing is copied over the mesh first).
+  Under Ray a state with arrays on part of the devices is written in
+  autopar's stage format (``runtime/checkpoint.py``), else with orbax.
   """
   active().save_checkpoint(path, state)
 
@@ -149,11 +151,12 @@ def restore_checkpoint(path: str, target: Any, shardings: Any = None) -> Any:
       non-array leaves.
     shardings: a pytree of ``NamedSharding`` or ``PartitionSpec`` (with the
       cluster's mesh) like ``target``, e.g. ``plan.input_shardings[0]``;
-      None restores every array replicated on the default device (local
-      runtime only). Under a Ray cluster all on one mesh of every device: a
-      pipeline plan's input_shardings (on its stages' submeshes) are not
-      accepted there; restore onto the whole mesh and the next step moves
-      each array onto its stage.
+      None restores every array replicated on the default device (under a
+      Ray cluster: each where it was saved, for a pipeline's state). Under
+      a Ray cluster a pipeline plan's input_shardings put each array back
+      on the stage submesh it was saved on (a submesh there says its shape,
+      not where it lies); a state saved from the whole mesh is restored
+      onto one mesh of every device.
   """
   if not os.path.isdir(path):
     raise InputError(f"restore_checkpoint: no checkpoint at {path!r}. Fix: pass "

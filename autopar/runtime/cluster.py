@@ -45,8 +45,9 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, PartitionSpec
 
+from autopar.plan import spec_from_json
 from autopar.runtime import base as runtime
-from autopar.runtime import data
+from autopar.runtime import checkpoint, data
 from autopar.errors import AutoparError, InputError, MeshError
 from autopar.runtime.host_errors import ClusterError, raised_on_host
 from autopar.runtime.hosts import connect_ray, host_layout
@@ -708,50 +709,96 @@ class RayCluster(runtime.Runtime):
                        f"what a parallelized step returned (RemoteArray leaves); got "
                        f"a {type(x).__name__}. Fix: save the state a step returned.")
     tree = jax.tree.map(ref, state, is_leaf=lambda a: isinstance(a, RemoteArray))
-    payload = cloudpickle.dumps(tree)
-    self._call([w.save_checkpoint.remote(os.path.abspath(path), payload)
-                for w in self.workers], "save_checkpoint")
+    payload, path = cloudpickle.dumps(tree), os.path.abspath(path)
+    first = self.workers[0]
+    stages = self._call([first.begin_checkpoint.remote(path, payload)], "save_checkpoint")[0]
+    self._call([w.save_checkpoint.remote(path, payload, stages) for w in self.workers],
+               "save_checkpoint")
+    if stages:
+      self._call([first.end_checkpoint.remote(path, payload)], "save_checkpoint")
 
   def restore_checkpoint(self, path: str, target, shardings):
     from ray import cloudpickle
     t_leaves, tree = jax.tree.flatten(target)
-    if shardings is None:
+    stages = checkpoint.is_stage_checkpoint(path)
+    if shardings is None and not stages:
       raise InputError("restore_checkpoint: under the Ray cluster give shardings "
                        "(e.g. plan.input_shardings[0]).")
-    s_leaves = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, PartitionSpec))
+    s_leaves = ([None] * len(t_leaves) if shardings is None else
+                jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, PartitionSpec)))
     if len(s_leaves) != len(t_leaves):
       raise InputError(f"restore_checkpoint: shardings has {len(s_leaves)} leaves but "
                        f"target has {len(t_leaves)}.")
     meshes = {(tuple(s.mesh.axis_sizes), tuple(s.mesh.axis_names))
               for s in s_leaves if hasattr(s, "mesh")}
-    if not meshes:
+    whole = {m for m in meshes if math.prod(m[0]) == self.num_devices}
+    if len(whole) > 1 or (shardings is not None and not meshes):
       raise InputError("restore_checkpoint: shardings must be NamedShardings on the "
                        "cluster's mesh (plan.input_shardings[0]).")
-    # Arrays are restored onto one mesh of every device; a pipeline stage's
-    # submesh says its shape but not where it lies.
-    sizes = {math.prod(shape) for shape, _ in meshes}
-    if len(meshes) > 1 or sizes != {self.num_devices}:
-      raise InputError(
-          f"restore_checkpoint: under the Ray cluster shardings must all be on one mesh "
-          f"of the cluster's {self.num_devices} devices; got meshes "
-          f"{', '.join(str(dict(zip(n, s))) for s, n in sorted(meshes))} (a "
-          f"PipeshardParallel plan's input_shardings lie on its stages' submeshes). "
-          f"Fix: restore onto the whole mesh, e.g. jax.tree.map(lambda _: "
-          f"NamedSharding(mesh, P()), target); the next step moves each array onto "
-          f"its stage.")
-    (mesh_shape, mesh_names), = meshes
-    entries = []
-    for x, s in zip(t_leaves, s_leaves):
-      spec = s if isinstance(s, PartitionSpec) else s.spec
-      entries.append((tuple(x.shape), np.dtype(x.dtype), spec))
+    if stages:
+      entries = self._stage_entries(path, target, s_leaves, next(iter(whole), None))
+    else:
+      entries = self._whole_mesh_entries(t_leaves, s_leaves, meshes)
     out_ids = [next(self._ids) for _ in entries]
     payload = cloudpickle.dumps((tree, entries))
-    weak = self._call([w.restore_checkpoint.remote(os.path.abspath(path), payload,
-                                                   mesh_shape, mesh_names, out_ids)
+    weak = self._call([w.restore_checkpoint.remote(os.path.abspath(path), payload, out_ids)
                        for w in self.workers], "restore_checkpoint")[0]
     return jax.tree.unflatten(tree, [
         RemoteArray(self, i, shape, dtype, weak_type=w)
-        for i, (shape, dtype, _), w in zip(out_ids, entries, weak, strict=True)])
+        for i, (shape, dtype, *_), w in zip(out_ids, entries, weak, strict=True)])
+
+  def _whole_mesh_entries(self, t_leaves, s_leaves, meshes) -> list[tuple]:
+    """The leaves of an orbax checkpoint: on one mesh of every device
+    (orbax reads each process's part of an array that every process holds
+    part of)."""
+    sizes = {math.prod(shape) for shape, _ in meshes}
+    if len(meshes) > 1 or sizes != {self.num_devices}:
+      raise InputError(
+          f"restore_checkpoint: this checkpoint (orbax's, of a state on the whole "
+          f"mesh) is restored under the Ray cluster onto one mesh of the cluster's "
+          f"{self.num_devices} devices; got meshes "
+          f"{', '.join(str(dict(zip(n, s))) for s, n in sorted(meshes))}. Fix: "
+          f"restore onto the whole mesh, e.g. jax.tree.map(lambda _: "
+          f"NamedSharding(mesh, P()), target); the next step moves each array where "
+          f"its plan puts it.")
+    (mesh_shape, mesh_names), = meshes
+    return [(tuple(x.shape), np.dtype(x.dtype),
+             s if isinstance(s, PartitionSpec) else s.spec, mesh_shape, mesh_names, None)
+            for x, s in zip(t_leaves, s_leaves)]
+
+  def _stage_entries(self, path, target, s_leaves, whole) -> list[tuple]:
+    """The leaves of a stage-format checkpoint (a pipeline's state): each
+    onto the whole mesh where its sharding lies there; onto the devices it
+    was saved on where its sharding lies on a submesh of the saved one's
+    shape (a pipeline plan's input_shardings: its stages' submeshes, which
+    say their shape but not where they lie) or where none is given."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(target)
+    names = [jax.tree_util.keystr(p) for p, _ in flat]
+    saved = checkpoint.check_stage_target(
+        path, [(n, x.shape, np.dtype(x.dtype)) for n, (_, x) in zip(names, flat)])
+    entries = []
+    for name, (_, x), s, rec in zip(names, flat, s_leaves, saved, strict=True):
+      at = rec["sharding"]
+      spec = s if isinstance(s, PartitionSpec) else getattr(s, "spec", None)
+      mesh = (None if s is None else whole if isinstance(s, PartitionSpec) else
+              (tuple(s.mesh.axis_sizes), tuple(s.mesh.axis_names)))
+      if mesh is not None and math.prod(mesh[0]) == self.num_devices:
+        entries.append((tuple(x.shape), np.dtype(x.dtype), spec, *mesh, None))
+        continue
+      saved_mesh = (tuple(at.get("mesh_shape", ())), tuple(at.get("axis_names", ())))
+      if "mesh_shape" not in at or (mesh is not None and mesh != saved_mesh):
+        raise InputError(
+            f"restore_checkpoint: target{name}'s sharding lies on a submesh "
+            f"{dict(zip(mesh[1], mesh[0])) if mesh else None} but it was saved on "
+            f"{dict(zip(saved_mesh[1], saved_mesh[0])) or at['devices']} (devices "
+            f"{at['devices']}); under the Ray cluster a submesh is restored onto the "
+            f"devices it was saved on. Fix: give its saved submesh's shape, or "
+            f"restore onto the whole mesh (NamedSharding(mesh, P())); the next step "
+            f"moves each array onto its stage.")
+      entries.append((tuple(x.shape), np.dtype(x.dtype),
+                      spec_from_json(at["spec"]) if spec is None else spec,
+                      *saved_mesh, list(at["devices"])))
+    return entries
 
 
 def abstractify(args):

@@ -17,9 +17,8 @@ import socket
 import time
 from typing import Any
 
-from autopar.runtime.checkpoint import restore_local, save_local
+from autopar.runtime import checkpoint
 from autopar.errors import InputError
-from autopar.runtime.transfer import replicate_over
 from autopar.plan import Plan
 from autopar.frontend.pytrees import partition
 from autopar.runtime.shards import normalize_index
@@ -259,39 +258,64 @@ class HostWorker:
 
   # -- checkpoints ---------------------------------------------------------------------
 
-  def save_checkpoint(self, path: str, tree_bytes: bytes) -> None:
+  def begin_checkpoint(self, path: str, tree_bytes: bytes) -> bool:
+    """On one worker, before ``save_checkpoint``: whether the state is saved
+    in the stage format (some array lies on part of the devices: a pipeline
+    stage's; orbax refuses an array that one host of several holds whole),
+    and if so its directory made (``checkpoint.begin_stage_save``)."""
+    import jax
+    tree = self._checkpoint_tree(tree_bytes)
+    stages = any(len(x.sharding.device_set) != jax.device_count()
+                 for x in jax.tree.leaves(tree))
+    if stages:
+      checkpoint.begin_stage_save(path, tree)
+    return stages
+
+  def save_checkpoint(self, path: str, tree_bytes: bytes, stages: bool) -> None:
+    """Every worker: writes this host's shards (orbax, or the stage format)."""
+    tree = self._checkpoint_tree(tree_bytes)
+    if stages:
+      checkpoint.write_stage_shards(path, tree)
+    else:
+      checkpoint.save_local(path, tree)
+
+  def end_checkpoint(self, path: str, tree_bytes: bytes) -> None:
+    """On one worker, after every ``save_checkpoint`` of the stage format."""
+    checkpoint.end_stage_save(path, self._checkpoint_tree(tree_bytes))
+
+  def _checkpoint_tree(self, tree_bytes: bytes):
+    from ray import cloudpickle
+    import jax
+    return jax.tree.map(lambda a: self._get(a.array_id) if isinstance(a, ArrayRef) else a,
+                        cloudpickle.loads(tree_bytes),
+                        is_leaf=lambda a: isinstance(a, ArrayRef))
+
+  def restore_checkpoint(self, path: str, target_bytes: bytes,
+                         out_ids: list[int]) -> list[bool]:
+    """Restores into global arrays (``target``: the tree and, per leaf,
+    (shape, dtype, spec, mesh shape, mesh axis names, the mesh's device ids
+    or None for the first devices)); returns whether each is weakly typed."""
     from ray import cloudpickle
     import jax
     import numpy as np
-    from jax.sharding import Mesh
-    everywhere = Mesh(np.array(jax.devices()), ("_all",))
-    def whole(x):
-      # An array on part of the devices (a pipeline stage's) is replicated
-      # over all of them first: orbax saves only arrays every process holds
-      # part of.
-      if len(x.sharding.device_set) == everywhere.size:
-        return x
-      return replicate_over(x, everywhere)
-    tree = jax.tree.map(lambda a: whole(self._get(a.array_id)) if isinstance(a, ArrayRef)
-                        else a, cloudpickle.loads(tree_bytes),
-                        is_leaf=lambda a: isinstance(a, ArrayRef))
-    save_local(path, tree)
-
-  def restore_checkpoint(self, path: str, target_bytes: bytes, mesh_shape, mesh_names,
-                         out_ids: list[int]) -> list[bool]:
-    """Restores into global arrays (``target``: the tree and, per leaf,
-    (shape, dtype, spec)); returns whether each is weakly typed."""
-    from ray import cloudpickle
-    import jax
-    from jax.sharding import NamedSharding
-    mesh = self._mesh(mesh_shape, mesh_names)
+    from jax.sharding import Mesh, NamedSharding
     tree, entries = cloudpickle.loads(target_bytes)
-    abstract = jax.tree.unflatten(tree, [
-        jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
-        for shape, dtype, spec in entries])
-    restored = restore_local(path, abstract)
+    by_id = {d.id: d for d in jax.devices()}
+    shardings = []
+    for _, _, spec, mesh_shape, names, ids in entries:
+      mesh = (self._mesh(mesh_shape, names) if ids is None else
+              Mesh(np.array([by_id[i] for i in ids]).reshape(mesh_shape), tuple(names)))
+      shardings.append(NamedSharding(mesh, spec))
+    if checkpoint.is_stage_checkpoint(path):
+      saved = checkpoint.stage_manifest(path)
+      leaves = [checkpoint.read_stage_array(path, k, rec, s)
+                for k, (rec, s) in enumerate(zip(saved, shardings, strict=True))]
+    else:
+      leaves = jax.tree.leaves(checkpoint.restore_local(path, jax.tree.unflatten(tree, [
+          jax.ShapeDtypeStruct(e[0], e[1], sharding=s)
+          for e, s in zip(entries, shardings, strict=True)])))
     weak = []
-    for i, x in zip(out_ids, jax.tree.leaves(restored), strict=True):
+    for i, x in zip(out_ids, leaves, strict=True):
       self.arrays[i] = x
       weak.append(bool(jax.typeof(x).weak_type))
     return weak

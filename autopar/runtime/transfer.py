@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from autopar.errors import PlanError
 
-__all__ = ["move", "check_movable", "replicate_over"]
+__all__ = ["move", "check_movable"]
 
 
 def move(x, dst: NamedSharding):
@@ -86,34 +86,6 @@ def check_movable(src_devices, dst_devices, what: str = "a value") -> None:
         f"same size, or between submeshes within one host each. Fix: give the "
         f"stages submeshes of the same size (stage_mesh_shapes=...), or each "
         f"within one host.")
-
-
-def replicate_over(x, mesh: Mesh):
-  """``x`` (on some of ``mesh``'s devices, such as a stage's submesh)
-  replicated on every device of ``mesh``: a global array that every
-  process holds part of (orbax saves only such arrays across processes).
-  Called by every process, in the same order."""
-  whole = NamedSharding(mesh, PartitionSpec())
-  if x.sharding == whole or x.sharding.device_set == whole.device_set:
-    return jax.device_put(x, whole)
-  src = _named(x)
-  x = jax.device_put(x, src) if src != x.sharding else x
-  own = np.asarray(src.mesh.devices).reshape(-1)
-  flat = Mesh(own, ("_all",))
-  r = jax.device_put(x, NamedSharding(flat, PartitionSpec()))
-  k = own.size
-  copies = {s.device: s.data for s in r.addressable_shards}   # on this process
-  # The other devices in blocks of k (the last one moved back to fit; fewer
-  # than k: one block of those), each sent a copy from x's devices.
-  held = set(own)
-  rest = [d for d in np.asarray(mesh.devices).reshape(-1) if d not in held]
-  blocks = [rest[max(0, min(i, len(rest) - k)):][:k] for i in range(0, len(rest), k)]
-  for block in blocks:
-    y = move(r, NamedSharding(Mesh(np.array(block), ("_all",)), PartitionSpec()))
-    for shard in y.addressable_shards:
-      copies.setdefault(shard.device, shard.data)
-  local = [copies[d] for d in whole.addressable_devices_indices_map(x.shape)]
-  return jax.make_array_from_single_device_arrays(x.shape, whole, local, dtype=x.dtype)
 
 
 def _onto_part(x, src: NamedSharding, dst: NamedSharding):
