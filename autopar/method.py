@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 
 from autopar.errors import InputError, MeshError
-from autopar.costs.schedule import SCHEDULES as PIPELINE_SCHEDULES
+from autopar.costs.schedule import SCHEDULES as PIPELINE_SCHEDULES, VIRTUAL_SCHEDULES
 from autopar.costs.submesh import tile
 from autopar.frontend.remat import check_remat, check_remat_loop
 
@@ -471,8 +471,8 @@ class PipeshardParallel(ParallelMethod):
     mesh, num_micro_batches: see :class:`ParallelMethod`.
     num_stages: an int, or ``"auto"``: the stage search picks it (1, the
       whole mesh as one stage, when pipelining does not pay). Under
-      ``"interleaved-1f1b"``, the number of submeshes (an int), each running
-      ``virtual_stages`` stages.
+      ``"interleaved-1f1b"`` and ``"zb-v"``, the number of submeshes (an
+      int), each running ``virtual_stages`` stages.
     stage_mesh_shapes: ``"auto"``, or one submesh shape per stage (each of
       the mesh's rank, e.g. ``[(1, 4), (1, 4)]`` of a ``(2, 4)`` mesh); they
       tile the mesh in row-major order.
@@ -487,9 +487,12 @@ class PipeshardParallel(ParallelMethod):
       ``"interleaved-1f1b"``: ``num_stages`` submeshes (alike) each running
       ``virtual_stages`` stages, the bubble divided by ``virtual_stages``
       for as many times the messages between stages (no memory budget
-      yet). See ``docs/pipeline.md``.
-    virtual_stages: stages per submesh under ``"interleaved-1f1b"`` (1
-      otherwise).
+      yet), or ``"zb-v"``: ``num_stages`` submeshes (alike) each running 2
+      stages in a V (submesh ``d`` stages ``d`` and ``2 S - 1 - d``), the
+      backwards split as under ZB-H1, the bubble about half ZB-H1's at
+      1F1B's most memory (no memory budget yet). See ``docs/pipeline.md``.
+    virtual_stages: stages per submesh under ``"interleaved-1f1b"``; 2
+      under ``"zb-v"`` (set if left at 1); 1 otherwise.
     layers: ``"auto"`` (the repeated blocks, else cuts of balanced flops) or
       ``"manual"`` (where the loss function calls
       ``autopar.mark_pipeline_boundary()``).
@@ -527,30 +530,39 @@ class PipeshardParallel(ParallelMethod):
     v = self.virtual_stages
     if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
       raise InputError(f"{name}: virtual_stages={v!r}; expected a positive int.")
+    if self.schedule == "zb-v" and v not in (1, 2):
+      raise InputError(f"{name}: schedule='zb-v' with virtual_stages={v}; it runs 2 "
+                       f"stages on each submesh (a V). Fix: drop virtual_stages, or use "
+                       f"schedule='interleaved-1f1b' for {v}.")
+    if self.schedule == "zb-v":
+      v = 2
     object.__setattr__(self, "virtual_stages", int(v))
-    if self.schedule == "interleaved-1f1b":
+    if self.schedule in VIRTUAL_SCHEDULES:
+      what = repr(self.schedule)
       if v < 2:
-        raise InputError(f"{name}: schedule='interleaved-1f1b' with virtual_stages={v}; "
+        raise InputError(f"{name}: schedule={what} with virtual_stages={v}; "
                          f"it runs virtual_stages >= 2 stages on each submesh. Fix: "
                          f"virtual_stages=2 (or more), or schedule='1f1b'.")
       submeshes = k if self.stage_mesh_shapes == "auto" else len(self.stage_mesh_shapes)
       if submeshes == "auto":
-        raise InputError(f"{name}: schedule='interleaved-1f1b' needs the number of "
+        raise InputError(f"{name}: schedule={what} needs the number of "
                          f"submeshes: num_stages (an int) or stage_mesh_shapes. Fix: "
                          f"give num_stages.")
       if submeshes < 2:
-        raise InputError(f"{name}: schedule='interleaved-1f1b' on {submeshes} submesh; "
-                         f"it interleaves stages over 2 or more. Fix: num_stages=2 or "
+        raise InputError(f"{name}: schedule={what} on {submeshes} submesh; "
+                         f"it spreads stages over 2 or more. Fix: num_stages=2 or "
                          f"more, or ShardParallel.")
-      if self.num_micro_batches is not None and self.num_micro_batches % submeshes:
+      if (self.schedule == "interleaved-1f1b" and self.num_micro_batches is not None
+          and self.num_micro_batches % submeshes):
         raise InputError(f"{name}: schedule='interleaved-1f1b' runs micro-batches in "
                          f"groups of the number of submeshes ({submeshes}); "
                          f"num_micro_batches={self.num_micro_batches} is not a multiple "
                          f"of it. Fix: use a multiple of {submeshes}.")
     elif v != 1:
       raise InputError(f"{name}: virtual_stages={v} with schedule={self.schedule!r}; "
-                       f"only 'interleaved-1f1b' runs several stages on a submesh. "
-                       f"Fix: schedule='interleaved-1f1b', or drop virtual_stages.")
+                       f"only 'interleaved-1f1b' and 'zb-v' run several stages on a "
+                       f"submesh. Fix: schedule='interleaved-1f1b', or drop "
+                       f"virtual_stages.")
     if self.layers not in ("auto", "manual"):
       raise InputError(f"{name}: layers={self.layers!r}; expected 'auto' or 'manual' "
                        f"(boundaries marked with autopar.mark_pipeline_boundary()).")

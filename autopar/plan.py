@@ -305,15 +305,16 @@ class Plan:
     stages: for a pipeline (``PipeshardParallel``), its stages, each with
       its own submesh and plan; empty otherwise.
     schedule: the pipeline's schedule ("1f1b", "gpipe", "zb-h1",
-      "interleaved-1f1b"), or None.
+      "interleaved-1f1b", "zb-v"), or None.
     schedule_search: under ``schedule="auto"``, each schedule the search
       weighed as (schedule, its best plan's modelled step seconds, or None
       where no plan of it fits, and why), the chosen one among them; empty
       where the method named the schedule.
-    virtual_stages: under ``"interleaved-1f1b"``, the stages each submesh
-      runs (``stages`` lists them all: with ``D = len(stages) /
-      virtual_stages`` submeshes, stage ``k`` runs on submesh ``k % D``); 1
-      otherwise.
+    virtual_stages: under ``"interleaved-1f1b"`` and ``"zb-v"``, the stages
+      each submesh runs (``stages`` lists them all: with ``D = len(stages) /
+      virtual_stages`` submeshes, stage ``k`` runs on submesh ``k % D``
+      interleaved, ``min(k, 2 D - 1 - k)`` under ZB-V:
+      ``costs.schedule.submesh_of``); 1 otherwise.
     grad_sync: where the gradients are summed over the batch axes with
       several micro-batches: ``"last"`` (in the last micro-batch's stage) or
       ``"apart"`` (a stage of its own; ``ParallelMethod.grad_sync``).

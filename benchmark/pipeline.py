@@ -6,7 +6,8 @@ between stages, and the stage search's choice against one-mesh plans.
 1. Bubble. An 8-layer MLP (d = 1024, batch 1024; layers marked by hand)
    pipelined over S = 4 submeshes of 2 of the 8 simulated devices with
    n = 8, 16 micro-batches, under 1F1B, GPipe, ZB-H1 (4 stages of 2
-   layers) and interleaved 1F1B (8 stages of 1 layer, 2 per submesh). Each
+   layers), interleaved 1F1B and ZB-V (8 stages of 1 layer, 2 per
+   submesh: k and k + 4 interleaved, k and 7 - k in ZB-V's V). Each
    task (one micro-batch's forward, backward, or under ZB-H1 its B and W,
    on one stage) is timed alone, and the
    schedule is replayed on those times (``schedule.simulate``): the bubble
@@ -95,7 +96,7 @@ def measured(S, n, schedule, make_state, step, batch, virtual_stages=1):
   return exe, stats
 
 
-SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("interleaved-1f1b", 2))
+SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("zb-v", 2))
 
 
 def bubble_table():
@@ -104,9 +105,11 @@ def bubble_table():
   print("1. bubble: measured task times replayed on the schedule, and in theory on")
   print("   the same times with every stage alike (1F1B, GPipe: (S-1)/(n+S-1);")
   print("   ZB-H1: stages wait (S-1)(F+B-W) against 1F1B's (S-1)(F+B+W);")
-  print("   interleaved, v = 2 stages per submesh: (S-1)/(v n+S-1))")
+  print("   interleaved, v = 2 stages per submesh: (S-1)/(v n+S-1); ZB-V, 2 stages")
+  print("   per submesh in a V: its order replayed on the mean F, B and W)")
   print(f"   {'S':>2} {'n':>3} {'1F1B':>7} {'theory':>7} {'GPipe':>7} {'ZB-H1':>7} "
-        f"{'theory':>7} {'inter.':>7} {'theory':>7} {'ZB/1F1B':>8} {'inter./1F1B':>12}")
+        f"{'theory':>7} {'inter.':>7} {'theory':>7} {'ZB-V':>7} {'theory':>7} "
+        f"{'ZB/1F1B':>8} {'inter./1F1B':>12} {'ZB-V/1F1B':>10}")
   memory = {}
   for n in (8, 16):
     row = {}
@@ -122,24 +125,27 @@ def bubble_table():
                           lambda t: med[(t.stage, t.kind)])
       row[schedule] = tl.bubble
       mean = lambda kind: float(np.mean([x for (s, k), x in med.items() if k == kind]))
-      if schedule == "zb-h1":
+      if sched.splits_backward(schedule):
         f, b, w = mean("F"), mean("B"), mean("W")
-        row["zb theory"] = sched.bubble(schedule, S, n, forward=f, backward=b + w,
-                                        weight_share=w / (b + w))
+        row[schedule + " theory"] = sched.bubble(schedule, S, n, forward=f, backward=b + w,
+                                                 weight_share=w / (b + w))
       memory[(n, schedule)] = (stats["held_bytes_peak"], stats["sent_bytes"],
                                exe.plan.virtual_stages)
     print(f"   {S:>2} {n:>3} {row['1f1b']:>7.3f} {(S - 1) / (n + S - 1):>7.3f} "
-          f"{row['gpipe']:>7.3f} {row['zb-h1']:>7.3f} {row['zb theory']:>7.3f} "
+          f"{row['gpipe']:>7.3f} {row['zb-h1']:>7.3f} {row['zb-h1 theory']:>7.3f} "
           f"{row['interleaved-1f1b']:>7.3f} {(S - 1) / (2 * n + S - 1):>7.3f} "
-          f"{row['zb-h1'] / row['1f1b']:>8.2f} {row['interleaved-1f1b'] / row['1f1b']:>12.2f}")
+          f"{row['zb-v']:>7.3f} {row['zb-v theory']:>7.3f} "
+          f"{row['zb-h1'] / row['1f1b']:>8.2f} {row['interleaved-1f1b'] / row['1f1b']:>12.2f} "
+          f"{row['zb-v'] / row['1f1b']:>10.2f}")
   print()
   print("2. activation bytes held per device at the peak, per submesh (ZB-H1: until")
-  print("   each W, with what its B keeps for it; interleaved: its 2 stages' peaks")
-  print("   summed, a bound on the submesh's)")
+  print("   each W, with what its B keeps for it; interleaved and ZB-V: its 2 stages'")
+  print("   peaks summed, a bound on the submesh's)")
   for n in (8, 16):
     for schedule, v in SCHEDULES:
       peak, _, v = memory[(n, schedule)]
-      per = [sum(peak[d::S]) for d in range(S)]
+      per = [sum(b for k, b in enumerate(peak) if sched.submesh_of(schedule, S, k) == d)
+             for d in range(S)]
       print(f"   S={S} n={n:>2} {schedule:>16}: " +
             ", ".join(f"{b / 2**20:.2f} MiB" for b in per) +
             f"  (most {max(per) / 2**20:.2f} MiB)")

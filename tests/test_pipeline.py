@@ -166,7 +166,7 @@ def test_schedule_order_and_activations_held():
   make_state, step, batch = boundary_mlp_setup()
   S, n = 4, 8
   for schedule in sched.SCHEDULES:
-    v = 2 if schedule == "interleaved-1f1b" else 1      # (2 submeshes, 2 stages each)
+    v = 2 if schedule in sched.VIRTUAL_SCHEDULES else 1  # (2 submeshes, 2 stages each)
     method = autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=n,
                                        num_stages=S // v, virtual_stages=v,
                                        schedule=schedule, layers="manual")
@@ -230,8 +230,8 @@ def test_backward_split_into_input_and_weight_parts_computes_nothing_twice():
 @pytest.mark.parametrize("S,n", [(2, 1), (2, 4), (3, 5), (4, 8), (4, 16)])
 def test_schedules_hold_what_they_say(S, n):
   for name in sched.SCHEDULES:
-    if name == "interleaved-1f1b":
-      continue                  # (below: it needs n a multiple of S)
+    if name in sched.VIRTUAL_SCHEDULES:
+      continue                  # (below: several stages a submesh)
     order = sched.dispatch_order(sched.stage_tasks(name, S, n))
     split = sched.splits_backward(name)
     assert len(order) == (3 if split else 2) * S * n
@@ -270,6 +270,59 @@ def test_interleaved_schedule_divides_the_bubble(S, n, v):
                        lambda task: v * (1.0 if task.kind == "F" else 2.0))
   assert t.makespan < one.makespan
   assert sched.in_flight(order, S * v) == sched.held_at_most("interleaved-1f1b", S, n, v)
+
+
+@pytest.mark.parametrize("S,n", [(2, 1), (2, 3), (3, 5), (4, 8), (4, 16), (8, 8)])
+def test_zb_v_schedule_holds_and_waits_what_it_says(S, n):
+  """ZB-V on S submeshes: 2 S stages in a V (submesh d runs stages d and
+  2 S - 1 - d), every task once, no submesh ever holding more than 2 S
+  stage-micro-batches (1F1B's most: stage 0's S micro-batches of twice the
+  layers), and, with every task of one time unit, idle only while the first
+  micro-batch goes down: (S - 1) / (6 n + S - 1) of the time for n >= S,
+  half ZB-H1's wait on the same work."""
+  per = sched.stage_tasks("zb-v", S, n, 2)
+  order = sched.dispatch_order(per)
+  assert len(order) == len(set(order)) == 3 * 2 * S * n
+  for d, tasks in enumerate(per):
+    assert {t.stage for t in tasks} == {d, 2 * S - 1 - d}
+    assert all(sched.submesh_of("zb-v", S, t.stage) == d for t in tasks)
+    held = most = 0
+    for t in tasks:
+      held += {"F": 1, "B": 0, "W": -1}[t.kind]
+      most = max(most, held)
+    assert most <= 2 * S
+  t = sched.simulate(per, lambda task: 1.0)
+  assert t.bubble == pytest.approx(sched.bubble("zb-v", S, n, 2.0, 4.0))
+  h1 = sched.simulate(sched.stage_tasks("zb-h1", S, n), lambda task: 2.0)
+  if n >= S:
+    assert t.bubble == pytest.approx((S - 1) / (6 * n + S - 1))
+    assert 2 * (t.makespan - 6 * n) == pytest.approx(h1.makespan - 6 * n)   # half the wait
+  assert sched.in_flight(order, 2 * S) == sched.held_at_most("zb-v", S, n, 2)
+
+
+def test_zb_v_stages_equal_jit():
+  """schedule="zb-v": 2 submeshes with 2 stages each in a V (stages 0 and 3
+  on the first), equal to jit with a micro-batch count that is not a
+  multiple of the submeshes; memory per device is each submesh's stages'
+  together; the summary says where each stage runs."""
+  make_state, step, batch = mlp_setup(batch=24, tx=optax.adam(1e-2), layers=6)
+  method = autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=3, num_stages=2,
+                                     schedule="zb-v")
+  assert method.virtual_stages == 2
+  pf, got, want = run_steps(step, make_state, batch, method)
+  assert_trees_close(got, want)
+  plan = pf.get_executable(make_state(), batch).plan
+  assert [st.submesh_offset for st in plan.stages] == [0, 4, 4, 0]
+  assert plan.memory_per_device == max(
+      plan.stages[d].memory_per_device + plan.stages[3 - d].memory_per_device
+      for d in range(2))
+  assert plan.stages[1].send_seconds == 0.0         # the turn: the same submesh
+  assert "a V: stages k and 3 - k on submesh k" in plan.summary()
+  for bad, match in [(dict(virtual_stages=3), "it runs 2 stages on each submesh"),
+                     (dict(num_stages=1), "on 1 submesh")]:
+    with pytest.raises(autopar.InputError, match=match):
+      autopar.PipeshardParallel(mesh=mesh24(), schedule="zb-v",
+                                **{"num_stages": 2, "num_micro_batches": 4, **bad})
 
 
 def test_interleaved_stages_equal_jit():

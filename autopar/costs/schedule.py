@@ -35,6 +35,19 @@ but the interleaved one runs stage ``s`` on submesh ``s``.
   virtual stage in turn. The bubble is divided by ``v``,
   ``(S - 1) / (v n + S - 1)``, for ``v`` times the messages between
   stages; ``n`` must be a multiple of ``S``.
+* ``"zb-v"`` (Qi et al., "Pipeline parallelism with controllable memory",
+  2024): ``2 S`` stages in a V: submesh ``d`` runs stage ``d`` on the way
+  down and stage ``2 S - 1 - d`` on the way back, so the last stage's
+  output (the loss) and the first stage's input are on submesh 0 and the
+  turn at submesh ``S - 1`` sends nothing between submeshes. Backwards are
+  split as under ZB-H1. The order (:func:`_zb_v`) is built by running the
+  schedule on equal task times: each submesh, whenever free, runs the
+  oldest ``B`` it can, else a forward (the way back's first) while it holds
+  fewer than ``2 S`` stage-micro-batches (1F1B's stage 0 holds ``S``
+  micro-batches of twice the layers: the same memory), else its oldest
+  ``W``. With ``F = B = W`` the only idle time is the first micro-batch's
+  way down, ``(S - 1) / (6 n + S - 1)`` of each submesh's time: half of
+  ZB-H1's.
 
 :func:`simulate` replays a schedule on task durations (measured or
 modelled) and gives its step time and bubble, the fraction of stage time
@@ -45,14 +58,17 @@ spent idle; for equal stage times the bubble of 1F1B and GPipe is
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Sequence
 
 __all__ = ["Task", "stage_tasks", "dispatch_order", "in_flight", "held_at_most",
            "awaiting_weights", "awaiting_weights_at_most", "splits_backward", "simulate",
-           "bubble", "submesh_of", "SCHEDULES", "AUTO_SCHEDULES"]
+           "bubble", "submesh_of", "SCHEDULES", "AUTO_SCHEDULES", "VIRTUAL_SCHEDULES"]
 
 # PipeshardParallel's schedules.
-SCHEDULES = ("1f1b", "gpipe", "zb-h1", "interleaved-1f1b")
+SCHEDULES = ("1f1b", "gpipe", "zb-h1", "interleaved-1f1b", "zb-v")
+# The schedules that run several stages on each submesh (``virtual_stages``).
+VIRTUAL_SCHEDULES = ("interleaved-1f1b", "zb-v")
 # What ``schedule="auto"`` weighs: GPipe takes as long as 1F1B in the model
 # and holds more, so it never wins.
 AUTO_SCHEDULES = ("1f1b", "zb-h1")
@@ -61,12 +77,16 @@ AUTO_SCHEDULES = ("1f1b", "zb-h1")
 def splits_backward(schedule: str) -> bool:
   """Whether ``schedule`` runs each backward as two tasks: ``B``, the
   cotangents of the stage's inputs, and ``W``, its parameters' gradient."""
-  return schedule == "zb-h1"
+  return schedule in ("zb-h1", "zb-v")
 
 
 def submesh_of(schedule: str, num_submeshes: int, stage: int) -> int:
   """The submesh stage ``stage`` runs on."""
-  return stage % num_submeshes if schedule == "interleaved-1f1b" else stage
+  if schedule == "interleaved-1f1b":
+    return stage % num_submeshes
+  if schedule == "zb-v" and stage >= num_submeshes:
+    return 2 * num_submeshes - 1 - stage
+  return stage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +109,10 @@ def stage_tasks(schedule: str, num_stages: int, n: int,
   schedule)."""
   if schedule == "interleaved-1f1b":
     return [_interleaved(num_stages, virtual_stages, n, d) for d in range(num_stages)]
+  if schedule == "zb-v":
+    if virtual_stages != 2:
+      raise ValueError(f"zb-v with virtual_stages={virtual_stages}")
+    return [list(tasks) for tasks in _zb_v(num_stages, n)]
   if virtual_stages != 1:
     raise ValueError(f"{schedule} with virtual_stages={virtual_stages}")
   out = []
@@ -140,6 +164,56 @@ def _interleaved(S: int, v: int, n: int, d: int) -> list[Task]:
     order += [task("F", warm + k), task("B", k)]
   order += [task("B", k) for k in range(total - warm, total)]
   return order
+
+
+@functools.lru_cache(maxsize=64)
+def _zb_v(S: int, n: int) -> tuple[tuple[Task, ...], ...]:
+  """The submeshes' orders under ZB-V (see the module docstring): the
+  schedule run on tasks of one time unit each, every submesh choosing, at
+  each unit, the oldest ``B`` whose inputs are there, else a forward (of
+  its way-back stage first) while it holds under ``2 S`` stage-micro-
+  batches, else its oldest ``W``."""
+  L = 2 * S
+  stages = [(L - 1 - d, d) for d in range(S)]          # the way back's first
+  end: dict[Task, int] = {}
+  order: list[list[Task]] = [[] for _ in range(S)]
+  held = [0] * S
+  next_f, next_b = [0] * L, [0] * L
+  awaiting: list[list[Task]] = [[] for _ in range(S)]  # B run, W not
+  left = 3 * L * n
+  t = 0
+
+  def done(task: Task) -> bool:
+    return end.get(task, t + 1) <= t
+
+  while left:
+    for d in range(S):
+      pick = None
+      ready = [(next_b[k], -k) for k in stages[d]
+               if next_b[k] < n and done(Task("F", k, next_b[k]))
+               and (k == L - 1 or done(Task("B", k + 1, next_b[k])))]
+      if ready:
+        i, k = min(ready)
+        pick = Task("B", -k, i)
+        next_b[-k] += 1
+        awaiting[d].append(pick)
+      if pick is None and held[d] < L:
+        for k in stages[d]:
+          if next_f[k] < n and (k == 0 or done(Task("F", k - 1, next_f[k]))):
+            pick = Task("F", k, next_f[k])
+            next_f[k] += 1
+            held[d] += 1
+            break
+      if pick is None and awaiting[d] and done(awaiting[d][0]):
+        b = awaiting[d].pop(0)
+        pick = Task("W", b.stage, b.micro_batch)
+        held[d] -= 1
+      if pick is not None:
+        order[d].append(pick)
+        end[pick] = t + 1
+        left -= 1
+    t += 1
+  return tuple(tuple(o) for o in order)
 
 
 def _deps(t: Task, num_stages: int) -> list[Task]:
@@ -212,7 +286,7 @@ def held_at_most(schedule: str, num_stages: int, n: int,
     return [min(n, num_stages)] * num_stages
   if schedule == "1f1b":
     return [min(n, num_stages - s) for s in range(num_stages)]
-  if schedule == "interleaved-1f1b":
+  if schedule in VIRTUAL_SCHEDULES:
     return in_flight(dispatch_order(stage_tasks(schedule, num_stages, n, virtual_stages)),
                      num_stages * virtual_stages)
   raise ValueError(schedule)
@@ -234,13 +308,17 @@ def awaiting_weights(order: Sequence[Task], num_stages: int) -> list[int]:
   return peak
 
 
-def awaiting_weights_at_most(schedule: str, num_stages: int, n: int) -> list[int]:
+def awaiting_weights_at_most(schedule: str, num_submeshes: int, n: int,
+                             virtual_stages: int = 1) -> list[int]:
   """Per stage, the most micro-batches whose ``B`` has run and whose ``W``
   has not (what the ``B`` computed for its ``W`` held meanwhile); 0 where
   the schedule does not split the backward."""
   if schedule == "zb-h1":
-    return [min(s + 1, n) for s in range(num_stages)]
-  return [0] * num_stages
+    return [min(s + 1, n) for s in range(num_submeshes)]
+  if schedule == "zb-v":
+    return awaiting_weights(dispatch_order(stage_tasks(schedule, num_submeshes, n, 2)),
+                            2 * num_submeshes)
+  return [0] * (num_submeshes * virtual_stages)
 
 
 def bubble(schedule: str, num_stages: int, n: int, forward: float = 1.0,
@@ -251,7 +329,13 @@ def bubble(schedule: str, num_stages: int, n: int, forward: float = 1.0,
   ``W`` where the schedule splits it), in theory: each submesh works
   ``n (F + B + W)`` and waits ``(S - 1) (F + B + W)`` under 1F1B and GPipe,
   ``(S - 1) (F + B - W)`` under ZB-H1 (at least 0), ``(S - 1) (F + B + W)
-  / v`` interleaved."""
+  / v`` interleaved; ZB-V's order replayed on such tasks (``S`` submeshes,
+  each stage half of one's layers)."""
+  if schedule == "zb-v":
+    w = backward * weight_share
+    took = {"F": forward / 2, "B": (backward - w) / 2, "W": w / 2}
+    return simulate(stage_tasks(schedule, num_stages, n, 2),
+                    lambda t: took[t.kind]).bubble
   work = n * (forward + backward)
   if splits_backward(schedule):
     w = backward * weight_share

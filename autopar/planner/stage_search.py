@@ -52,6 +52,7 @@ import numpy as np
 from autopar.costs.cost_model import DEFAULT_ALPHA, DEFAULT_BETA
 from autopar.errors import InputError, PlanError
 from autopar.costs.schedule import (awaiting_weights_at_most, bubble, held_at_most,
+                                    simulate, stage_tasks,
                                     splits_backward, submesh_of)
 from autopar.method import accumulation_dtype, axis_sizes_of
 from autopar.plan import CollectivePlan
@@ -98,12 +99,24 @@ def schedule_seconds(schedule: str, times, n: int, virtual_stages: int = 1) -> f
   if not times:
     return 0.0
   S = len(times) // virtual_stages
+  if schedule == "zb-v":
+    return _replayed(schedule, tuple(times), n, virtual_stages)
   busy = [sum(t for k, t in enumerate(times) if submesh_of(schedule, S, k) == d)
           for d in range(S)]
   fill = sum(times) - max(busy)
   if splits_backward(schedule):
     fill *= FORWARD_SHARE + (1 - FORWARD_SHARE) * (1 - 2 * WEIGHT_SHARE)
   return n * max(busy) + fill / virtual_stages
+
+
+def _replayed(schedule: str, times: tuple, n: int, virtual_stages: int) -> float:
+  """The step time of ``schedule``'s order replayed on the stages' times
+  (each split into F, B and W by the shares above)."""
+  backward = 1 - FORWARD_SHARE
+  share = {"F": FORWARD_SHARE, "B": backward * (1 - WEIGHT_SHARE),
+           "W": backward * WEIGHT_SHARE}
+  tasks = stage_tasks(schedule, len(times) // virtual_stages, n, virtual_stages)
+  return simulate(tasks, lambda t: times[t.stage] * share[t.kind]).makespan
 
 
 def first_pass_time(times, n: int) -> float:
@@ -277,11 +290,10 @@ def search(pre, method, mesh):
   v = method.virtual_stages
   if v > 1 and ctx.option.memory_budget_per_device is not None:
     raise InputError(
-        f"{ctx.program.fn_name}: schedule='interleaved-1f1b' under "
+        f"{ctx.program.fn_name}: schedule={method.schedule!r} under "
         f"memory_budget_per_device: the search counts each stage's memory alone, not "
         f"the {v} stages a submesh holds together; not built. Fix: drop the budget, or "
         f"use schedule='1f1b' or 'zb-h1'.")
-  physical_total = total
   if v > 1 and fixed_shapes is None:
     return _each_uniform_shape(pre, method, mesh, fixed_S)
   if fixed_shapes is not None:
@@ -289,12 +301,13 @@ def search(pre, method, mesh):
     if v > 1:
       # Interleaved: v stages on each submesh, the mesh tiled v times over
       # (the search walks a mesh v times as long on its first axis).
-      if ctx.n % len(fixed_shapes):
+      if method.schedule == "interleaved-1f1b" and ctx.n % len(fixed_shapes):
         raise InputError(
             f"{ctx.program.fn_name}: schedule='interleaved-1f1b' runs micro-batches in "
             f"groups of the number of submeshes ({len(fixed_shapes)}); num_micro_batches="
             f"{ctx.n} is not a multiple of it. Fix: use a multiple of {len(fixed_shapes)}.")
-      fixed_shapes = fixed_shapes * v
+      fixed_shapes = [fixed_shapes[submesh_of(method.schedule, len(fixed_shapes), k)]
+                      for k in range(len(fixed_shapes) * v)]
       mesh_shape = (mesh_shape[0] * v, *mesh_shape[1:])
       total *= v
     fixed_S = len(fixed_shapes)
@@ -328,6 +341,9 @@ def search(pre, method, mesh):
       prefix[(shape, axes)] = (np.vstack([np.zeros(10), np.cumsum(rows, axis=0)]), rows)
 
   refused: set = set()     # (a, b, shape, batch axes) no plan fits
+  # ZB-V's turn: the stage after the first pass over the mesh runs on the
+  # same submesh, so nothing crosses a link there.
+  turn = total // v if method.schedule == "zb-v" else None
 
   @functools.lru_cache(maxsize=None)
   def stage(a: int, b: int, offset: int, shape, held: int):
@@ -336,7 +352,7 @@ def search(pre, method, mesh):
     best = None
     devices = math.prod(shape)
     end = offset + devices
-    axis = link_axis(mesh_shape, names, end) if b < G else None
+    axis = link_axis(mesh_shape, names, end) if b < G and end != turn else None
     for axes in axes_of[shape]:
       if (a, b, shape, axes) in refused:
         continue
@@ -473,7 +489,7 @@ def search(pre, method, mesh):
     layers = [(bounds[c.layers[0]], bounds[c.layers[1]]) for c in cands]
     c = cut(ctx, layers)
     in_flight = held_at_most(method.schedule, len(cands) // v, n, v)
-    awaiting = (awaiting_weights_at_most(method.schedule, len(cands), n)
+    awaiting = (awaiting_weights_at_most(method.schedule, len(cands) // v, n, v)
                 if splits_backward(method.schedule) else [None] * len(cands))
     try:
       sols = [plans_of(c, s, cand, in_flight[s], awaiting[s])
@@ -502,13 +518,18 @@ def search(pre, method, mesh):
     choices.append(_choice(ctx, c, s, cand, sol, layers[s], in_flight[s], awaiting[s]))
     missing.update(missing_rules(sol.joint, sol.update))
   warn_missing_rules(missing, f"{ctx.program.fn_name}'s pipeline stages")
-  # (Interleaved: the search's offsets run over the mesh v times.)
-  choices = [dataclasses.replace(ch, offset=ch.offset % physical_total) for ch in choices]
+  if v > 1:
+    # The search's offsets run over the mesh v times; each stage goes on
+    # its submesh (``submesh_of``), one of the first pass's.
+    D = len(choices) // v
+    offsets = [ch.offset for ch in choices[:D]]
+    choices = [dataclasses.replace(ch, offset=offsets[submesh_of(method.schedule, D, k)])
+               for k, ch in enumerate(choices)]
   return c, choices, result
 
 
 def _each_uniform_shape(pre, method, mesh, num_submeshes):
-  """Interleaved stages with ``stage_mesh_shapes="auto"``: the search with
+  """Several stages a submesh with ``stage_mesh_shapes="auto"``: the search with
   the mesh cut into ``num_submeshes`` blocks of each shape that tiles it
   alike, the fastest in the model."""
   sizes = axis_sizes_of(mesh)
@@ -528,7 +549,7 @@ def _each_uniform_shape(pre, method, mesh, num_submeshes):
       best = found
   if best is None:
     raise InputError(
-        f"{pre.ctx.program.fn_name}: schedule='interleaved-1f1b' with num_stages="
+        f"{pre.ctx.program.fn_name}: schedule={method.schedule!r} with num_stages="
         f"{num_submeshes}: no block shape cuts the mesh {sizes} into {num_submeshes} "
         f"alike. Fix: give stage_mesh_shapes, or another num_stages.")
   return best

@@ -40,7 +40,7 @@ import math
 from typing import TYPE_CHECKING, Any, Sequence
 
 from autopar.backend import hlo
-from autopar.costs.schedule import awaiting_weights_at_most
+from autopar.costs.schedule import awaiting_weights_at_most, submesh_of
 from autopar.backend.lower import ONE_STAGE
 from autopar.costs.cost_model import MeshCost, dtype_flop_seconds, ring_bytes_sent
 from autopar.errors import PlanError
@@ -281,10 +281,11 @@ def check_pipeline(plan: "Plan", executable: Any) -> PlanCheck:
   compiled = pipeline_stage_memory(plan, stages)
   most = max(b for _, b in compiled)
   if plan.virtual_stages > 1:
-    # Interleaved: a submesh holds its stages together; the sum of their
+    # Several stages a submesh: it holds them together; the sum of their
     # peaks bounds its own (their executables do not run at once).
     D = len(plan.stages) // plan.virtual_stages
-    most = max(sum(b for _, b in compiled[d::D]) for d in range(D))
+    most = max(sum(b for k, (_, b) in enumerate(compiled)
+                   if submesh_of(plan.schedule, D, k) == d) for d in range(D))
   return PlanCheck(collectives=(), predicted_memory=int(plan.memory_per_device),
                    compiled_memory=most, stage_memory=compiled)
 
@@ -299,7 +300,7 @@ def pipeline_stage_memory(plan: "Plan", stages) -> tuple[tuple[str, int], ...]:
   and, beside a forward or backward pass, the micro-batch it makes or
   reads. The other ``in_flight - 1`` micro-batches the schedule keeps for
   their backward passes (each the forward's outputs and the activations
-  the stage before sent), and under ZB-H1 what each B keeps for its W
+  the stage before sent), and under ZB-H1 and ZB-V what each B keeps for its W
   (``backward_input``'s outputs; ``backward_weight`` too runs beside them),
   are held beside a forward or backward pass."""
   out = []
@@ -318,8 +319,9 @@ def pipeline_stage_memory(plan: "Plan", stages) -> tuple[tuple[str, int], ...]:
     # between the two (``awaiting_weights_at_most``).
     b_pass = mine.get("backward_input")
     if b_pass is not None:
-      S = len(plan.stages)
-      waiting = awaiting_weights_at_most(plan.schedule, S, plan.num_micro_batches)
+      waiting = awaiting_weights_at_most(plan.schedule,
+                                         len(plan.stages) // plan.virtual_stages,
+                                         plan.num_micro_batches, plan.virtual_stages)
       others += waiting[st.index] * b_pass.output_size_in_bytes
     peak = 0
     for kind, m in mine.items():

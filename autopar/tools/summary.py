@@ -14,7 +14,8 @@ import re
 from typing import TYPE_CHECKING, Sequence
 
 from autopar.costs.cost_model import MeshCost
-from autopar.costs.schedule import Task, Timeline, bubble, simulate, splits_backward, stage_tasks
+from autopar.costs.schedule import (Task, Timeline, bubble, simulate, splits_backward,
+                                    stage_tasks, submesh_of)
 from autopar.tools.groups import (Group, collapse, collapsed_name, other_rows, param_rows,
                                   params_prefix)
 from autopar.text import axes_str, canonical_str, format_bytes, format_rows, same_spec
@@ -139,8 +140,9 @@ def stage_lines(plan: "Plan") -> list[str]:
            "each stage runs its layers' forward and backward passes for every "
            "micro-batch on its own submesh," if v == 1 else
            f"each stage runs its layers' forward and backward passes for every "
-           f"micro-batch, {v} stages on each of {S // v} submeshes (stage k on "
-           f"submesh k mod {S // v}),",
+           f"micro-batch, {v} stages on each of {S // v} submeshes ("
+           + (f"stage k on submesh k mod {S // v}" if schedule != "zb-v" else
+              f"a V: stages k and {S - 1} - k on submesh k") + "),",
            "then sums its gradients over its batch axes and updates its parameters"]
   lines += format_rows(stage_rows(plan))
   zero = [str(st.index) for st in plan.stages if st.zero_state]
@@ -155,7 +157,12 @@ def stage_lines(plan: "Plan") -> list[str]:
   t = [st.time_per_micro_batch for st in plan.stages]
   if t:
     f = [st.first_pass_seconds for st in plan.stages if st.first_pass_seconds]
-    if split:
+    if schedule == "zb-v":
+      lines.append(f"predicted step time: {plan.objective:.6g} s = the schedule's "
+                   f"order replayed on the stage times (F, B and W a third of each), "
+                   f"{timeline(plan)[1].makespan:.3g} s, + sends and updates"
+                   f"{' + the first pass' if f else ''}")
+    elif split:
       lines.append(f"predicted step time: {plan.objective:.6g} s = {n} x slowest "
                    f"{max(t):.3g} s + a third of the other stages' times, "
                    f"{(sum(t) - max(t)) / 3:.3g} s (the weights' gradients fill the "
@@ -321,12 +328,14 @@ def memory_by_kind(plan: "Plan", params: Sequence | None = None) -> dict[str, in
   pass's gradients are the step's (one micro-batch, the batch on one
   device) they are counted under "gradients" and the rest is that much
   smaller. For a pipeline, each stage's total (the devices of its submesh
-  hold that stage alone; the stage table says what it holds); interleaved,
-  each submesh's, the sum of its stages'."""
+  hold that stage alone; the stage table says what it holds); with several
+  stages a submesh, each submesh's, the sum of its stages'."""
   if plan.stages and plan.virtual_stages > 1:
     D = len(plan.stages) // plan.virtual_stages
-    return {f"submesh {d} (stages {', '.join(str(st.index) for st in plan.stages[d::D])})":
-            sum(st.memory_per_device for st in plan.stages[d::D]) for d in range(D)}
+    on = [[st for st in plan.stages if submesh_of(plan.schedule, D, st.index) == d]
+          for d in range(D)]
+    return {f"submesh {d} (stages {', '.join(str(st.index) for st in on[d])})":
+            sum(st.memory_per_device for st in on[d]) for d in range(D)}
   if plan.stages:
     return {f"stage {st.index}": st.memory_per_device for st in plan.stages}
   sizes = plan.axis_sizes
