@@ -70,3 +70,7 @@ def test_stage_format_round_trip_keeps_each_arrays_devices(tmp_path):
     assert back["name"] == "kept from the target"
   with pytest.raises(autopar.InputError, match=r"target\['step'\] is float32\[3\]"):
     autopar.restore_checkpoint(path, {**state, "step": jnp.zeros(3)})
+  renamed = {("steps" if k == "step" else k): v for k, v in state.items()}
+  with pytest.raises(autopar.InputError, match=r"target\['steps'\] is where the "
+                                               r"checkpoint .* holds \['step'\]"):
+    autopar.restore_checkpoint(path, renamed)        # (same shapes, same order)

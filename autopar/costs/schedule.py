@@ -7,7 +7,8 @@ run them in); :func:`dispatch_order` interleaves them into one order that
 respects the data dependencies, which is the order the driver dispatches
 them in (dispatch is asynchronous, so stages on different submeshes run at
 the same time). A task's ``stage`` is the pipeline's stage; every schedule
-but the interleaved one runs stage ``s`` on submesh ``s``.
+but the interleaved one and ZB-V runs stage ``s`` on submesh ``s``
+(:func:`submesh_of`).
 
 * ``"gpipe"``: every stage runs all forwards, then all backwards. Stage
   ``s`` holds the activations of all ``n`` micro-batches at its peak.
@@ -45,9 +46,11 @@ but the interleaved one runs stage ``s`` on submesh ``s``.
   oldest ``B`` it can, else a forward (the way back's first) while it holds
   fewer than ``2 S`` stage-micro-batches (1F1B's stage 0 holds ``S``
   micro-batches of twice the layers: the same memory), else its oldest
-  ``W``. With ``F = B = W`` the only idle time is the first micro-batch's
-  way down, ``(S - 1) / (6 n + S - 1)`` of each submesh's time: half of
-  ZB-H1's.
+  ``W``. With ``F = B = W`` (one unit each) and ``n >= S``, a submesh
+  waits ``S - 1`` units for ``S <= 4`` (the first micro-batch's way down:
+  ``(S - 1) / (6 n + S - 1)`` of its time, half ZB-H1's ``2 (S - 1)``),
+  and up to ``S - 4`` more for larger ``S`` (S = 8, n = 16: 7; n = 9: 11),
+  always less than ZB-H1's. Any ``n`` works.
 
 :func:`simulate` replays a schedule on task durations (measured or
 modelled) and gives its step time and bubble, the fraction of stage time
@@ -106,7 +109,7 @@ def stage_tasks(schedule: str, num_stages: int, n: int,
                 virtual_stages: int = 1) -> list[list[Task]]:
   """Per submesh, the tasks it runs, in its order (``num_stages``
   submeshes; ``virtual_stages`` stages on each under the interleaved
-  schedule)."""
+  schedule, 2 under ZB-V)."""
   if schedule == "interleaved-1f1b":
     return [_interleaved(num_stages, virtual_stages, n, d) for d in range(num_stages)]
   if schedule == "zb-v":
@@ -213,6 +216,8 @@ def _zb_v(S: int, n: int) -> tuple[tuple[Task, ...], ...]:
         end[pick] = t + 1
         left -= 1
     t += 1
+    if t > 6 * L * n + L:      # (every task runs by then unless the rule is stuck)
+      raise RuntimeError(f"zb-v order for {S} submeshes and {n} micro-batches is stuck")
   return tuple(tuple(o) for o in order)
 
 
@@ -278,8 +283,8 @@ def held_at_most(schedule: str, num_stages: int, n: int,
                  virtual_stages: int = 1) -> list[int]:
   """Per stage, the most micro-batches whose activations ``schedule`` holds
   at once (from a forward to its backward, or to its ``W``); ``num_stages``
-  submeshes (``virtual_stages`` stages each under the interleaved
-  schedule)."""
+  submeshes (``virtual_stages`` stages each under the interleaved schedule
+  and ZB-V)."""
   if schedule == "gpipe":
     return [n] * num_stages
   if schedule == "zb-h1":

@@ -94,8 +94,8 @@ def schedule_seconds(schedule: str, times, n: int, virtual_stages: int = 1) -> f
   the others' fill and drain add, all of it under 1F1B and GPipe; under
   ZB-H1 its share ``(F + B - W) / (F + B + W)`` (a third), the weights'
   gradients filling the rest; interleaved (each submesh runs
-  ``virtual_stages`` stages, ``submesh_of``), ``1 / virtual_stages`` of it
-  (``costs/schedule.py``)."""
+  ``virtual_stages`` stages, ``submesh_of``), ``1 / virtual_stages`` of it;
+  ZB-V: its order replayed on the times (``costs/schedule.py``)."""
   if not times:
     return 0.0
   S = len(times) // virtual_stages

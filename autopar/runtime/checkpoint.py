@@ -18,15 +18,15 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar.errors import InputError
-from autopar.plan import spec_from_json, spec_to_json
+from autopar.plan import spec_to_json
 
 __all__ = ["save_local", "restore_local", "restore_here", "arrays_only", "save_stages",
            "begin_stage_save", "write_stage_shards", "end_stage_save",
            "is_stage_checkpoint", "check_stage_target", "read_stage_array",
-           "saved_sharding", "stage_manifest"]
+           "stage_manifest"]
 
 
 def _checkpointer():
@@ -200,8 +200,15 @@ def end_stage_save(path: str, tree: Any) -> None:
   pending = _pending(path)
   with open(os.path.join(pending, STAGE_MANIFEST), "w") as f:
     json.dump({"format": _STAGE_FORMAT, "leaves": leaves}, f, indent=1)
-  shutil.rmtree(os.path.abspath(path), ignore_errors=True)
-  os.replace(pending, os.path.abspath(path))
+  # The old checkpoint is moved aside before the new one takes its place,
+  # so that one of them is whole at every moment.
+  final = os.path.abspath(path)
+  old = final + ".autopar-old"
+  shutil.rmtree(old, ignore_errors=True)
+  if os.path.exists(final):
+    os.replace(final, old)
+  os.replace(pending, final)
+  shutil.rmtree(old, ignore_errors=True)
 
 
 def save_stages(path: str, tree: Any) -> None:
@@ -219,18 +226,29 @@ def stage_manifest(path: str) -> list[dict]:
 
 def check_stage_target(path: str, entries: list[tuple[str, tuple, Any]]) -> list[dict]:
   """The manifest's leaves, after checking that ``entries`` ((path, shape,
-  dtype) of the target's arrays, in order) are what was saved."""
-  saved = stage_manifest(path)
+  dtype) of the target's arrays, in order) are what was saved, leaf by leaf
+  (path, shape and dtype: leaves of one shape must not trade places)."""
+  with open(os.path.join(path, STAGE_MANIFEST)) as f:
+    manifest = json.load(f)
+  if manifest.get("format") != _STAGE_FORMAT:
+    raise InputError(f"restore_checkpoint: the checkpoint at {path!r} is of format "
+                     f"{manifest.get('format')!r}; this autopar reads {_STAGE_FORMAT}. "
+                     f"Fix: restore it with the autopar that saved it.")
+  saved = manifest["leaves"]
   if len(saved) != len(entries):
     raise InputError(f"restore_checkpoint: the checkpoint at {path!r} holds "
                      f"{len(saved)} arrays but target has {len(entries)}. Fix: "
                      f"pass a target of the state that was saved.")
   for rec, (name, shape, dtype) in zip(saved, entries):
+    if rec["path"] != name:
+      raise InputError(f"restore_checkpoint: target{name} is where the checkpoint at "
+                       f"{path!r} holds {rec['path'] or 'the state'} (leaves in the same "
+                       f"order). Fix: pass a target of the state that was saved.")
     if tuple(rec["shape"]) != tuple(shape) or rec["dtype"] != str(dtype):
       raise InputError(f"restore_checkpoint: target{name} is {str(dtype)}"
                        f"{list(shape)} but the checkpoint holds {rec['dtype']}"
-                       f"{rec['shape']} there (saved as {rec['path'] or 'the state'}). "
-                       f"Fix: pass a target of the state that was saved.")
+                       f"{rec['shape']} there. Fix: pass a target of the state that "
+                       f"was saved.")
   return saved
 
 
@@ -258,15 +276,3 @@ def _global_array(store, shape, sharding) -> jax.Array:
     return jax.make_array_from_single_device_arrays(shape, sharding, [], dtype=dtype)
   return jax.make_array_from_callback(shape, sharding, lambda idx: store[idx].read().result(),
                                       dtype=dtype)
-
-
-def saved_sharding(record: dict, devices: dict, spec=None):
-  """The sharding leaf ``record`` was saved with, on ``devices`` (id ->
-  device); ``spec`` in place of the saved one if given."""
-  s = record["sharding"]
-  if "mesh_shape" not in s:
-    raise InputError(f"restore_checkpoint: {record['path']} was saved on devices "
-                     f"{s['devices']} without a mesh. Fix: give its sharding.")
-  mesh = Mesh(np.array([devices[i] for i in s["devices"]]).reshape(s["mesh_shape"]),
-              tuple(s["axis_names"]))
-  return NamedSharding(mesh, spec_from_json(s["spec"]) if spec is None else spec)

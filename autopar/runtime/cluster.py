@@ -335,6 +335,7 @@ class RayCluster(runtime.Runtime):
     self.num_devices = infos[0]["devices"]
     self.platform = infos[0]["platform"]
     self.device_hosts = infos[0]["device_processes"]
+    self.device_ids = infos[0]["device_ids"]
     self.pids = [i["pid"] for i in infos]
 
   def stop(self) -> None:
@@ -744,8 +745,8 @@ class RayCluster(runtime.Runtime):
     weak = self._call([w.restore_checkpoint.remote(os.path.abspath(path), payload, out_ids)
                        for w in self.workers], "restore_checkpoint")[0]
     return jax.tree.unflatten(tree, [
-        RemoteArray(self, i, shape, dtype, weak_type=w)
-        for i, (shape, dtype, *_), w in zip(out_ids, entries, weak, strict=True)])
+        RemoteArray(self, i, shape, dtype, weak_type=w, key_impl=impl)
+        for i, (shape, dtype, *_, impl), w in zip(out_ids, entries, weak, strict=True)])
 
   def _whole_mesh_entries(self, t_leaves, s_leaves, meshes) -> list[tuple]:
     """The leaves of an orbax checkpoint: on one mesh of every device
@@ -763,7 +764,8 @@ class RayCluster(runtime.Runtime):
           f"its plan puts it.")
     (mesh_shape, mesh_names), = meshes
     return [(tuple(x.shape), np.dtype(x.dtype),
-             s if isinstance(s, PartitionSpec) else s.spec, mesh_shape, mesh_names, None)
+             s if isinstance(s, PartitionSpec) else s.spec, mesh_shape, mesh_names, None,
+             None)
             for x, s in zip(t_leaves, s_leaves)]
 
   def _stage_entries(self, path, target, s_leaves, whole) -> list[tuple]:
@@ -775,31 +777,41 @@ class RayCluster(runtime.Runtime):
     flat, _ = jax.tree_util.tree_flatten_with_path(target)
     names = [jax.tree_util.keystr(p) for p, _ in flat]
     saved = checkpoint.check_stage_target(
-        path, [(n, x.shape, np.dtype(x.dtype)) for n, (_, x) in zip(names, flat)])
+        path, [(n, x.shape, x.dtype) for n, (_, x) in zip(names, flat)])
     entries = []
     for name, (_, x), s, rec in zip(names, flat, s_leaves, saved, strict=True):
-      at = rec["sharding"]
+      at, impl = rec["sharding"], rec["key_impl"]
+      dtype = str(x.dtype) if impl else np.dtype(x.dtype)
       spec = s if isinstance(s, PartitionSpec) else getattr(s, "spec", None)
       mesh = (None if s is None else whole if isinstance(s, PartitionSpec) else
               (tuple(s.mesh.axis_sizes), tuple(s.mesh.axis_names)))
       if mesh is not None and math.prod(mesh[0]) == self.num_devices:
-        entries.append((tuple(x.shape), np.dtype(x.dtype), spec, *mesh, None))
+        entries.append((tuple(x.shape), dtype, spec, *mesh, None, impl))
         continue
-      saved_mesh = (tuple(at.get("mesh_shape", ())), tuple(at.get("axis_names", ())))
-      if "mesh_shape" not in at or (mesh is not None and mesh != saved_mesh):
+      fix = ("Fix: restore onto the whole mesh (NamedSharding(mesh, P()) per leaf); "
+             "the next step moves each array onto its stage.")
+      if "mesh_shape" not in at:
+        raise InputError(f"restore_checkpoint: target{name} was saved on devices "
+                         f"{at['devices']} without a mesh, so it cannot go back onto "
+                         f"them. {fix}")
+      missing = sorted(set(at["devices"]) - set(self.device_ids))
+      if missing:
+        raise InputError(f"restore_checkpoint: target{name} was saved on devices "
+                         f"{at['devices']}; this cluster has no device {missing}. {fix}")
+      saved_mesh = (tuple(at["mesh_shape"]), tuple(at["axis_names"]))
+      if mesh is not None and mesh != saved_mesh:
         raise InputError(
             f"restore_checkpoint: target{name}'s sharding lies on a submesh "
-            f"{dict(zip(mesh[1], mesh[0])) if mesh else None} but it was saved on "
-            f"{dict(zip(saved_mesh[1], saved_mesh[0])) or at['devices']} (devices "
-            f"{at['devices']}); under the Ray cluster a submesh is restored onto the "
-            f"devices it was saved on. Fix: give its saved submesh's shape, or "
-            f"restore onto the whole mesh (NamedSharding(mesh, P())); the next step "
-            f"moves each array onto its stage.")
-      entries.append((tuple(x.shape), np.dtype(x.dtype),
+            f"{dict(zip(mesh[1], mesh[0]))} but it was saved on "
+            f"{dict(zip(saved_mesh[1], saved_mesh[0]))} (devices {at['devices']}); "
+            f"under the Ray cluster a submesh is restored onto the devices it was "
+            f"saved on. Fix: give its saved submesh's shape, or restore onto the "
+            f"whole mesh (NamedSharding(mesh, P())); the next step moves each array "
+            f"onto its stage.")
+      entries.append((tuple(x.shape), dtype,
                       spec_from_json(at["spec"]) if spec is None else spec,
-                      *saved_mesh, list(at["devices"])))
+                      *saved_mesh, list(at["devices"]), impl))
     return entries
-
 
 def abstractify(args):
   """``args`` with RemoteArray leaves as ``jax.ShapeDtypeStruct``s."""

@@ -88,7 +88,8 @@ class HostWorker:
             "local_devices": jax.local_device_count(),
             "devices": jax.device_count(),
             "platform": jax.devices()[0].platform,
-            "device_processes": [d.process_index for d in jax.devices()]}
+            "device_processes": [d.process_index for d in jax.devices()],
+            "device_ids": [int(d.id) for d in jax.devices()]}
 
   def ping(self) -> int:
     return self.host_index
@@ -294,7 +295,8 @@ class HostWorker:
                          out_ids: list[int]) -> list[bool]:
     """Restores into global arrays (``target``: the tree and, per leaf,
     (shape, dtype, spec, mesh shape, mesh axis names, the mesh's device ids
-    or None for the first devices)); returns whether each is weakly typed."""
+    or None for the first devices, PRNG key impl or None)); returns whether
+    each is weakly typed."""
     from ray import cloudpickle
     import jax
     import numpy as np
@@ -302,7 +304,7 @@ class HostWorker:
     tree, entries = cloudpickle.loads(target_bytes)
     by_id = {d.id: d for d in jax.devices()}
     shardings = []
-    for _, _, spec, mesh_shape, names, ids in entries:
+    for _, _, spec, mesh_shape, names, ids, _ in entries:
       mesh = (self._mesh(mesh_shape, names) if ids is None else
               Mesh(np.array([by_id[i] for i in ids]).reshape(mesh_shape), tuple(names)))
       shardings.append(NamedSharding(mesh, spec))
