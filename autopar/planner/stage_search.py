@@ -28,7 +28,7 @@ Alpa's two-level search, with the link between stages priced:
    stages that lead to them, ``Σ f_s + (n - 1) × max f_s``, each priced by
    :func:`forward_seconds`); a stage whose memory (state + residuals × micro-batches
    it holds under the schedule + peak) exceeds ``memory_budget_per_device``
-   is not a candidate.
+   (with ``v`` stages a submesh, ``1 / v`` of it) is not a candidate.
 3. **Stage plans.** The chosen stages are planned whole by the ILP on their
    submeshes (stages that compute alike solved once); their specs are the
    plan.
@@ -288,12 +288,6 @@ def search(pre, method, mesh):
   fixed_shapes = None if method.stage_mesh_shapes == "auto" else \
       [tuple(s) for s in method.stage_mesh_shapes]
   v = method.virtual_stages
-  if v > 1 and ctx.option.memory_budget_per_device is not None:
-    raise InputError(
-        f"{ctx.program.fn_name}: schedule={method.schedule!r} under "
-        f"memory_budget_per_device: the search counts each stage's memory alone, not "
-        f"the {v} stages a submesh holds together; not built. Fix: drop the budget, or "
-        f"use schedule='1f1b' or 'zb-h1'.")
   if v > 1 and fixed_shapes is None:
     return _each_uniform_shape(pre, method, mesh, fixed_S)
   if fixed_shapes is not None:
@@ -328,7 +322,10 @@ def search(pre, method, mesh):
   costs, solved = _solve_layers(ctx, groups, shapes, names)
   bounds = [*groups, L]
   n = ctx.n
-  budget = ctx.option.memory_budget_per_device
+  # With several stages a submesh, each stage is held to an even share of
+  # the budget, so that their sum (what the submesh holds) is within it.
+  whole_budget = ctx.option.memory_budget_per_device
+  budget = None if whole_budget is None else whole_budget / v
   option = ctx.option
   alpha, beta = option.alpha, option.beta
   send_bytes = [_send(ctx, ctx.layers[bounds[g]]) if g < G else 0.0
@@ -462,7 +459,8 @@ def search(pre, method, mesh):
     if key not in plans:
       try:
         plans[key] = _within_budget(ctx, c, s, dict(zip(names, cand.shape)),
-                                    cand.batch_axes, held, awaiting, budget)
+                                    cand.batch_axes, held, awaiting, budget,
+                                    share_of=v)
       except PlanError as e:
         plans[key] = e
     if isinstance(plans[key], PlanError):
@@ -481,7 +479,9 @@ def search(pre, method, mesh):
       raise PlanError(
           f"{ctx.program.fn_name}: no pipeline of "
           f"{fixed_S if fixed_S else 'any number of'} stage(s) fits "
-          f"memory_budget_per_device={budget} on the mesh {mesh_shape} with "
+          f"memory_budget_per_device={whole_budget}"
+          f"{f' (each of a submesh{chr(39)}s {v} stages held to 1/{v} of it)' if v > 1 else ''}"
+          f" on the mesh {tuple(sizes.values())} with "
           f"{n} micro-batch(es) under {method.schedule}. Fix: raise the budget, use "
           f"more stages or more micro-batches with 1F1B, or remat.")
     S_best = min(by_S, key=lambda S: by_S[S][0])
@@ -583,22 +583,26 @@ def _by_num_stages(solve_dp, step_time, grid, slack, fixed_S) -> dict:
   return by_S
 
 
-def _within_budget(ctx, c, s, sizes, axes, in_flight: int, awaiting: int | None, budget):
-  """Stage ``s`` planned whole by its ILP; under a budget, planned again
-  until its memory as the search counts it (:func:`_stage_memory`) fits.
+def _within_budget(ctx, c, s, sizes, axes, in_flight: int, awaiting: int | None, budget,
+                   share_of: int = 1):
+  """Stage ``s`` planned whole by its ILP; under a budget (``budget``: the
+  stage's share, ``1 / share_of`` of the ILP's own), planned again until
+  its memory as the search counts it (:func:`_stage_memory`) fits.
   The ILP counts the same (the residuals, and what a B keeps for its W,
   it has values for: ``solve_stage``'s ``held``), at its own peaks; where its count and the search's still differ, each try lowers the
   ILP's budget by the last plan's excess (then the ILP splits the optimizer
   state over the batch axes, ZeRO-2, or the parameters too, ZeRO-3, as the
   search assumed where that was needed); at most six tries, then a
   PlanError."""
-  tighter, mem = 0.0, None
+  # (The ILP's budget is the option's: lowered to the stage's share.)
+  tighter = 0.0 if budget is None else budget * (share_of - 1)
+  mem = None
   for _ in range(6):
     try:
       sol = solve_stage(ctx, c, s, sizes, axes, in_flight=in_flight, awaiting=awaiting,
                         tighter=tighter)
     except PlanError:
-      if not tighter:
+      if mem is None and share_of == 1:
         raise
       break          # (no plan leaves the room the micro-batches in flight need)
     mem = _stage_memory(sol, in_flight, awaiting)
@@ -606,10 +610,12 @@ def _within_budget(ctx, c, s, sizes, axes, in_flight: int, awaiting: int | None,
       return sol
     # Next, the ILP's own count must come down by the excess.
     tighter += mem - budget
+  share = (f" / {share_of} (its share: the submesh holds {share_of} stages)"
+           if share_of > 1 else "")
   raise PlanError(
       f"{ctx.program.fn_name}: pipeline stage {s} (on a submesh {tuple(sizes.values())}, "
       f"{in_flight} micro-batch(es) in flight) does not fit "
-      f"memory_budget_per_device={budget}"
+      f"memory_budget_per_device={budget * share_of:.0f}{share}"
       f"{f' (its best plan needs {mem:.0f} bytes per device' if mem else ' ('}: its "
       f"state, the activations of the micro-batches in flight and its peak). Fix: "
       f"raise the budget, use more stages or more micro-batches with 1F1B, or remat.")
