@@ -482,8 +482,10 @@ class PipeshardParallel(ParallelMethod):
       the stage's inputs and, later, its weights' gradient, which fills
       the bubble; every stage holds up to ``S`` micro-batches' activations,
       1F1B's most), or ``"auto"``: the stage search plans each of 1F1B and
-      ZB-H1 and keeps the faster in its model that fits the memory budget
-      (``plan.summary()`` says what each would take), or
+      ZB-H1 (and, with the number of submeshes given, interleaved 1F1B with
+      2 stages a submesh and ZB-V) and keeps the fastest in its model that
+      fits the memory budget (``plan.summary()`` says what each would
+      take), or
       ``"interleaved-1f1b"``: ``num_stages`` submeshes (alike) each running
       ``virtual_stages`` stages, the bubble divided by ``virtual_stages``
       for as many times the messages between stages, or ``"zb-v"``: ``num_stages`` submeshes (alike) each running 2

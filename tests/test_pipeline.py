@@ -337,6 +337,26 @@ def test_zb_v_stages_equal_jit():
                                 **{"num_stages": 2, "num_micro_batches": 4, **bad})
 
 
+def test_auto_schedule_weighs_interleaved_and_zb_v():
+  """With the number of submeshes given, schedule="auto" also plans
+  interleaved 1F1B (2 stages a submesh) and ZB-V, keeps the fastest in the
+  model (here ZB-V: the least bubble), runs it equal to jit, and runs
+  again from its saved plan."""
+  make_state, step, batch = mlp_setup(batch=32, tx=optax.adam(1e-2), layers=6)
+  method = autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches=4, num_stages=2,
+                                     schedule="auto")
+  pf, got, want = run_steps(step, make_state, batch, method)
+  assert_trees_close(got, want)
+  plan = pf.get_executable(make_state(), batch).plan
+  weighed = {s: t for s, t, _ in plan.schedule_search}
+  assert list(weighed) == ["1f1b", "zb-h1", "interleaved-1f1b", "zb-v"]
+  assert plan.schedule == min(weighed, key=weighed.get) == "zb-v"
+  assert plan.virtual_stages == 2 and len(plan.stages) == 4
+  saved = dataclasses.replace(method, plan=autopar.Plan.from_json(plan.to_json()))
+  _, got, want = run_steps(step, make_state, batch, saved)
+  assert_trees_close(got, want)
+
+
 def test_interleaved_stages_equal_jit():
   """schedule="interleaved-1f1b": 2 submeshes with 2 stages each (stage k on
   submesh k % 2), equal to jit, twice, and again from the saved plan; the
@@ -1020,8 +1040,11 @@ def test_auto_schedule_keeps_the_faster_plan_that_fits():
   pf, auto = plan_of("auto")
   assert zb.objective < one.objective
   assert auto.schedule == "zb-h1" and auto.objective == zb.objective
-  assert [(s, t) for s, t, _ in auto.schedule_search] == [("1f1b", one.objective),
-                                                          ("zb-h1", zb.objective)]
+  # (With 4 submeshes, interleaved and ZB-V would need 8 stages: refused.)
+  assert [(s, t) for s, t, _ in auto.schedule_search] == [
+      ("1f1b", one.objective), ("zb-h1", zb.objective), ("interleaved-1f1b", None),
+      ("zb-v", None)]
+  assert "only" in auto.schedule_search[3][2] and "layer" in auto.schedule_search[3][2]
   text = auto.summary()
   assert "schedule='auto'" in text and "zb-h1: " in text and "(chosen)" in text
   assert autopar.Plan.from_json(auto.to_json()).schedule_search == auto.schedule_search

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec
 
 from autopar.costs.cost_model import assumed_costs, dtype_name
 from autopar.costs.submesh import tile
-from autopar.errors import PlanError
+from autopar.errors import InputError, PlanError
 from autopar.frontend.cut import cut, home_specs, stage_specs
 from autopar.frontend.hints import entry_axes, model_axes
 from autopar.frontend.pipeline import Context, Prepared, trace_pipelined
@@ -150,7 +150,8 @@ def plan_pipeline(pre: Prepared, method: PipeshardParallel, mesh,
     # (``now``: this step's fingerprint, where the caller has it.)
     now = now or fingerprint(pre.split, method, mesh, pre.batch)
     exact = dict(method.plan.fingerprint) == now
-    if method.plan.stages and method.virtual_stages != method.plan.virtual_stages:
+    if (method.plan.stages and method.schedule != "auto"
+        and method.virtual_stages != method.plan.virtual_stages):
       raise PlanError(
           f"{pre.ctx.program.fn_name}: the saved plan runs {method.plan.virtual_stages} "
           f"stage(s) on each submesh, the method asks for virtual_stages="
@@ -173,16 +174,31 @@ def plan_pipeline(pre: Prepared, method: PipeshardParallel, mesh,
   return dataclasses.replace(plan, in_tree=inputs, mesh=mesh), (cut_, choices, result)
 
 
+def _auto_candidates(method: PipeshardParallel, n: int) -> list[tuple[str, int]]:
+  """What ``schedule="auto"`` weighs: (schedule, virtual stages). Each of
+  ``AUTO_SCHEDULES``; where the number of submeshes is given (an int
+  ``num_stages`` or ``stage_mesh_shapes``), interleaved 1F1B with 2 stages
+  a submesh (if ``n`` is a multiple of the submeshes) and ZB-V too."""
+  out = [(s, 1) for s in AUTO_SCHEDULES]
+  submeshes = (method.num_stages if method.stage_mesh_shapes == "auto"
+               else len(method.stage_mesh_shapes))
+  if submeshes != "auto" and submeshes >= 2:
+    if n % submeshes == 0:
+      out.append(("interleaved-1f1b", 2))
+    out.append(("zb-v", 2))
+  return out
+
+
 def _auto_schedule(pre: Prepared, method: PipeshardParallel, mesh):
   """``schedule="auto"``: the stages searched under each of
-  ``AUTO_SCHEDULES``, and the plan of the one whose plan takes least in the
-  model (the first of equals), with what each would take."""
+  ``_auto_candidates``, and the plan of the one whose plan takes least in
+  the model (the first of equals), with what each would take."""
   found, weighed, refusals = [], [], []
-  for schedule in AUTO_SCHEDULES:
-    m = dataclasses.replace(method, schedule=schedule)
+  for schedule, v in _auto_candidates(method, pre.ctx.n):
     try:
+      m = dataclasses.replace(method, schedule=schedule, virtual_stages=v)
       cut_, choices, result = search(pre, m, mesh)
-    except PlanError as e:
+    except (PlanError, InputError) as e:
       refusals.append(e)
       weighed.append((schedule, None, str(e).split(". Fix:")[0]))
       continue
