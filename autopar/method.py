@@ -488,10 +488,11 @@ class PipeshardParallel(ParallelMethod):
       take), or
       ``"interleaved-1f1b"``: ``num_stages`` submeshes (alike) each running
       ``virtual_stages`` stages, the bubble divided by ``virtual_stages``
-      for as many times the messages between stages, or ``"zb-v"``: ``num_stages`` submeshes (alike) each running 2
-      stages in a V (submesh ``d`` stages ``d`` and ``2 S - 1 - d``), the
-      backwards split as under ZB-H1, the bubble half ZB-H1's up to 4
-      submeshes and below it beyond, holding 1F1B's most activations.
+      for as many times the messages between stages, or ``"zb-v"``:
+      ``num_stages`` submeshes (alike) each running 2 stages in a V
+      (submesh ``d`` stages ``d`` and ``2 S - 1 - d``), the backwards split
+      as under ZB-H1, the bubble half ZB-H1's up to 4 submeshes and below
+      it beyond, holding 1F1B's most activations.
       Under a memory budget, each of a submesh's stages is held to an even
       share of it. See ``docs/pipeline.md``.
     virtual_stages: stages per submesh under ``"interleaved-1f1b"``; 2

@@ -144,8 +144,7 @@ def bubble_table():
   for n in (8, 16):
     for schedule, v in SCHEDULES:
       peak, _, v = memory[(n, schedule)]
-      per = [sum(b for k, b in enumerate(peak) if sched.submesh_of(schedule, S, k) == d)
-             for d in range(S)]
+      per = [sum(on) for on in sched.stages_on(schedule, S, peak)]
       print(f"   S={S} n={n:>2} {schedule:>16}: " +
             ", ".join(f"{b / 2**20:.2f} MiB" for b in per) +
             f"  (most {max(per) / 2**20:.2f} MiB)")

@@ -66,7 +66,8 @@ from typing import Callable, Sequence
 
 __all__ = ["Task", "stage_tasks", "dispatch_order", "in_flight", "held_at_most",
            "awaiting_weights", "awaiting_weights_at_most", "splits_backward", "simulate",
-           "bubble", "submesh_of", "SCHEDULES", "AUTO_SCHEDULES", "VIRTUAL_SCHEDULES"]
+           "bubble", "submesh_of", "stages_on", "SCHEDULES", "AUTO_SCHEDULES",
+           "VIRTUAL_SCHEDULES"]
 
 # PipeshardParallel's schedules.
 SCHEDULES = ("1f1b", "gpipe", "zb-h1", "interleaved-1f1b", "zb-v")
@@ -90,6 +91,15 @@ def submesh_of(schedule: str, num_submeshes: int, stage: int) -> int:
   if schedule == "zb-v" and stage >= num_submeshes:
     return 2 * num_submeshes - 1 - stage
   return stage
+
+
+def stages_on(schedule: str, num_submeshes: int, per_stage: Sequence) -> list[list]:
+  """Per submesh, the items of ``per_stage`` (one per stage, in stage
+  order) of the stages it runs (:func:`submesh_of`)."""
+  out: list[list] = [[] for _ in range(num_submeshes)]
+  for k, x in enumerate(per_stage):
+    out[submesh_of(schedule, num_submeshes, k)].append(x)
+  return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ from autopar.frontend.cut import cut, home_specs, stage_specs
 from autopar.frontend.hints import entry_axes, model_axes
 from autopar.frontend.pipeline import Context, Prepared, trace_pipelined
 from autopar.frontend.split import OutputKind
-from autopar.costs.schedule import AUTO_SCHEDULES, held_at_most, submesh_of
+from autopar.costs.schedule import AUTO_SCHEDULES, held_at_most, stages_on
 from autopar.method import PipeshardParallel, auto_mesh, axis_sizes_of, resolve_mesh
 from autopar.plan import Plan, StagePlan, ValuePlan
 from autopar.planner.cache import fingerprint
@@ -122,10 +122,8 @@ def _plan_of(pre: Prepared, method, mesh, cut_, choices) -> Plan:
   return Plan(method="PipeshardParallel", mesh_axis_names=names,
               mesh_shape=tuple(sizes.values()), num_micro_batches=ctx.n,
               batch_axes=(), inputs=inputs, grads=grads, outputs=(),
-              memory_per_device=int(max(
-                  sum(c.memory for k, c in enumerate(choices)
-                      if submesh_of(method.schedule, S // v, k) == d)
-                  for d in range(S // v))),
+              memory_per_device=int(max(sum(on) for on in stages_on(
+                  method.schedule, S // v, [c.memory for c in choices]))),
               virtual_stages=v,
               objective=float(objective), stages=tuple(stage_plans),
               collectives=tuple(c for ch in choices for c in ch.collectives),

@@ -52,8 +52,8 @@ import numpy as np
 from autopar.costs.cost_model import DEFAULT_ALPHA, DEFAULT_BETA
 from autopar.errors import InputError, PlanError
 from autopar.costs.schedule import (awaiting_weights_at_most, bubble, held_at_most,
-                                    simulate, stage_tasks,
-                                    splits_backward, submesh_of)
+                                    simulate, splits_backward, stage_tasks,
+                                    stages_on, submesh_of)
 from autopar.method import accumulation_dtype, axis_sizes_of
 from autopar.plan import CollectivePlan
 from autopar.frontend.cut import cut
@@ -101,8 +101,7 @@ def schedule_seconds(schedule: str, times, n: int, virtual_stages: int = 1) -> f
   S = len(times) // virtual_stages
   if schedule == "zb-v":
     return _replayed(schedule, tuple(times), n, virtual_stages)
-  busy = [sum(t for k, t in enumerate(times) if submesh_of(schedule, S, k) == d)
-          for d in range(S)]
+  busy = [sum(on) for on in stages_on(schedule, S, times)]
   fill = sum(times) - max(busy)
   if splits_backward(schedule):
     fill *= FORWARD_SHARE + (1 - FORWARD_SHARE) * (1 - 2 * WEIGHT_SHARE)

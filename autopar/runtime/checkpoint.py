@@ -26,7 +26,7 @@ from autopar.plan import spec_to_json
 __all__ = ["save_local", "restore_local", "restore_here", "arrays_only", "save_stages",
            "begin_stage_save", "write_stage_shards", "end_stage_save",
            "is_stage_checkpoint", "check_stage_target", "read_stage_array",
-           "stage_manifest"]
+           "stage_manifest", "array_leaves"]
 
 
 def _checkpointer():
@@ -68,7 +68,7 @@ def restore_here(path: str, target: Any, shardings: Any = None) -> Any:
 
 def _restore_stages_here(path, target, leaves, shard_leaves):
   """``restore_here`` of a stage-format checkpoint (one saved under Ray)."""
-  names = [name for name, _ in _array_leaves(target)]
+  names = [name for name, _ in array_leaves(target)]
   arrays = [(x, s) for x, s in zip(leaves, shard_leaves) if _is_array(x)]
   saved = check_stage_target(path, [(name, x.shape, x.dtype)
                                     for name, (x, _) in zip(names, arrays)])
@@ -119,8 +119,9 @@ def _pending(path: str) -> str:
   return os.path.abspath(path) + ".autopar-pending"
 
 
-def _array_leaves(tree: Any) -> list[tuple[str, Any]]:
-  """(pytree path, array) of ``tree``'s array leaves, in order."""
+def array_leaves(tree: Any) -> list[tuple[str, Any]]:
+  """(pytree path, array) of ``tree``'s array leaves, in order: the names
+  the stage format saves them under."""
   flat, _ = jax.tree_util.tree_flatten_with_path(arrays_only(tree))
   return [(jax.tree_util.keystr(p), x) for p, x in flat]
 
@@ -166,7 +167,7 @@ def begin_stage_save(path: str, tree: Any) -> None:
   pending = _pending(path)
   shutil.rmtree(pending, ignore_errors=True)
   os.makedirs(pending)
-  for k, (_, x) in enumerate(_array_leaves(tree)):
+  for k, (_, x) in enumerate(array_leaves(tree)):
     shape, dtype = _stored(x)
     chunks = tuple(x.sharding.shard_shape(tuple(x.shape))) + shape[len(x.shape):]
     ts.open(_zarr(os.path.join(pending, str(k)), shape, dtype, chunks),
@@ -178,7 +179,7 @@ def write_stage_shards(path: str, tree: Any) -> None:
   arrays this process holds (each shard once over its replicas)."""
   import tensorstore as ts
   pending = _pending(path)
-  for k, (_, x) in enumerate(_array_leaves(tree)):
+  for k, (_, x) in enumerate(array_leaves(tree)):
     shards = [s for s in x.addressable_shards if s.replica_id == 0]
     if not shards:
       continue
@@ -193,7 +194,7 @@ def end_stage_save(path: str, tree: Any) -> None:
   shards: the manifest, and the directory moved to ``path`` (replacing
   what was there)."""
   leaves = []
-  for name, x in _array_leaves(tree):
+  for name, x in array_leaves(tree):
     leaves.append({"path": name, "shape": list(x.shape), "dtype": str(x.dtype),
                    "key_impl": str(jax.random.key_impl(x)) if _is_key(x) else None,
                    "sharding": _sharding_record(x)})
@@ -218,18 +219,21 @@ def save_stages(path: str, tree: Any) -> None:
   end_stage_save(path, tree)
 
 
+def _manifest(path: str) -> dict:
+  with open(os.path.join(path, STAGE_MANIFEST)) as f:
+    return json.load(f)
+
+
 def stage_manifest(path: str) -> list[dict]:
   """The leaves a stage-format checkpoint holds (see ``end_stage_save``)."""
-  with open(os.path.join(path, STAGE_MANIFEST)) as f:
-    return json.load(f)["leaves"]
+  return _manifest(path)["leaves"]
 
 
 def check_stage_target(path: str, entries: list[tuple[str, tuple, Any]]) -> list[dict]:
   """The manifest's leaves, after checking that ``entries`` ((path, shape,
   dtype) of the target's arrays, in order) are what was saved, leaf by leaf
   (path, shape and dtype: leaves of one shape must not trade places)."""
-  with open(os.path.join(path, STAGE_MANIFEST)) as f:
-    manifest = json.load(f)
+  manifest = _manifest(path)
   if manifest.get("format") != _STAGE_FORMAT:
     raise InputError(f"restore_checkpoint: the checkpoint at {path!r} is of format "
                      f"{manifest.get('format')!r}; this autopar reads {_STAGE_FORMAT}. "

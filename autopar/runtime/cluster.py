@@ -774,12 +774,10 @@ class RayCluster(runtime.Runtime):
     was saved on where its sharding lies on a submesh of the saved one's
     shape (a pipeline plan's input_shardings: its stages' submeshes, which
     say their shape but not where they lie) or where none is given."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(target)
-    names = [jax.tree_util.keystr(p) for p, _ in flat]
-    saved = checkpoint.check_stage_target(
-        path, [(n, x.shape, x.dtype) for n, (_, x) in zip(names, flat)])
+    leaves = checkpoint.array_leaves(target)
+    saved = checkpoint.check_stage_target(path, [(n, x.shape, x.dtype) for n, x in leaves])
     entries = []
-    for name, (_, x), s, rec in zip(names, flat, s_leaves, saved, strict=True):
+    for (name, x), s, rec in zip(leaves, s_leaves, saved, strict=True):
       at, impl = rec["sharding"], rec["key_impl"]
       dtype = str(x.dtype) if impl else np.dtype(x.dtype)
       spec = s if isinstance(s, PartitionSpec) else getattr(s, "spec", None)

@@ -40,7 +40,7 @@ import math
 from typing import TYPE_CHECKING, Any, Sequence
 
 from autopar.backend import hlo
-from autopar.costs.schedule import awaiting_weights_at_most, submesh_of
+from autopar.costs.schedule import awaiting_weights_at_most, stages_on
 from autopar.backend.lower import ONE_STAGE
 from autopar.costs.cost_model import MeshCost, dtype_flop_seconds, ring_bytes_sent
 from autopar.errors import PlanError
@@ -284,8 +284,7 @@ def check_pipeline(plan: "Plan", executable: Any) -> PlanCheck:
     # Several stages a submesh: it holds them together; the sum of their
     # peaks bounds its own (their executables do not run at once).
     D = len(plan.stages) // plan.virtual_stages
-    most = max(sum(b for k, (_, b) in enumerate(compiled)
-                   if submesh_of(plan.schedule, D, k) == d) for d in range(D))
+    most = max(sum(on) for on in stages_on(plan.schedule, D, [b for _, b in compiled]))
   return PlanCheck(collectives=(), predicted_memory=int(plan.memory_per_device),
                    compiled_memory=most, stage_memory=compiled)
 

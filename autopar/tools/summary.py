@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from autopar.costs.cost_model import MeshCost
 from autopar.costs.schedule import (Task, Timeline, bubble, simulate, splits_backward,
-                                    stage_tasks, submesh_of)
+                                    stage_tasks, stages_on)
 from autopar.tools.groups import (Group, collapse, collapsed_name, other_rows, param_rows,
                                   params_prefix)
 from autopar.text import axes_str, canonical_str, format_bytes, format_rows, same_spec
@@ -155,12 +155,13 @@ def stage_lines(plan: "Plan") -> list[str]:
                  f"batch axes too (ZeRO-3: each pass gathers them, for every "
                  f"micro-batch)")
   t = [st.time_per_micro_batch for st in plan.stages]
+  per_stage, tl = timeline(plan) if S else ([], None)
   if t:
     f = [st.first_pass_seconds for st in plan.stages if st.first_pass_seconds]
     if schedule == "zb-v":
       lines.append(f"predicted step time: {plan.objective:.6g} s = the schedule's "
                    f"order replayed on the stage times (F, B and W a third of each), "
-                   f"{timeline(plan)[1].makespan:.3g} s, + sends and updates"
+                   f"{tl.makespan:.3g} s, + sends and updates"
                    f"{' + the first pass' if f else ''}")
     elif split:
       lines.append(f"predicted step time: {plan.objective:.6g} s = {n} x slowest "
@@ -169,7 +170,7 @@ def stage_lines(plan: "Plan") -> list[str]:
                    f"rest of the fill and drain) + sends and updates"
                    f"{' + the first pass' if f else ''}")
     elif v > 1:
-      busy = [sum(t[k::S // v]) for k in range(S // v)]
+      busy = [sum(on) for on in stages_on(schedule, S // v, t)]
       lines.append(f"predicted step time: {plan.objective:.6g} s = {n} x busiest submesh "
                    f"{max(busy):.3g} s + the other stages' times {sum(t) - max(busy):.3g} "
                    f"s / {v} + sends and updates{' + the first pass' if f else ''}")
@@ -186,7 +187,6 @@ def stage_lines(plan: "Plan") -> list[str]:
           f"{max(f):.3g} s (a forward priced at a third of its stage's time per "
           f"micro-batch)")
   if S:
-    per_stage, tl = timeline(plan)
     kinds = ("B the cotangents of its inputs, W its weights' gradient" if split
              else "B backward")
     where = "stage" if v == 1 else "submesh"
@@ -332,8 +332,7 @@ def memory_by_kind(plan: "Plan", params: Sequence | None = None) -> dict[str, in
   stages a submesh, each submesh's, the sum of its stages'."""
   if plan.stages and plan.virtual_stages > 1:
     D = len(plan.stages) // plan.virtual_stages
-    on = [[st for st in plan.stages if submesh_of(plan.schedule, D, st.index) == d]
-          for d in range(D)]
+    on = stages_on(plan.schedule, D, plan.stages)
     return {f"submesh {d} (stages {', '.join(str(st.index) for st in on[d])})":
             sum(st.memory_per_device for st in on[d]) for d in range(D)}
   if plan.stages:
