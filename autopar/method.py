@@ -347,14 +347,17 @@ class ParallelMethod:
       raise InputError(f"{type(self).__name__}: grad_sync={self.grad_sync!r}; expected "
                        f"None (the platform's), 'last' or 'apart'.")
     n = self.num_micro_batches
-    if n is not None and (not isinstance(n, (int, np.integer)) or isinstance(n, bool)
-                          or n < 1):
+    if n == "auto" and self.chooses_micro_batches:
+      pass
+    elif n is not None and (not isinstance(n, (int, np.integer)) or isinstance(n, bool)
+                            or n < 1):
+      also = " or 'auto' (the stage search picks it)" if self.chooses_micro_batches else ""
       raise InputError(f"{type(self).__name__}: num_micro_batches={n!r}; expected "
-                       f"a positive int (or None for 1).")
+                       f"a positive int (or None for 1){also}.")
     if self.one_executable is not None and not isinstance(self.one_executable, bool):
       raise InputError(f"{type(self).__name__}: one_executable={self.one_executable!r}; "
                        f"expected None, True or False.")
-    if self.one_executable and (n or 1) > 1:
+    if self.one_executable and n not in (None, 1):
       raise InputError(f"{type(self).__name__}: one_executable=True with "
                        f"num_micro_batches={n}: the gradient and the update are one "
                        f"executable only with one micro-batch (with more, the "
@@ -366,8 +369,16 @@ class ParallelMethod:
                       f"(e.g. jax.make_mesh((2, 4), ('data', 'model'))) or an "
                       f"AbstractMesh, got {type(m).__name__}.")
 
+  # Whether num_micro_batches="auto" is allowed: the pipeline's stage search
+  # picks it (``planner/pipeline.py``); the method is then replaced by one
+  # with the chosen int before anything reads ``micro_batches``.
+  chooses_micro_batches = False
+
   @property
   def micro_batches(self) -> int:
+    if self.num_micro_batches == "auto":
+      raise InputError(f"{self.name}: num_micro_batches='auto' is chosen when the "
+                       f"step is planned. Fix: read the plan's num_micro_batches.")
     return int(self.num_micro_batches or 1)
 
   @property
@@ -468,7 +479,12 @@ class PipeshardParallel(ParallelMethod):
   ``docs/pipeline.md``.
 
   Args:
-    mesh, num_micro_batches: see :class:`ParallelMethod`.
+    mesh, num_micro_batches: see :class:`ParallelMethod`. Here
+      ``num_micro_batches`` may also be ``"auto"``: the stages are planned
+      for each divisor of the batch 1, 2, 4, ... (each at least twice the
+      last, up to 64) and the number whose plan is fastest in the search's
+      model and fits the memory budget is kept (``plan.micro_batch_search``
+      and ``plan.summary()`` say what each took); not with ``num_stages=1``.
     num_stages: an int, or ``"auto"``: the stage search picks it (1, the
       whole mesh as one stage, when pipelining does not pay). Under
       ``"interleaved-1f1b"`` and ``"zb-v"``, the number of submeshes (an
@@ -508,6 +524,8 @@ class PipeshardParallel(ParallelMethod):
       method = autopar.PipeshardParallel(mesh=jax.make_mesh((2, 4), ("data", "model")),
                                          num_micro_batches=8, num_stages=2)
   """
+  chooses_micro_batches = True
+
   num_stages: int | str = dataclasses.field(default="auto", kw_only=True)
   stage_mesh_shapes: Any = dataclasses.field(default="auto", kw_only=True)
   schedule: str = dataclasses.field(default="1f1b", kw_only=True)
@@ -528,6 +546,11 @@ class PipeshardParallel(ParallelMethod):
     if k != "auto" and (not isinstance(k, (int, np.integer)) or isinstance(k, bool)
                         or k < 1):
       raise InputError(f"{name}: num_stages={k!r}; expected 'auto' or a positive int.")
+    if self.num_micro_batches == "auto" and k == 1:
+      raise InputError(f"{name}: num_micro_batches='auto' with num_stages=1: the "
+                       f"stage search, which picks the micro-batches, does not run "
+                       f"for one stage. Fix: give num_micro_batches as an int, or "
+                       f"num_stages='auto' or 2 or more.")
     if self.schedule not in (*PIPELINE_SCHEDULES, "auto"):
       raise InputError(f"{name}: schedule={self.schedule!r}; expected one of "
                        f"{', '.join(map(repr, (*PIPELINE_SCHEDULES, 'auto')))}.")
@@ -556,7 +579,8 @@ class PipeshardParallel(ParallelMethod):
         raise InputError(f"{name}: schedule={what} on {submeshes} submesh; "
                          f"it spreads stages over 2 or more. Fix: num_stages=2 or "
                          f"more, or ShardParallel.")
-      if (self.schedule == "interleaved-1f1b" and self.num_micro_batches is not None
+      if (self.schedule == "interleaved-1f1b"
+          and self.num_micro_batches not in (None, "auto")
           and self.num_micro_batches % submeshes):
         raise InputError(f"{name}: schedule='interleaved-1f1b' runs micro-batches in "
                          f"groups of the number of submeshes ({submeshes}); "

@@ -310,6 +310,11 @@ class Plan:
       weighed as (schedule, its best plan's modelled step seconds, or None
       where no plan of it fits, and why), the chosen one among them; empty
       where the method named the schedule.
+    micro_batch_search: under ``num_micro_batches="auto"``
+      (``PipeshardParallel``), each number of micro-batches the search
+      weighed as (number, its best plan's modelled step seconds, or None
+      where none was found, and why), the chosen one among them; empty
+      where the method named the number.
     virtual_stages: under ``"interleaved-1f1b"`` and ``"zb-v"``, the stages
       each submesh runs (``stages`` lists them all: with ``D = len(stages) /
       virtual_stages`` submeshes, stage ``k`` runs on submesh ``k % D``
@@ -345,6 +350,7 @@ class Plan:
   stages: tuple[StagePlan, ...] = ()
   schedule: str | None = None
   schedule_search: tuple[tuple[str, float | None, str], ...] = ()
+  micro_batch_search: tuple[tuple[int, float | None, str], ...] = ()
   virtual_stages: int = 1
   grad_sync: str = "last"
   costs: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
@@ -467,6 +473,8 @@ class Plan:
         d["schedule_search"] = [list(x) for x in self.schedule_search]
       if self.virtual_stages != 1:
         d["virtual_stages"] = self.virtual_stages
+    if self.micro_batch_search:
+      d["micro_batch_search"] = [list(x) for x in self.micro_batch_search]
     if self.grad_sync != "last":
       d["grad_sync"] = self.grad_sync
     if self.costs:
@@ -536,6 +544,8 @@ class Plan:
         schedule=d.get("schedule"),
         schedule_search=tuple((str(a), None if t is None else float(t), str(why))
                               for a, t, why in d.get("schedule_search") or ()),
+        micro_batch_search=tuple((int(k), None if t is None else float(t), str(why))
+                                 for k, t, why in d.get("micro_batch_search") or ()),
         virtual_stages=int(d.get("virtual_stages", 1)),
         grad_sync=d.get("grad_sync", "last"),
         costs=dict(d.get("costs") or {}),

@@ -46,6 +46,7 @@ from autopar.plan import Plan, ValuePlan
 from autopar.planner import cache as plan_cache
 from autopar.planner import pipeline as pipeline_compile
 from autopar.planner.preset import plan_preset, preset_option
+from autopar.planner.stage_search import BubbleWarning
 from autopar.planner.shard import (LayoutPrices, Progress, batch_axes_for, keeps_batch_whole,
                                    plan_auto)
 
@@ -155,18 +156,65 @@ class Signature:
       return self._plan
 
   def pipeline(self, prep):
-    """(prepared trace, plan, (cut, choices)) of a PipeshardParallel step."""
+    """(prepared trace, plan, (cut, choices)) of a PipeshardParallel step.
+    Under ``num_micro_batches="auto"`` the signature's method becomes the
+    one with the number chosen."""
     with self.lock:
       if self._pipeline is None:
         method = self.method
         mesh = resolve_mesh(method)
         with gc_paused():
-          pre = pipeline_compile.prepare(self.fun, self.args_for_trace(prep), prep,
-                                         method, name=self.name,
-                                         output_reductions=self.output_reductions)
-          plan, chosen = self._plan_pipeline(pre, method, mesh)
-        self._pipeline = (pre, plan, chosen)
+          if method.num_micro_batches == "auto":
+            self._pipeline, self.method = self._auto_micro_batches(prep, method, mesh)
+          else:
+            self._pipeline = self._prepared_plan(prep, method, mesh)
       return self._pipeline
+
+  def _prepared_plan(self, prep, method: PipeshardParallel, mesh):
+    pre = pipeline_compile.prepare(self.fun, self.args_for_trace(prep), prep, method,
+                                   name=self.name, output_reductions=self.output_reductions)
+    plan, chosen = self._plan_pipeline(pre, method, mesh)
+    return pre, plan, chosen
+
+  def _auto_micro_batches(self, prep, method: PipeshardParallel, mesh):
+    """``num_micro_batches="auto"``: the step planned for each number
+    ``micro_batch_candidates`` gives, the one whose plan takes least in the
+    model kept (the first of equals: the fewest micro-batches), with what
+    each took in its plan's ``micro_batch_search``; and the method with the
+    number chosen. A saved plan's number is its own. The warnings of the
+    plans not kept are dropped, and the chosen one's about its bubble (the
+    summary says why its number was chosen)."""
+    if method.plan is not None:
+      m = dataclasses.replace(method, num_micro_batches=method.plan.num_micro_batches)
+      return self._prepared_plan(prep, m, mesh), m
+    batch = check_batch_leaves(prep.leaves, num_micro_batches=1, data_axes=(),
+                               data_size=1, fn_name=self.name)
+    found, weighed, errors = [], [], []
+    for n in pipeline_compile.micro_batch_candidates(batch) or [1]:
+      m = dataclasses.replace(method, num_micro_batches=n)
+      with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+          got = self._prepared_plan(prep, m, mesh)
+        except (PlanError, InputError) as e:
+          errors.append(e)
+          weighed.append((n, None, str(e).split(". Fix:")[0]))
+          continue
+      found.append((got[1].objective, n, got, m, caught))
+      weighed.append((n, got[1].objective, ""))
+    if not found:
+      if len(errors) == 1:
+        raise errors[0]
+      raise PlanError("; and ".join(f"with {n} micro-batch(es): {why}"
+                                    for n, _, why in weighed) +
+                      ". Fix: raise the budget, use more stages, or remat.") from errors[-1]
+    _, n, (pre, plan, chosen), m, caught = min(found, key=lambda f: f[:2])
+    for w in caught:
+      if not issubclass(w.category, BubbleWarning):
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    plan = dataclasses.replace(plan, micro_batch_search=pipeline_compile.weighed_against(
+        weighed, n, plan.objective))
+    return (pre, plan, chosen), m
 
   def _plan_pipeline(self, pre, method: PipeshardParallel, mesh):
     """``plan_pipeline``'s plan and (cut, choices, search result), through
@@ -284,7 +332,8 @@ class Signature:
                                    len(self.pipeline(prep)[1].stages) > 1):
       return None
     with self.lock:
-      return self._one_stage_delegate(method)
+      # (self.method, which planning may have given its micro-batches)
+      return self._one_stage_delegate(self.method)
 
   def _one_stage_delegate(self, method):
     if self._delegate is None:
@@ -298,12 +347,20 @@ class Signature:
           else None))
     return self._delegate
 
+  def _searched(self, plan: Plan) -> Plan:
+    """A one-stage pipeline's ShardParallel ``plan`` with the number of
+    micro-batches the stage search chose, and why (``micro_batch_search``),
+    where it chose it."""
+    search = self._pipeline[1].micro_batch_search if self._pipeline else ()
+    return dataclasses.replace(plan, micro_batch_search=search) if search else plan
+
   def plan_uncached(self, prep) -> tuple[Plan, int]:
     method = self.method
     if isinstance(method, PipeshardParallel):
       one = self.one_stage(prep)
       if one is not None:
-        return one.signature_of(prep).plan(prep)
+        plan, micro = one.signature_of(prep).plan(prep)
+        return self._searched(plan), micro
       pre, plan, _ = self.pipeline(prep)
       return plan, pre.ctx.micro
     mesh = resolve_mesh(method)
@@ -535,7 +592,9 @@ class Signature:
     if isinstance(self.method, PipeshardParallel):
       one = self.one_stage(prep)
       if one is not None:
-        return one.signature_of(prep).executable(prep)
+        exe = one.signature_of(prep).executable(prep)
+        plan = self._searched(exe.plan)
+        return exe if plan is exe.plan else dataclasses.replace(exe, plan=plan)
       pre, plan, (cut, choices, _) = self.pipeline(prep)
       with jax.set_mesh(None), gc_paused():
         step = compile_pipeline(pre, self.method, resolve_mesh(self.method), cut,

@@ -15,6 +15,7 @@ import autopar
 from autopar.backend import hlo
 from autopar.text import axes_str
 from autopar.costs import schedule as sched
+from autopar.planner import stage_search as sched_search
 from models import (assert_trees_close, boundary_mlp_setup, mlp_setup, moe_setup,
                     partitioned, single_device, transformer_setup)
 
@@ -355,6 +356,46 @@ def test_auto_schedule_weighs_interleaved_and_zb_v():
   saved = dataclasses.replace(method, plan=autopar.Plan.from_json(plan.to_json()))
   _, got, want = run_steps(step, make_state, batch, saved)
   assert_trees_close(got, want)
+
+
+def test_auto_micro_batches_weighs_the_divisors_of_the_batch():
+  """num_micro_batches="auto" plans the stages for 1, 2, 4, ... micro-batches
+  (divisors of the batch) and keeps the fastest plan in the model that fits
+  the budget: here the activations of 4 micro-batches or fewer do not.
+  Each figure it records is that number's own plan's; the summary says what
+  each took; the plan runs equal to jit, and again from its saved plan."""
+  make_state, step, batch = mlp_setup(batch=64, din=64, hidden=512, tx=SGD, layers=4)
+  budget = 1.4e6
+
+  def method(n, plan=None):
+    return autopar.PipeshardParallel(
+        mesh=mesh24(), num_micro_batches=n, num_stages=2, plan=plan,
+        option=autopar.AutoShardingOption(memory_budget_per_device=budget))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", sched_search.BubbleWarning)
+    pf, got, want = run_steps(step, make_state, batch, method("auto"))
+  assert_trees_close(got, want)
+  plan = pf.get_executable(make_state(), batch).plan
+  weighed = {k: t for k, t, _ in plan.micro_batch_search}
+  assert list(weighed) == [1, 2, 4, 8, 16, 32, 64]
+  fits = {k: t for k, t in weighed.items() if t is not None}
+  assert plan.num_micro_batches == min(fits, key=fits.get) and 1 not in fits
+  assert plan.memory_per_device <= budget and plan.objective == fits[plan.num_micro_batches]
+  other = max(fits)
+  alone = autopar.parallelize(step, method=method(other)).plan(make_state(), batch)
+  assert alone.objective == weighed[other]
+  why = dict((k, w) for k, _, w in plan.micro_batch_search)
+  assert "memory_budget_per_device" in why[1] and why[other].startswith("slower")
+  text = plan.summary()
+  assert "num_micro_batches='auto'" in text and f"  {plan.num_micro_batches}: " in text
+  saved = autopar.Plan.from_json(plan.to_json())
+  assert saved.micro_batch_search == plan.micro_batch_search
+  _, got, want = run_steps(step, make_state, batch, method("auto", saved))
+  assert_trees_close(got, want)
+  with pytest.raises(autopar.InputError, match="positive int"):
+    autopar.ShardParallel(mesh=mesh24(), num_micro_batches="auto")
+  with pytest.raises(autopar.InputError, match="num_stages=1"):
+    autopar.PipeshardParallel(mesh=mesh24(), num_micro_batches="auto", num_stages=1)
 
 
 def test_interleaved_stages_equal_jit():

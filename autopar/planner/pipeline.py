@@ -32,7 +32,7 @@ from autopar.planner.shard import donation_pairs
 from autopar.planner.stage_search import (StageChoice, first_pass_time, forward_seconds,
                                           schedule_seconds, search)
 
-__all__ = ["prepare", "plan_pipeline"]
+__all__ = ["prepare", "plan_pipeline", "micro_batch_candidates", "weighed_against"]
 
 
 def prepare(fun, args, prep, method: PipeshardParallel, *, name: str,
@@ -208,16 +208,36 @@ def _auto_schedule(pre: Prepared, method: PipeshardParallel, mesh):
                     ". Fix: raise the budget, use more stages or more micro-batches, "
                     "or remat.") from refusals[-1]
   _, _, plan, chosen = min(found, key=lambda f: f[:2])
+  return (dataclasses.replace(plan, schedule_search=weighed_against(
+      weighed, plan.schedule, plan.objective)), chosen)
+
+
+def weighed_against(weighed, chosen, objective: float) -> tuple:
+  """``weighed``'s (choice, modelled step seconds or None, why refused)
+  with each why filled in against the ``chosen`` one's ``objective``."""
   def reason(s, t, refused):
-    if s == plan.schedule:
+    if s == chosen:
       return "chosen"
     if refused:
       return refused
-    return (f"slower: {t / plan.objective:.3g}x the chosen plan's step"
-            if t > plan.objective else "as fast: the first of equals is kept")
-  why = {s: reason(s, t, refused) for s, t, refused in weighed}
-  return (dataclasses.replace(plan, schedule_search=tuple(
-      (s, t, why[s]) for s, t, _ in weighed)), chosen)
+    return (f"slower: {t / objective:.3g}x the chosen plan's step"
+            if t > objective else "as fast: the first of equals is kept")
+  return tuple((s, t, reason(s, t, refused)) for s, t, refused in weighed)
+
+
+# num_micro_batches="auto" weighs at most this many micro-batches.
+MAX_AUTO_MICRO_BATCHES = 64
+
+
+def micro_batch_candidates(batch: int) -> list[int]:
+  """What ``num_micro_batches="auto"`` weighs for a batch of ``batch``
+  rows: its divisors up to ``MAX_AUTO_MICRO_BATCHES``, each at least twice
+  the last taken (1, 2, 4, ... for a power of two; 1, 2, 4, 12 for 12)."""
+  out: list[int] = []
+  for d in range(1, min(batch, MAX_AUTO_MICRO_BATCHES) + 1):
+    if batch % d == 0 and (not out or d >= 2 * out[-1]):
+      out.append(d)
+  return out
 
 
 def _saved(pre: Prepared, method, mesh, plan: Plan, exact: bool):

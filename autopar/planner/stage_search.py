@@ -74,6 +74,10 @@ __all__ = ["search", "SearchResult", "Candidate", "StageChoice", "forward_second
 FORWARD_SHARE = 1 / 3
 
 
+class BubbleWarning(UserWarning):
+  """Fewer micro-batches than pipeline submeshes: most of a step is bubble."""
+
+
 def forward_seconds(t: float, send_seconds: float) -> float:
   """A stage's forward pass alone for one micro-batch (the first pass),
   from its time per micro-batch ``t`` (forward and backward, its
@@ -503,12 +507,12 @@ def search(pre, method, mesh):
       stage.cache_clear()
   if 1 < S_best // v and n < S_best // v:
     S_ = S_best // v
-    warnings.warn(
+    warnings.warn(BubbleWarning(
         f"autopar: {ctx.program.fn_name}: {n} micro-batch(es) through {S_} "
         f"pipeline submeshes: at most {n} of them work at a time, and "
         f"{bubble(method.schedule, S_, n, virtual_stages=v):.0%} of their time is "
         f"bubble under {method.schedule}. Use num_micro_batches >= {S_} (4 x stages "
-        f"or more keeps the bubble small).", stacklevel=2)
+        f"or more keeps the bubble small)."), stacklevel=2)
   result = SearchResult(stages=tuple(cands), step_time=T, by_num_stages=by_S,
                         seconds=time.perf_counter() - t0)
   choices = []

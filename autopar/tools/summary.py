@@ -35,6 +35,12 @@ def summary(plan: "Plan") -> str:
   lines.append(f"autopar plan: {plan.method} on mesh ({mesh}), "
                f"{plan.num_micro_batches} micro-batch(es), batch split "
                f"{batch_split(plan)}; objective {plan.objective:.4g} s (estimated)")
+  if plan.micro_batch_search:
+    lines.append("num_micro_batches='auto': the stage search planned each number; its "
+                 "best plan's step time in the search's model:")
+    for k, t, why in plan.micro_batch_search:
+      took = "no plan found" if t is None else f"{t:.6g} s"
+      lines.append(f"  {k}: {took} ({why})")
   rows = param_rows(plan)
   params, others = collapse(rows), collapse(other_rows(plan, rows))
   if params:
