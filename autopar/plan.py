@@ -313,7 +313,8 @@ class Plan:
     micro_batch_search: under ``num_micro_batches="auto"``
       (``PipeshardParallel``), each number of micro-batches the search
       weighed as (number, its best plan's modelled step seconds, or None
-      where none was found, and why), the chosen one among them; empty
+      where none was found or it was not planned, and why), the chosen one
+      among them; empty
       where the method named the number.
     virtual_stages: under ``"interleaved-1f1b"`` and ``"zb-v"``, the stages
       each submesh runs (``stages`` lists them all: with ``D = len(stages) /

@@ -72,6 +72,11 @@ def _platform(method: ParallelMethod) -> str:
   return active_runtime().platform or "cpu"
 
 
+# num_micro_batches="auto" stops planning larger numbers once the modelled
+# step time rose this many times in a row.
+STOP_AFTER_RISES = 2
+
+
 class Signature:
   """What autopar makes for one input signature of a step (see the module
   docstring).
@@ -178,10 +183,13 @@ class Signature:
 
   def _auto_micro_batches(self, prep, method: PipeshardParallel, mesh):
     """``num_micro_batches="auto"``: the step planned for each number
-    ``micro_batch_candidates`` gives, the one whose plan takes least in the
-    model kept (the first of equals: the fewest micro-batches), with what
-    each took in its plan's ``micro_batch_search``; and the method with the
-    number chosen. A saved plan's number is its own. The warnings of the
+    ``micro_batch_candidates`` gives, in order, until the modelled step time
+    rose ``STOP_AFTER_RISES`` times in a row (the bubble shrinks with more
+    micro-batches while their tasks' fixed costs add up: the time falls,
+    then rises); the plan that takes least in the model kept (the first of
+    equals: the fewest micro-batches), with what each took in its plan's
+    ``micro_batch_search``; and the method with the number chosen. A saved
+    plan's number is its own. The warnings of the
     plans not kept are dropped, and the chosen one's about its bubble (the
     summary says why its number was chosen)."""
     if method.plan is not None:
@@ -190,7 +198,12 @@ class Signature:
     batch = check_batch_leaves(prep.leaves, num_micro_batches=1, data_axes=(),
                                data_size=1, fn_name=self.name)
     found, weighed, errors = [], [], []
+    rising = 0              # numbers in a row whose plans were slower than the last
     for n in pipeline_compile.micro_batch_candidates(batch) or [1]:
+      if rising == STOP_AFTER_RISES:
+        weighed.append((n, None, f"not planned: the step time rose over the "
+                                 f"{STOP_AFTER_RISES} numbers before it"))
+        continue
       m = dataclasses.replace(method, num_micro_batches=n)
       with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -200,8 +213,10 @@ class Signature:
           errors.append(e)
           weighed.append((n, None, str(e).split(". Fix:")[0]))
           continue
-      found.append((got[1].objective, n, got, m, caught))
-      weighed.append((n, got[1].objective, ""))
+      t = got[1].objective
+      rising = rising + 1 if found and t > found[-1][0] else 0
+      found.append((t, n, got, m, caught))
+      weighed.append((n, t, ""))
     if not found:
       if len(errors) == 1:
         raise errors[0]

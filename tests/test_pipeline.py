@@ -361,8 +361,9 @@ def test_auto_schedule_weighs_interleaved_and_zb_v():
 def test_auto_micro_batches_weighs_the_divisors_of_the_batch():
   """num_micro_batches="auto" plans the stages for 1, 2, 4, ... micro-batches
   (divisors of the batch) and keeps the fastest plan in the model that fits
-  the budget: here the activations of 4 micro-batches or fewer do not.
-  Each figure it records is that number's own plan's; the summary says what
+  the budget: here the activations of 4 micro-batches or fewer do not. It
+  stops once the step time rose twice in a row (here after 32). Each
+  figure it records is that number's own plan's; the summary says what
   each took; the plan runs equal to jit, and again from its saved plan."""
   make_state, step, batch = mlp_setup(batch=64, din=64, hidden=512, tx=SGD, layers=4)
   budget = 1.4e6
@@ -380,8 +381,12 @@ def test_auto_micro_batches_weighs_the_divisors_of_the_batch():
   assert list(weighed) == [1, 2, 4, 8, 16, 32, 64]
   fits = {k: t for k, t in weighed.items() if t is not None}
   assert plan.num_micro_batches == min(fits, key=fits.get) and 1 not in fits
+  last = max(fits)
+  assert fits[last] > fits[last // 2] > fits[last // 4] and last < 64
+  assert all(why.startswith("not planned") for k, _, why in plan.micro_batch_search
+             if k > last)
   assert plan.memory_per_device <= budget and plan.objective == fits[plan.num_micro_batches]
-  other = max(fits)
+  other = last
   alone = autopar.parallelize(step, method=method(other)).plan(make_state(), batch)
   assert alone.objective == weighed[other]
   why = dict((k, w) for k, _, w in plan.micro_batch_search)

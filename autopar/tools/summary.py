@@ -39,8 +39,7 @@ def summary(plan: "Plan") -> str:
     lines.append("num_micro_batches='auto': the stage search planned each number; its "
                  "best plan's step time in the search's model:")
     for k, t, why in plan.micro_batch_search:
-      took = "no plan found" if t is None else f"{t:.6g} s"
-      lines.append(f"  {k}: {took} ({why})")
+      lines.append(f"  {k}: {why}" if t is None else f"  {k}: {t:.6g} s ({why})")
   rows = param_rows(plan)
   params, others = collapse(rows), collapse(other_rows(plan, rows))
   if params:
