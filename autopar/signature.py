@@ -197,8 +197,8 @@ class Signature:
       return self._prepared_plan(prep, m, mesh), m
     batch = check_batch_leaves(prep.leaves, num_micro_batches=1, data_axes=(),
                                data_size=1, fn_name=self.name)
-    found, weighed, errors = [], [], []
-    rising = 0              # numbers in a row whose plans were slower than the last
+    best, weighed, errors = None, [], []
+    last, rising = None, 0  # the last plan's time; plans in a row slower than the last
     for n in pipeline_compile.micro_batch_candidates(batch) or [1]:
       if rising == STOP_AFTER_RISES:
         weighed.append((n, None, f"not planned: the step time rose over the "
@@ -214,16 +214,18 @@ class Signature:
           weighed.append((n, None, str(e).split(". Fix:")[0]))
           continue
       t = got[1].objective
-      rising = rising + 1 if found and t > found[-1][0] else 0
-      found.append((t, n, got, m, caught))
+      rising = rising + 1 if last is not None and t > last else 0
+      last = t
+      if best is None or t < best[0]:     # (the prepared trace of one number kept)
+        best = (t, n, got, m, caught)
       weighed.append((n, t, ""))
-    if not found:
+    if best is None:
       if len(errors) == 1:
         raise errors[0]
       raise PlanError("; and ".join(f"with {n} micro-batch(es): {why}"
                                     for n, _, why in weighed) +
                       ". Fix: raise the budget, use more stages, or remat.") from errors[-1]
-    _, n, (pre, plan, chosen), m, caught = min(found, key=lambda f: f[:2])
+    _, n, (pre, plan, chosen), m, caught = best
     for w in caught:
       if not issubclass(w.category, BubbleWarning):
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)

@@ -57,6 +57,17 @@ between stages, and the stage search's choice against one-mesh plans.
     python benchmark/pipeline.py --host    # section 6 alone
     python benchmark/pipeline.py --first   # section 7 alone
     python benchmark/pipeline.py --zero    # section 8 alone (ZeRO-2/3 in stages)
+    python benchmark/pipeline.py --joint [L]  # section 9 alone (not in the default run)
+
+9. The joint search (issue 47). A GPT of L = 24 (or 48) layers (d = 512)
+   on the abstract 4 x 8 mesh of section 4: the modelled step time of the
+   plan with num_stages, schedule and num_micro_batches all "auto" (remat
+   is not searched), and its planning time, against every hand combination
+   of stages in {1, 2, 4, 8} (under interleaved 1F1B and ZB-V, that many
+   submeshes of 2 stages each), schedule, micro-batches in {4, 8, 16} and
+   remat in {none, layers}; the figures are the stage search's model
+   throughout (one stage: the search's own figure for it). About an hour
+   on 2 CPU cores for 24 layers.
 """
 
 import os
@@ -334,7 +345,68 @@ def zero_in_stage_table():
           f"   (planned in {secs:.1f} s)")
 
 
+def joint_table(layers=24):
+  """Section 9: the joint search against every hand combination."""
+  print(f"\n9. The joint search: GPT ({layers} layers, d=512) on abstract 4 hosts x 8 "
+        f"devices (host axis 25 GB/s, device axis 300 GB/s), modelled step time")
+  make_state, step, batch = transformer_setup(tx=SGD, layers=layers, d=512, heads=8,
+                                              batch=64, seq=64, vocab=512)
+  abstract = jax.eval_shape(lambda: (make_state(), batch))
+  mesh = jax.sharding.AbstractMesh((4, 8), ("host", "device"))
+  option = autopar.AutoShardingOption(mesh_beta={"host": 1 / 25e9, "device": 1 / 300e9},
+                                      mesh_alpha={"host": 1e-5, "device": 1e-6},
+                                      plan_cache=False)
+
+  def plan(**kw):
+    pf = autopar.parallelize(step, method=autopar.PipeshardParallel(
+        mesh=mesh, option=option, **kw))
+    t = time.perf_counter()
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      try:
+        p = pf.plan(*abstract)
+      except (autopar.PlanError, autopar.InputError) as e:
+        return None, str(e).split(". Fix")[0], time.perf_counter() - t
+    found = [s.planned_pipeline for s in pf.signatures if s.planned_pipeline]
+    return p, found[0] if found else None, time.perf_counter() - t
+
+  auto, pipeline, seconds = plan(num_stages="auto", schedule="auto",
+                                 num_micro_batches="auto")
+  chosen = next(t for _, t, why in auto.micro_batch_search if why == "chosen")
+  print(f"   search (num_stages, schedule, num_micro_batches 'auto', remat none): "
+        f"{chosen * 1e3:.3f} ms in {seconds:.0f} s: {max(1, len(auto.stages))} "
+        f"stage(s), {auto.schedule or '-'}, {auto.num_micro_batches} micro-batch(es)")
+  rows = []
+  for n in (4, 8, 16):
+    for remat in ("none", "layers"):
+      # One stage: the search's own figure for it (one stage runs as
+      # ShardParallel, planned without the stage search).
+      _, found, _ = plan(num_stages="auto", num_micro_batches=n, remat=remat)
+      one = found[2][2].by_num_stages.get(1) if found and found[2][2] else None
+      rows.append((1, "-", n, remat, None if one is None else one[0], ""))
+      for S in (2, 4, 8):
+        for schedule, v in SCHEDULES:
+          p, why, _ = plan(num_stages=S, num_micro_batches=n, remat=remat,
+                           schedule=schedule, virtual_stages=v)
+          rows.append((S, schedule, n, remat, None if p is None else p.objective,
+                       why if p is None else ""))
+      print(f"   ... {len(rows)} hand combinations planned", flush=True)
+  fit = [r for r in rows if r[4] is not None]
+  best = min(fit, key=lambda r: r[4])
+  print(f"   {'stages':>6}  {'schedule':<17}{'n':>3}  {'remat':<7}{'step (model)':>13}")
+  for S, schedule, n, remat, t, why in rows:
+    took = f"{t * 1e3:10.3f} ms" if t is not None else f"refused: {why[:60]}"
+    print(f"   {S:>6}  {schedule:<17}{n:>3}  {remat:<7}{took}")
+  print(f"   best hand combination: {best[0]} stage(s), {best[1]}, {best[2]} micro-batches, "
+        f"remat {best[3]}: {best[4] * 1e3:.3f} ms; the search's / best: "
+        f"{chosen / best[4]:.3f} (goal <= 1.02)")
+
+
 if __name__ == "__main__":
+  if "--joint" in sys.argv:
+    rest = sys.argv[sys.argv.index("--joint") + 1:]
+    joint_table(int(rest[0]) if rest else 24)
+    sys.exit()
   if "--bubble" in sys.argv:
     bubble_table()
     sys.exit()

@@ -266,7 +266,8 @@ def test_a_loader_that_returns_other_rows_is_named(ray_cluster):
     ("mlp", [(1, 4), (1, 4)], "zb-h1"),
     # 4 stages on the 2 hosts' submeshes: each micro-batch crosses hosts 3 times.
     ("mlp6", [(1, 4), (1, 4)], "interleaved-1f1b"),
-    # ZB-V: the turn stays on host 1, the loss comes back to host 0.
+    # ZB-V: the turn stays on host 1, the loss comes back to host 0; the
+    # micro-batches chosen by the search (the workers run the driver's number).
     ("mlp6", [(1, 4), (1, 4)], "zb-v"),
     # Submeshes of different sizes: values gathered, sent and spread.
     ("gpt", [(1, 4), (1, 2), (1, 2)], "1f1b")])
@@ -283,7 +284,8 @@ def test_pipeline_stages_on_their_hosts_equal_jit(ray_cluster, model, shapes, sc
       transformer_setup(batch=16, d=32, heads=4, tx=SGD, layers=4))
   mesh = autopar.global_mesh((2, 4), ("host", "model"))
   method = autopar.PipeshardParallel(
-      mesh=mesh, num_micro_batches=4, num_stages=len(shapes), stage_mesh_shapes=shapes,
+      mesh=mesh, num_micro_batches="auto" if schedule == "zb-v" else 4,
+      num_stages=len(shapes), stage_mesh_shapes=shapes,
       schedule=schedule, virtual_stages=2 if schedule == "interleaved-1f1b" else 1)
   p = autopar.parallelize(step, method=method, donate_argnums=(0,))
   ref_fn = single_device(step)
@@ -306,6 +308,9 @@ def test_pipeline_stages_on_their_hosts_equal_jit(ray_cluster, model, shapes, sc
                                              st.submesh_offset + int(np.prod(st.submesh_shape)))}
            for st in plan.stages]
   assert hosts[0] == {0} and hosts[-1] == ({0} if schedule == "zb-v" else {1})
+  if schedule == "zb-v":
+    assert (plan.num_micro_batches, "chosen") in [(k, w) for k, _, w in
+                                                  plan.micro_batch_search]
   if model != "mlp" or schedule != "1f1b":
     return
   # Saved from the stages: every host writes its own stage's arrays, none is
