@@ -57,7 +57,7 @@ between stages, and the stage search's choice against one-mesh plans.
     python benchmark/pipeline.py --host    # section 6 alone
     python benchmark/pipeline.py --first   # section 7 alone
     python benchmark/pipeline.py --zero    # section 8 alone (ZeRO-2/3 in stages)
-    python benchmark/pipeline.py --joint [L]  # section 9 alone (not in the default run)
+    python benchmark/pipeline.py --joint [L] [--search-only]  # section 9 (not by default)
 
 9. The joint search (issue 47). A GPT of L = 24 (or 48) layers (d = 512)
    on the abstract 4 x 8 mesh of section 4: the modelled step time of the
@@ -345,7 +345,7 @@ def zero_in_stage_table():
           f"   (planned in {secs:.1f} s)")
 
 
-def joint_table(layers=24):
+def joint_table(layers=24, hand=True):
   """Section 9: the joint search against every hand combination."""
   print(f"\n9. The joint search: GPT ({layers} layers, d=512) on abstract 4 hosts x 8 "
         f"devices (host axis 25 GB/s, device axis 300 GB/s), modelled step time")
@@ -358,12 +358,12 @@ def joint_table(layers=24):
                                       plan_cache=False)
 
   def plan(**kw):
-    pf = autopar.parallelize(step, method=autopar.PipeshardParallel(
-        mesh=mesh, option=option, **kw))
     t = time.perf_counter()
     with warnings.catch_warnings():
       warnings.simplefilter("ignore")
       try:
+        pf = autopar.parallelize(step, method=autopar.PipeshardParallel(
+            mesh=mesh, option=option, **kw))
         p = pf.plan(*abstract)
       except (autopar.PlanError, autopar.InputError) as e:
         return None, str(e).split(". Fix")[0], time.perf_counter() - t
@@ -376,27 +376,32 @@ def joint_table(layers=24):
   print(f"   search (num_stages, schedule, num_micro_batches 'auto', remat none): "
         f"{chosen * 1e3:.3f} ms in {seconds:.0f} s: {max(1, len(auto.stages))} "
         f"stage(s), {auto.schedule or '-'}, {auto.num_micro_batches} micro-batch(es)")
+  for k, t, why in auto.micro_batch_search:
+    print(f"     {k} micro-batch(es): " + (why if t is None else f"{t * 1e3:.3f} ms ({why})"))
+  if not hand:
+    return
   rows = []
+  print(f"   {'stages':>6}  {'schedule':<17}{'n':>3}  {'remat':<7}{'step (model)':>13}")
+
+  def row(*r):
+    S, schedule, n, remat, t, why = r
+    rows.append(r)
+    took = f"{t * 1e3:10.3f} ms" if t is not None else f"refused: {why[:70]}"
+    print(f"   {S:>6}  {schedule:<17}{n:>3}  {remat:<7}{took}", flush=True)
   for n in (4, 8, 16):
     for remat in ("none", "layers"):
       # One stage: the search's own figure for it (one stage runs as
       # ShardParallel, planned without the stage search).
       _, found, _ = plan(num_stages="auto", num_micro_batches=n, remat=remat)
       one = found[2][2].by_num_stages.get(1) if found and found[2][2] else None
-      rows.append((1, "-", n, remat, None if one is None else one[0], ""))
+      row(1, "-", n, remat, None if one is None else one[0], "")
       for S in (2, 4, 8):
         for schedule, v in SCHEDULES:
           p, why, _ = plan(num_stages=S, num_micro_batches=n, remat=remat,
                            schedule=schedule, virtual_stages=v)
-          rows.append((S, schedule, n, remat, None if p is None else p.objective,
-                       why if p is None else ""))
-      print(f"   ... {len(rows)} hand combinations planned", flush=True)
-  fit = [r for r in rows if r[4] is not None]
-  best = min(fit, key=lambda r: r[4])
-  print(f"   {'stages':>6}  {'schedule':<17}{'n':>3}  {'remat':<7}{'step (model)':>13}")
-  for S, schedule, n, remat, t, why in rows:
-    took = f"{t * 1e3:10.3f} ms" if t is not None else f"refused: {why[:60]}"
-    print(f"   {S:>6}  {schedule:<17}{n:>3}  {remat:<7}{took}")
+          row(S, schedule, n, remat, None if p is None else p.objective,
+              why if p is None else "")
+  best = min((r for r in rows if r[4] is not None), key=lambda r: r[4])
   print(f"   best hand combination: {best[0]} stage(s), {best[1]}, {best[2]} micro-batches, "
         f"remat {best[3]}: {best[4] * 1e3:.3f} ms; the search's / best: "
         f"{chosen / best[4]:.3f} (goal <= 1.02)")
@@ -404,8 +409,8 @@ def joint_table(layers=24):
 
 if __name__ == "__main__":
   if "--joint" in sys.argv:
-    rest = sys.argv[sys.argv.index("--joint") + 1:]
-    joint_table(int(rest[0]) if rest else 24)
+    rest = [a for a in sys.argv[sys.argv.index("--joint") + 1:] if a.isdigit()]
+    joint_table(int(rest[0]) if rest else 24, hand="--search-only" not in sys.argv)
     sys.exit()
   if "--bubble" in sys.argv:
     bubble_table()

@@ -393,6 +393,8 @@ def test_auto_micro_batches_weighs_the_divisors_of_the_batch():
   assert "memory_budget_per_device" in why[1] and why[other].startswith("slower")
   text = plan.summary()
   assert "num_micro_batches='auto'" in text and f"  {plan.num_micro_batches}: " in text
+  assert "What the stage search weighed" in plan.to_html() and \
+      f"<td>{plan.num_micro_batches} micro-batches</td>" in plan.to_html()
   saved = autopar.Plan.from_json(plan.to_json())
   assert saved.micro_batch_search == plan.micro_batch_search
   _, got, want = run_steps(step, make_state, batch, method("auto", saved))

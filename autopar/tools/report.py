@@ -191,6 +191,20 @@ def _timeline_svg(plan: "Plan") -> str:
           f"alike, in theory, {bubble(schedule, D, n, virtual_stages=v):.1%}</p>")
 
 
+def _weighed_table(plan: "Plan") -> str:
+  """What the stage search weighed under ``schedule="auto"`` and
+  ``num_micro_batches="auto"``: each choice, its best plan's modelled step
+  and why it was or was not kept ("" where neither was searched)."""
+  rows = [(f"schedule {name}", t, why) for name, t, why in plan.schedule_search]
+  rows += [(f"{k} micro-batch{'' if k == 1 else 'es'}", t, why)
+           for k, t, why in plan.micro_batch_search]
+  if not rows:
+    return ""
+  return ("<h3>What the stage search weighed</h3>" + _table(
+      [("choice", "step (model)", "")] +
+      [(what, "-" if t is None else _seconds(t), why) for what, t, why in rows]))
+
+
 def to_html(plan: "Plan", *, title: str = "autopar plan") -> str:
   """The report as HTML text (see the module docstring)."""
   sizes = plan.axis_sizes
@@ -214,6 +228,7 @@ def to_html(plan: "Plan", *, title: str = "autopar plan") -> str:
     out.append("".join(f"<p>{_e(line)}</p>" for line in step_time))
     out.append("<h3>Stages on the mesh</h3>" + _stages_svg(plan))
     out.append(f"<h3>Schedule ({_e(plan.schedule)})</h3>" + _timeline_svg(plan))
+  out.append(_weighed_table(plan))
 
   # One picture per distinct (spec, rank, mesh it is over).
   pictures: dict[tuple, str] = {}
