@@ -115,15 +115,19 @@ class Signature:
     signature: the mesh's calibration with ``costs="measured"``, else the
     device kind's figures (``devices.py``) for axes and rates not given by
     hand, rates of the float dtype holding most of these arguments' bytes;
+    a saved plan's number of micro-batches for ``"auto"``;
     under remat, the loop its layers run in on the platform it compiles for
     (``remat.layer_loop``: in the plan's fingerprint, and what a Ray
     cluster's workers are sent); where the gradients are synced, a saved
     plan's or else the platform's (``method.grad_sync_for``), likewise."""
+    saved = getattr(method, "plan", None)
+    if method.num_micro_batches == "auto" and saved is not None:
+      # (a saved plan's number of micro-batches is its own)
+      method = dataclasses.replace(method, num_micro_batches=saved.num_micro_batches)
     if method.remat != "none" and method.remat_loop is None:
       method = dataclasses.replace(method, remat_loop=layer_loop(
           None, _platform(method), gathers=isinstance(method, Zero3Parallel)))
     if method.grad_sync is None:
-      saved = getattr(method, "plan", None)
       method = dataclasses.replace(method, grad_sync=getattr(
           saved, "grad_sync", None) or grad_sync_for(_platform(method)))
     option = getattr(method, "option", None)
@@ -188,13 +192,10 @@ class Signature:
     micro-batches while their tasks' fixed costs add up: the time falls,
     then rises); the plan that takes least in the model kept (the first of
     equals: the fewest micro-batches), with what each took in its plan's
-    ``micro_batch_search``; and the method with the number chosen. A saved
-    plan's number is its own. The warnings of the
-    plans not kept are dropped, and the chosen one's about its bubble (the
-    summary says why its number was chosen)."""
-    if method.plan is not None:
-      m = dataclasses.replace(method, num_micro_batches=method.plan.num_micro_batches)
-      return self._prepared_plan(prep, m, mesh), m
+    ``micro_batch_search``; and the method with the number chosen. (A saved
+    plan's number is its own: ``_resolved``.) The warnings of the plans not
+    kept are dropped, and the chosen one's about its bubble (the summary
+    says why its number was chosen)."""
     batch = check_batch_leaves(prep.leaves, num_micro_batches=1, data_axes=(),
                                data_size=1, fn_name=self.name)
     best, weighed, errors = None, [], []
