@@ -741,13 +741,15 @@ def test_draws_in_the_sums_with_a_key_from_the_inputs():
 
 
 @pytest.mark.parametrize("stages,n,schedule", [(2, 2, "1f1b"), (4, 4, "gpipe"),
-                                               (2, 4, "zb-h1")])
+                                               (2, 4, "zb-h1"), (2, 4, "zb-v")])
 def test_parameter_dependent_sums_take_a_first_pass_through_the_stages(stages, n, schedule):
   """The load-balancing loss's cotangents read sums over the batch that
   depend on the parameters (``f_e``, ``P_e``), and the loss's factor too:
   a first pass runs the stages' forward passes alone before the schedule,
   drawing the dropout as the schedule's forward passes do; parameters and
-  loss are jit's. Before, PipeshardParallel refused such a loss."""
+  loss are jit's (under ZB-V too: 4 stages in a V on 2 submeshes, the
+  first pass going down and back). Before, PipeshardParallel refused such
+  a loss."""
   step, params, opt, batch = moe_setup()
   ref = single_device(step)(params, opt, batch)
   pf = autopar.parallelize(step, method=autopar.PipeshardParallel(
@@ -762,7 +764,7 @@ def test_parameter_dependent_sums_take_a_first_pass_through_the_stages(stages, n
   ran = sorted({int(t.split("@")[1]) for t in first})
   assert exe.schedule[:len(first)] == first and len(first) == n * len(ran)
   assert [st.first_pass_seconds > 0 for st in exe.plan.stages] == \
-      [s in ran for s in range(stages)]
+      [s in ran for s in range(len(exe.plan.stages))]
   assert "first pass" in exe.plan.summary()
   assert autopar.Plan.from_json(exe.plan.to_json()) == exe.plan
 
