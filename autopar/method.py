@@ -499,9 +499,9 @@ class PipeshardParallel(ParallelMethod):
       the bubble; every stage holds up to ``S`` micro-batches' activations,
       1F1B's most), or ``"auto"``: the stage search plans each of 1F1B and
       ZB-H1 (and, with the number of submeshes given, interleaved 1F1B with
-      2 stages a submesh and ZB-V) and keeps the fastest in its model that
-      fits the memory budget (``plan.summary()`` says what each would
-      take), or
+      2 stages a submesh and ZB-V; else ZB-V on 2, 4, 8, ... submeshes, up
+      to half the layers) and keeps the fastest in its model that fits the
+      memory budget (``plan.summary()`` says what each would take), or
       ``"interleaved-1f1b"``: ``num_stages`` submeshes (alike) each running
       ``virtual_stages`` stages, the bubble divided by ``virtual_stages``
       for as many times the messages between stages, or ``"zb-v"``:

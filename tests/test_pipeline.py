@@ -356,6 +356,14 @@ def test_auto_schedule_weighs_interleaved_and_zb_v():
   saved = dataclasses.replace(method, plan=autopar.Plan.from_json(plan.to_json()))
   _, got, want = run_steps(step, make_state, batch, saved)
   assert_trees_close(got, want)
+  # With num_stages="auto", ZB-V on each power of two of submeshes up to half
+  # the layers (here 2: 4 stages of the 6 layers) is weighed too.
+  free = autopar.parallelize(step, method=dataclasses.replace(
+      method, num_stages="auto")).plan(make_state(), batch)
+  weighed = {s: t for s, t, _ in free.schedule_search}
+  assert list(weighed) == ["1f1b", "zb-h1", "zb-v on 2 submeshes"]
+  assert weighed["zb-v on 2 submeshes"] == plan.objective
+  assert free.objective == min(weighed.values())
 
 
 def test_auto_micro_batches_weighs_the_divisors_of_the_batch():

@@ -172,18 +172,28 @@ def plan_pipeline(pre: Prepared, method: PipeshardParallel, mesh,
   return dataclasses.replace(plan, in_tree=inputs, mesh=mesh), (cut_, choices, result)
 
 
-def _auto_candidates(method: PipeshardParallel, n: int) -> list[tuple[str, int]]:
-  """What ``schedule="auto"`` weighs: (schedule, virtual stages). Each of
-  ``AUTO_SCHEDULES``; where the number of submeshes is given (an int
-  ``num_stages`` or ``stage_mesh_shapes``), interleaved 1F1B with 2 stages
-  a submesh (if ``n`` is a multiple of the submeshes) and ZB-V too."""
-  out = [(s, 1) for s in AUTO_SCHEDULES]
+def _auto_candidates(method: PipeshardParallel, n: int, num_layers: int,
+                     num_devices: int) -> list[tuple[str, str, dict]]:
+  """What ``schedule="auto"`` weighs: (its name in ``plan.schedule_search``,
+  schedule, the method's fields to change). Each of ``AUTO_SCHEDULES``;
+  where the number of submeshes is given (an int ``num_stages`` or
+  ``stage_mesh_shapes``), interleaved 1F1B with 2 stages a submesh (if
+  ``n`` is a multiple of the submeshes) and ZB-V too; else ZB-V on each
+  power of two of submeshes that divides the devices, from 2 up to half the
+  layers."""
+  out = [(s, s, {"virtual_stages": 1}) for s in AUTO_SCHEDULES]
   submeshes = (method.num_stages if method.stage_mesh_shapes == "auto"
                else len(method.stage_mesh_shapes))
-  if submeshes != "auto" and submeshes >= 2:
+  if submeshes == "auto":
+    D = 2
+    while 2 * D <= num_layers and num_devices % D == 0:
+      out.append((f"zb-v on {D} submeshes", "zb-v", {"virtual_stages": 2,
+                                                      "num_stages": D}))
+      D *= 2
+  elif submeshes >= 2:
     if n % submeshes == 0:
-      out.append(("interleaved-1f1b", 2))
-    out.append(("zb-v", 2))
+      out.append(("interleaved-1f1b", "interleaved-1f1b", {"virtual_stages": 2}))
+    out.append(("zb-v", "zb-v", {"virtual_stages": 2}))
   return out
 
 
@@ -192,24 +202,26 @@ def _auto_schedule(pre: Prepared, method: PipeshardParallel, mesh):
   ``_auto_candidates``, and the plan of the one whose plan takes least in
   the model (the first of equals), with what each would take."""
   found, weighed, refusals = [], [], []
-  for schedule, v in _auto_candidates(method, pre.ctx.n):
+  devices = math.prod(axis_sizes_of(mesh).values())
+  for name, schedule, fields in _auto_candidates(method, pre.ctx.n, pre.ctx.num_layers,
+                                                 devices):
     try:
-      m = dataclasses.replace(method, schedule=schedule, virtual_stages=v)
+      m = dataclasses.replace(method, schedule=schedule, **fields)
       cut_, choices, result = search(pre, m, mesh)
     except (PlanError, InputError) as e:
       refusals.append(e)
-      weighed.append((schedule, None, str(e).split(". Fix:")[0]))
+      weighed.append((name, None, str(e).split(". Fix:")[0]))
       continue
     plan = _plan_of(pre, m, mesh, cut_, choices)
-    found.append((plan.objective, len(found), plan, (cut_, choices, result)))
-    weighed.append((schedule, plan.objective, ""))
+    found.append((plan.objective, len(found), plan, (cut_, choices, result), name))
+    weighed.append((name, plan.objective, ""))
   if not found:
     raise PlanError("; and ".join(f"under {s}: {why}" for s, _, why in weighed) +
                     ". Fix: raise the budget, use more stages or more micro-batches, "
                     "or remat.") from refusals[-1]
-  _, _, plan, chosen = min(found, key=lambda f: f[:2])
+  _, _, plan, chosen, name = min(found, key=lambda f: f[:2])
   return (dataclasses.replace(plan, schedule_search=weighed_against(
-      weighed, plan.schedule, plan.objective)), chosen)
+      weighed, name, plan.objective)), chosen)
 
 
 def weighed_against(weighed, chosen, objective: float) -> tuple:

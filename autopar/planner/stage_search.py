@@ -190,10 +190,11 @@ def _solve_layers(ctx, groups, shapes, names, progress=None):
   ZeRO-2 would save and cost: ``_zero_state``, and what ZeRO-3 would save
   besides and cost per micro-batch: ``_zero_params``, and 1 where the layer
   alone has no plan within the budget on that submesh, else 0) per DP layer
-  group ``g`` (layers ``groups[g]..groups[g+1]``)."""
+  group ``g`` (layers ``groups[g]..groups[g+1]``). (Kept in ``ctx``: they
+  do not depend on the schedule, so searches under several reuse them.)"""
   L = ctx.num_layers
   bounds = [*groups, L]
-  memo: dict = {}
+  memo: dict = ctx.cache.setdefault("layer costs", {})
   out: dict = {}
   for g in range(len(groups)):
     a, b = bounds[g], bounds[g + 1]
