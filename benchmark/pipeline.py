@@ -168,8 +168,11 @@ def bubble_table():
   print()
 
 
-def search_table():
-  make_state, step, batch = transformer_setup(tx=SGD, layers=8, d=512, heads=8,
+def gpt_on_4x8(layers):
+  """A GPT of ``layers`` layers (d = 512, batch 64 x 64 tokens) and the
+  abstract 4 hosts x 8 devices mesh of sections 4 and 9 with its costs:
+  (step, abstract arguments, mesh, option)."""
+  make_state, step, batch = transformer_setup(tx=SGD, layers=layers, d=512, heads=8,
                                               batch=64, seq=64, vocab=512)
   abstract = jax.eval_shape(lambda: (make_state(), batch))
   mesh = jax.sharding.AbstractMesh((4, 8), ("host", "device"))
@@ -177,6 +180,11 @@ def search_table():
   option = autopar.AutoShardingOption(mesh_beta={"host": 1 / 25e9, "device": 1 / 300e9},
                                       mesh_alpha={"host": 1e-5, "device": 1e-6},
                                       plan_cache=False)
+  return step, abstract, mesh, option
+
+
+def search_table():
+  step, abstract, mesh, option = gpt_on_4x8(8)
   n = 8
   print("4. modelled step time, GPT (8 layers, d=512) on abstract 4 hosts x 8 devices,")
   print("   host axis 25 GB/s, device axis 300 GB/s, 8 micro-batches")
@@ -349,13 +357,7 @@ def joint_table(layers=24, hand=True):
   """Section 9: the joint search against every hand combination."""
   print(f"\n9. The joint search: GPT ({layers} layers, d=512) on abstract 4 hosts x 8 "
         f"devices (host axis 25 GB/s, device axis 300 GB/s), modelled step time")
-  make_state, step, batch = transformer_setup(tx=SGD, layers=layers, d=512, heads=8,
-                                              batch=64, seq=64, vocab=512)
-  abstract = jax.eval_shape(lambda: (make_state(), batch))
-  mesh = jax.sharding.AbstractMesh((4, 8), ("host", "device"))
-  option = autopar.AutoShardingOption(mesh_beta={"host": 1 / 25e9, "device": 1 / 300e9},
-                                      mesh_alpha={"host": 1e-5, "device": 1e-6},
-                                      plan_cache=False)
+  step, abstract, mesh, option = gpt_on_4x8(layers)
 
   def plan(**kw):
     t = time.perf_counter()
