@@ -121,8 +121,9 @@ class Signature:
     cluster's workers are sent); where the gradients are synced, a saved
     plan's or else the platform's (``method.grad_sync_for``), likewise."""
     saved = getattr(method, "plan", None)
-    if method.num_micro_batches == "auto" and saved is not None:
-      # (a saved plan's number of micro-batches is its own)
+    if method.num_micro_batches == "auto" and isinstance(saved, Plan):
+      # (a saved plan's number of micro-batches is its own; what is not a
+      # Plan is refused where the plan is read)
       method = dataclasses.replace(method, num_micro_batches=saved.num_micro_batches)
     if method.remat != "none" and method.remat_loop is None:
       method = dataclasses.replace(method, remat_loop=layer_loop(
@@ -193,21 +194,26 @@ class Signature:
     then rises); the plan that takes least in the model kept (the first of
     equals: the fewest micro-batches), with what each took in its plan's
     ``micro_batch_search``; and the method with the number chosen. (A saved
-    plan's number is its own: ``_resolved``.) The warnings of the plans not
-    kept are dropped, and the chosen one's about its bubble (the summary
-    says why its number was chosen)."""
+    plan's number is its own: ``_resolved``.) Warnings about the bubble
+    (``BubbleWarning``) are dropped: the summary says why a number was
+    chosen. Where every number is refused for the input (``InputError``),
+    the first refusal is raised as it is."""
     batch = check_batch_leaves(prep.leaves, num_micro_batches=1, data_axes=(),
                                data_size=1, fn_name=self.name)
+    # (Interleaved 1F1B runs micro-batches in groups of its submeshes.)
+    submeshes = (method.num_stages if method.stage_mesh_shapes == "auto"
+                 else len(method.stage_mesh_shapes))
+    group = submeshes if method.schedule == "interleaved-1f1b" else 1
     best, weighed, errors = None, [], []
     last, rising = None, 0  # the last plan's time; plans in a row slower than the last
-    for n in pipeline_compile.micro_batch_candidates(batch) or [1]:
+    for n in pipeline_compile.micro_batch_candidates(batch, multiple_of=group) or [1]:
       if rising == STOP_AFTER_RISES:
         weighed.append((n, None, f"not planned: the step time rose over the "
                                  f"{STOP_AFTER_RISES} numbers before it"))
         continue
       m = dataclasses.replace(method, num_micro_batches=n)
-      with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+      with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=BubbleWarning)
         try:
           got = self._prepared_plan(prep, m, mesh)
         except (PlanError, InputError) as e:
@@ -218,18 +224,15 @@ class Signature:
       rising = rising + 1 if last is not None and t > last else 0
       last = t
       if best is None or t < best[0]:     # (the prepared trace of one number kept)
-        best = (t, n, got, m, caught)
+        best = (t, n, got, m)
       weighed.append((n, t, ""))
     if best is None:
-      if len(errors) == 1:
+      if all(isinstance(e, InputError) for e in errors):
         raise errors[0]
       raise PlanError("; and ".join(f"with {n} micro-batch(es): {why}"
                                     for n, _, why in weighed) +
                       ". Fix: raise the budget, use more stages, or remat.") from errors[-1]
-    _, n, (pre, plan, chosen), m, caught = best
-    for w in caught:
-      if not issubclass(w.category, BubbleWarning):
-        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    _, n, (pre, plan, chosen), m = best
     plan = dataclasses.replace(plan, micro_batch_search=pipeline_compile.weighed_against(
         weighed, n, plan.objective))
     return (pre, plan, chosen), m

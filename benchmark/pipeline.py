@@ -394,9 +394,11 @@ def joint_table(layers=24, hand=True):
     for remat in ("none", "layers"):
       # One stage: the search's own figure for it (one stage runs as
       # ShardParallel, planned without the stage search).
-      _, found, _ = plan(num_stages="auto", num_micro_batches=n, remat=remat)
-      one = found[2][2].by_num_stages.get(1) if found and found[2][2] else None
-      row(1, "-", n, remat, None if one is None else one[0], "")
+      p, found, _ = plan(num_stages="auto", num_micro_batches=n, remat=remat)
+      searched = found[2][2] if p is not None and found else None
+      one = searched.by_num_stages.get(1) if searched else None
+      row(1, "-", n, remat, None if one is None else one[0],
+          found if p is None else "no one-stage figure" if one is None else "")
       for S in (2, 4, 8):
         for schedule, v in SCHEDULES:
           p, why, _ = plan(num_stages=S, num_micro_batches=n, remat=remat,

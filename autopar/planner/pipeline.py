@@ -241,13 +241,14 @@ def weighed_against(weighed, chosen, objective: float) -> tuple:
 MAX_AUTO_MICRO_BATCHES = 64
 
 
-def micro_batch_candidates(batch: int) -> list[int]:
+def micro_batch_candidates(batch: int, multiple_of: int = 1) -> list[int]:
   """What ``num_micro_batches="auto"`` weighs for a batch of ``batch``
-  rows: its divisors up to ``MAX_AUTO_MICRO_BATCHES``, each at least twice
-  the last taken (1, 2, 4, ... for a power of two; 1, 2, 4, 12 for 12)."""
+  rows: its divisors up to ``MAX_AUTO_MICRO_BATCHES`` that are multiples
+  of ``multiple_of``, each at least twice the last taken (1, 2, 4, ... for
+  a power of two; 1, 2, 4, 12 for 12)."""
   out: list[int] = []
   for d in range(1, min(batch, MAX_AUTO_MICRO_BATCHES) + 1):
-    if batch % d == 0 and (not out or d >= 2 * out[-1]):
+    if batch % d == 0 and d % multiple_of == 0 and (not out or d >= 2 * out[-1]):
       out.append(d)
   return out
 
