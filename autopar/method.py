@@ -570,7 +570,7 @@ class PipeshardParallel(ParallelMethod):
         raise InputError(f"{name}: schedule={what} with virtual_stages={v}; "
                          f"it runs virtual_stages >= 2 stages on each submesh. Fix: "
                          f"virtual_stages=2 (or more), or schedule='1f1b'.")
-      submeshes = k if self.stage_mesh_shapes == "auto" else len(self.stage_mesh_shapes)
+      submeshes = self.num_submeshes
       if submeshes == "auto":
         raise InputError(f"{name}: schedule={what} needs the number of "
                          f"submeshes: num_stages (an int) or stage_mesh_shapes. Fix: "
@@ -613,6 +613,14 @@ class PipeshardParallel(ParallelMethod):
         tile(tuple(axis_sizes_of(self.mesh).values()), shapes)
     if self.mesh is not None:
       check_option_axes(self.option, self.mesh)
+
+  @property
+  def num_submeshes(self) -> int | str:
+    """The number of submeshes the stages are laid on: ``num_stages`` (an
+    int, or "auto"), or the number of ``stage_mesh_shapes`` given. (Under
+    interleaved 1F1B and ZB-V each runs ``virtual_stages`` stages.)"""
+    shapes = self.stage_mesh_shapes
+    return self.num_stages if shapes == "auto" else len(shapes)
 
 
 def check_option_axes(option: AutoShardingOption, mesh) -> None:

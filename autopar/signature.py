@@ -201,9 +201,7 @@ class Signature:
     batch = check_batch_leaves(prep.leaves, num_micro_batches=1, data_axes=(),
                                data_size=1, fn_name=self.name)
     # (Interleaved 1F1B runs micro-batches in groups of its submeshes.)
-    submeshes = (method.num_stages if method.stage_mesh_shapes == "auto"
-                 else len(method.stage_mesh_shapes))
-    group = submeshes if method.schedule == "interleaved-1f1b" else 1
+    group = method.num_submeshes if method.schedule == "interleaved-1f1b" else 1
     best, weighed, errors = None, [], []
     last, rising = None, 0  # the last plan's time; plans in a row slower than the last
     for n in pipeline_compile.micro_batch_candidates(batch, multiple_of=group) or [1]:

@@ -182,8 +182,7 @@ def _auto_candidates(method: PipeshardParallel, n: int, num_layers: int,
   power of two of submeshes that divides the devices, from 2 up to half the
   layers."""
   out = [(s, s, {"virtual_stages": 1}) for s in AUTO_SCHEDULES]
-  submeshes = (method.num_stages if method.stage_mesh_shapes == "auto"
-               else len(method.stage_mesh_shapes))
+  submeshes = method.num_submeshes
   if submeshes == "auto":
     D = 2
     while 2 * D <= num_layers and num_devices % D == 0:

@@ -185,7 +185,7 @@ def _send(ctx, position: int) -> float:
   return float(sum(value_bytes(v, size) for v in ctx.analysis.crossing(position)))
 
 
-def _solve_layers(ctx, groups, shapes, names, progress=None):
+def _solve_layers(ctx, groups, shapes, names):
   """costs[(g, shape, axes)] = (t, u, state, residual bytes, peak, what
   ZeRO-2 would save and cost: ``_zero_state``, and what ZeRO-3 would save
   besides and cost per micro-batch: ``_zero_params``, and 1 where the layer
@@ -219,7 +219,7 @@ def _solve_layers(ctx, groups, shapes, names, progress=None):
                          sol.residual_bytes, sol.peak_bytes, *_zero_state(sol, sizes, axes),
                          *_zero_params(sol, sizes, axes), 0.0)
         out[(g, shape, axes)] = memo[key]
-  return out, len(memo)
+  return out
 
 
 def _zero_state(sol, sizes, axes) -> tuple[float, float]:
@@ -323,7 +323,7 @@ def search(pre, method, mesh):
   G = len(groups)
   shapes = sorted(set(fixed_shapes) if fixed_shapes else set(block_shapes(mesh_shape)),
                   key=math.prod)
-  costs, solved = _solve_layers(ctx, groups, shapes, names)
+  costs = _solve_layers(ctx, groups, shapes, names)
   bounds = [*groups, L]
   n = ctx.n
   # With several stages a submesh, each stage is held to an even share of
